@@ -1,0 +1,101 @@
+"""The built-in task: two-digit addition asked in chat form, checkable by a program.
+
+It needs no network and no download, and its answers can be checked exactly, so it serves as the
+default data for every algorithm: SFT data (question -> correct answer), and later preference pairs
+(correct vs plausible wrong answer) and prompts with a programmatic reward for RL.
+
+Train and eval problems are disjoint: all 10,000 pairs (a, b) with 0 <= a, b < 100 are shuffled
+once with a fixed seed; the first ``EVAL_SIZE`` are held out.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+EVAL_SIZE = 500
+_SPLIT_SEED = 1234
+
+
+def _all_pairs() -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(_SPLIT_SEED).shuffle(pairs)
+    return pairs
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a} + {b}?"
+
+
+def problems(split: str) -> list[tuple[int, int]]:
+    """The (a, b) pairs of a split: 'train' (9,500) or 'eval' (500)."""
+    pairs = _all_pairs()
+    if split == "eval":
+        return pairs[:EVAL_SIZE]
+    if split == "train":
+        return pairs[EVAL_SIZE:]
+    raise ValueError(f"unknown split {split!r}: expected 'train' or 'eval'")
+
+
+def sft_record(a: int, b: int) -> dict:
+    """One conversational SFT record (TRL's `messages` column)."""
+    return {
+        "messages": [
+            {"role": "user", "content": question(a, b)},
+            {"role": "assistant", "content": str(a + b)},
+        ]
+    }
+
+
+def prompt_record(a: int, b: int) -> dict:
+    """A prompt-only record with the expected answer, for evaluation and RL."""
+    return {"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(a + b)}
+
+
+def wrong_answer(a: int, b: int, rng: random.Random) -> str:
+    """A plausible wrong answer: a forgotten or spurious carry, or an off-by-one."""
+    right = a + b
+    candidates = {right + 10, right - 10, right + 1, right - 1, (a % 10 + b % 10) % 10 + 10 * (a // 10 + b // 10)}
+    candidates.discard(right)
+    candidates = sorted(c for c in candidates if c >= 0)
+    return str(rng.choice(candidates))
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The first integer in a completion, or None."""
+    match = _INT.search(text)
+    return match.group(0) if match else None
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    return extract_answer(completion) == answer
+
+
+def write_sft_data(directory: str | Path) -> dict[str, Path]:
+    """Write train.jsonl and eval.jsonl (conversational SFT records) and return their paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in ("train", "eval"):
+        path = directory / f"{split}.jsonl"
+        tmp = path.with_suffix(".jsonl.tmp")
+        with tmp.open("w") as f:
+            for a, b in problems(split):
+                f.write(json.dumps(sft_record(a, b)) + "\n")
+        tmp.replace(path)
+        paths[split] = path
+    return paths
+
+
+def corpus() -> list[str]:
+    """Text the built-in tokenizer is trained on: every question and answer of the task."""
+    lines = []
+    for a, b in _all_pairs():
+        lines.append(question(a, b))
+        lines.append(str(a + b))
+    return lines

@@ -1,0 +1,151 @@
+"""Typed run configuration and its command line.
+
+Every experiment is a ``Config`` with its own defaults; ``tyro`` turns it into a command line where
+every field is an option (``--steps 200``, ``--optim.learning-rate 3e-4``, ``--lora.rank 8``),
+with the field's docstring as help, and rejects unknown or ill-typed options by name.
+The common options (``--model``, ``--data``, ``--run-dir``, ``--steps``, ``--seed``, ``--resume``,
+``--eval-only``) are top-level fields, so they have the same names in every experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import tyro
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 trains every weight (full fine-tuning)."""
+    alpha: float | None = None
+    """LoRA alpha (update scale alpha/rank); default: equal to the rank."""
+    targets: str = "attention"
+    """Layers to adapt: 'qv', 'attention' (q, k, v, o), 'all-linear', or comma-separated layer names."""
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    learning_rate: float = 1e-4
+    """Peak learning rate of AdamW."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up, down to min_lr_ratio * learning_rate at the last step."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to the peak learning rate."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of AdamW."""
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    max_length: int = 64
+    """Every sequence is padded or truncated to this many tokens (one compiled shape)."""
+    batch_size: int = 16
+    """Examples per optimizer step (global, over all devices and accumulation steps)."""
+    grad_accum: int = 1
+    """Split each batch into this many micro-batches; the update equals the one large batch."""
+    truncation: Literal["keep_start", "keep_end"] = "keep_start"
+    """Which end of an over-long sequence to keep."""
+    shuffle: bool = True
+    """Shuffle the training data (deterministically, by --seed and epoch)."""
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every: int = 100
+    """Evaluate every this many steps (and at the end); 0 evaluates only at the end."""
+    batches: int = 8
+    """Held-out batches used for the eval loss; 0 uses the whole eval split."""
+    exact_match: int = 200
+    """Held-out prompts answered greedily for eval exact-match accuracy; 0 disables it."""
+    max_new_tokens: int = 8
+    """Generation budget of an exact-match answer."""
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    data: int = -1
+    """Devices on the data-parallel axis; -1 uses every device."""
+
+
+@dataclasses.dataclass
+class Config:
+    """A training run. Algorithm-specific settings live under ``algo``."""
+
+    model: str = "gemma_tiny"
+    """Model: built-in config (gemma_tiny, gemma2_tiny, gemma_micro), short name (gemma_2b, llama3_8b, ...), KerasHub preset or kaggle:// / hf:// handle, or a local preset / Hugging Face directory."""
+    data: str = "builtin"
+    """Training data: 'builtin' (the arithmetic task) or a .jsonl file."""
+    eval_data: str | None = None
+    """Held-out data (.jsonl); default: the built-in task's eval split when --data builtin, else none."""
+    run_dir: str = ""
+    """Run directory; default runs/<experiment>."""
+    steps: int = 600
+    """Optimizer steps."""
+    seed: int = 0
+    """Seed of weight initialisation (built-in models), LoRA init and data order."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --run-dir."""
+    eval_only: bool = False
+    """Evaluate the model on the eval data without training; print the metrics as JSON."""
+    dtype: Literal["float32", "bfloat16", "bfloat16-params"] = "float32"
+    """float32; bfloat16 = bfloat16 compute with float32 weights; bfloat16-params = both bfloat16."""
+    log_every: int = 10
+    """Log training metrics every this many steps."""
+    logprob_chunk: int = 128
+    """Sequence positions per chunk when computing log-probs (bounds the logits in memory)."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    batching: DataConfig = dataclasses.field(default_factory=DataConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    algo: Any = None
+    """Algorithm settings (a dataclass per algorithm)."""
+
+    def validate(self) -> "Config":
+        problems = []
+        if self.steps < 0:
+            problems.append(f"--steps must be >= 0, got {self.steps}")
+        b = self.batching
+        if b.batch_size <= 0 or b.grad_accum <= 0 or b.batch_size % b.grad_accum:
+            problems.append(
+                f"--batching.batch-size ({b.batch_size}) must be a positive multiple of "
+                f"--batching.grad-accum ({b.grad_accum})"
+            )
+        if b.max_length < 2:
+            problems.append(f"--batching.max-length must be >= 2, got {b.max_length}")
+        if self.lora.rank < 0:
+            problems.append(f"--lora.rank must be >= 0, got {self.lora.rank}")
+        if self.optim.learning_rate < 0:
+            problems.append("--optim.learning-rate must be >= 0")
+        if self.log_every <= 0:
+            problems.append("--log-every must be positive")
+        if problems:
+            raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+        return self
+
+
+def parse(default: Config, args: list[str] | None = None, description: str | None = None) -> Config:
+    """Command line -> Config, starting from an experiment's defaults."""
+    cfg = tyro.cli(type(default), default=default, args=args, description=description)
+    return cfg.validate()
+
+
+def to_dict(cfg: Config) -> dict:
+    out = dataclasses.asdict(cfg)
+    out["algo_name"] = type(cfg.algo).__name__ if cfg.algo is not None else None
+    return out
+
+
+def save(cfg: Config, path: Path) -> None:
+    path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,35 @@
+"""What an experiment file needs: its config type (the common ``Config`` with the algorithm's
+settings under ``algo``), its defaults, and ``main``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from nnx_posttrain import config as config_lib
+from nnx_posttrain import train
+
+
+@functools.cache
+def config_type(algorithm) -> type:
+    """``Config`` with ``algo`` typed as the algorithm's settings, so the CLI lists them."""
+    return dataclasses.make_dataclass(
+        f"{algorithm.name.upper()}RunConfig",
+        [("algo", algorithm.Config, dataclasses.field(default_factory=algorithm.Config))],
+        bases=(config_lib.Config,),
+    )
+
+
+def config_for(algorithm, **overrides) -> config_lib.Config:
+    """An experiment's defaults: nested groups may be given as dicts of field overrides."""
+    base = config_type(algorithm)()
+    for name, value in overrides.items():
+        if isinstance(value, dict):
+            value = dataclasses.replace(getattr(base, name), **value)
+        base = dataclasses.replace(base, **{name: value})
+    return base
+
+
+def main(name: str, algorithm, default: config_lib.Config, doc: str | None = None, args=None):
+    cfg = config_lib.parse(default, args=args, description=doc)
+    return train.run(cfg, algorithm(cfg.algo, cfg.logprob_chunk), experiment=name)

@@ -1,0 +1,50 @@
+"""Where metrics go: ``metrics.jsonl`` (one JSON object per logged step), tensorboardX events under
+``tb/``, and the console."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tensorboardX import SummaryWriter
+
+
+def _clean(value):
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, echo=print):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = SummaryWriter(str(run_dir / "tb"))
+        self._echo = echo
+
+    def log(self, step: int, split: str, metrics: dict, echo: bool = True) -> dict:
+        record = {"step": int(step), "split": split, **{k: _clean(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for name, value in metrics.items():
+            self._tb.add_scalar(f"{split}/{name}", float(value), int(step))
+        if echo and self._echo is not None:
+            shown = "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+            self._echo(f"[{split} step {step}] {shown}")
+        return record
+
+    def close(self):
+        self._file.close()
+        self._tb.close()
+
+
+def _fmt(v) -> str:
+    v = float(v)
+    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+        return f"{v:.3e}"
+    return f"{v:.4f}"
+
+
+def read(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,391 @@
+"""The one adapter between KerasHub and the rest of the code.
+
+Nothing else in the package knows KerasHub internals. A ``LanguageModel`` holds:
+
+- ``task``: the KerasHub ``CausalLM`` (kept for ``save_to_preset`` and KerasHub's own tools);
+- ``module``: the ``nnx.Module`` that training splits, differentiates and merges (the backbone);
+- ``tokenizer``: a ``Tokenizer`` with plain ``encode``/``decode`` over Python ints;
+- ``chat_format``: the name of the family's chat template (see ``nnx_posttrain.chat``).
+
+and provides the trainable-variable filter, LoRA, and per-token log-probabilities computed in
+float32 without materialising ``[batch, length, vocab]`` logits at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import keras
+import keras_hub
+from flax import nnx
+
+from nnx_posttrain import tokenizer as builtin_tokenizer
+
+# Short names -> KerasHub preset handles (checked against keras_hub.models.CausalLM.presets).
+PRESETS = {
+    "gemma_2b": "gemma_2b_en",
+    "gemma_7b": "gemma_7b_en",
+    "gemma_2b_it": "gemma_instruct_2b_en",
+    "gemma2_2b": "gemma2_2b_en",
+    "gemma2_9b": "gemma2_9b_en",
+    "gemma3_270m": "gemma3_270m",
+    "gemma3_1b": "gemma3_1b",
+    "llama3_8b": "llama3_8b_en",
+    "llama3.2_1b": "llama3.2_1b",
+    "llama3.2_3b": "llama3.2_3b",
+    "qwen2.5_0.5b": "qwen2.5_0.5b_en",
+    "qwen2.5_7b": "qwen2.5_7b_en",
+    "qwen3_0.6b": "qwen3_0.6b_en",
+    "mistral_7b": "mistral_7b_en",
+}
+
+# Built-in configurations: Gemma architectures with the project's own SentencePiece tokenizer.
+TINY = {
+    "gemma_tiny": dict(
+        num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=128,
+        intermediate_dim=512, head_dim=32,
+    ),
+    # Gemma 2 features: attention and final-logit soft caps, post norms, sliding window.
+    "gemma2_tiny": dict(
+        num_layers=4, num_query_heads=4, num_key_value_heads=2, hidden_dim=128,
+        intermediate_dim=512, head_dim=32, query_head_dim_normalize=True,
+        use_post_ffw_norm=True, use_post_attention_norm=True, attention_logit_soft_cap=50.0,
+        final_logit_soft_cap=30.0, use_sliding_window_attention=True, sliding_window_size=32,
+    ),
+    "gemma_micro": dict(  # for fast tests
+        num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,
+        intermediate_dim=64, head_dim=16,
+    ),
+}
+
+# Layer names KerasHub's decoder families give their linear projections.
+ATTENTION_LAYERS = ("query", "key", "value", "attention_output")
+LORA_TARGETS = {
+    "qv": ("query", "value"),  # KerasHub's own default
+    "attention": ATTENTION_LAYERS,
+    "all-linear": None,  # every Dense / EinsumDense of the decoder blocks
+}
+
+DTYPES = {"float32": "float32", "bfloat16": "mixed_bfloat16", "bfloat16-params": "bfloat16"}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what to do."""
+
+
+class Tokenizer:
+    """Plain-Python view of a KerasHub tokenizer: encode to / decode from lists of ints.
+
+    SentencePiece tokenizers (Gemma, Mistral, the built-in one) run through the ``sentencepiece``
+    package directly: fast, and picklable for data-loading worker processes.
+    """
+
+    def __init__(self, keras_tokenizer):
+        self.keras_tokenizer = keras_tokenizer
+        proto = getattr(keras_tokenizer, "proto", None)
+        self._sp = None
+        if proto is not None:
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        self.bos_id = _token_id(keras_tokenizer, "start_token_id")
+        self.eos_id = _token_id(keras_tokenizer, "end_token_id")
+        pad = _token_id(keras_tokenizer, "pad_token_id")
+        self.pad_id = pad if pad is not None else (self.eos_id or 0)
+        self.vocab_size = int(keras_tokenizer.vocabulary_size())
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._sp is not None:
+            return self._sp.encode(text)
+        return [int(t) for t in keras.ops.convert_to_numpy(self.keras_tokenizer.tokenize(text))]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self._sp is not None:
+            return self._sp.decode(ids)
+        return str(keras.ops.convert_to_numpy(self.keras_tokenizer.detokenize(ids)).item().decode())
+
+    def token_id(self, piece: str) -> int | None:
+        """Id of a single special piece (e.g. '<end_of_turn>'), or None if it is not one token."""
+        ids = self.encode(piece)
+        return ids[0] if len(ids) == 1 else None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["keras_tokenizer"] = None  # TensorFlow-backed; workers only need the fast path
+        if self._sp is not None:
+            state["_sp"] = self._sp.serialized_model_proto()
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if isinstance(self._sp, bytes):
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_proto=self._sp)
+
+
+def _token_id(tok, attr):
+    value = getattr(tok, attr, None)
+    return None if value is None else int(value)
+
+
+@dataclasses.dataclass
+class LanguageModel:
+    task: keras_hub.models.CausalLM
+    tokenizer: Tokenizer
+    chat_format: str
+    name: str
+
+    @property
+    def module(self) -> nnx.Module:
+        """The NNX module that training operates on (the backbone, with LoRA when enabled)."""
+        return self.task.backbone
+
+
+def chat_format_for(backbone) -> str:
+    """The chat template family of a KerasHub backbone, from its class name."""
+    name = type(backbone).__name__.lower()
+    if name.startswith("gemma"):
+        return "gemma"
+    if name.startswith("llama3"):
+        return "llama3"
+    if name.startswith("qwen"):
+        return "chatml"
+    if name.startswith("mistral"):
+        return "mistral"
+    return "chatml"
+
+
+def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
+    """Make ``nnx.state`` / ``nnx.split`` work on a KerasHub task.
+
+    Keras keeps ``_compiled_trainable_state``, a dict keyed by layer objects, on every model; NNX
+    sorts dict keys when it flattens a graph and fails with "'<' not supported between instances
+    of 'GemmaBackbone' and 'GemmaCausalLM'". We never ``compile()`` the task, so the dict is unused.
+    """
+    if hasattr(task, "_compiled_trainable_state"):
+        del task._compiled_trainable_state
+    return task
+
+
+def is_local_model(name: str) -> bool:
+    return os.path.isdir(os.path.expanduser(name))
+
+
+def load(name: str, dtype: str = "float32", seed: int = 0) -> LanguageModel:
+    """Load ``name``: a built-in tiny config, a short name, a KerasHub handle or a local directory.
+
+    Local directories may be KerasHub presets (what ``save_to_preset`` writes) or Hugging Face
+    checkpoints (config.json + safetensors), which KerasHub converts itself.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    policy = DTYPES[dtype]
+    if name in TINY:
+        keras.utils.set_random_seed(seed)
+        tok = keras_hub.models.GemmaTokenizer(proto=builtin_tokenizer.builtin_proto())
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=tok.vocabulary_size(), dtype=policy, **TINY[name]
+        )
+        preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tok)
+        task = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
+    else:
+        handle = PRESETS.get(name, name)
+        if is_local_model(handle):
+            handle = str(Path(handle).expanduser().resolve())
+        elif not (handle.startswith(("kaggle://", "hf://", "modelscope://", "gs://"))
+                  or handle in keras_hub.models.CausalLM.presets):
+            raise ModelLoadError(
+                f"unknown model {name!r}: not a built-in config ({', '.join(TINY)}), a short name "
+                f"({', '.join(PRESETS)}), a KerasHub preset name, a kaggle:// or hf:// handle, or "
+                "an existing local directory"
+            )
+        task = _from_preset(name, handle, policy)
+    _warm_up(task.backbone)
+    return LanguageModel(
+        task=_nnx_ready(task),
+        tokenizer=Tokenizer(_tokenizer_of(task, name)),
+        chat_format=chat_format_for(task.backbone),
+        name=name,
+    )
+
+
+def _tokenizer_of(task, name):
+    if task.preprocessor is None or getattr(task.preprocessor, "tokenizer", None) is None:
+        raise ModelLoadError(f"model {name!r} has no tokenizer: the preset must include one")
+    return task.preprocessor.tokenizer
+
+
+def _from_preset(name: str, handle: str, policy: str):
+    try:
+        return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
+    except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        local = is_local_model(handle)
+        if local:
+            advice = (
+                "The directory must be a KerasHub preset (written by save_to_preset: "
+                "config.json, metadata.json, model.weights.h5, tokenizer assets) or a Hugging Face "
+                "checkpoint of a family KerasHub converts (config.json, *.safetensors, tokenizer)."
+            )
+        else:
+            advice = (
+                "Downloading a preset needs network access to Kaggle or Hugging Face and, for "
+                "gated models (Gemma, Llama), an accepted licence and credentials: KAGGLE_USERNAME "
+                "and KAGGLE_KEY, or HF_TOKEN. Offline, download the preset on a connected machine "
+                "and pass its local directory: --model /path/to/preset."
+            )
+        raise ModelLoadError(
+            f"could not load model {name!r} (KerasHub handle {handle!r}): "
+            f"{type(exc).__name__}: {first_line}\n{advice}"
+        ) from None
+
+
+def _warm_up(backbone) -> None:
+    """One eager call: Keras flips build/bookkeeping flags on the first call, which would otherwise
+    happen inside the first trace and cost a second compilation."""
+    ids = jnp.zeros((1, 4), jnp.int32)
+    backbone({"token_ids": ids, "padding_mask": jnp.ones_like(ids)})
+
+
+# ----------------------------------------------------------------------------- trainable filter
+
+
+def trainable_filter(path, value) -> bool:
+    """NNX filter selecting trainable Keras variables.
+
+    Keras variables are ``nnx.Variable`` subclasses but not ``nnx.Param``: filtering on
+    ``nnx.Param`` selects nothing and would silently train nothing.
+    """
+    return isinstance(value, keras.Variable) and value.trainable
+
+
+def split(module: nnx.Module):
+    """(graphdef, trainable state, frozen state); fails loudly if nothing is trainable."""
+    graphdef, trainable, frozen = nnx.split(module, trainable_filter, ...)
+    if not jax.tree_util.tree_leaves(trainable):
+        raise ValueError("the trainable-variable filter selected no variable: nothing would train")
+    return graphdef, trainable, frozen
+
+
+def count_params(state) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(state))
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "attention") -> list[str]:
+    """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
+
+    ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'all-linear' (every Dense
+    or EinsumDense of the decoder blocks), or comma-separated layer names. Returns the paths of
+    the adapted layers; raises if none matched.
+    """
+    if rank <= 0:
+        raise ValueError(f"LoRA rank must be positive, got {rank}")
+    names = LORA_TARGETS[targets] if targets in LORA_TARGETS else tuple(
+        t.strip() for t in targets.split(",") if t.strip()
+    )
+    layers = [layer for layer in module._flatten_layers(include_self=False)]
+    for layer in layers:
+        layer.trainable = False
+    adapted = []
+    for layer in layers:
+        if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            continue
+        if names is not None and layer.name not in names:
+            continue
+        layer.trainable = True
+        layer.enable_lora(rank, lora_alpha=alpha)
+        adapted.append(layer.path)
+    if not adapted:
+        raise ValueError(
+            f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
+        )
+    return adapted
+
+
+# ----------------------------------------------------------------------------- log-probabilities
+
+
+def hidden_states(module, token_ids, padding_mask):
+    return module({"token_ids": token_ids, "padding_mask": padding_mask})
+
+
+def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_entropy=False):
+    """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length].
+
+    Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
+    (and recomputed in the backward pass), so peak memory holds [batch, chunk, vocab], never
+    [batch, length, vocab]. With ``with_entropy`` also returns the per-position entropy of the
+    predictive distribution.
+    """
+    h = hidden_states(module, token_ids, padding_mask)[:, :-1]
+    targets = token_ids[:, 1:]
+    batch, length, width = h.shape
+    chunk = min(chunk_size, length)
+    n_chunks = -(-length // chunk)
+    pad = n_chunks * chunk - length
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    h = h.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)
+    targets = targets.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    embedding = module.token_embedding
+
+    @jax.checkpoint
+    def one_chunk(args):
+        h_c, t_c = args
+        logits = embedding(h_c, reverse=True).astype(jnp.float32)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+        logp = picked - log_z
+        if not with_entropy:
+            return logp, jnp.zeros_like(logp)
+        probs = jax.nn.softmax(logits, axis=-1)
+        entropy = log_z - jnp.sum(probs * logits, axis=-1)
+        return logp, entropy
+
+    logp, entropy = jax.lax.map(one_chunk, (h, targets))
+    def unchunk(x):
+        x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
+        return jnp.pad(x, ((0, 0), (1, 0)))
+    if with_entropy:
+        return unchunk(logp), unchunk(entropy)
+    return unchunk(logp)
+
+
+def full_logits(module, token_ids, padding_mask):
+    """Reference path: the [batch, length, vocab] logits in one piece (tests, short sequences)."""
+    h = hidden_states(module, token_ids, padding_mask)
+    return module.token_embedding(h, reverse=True).astype(jnp.float32)
+
+
+LogProbFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def describe(lm: LanguageModel) -> str:
+    graph_trainable = nnx.state(lm.module, trainable_filter)
+    total = count_params(nnx.state(lm.module))
+    trainable = count_params(graph_trainable)
+    return (
+        f"{lm.name}: {type(lm.module).__name__}, {total:,} parameters, {trainable:,} trainable "
+        f"({100 * trainable / max(total, 1):.2f}%), vocab {lm.tokenizer.vocab_size}, chat format "
+        f"{lm.chat_format}"
+    )
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def safe_name(name: str) -> str:
+    return _SAFE.sub("_", name).strip("_") or "model"

@@ -1,0 +1,52 @@
+"""The built-in tokenizer: a SentencePiece model trained, in memory, on the built-in task's text.
+
+Its id layout follows Gemma's (pad 0, eos 1, bos 2, unk 3) and it carries Gemma's chat turn
+markers as single tokens, so KerasHub's ``GemmaTokenizer`` accepts it unchanged. Byte fallback lets
+it encode any text, so user data also works with the tiny built-in models. Digits are split into
+single tokens, which is what lets a tiny model learn arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import sentencepiece as spm
+
+from nnx_posttrain import arithmetic
+
+VOCAB_SIZE = 512
+CHAT_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+# Kept verbatim: the chat templates put meaning in newlines.
+_USER_SYMBOLS = (*CHAT_TOKENS, "\n")
+
+
+@functools.cache
+def builtin_proto() -> bytes:
+    """Serialized SentencePiece model (deterministic: same bytes on every call and machine)."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(arithmetic.corpus() + ["user model\n"] * 10),
+        model_writer=model,
+        vocab_size=VOCAB_SIZE,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        split_digits=True,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+        user_defined_symbols=list(_USER_SYMBOLS),
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        hard_vocab_limit=False,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return model.getvalue()

@@ -1,0 +1,275 @@
+"""The one training loop, for every algorithm.
+
+    state = {params (trainable variables), opt_state, step}   frozen variables stay outside
+    step(state, frozen, batch) -> (state, metrics)            jax.jit over nnx.split / nnx.merge
+
+The step compiles once (fixed batch shape), donates the state, accumulates gradients over
+micro-batches with a scan (token-weighted, so the update equals the one large batch), clips,
+and applies AdamW with warm-up and decay. Metrics are fetched from the device only when logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from nnx_posttrain import config as config_lib
+from nnx_posttrain import data, generate, model
+from nnx_posttrain.metrics_log import MetricsLog
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def schedule(cfg: config_lib.OptimConfig, total_steps: int) -> optax.Schedule:
+    peak, warm = cfg.learning_rate, max(cfg.warmup_steps, 0)
+    decay_steps = max(total_steps - warm, 1)
+    end = peak * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(peak)
+    if not warm:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), decay], [warm])
+
+
+def optimizer(cfg: config_lib.OptimConfig, total_steps: int):
+    lr = schedule(cfg, total_steps)
+    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*parts), lr
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def _sum_tree(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def make_train_step(graphdef, loss_fn, tx, lr_schedule):
+    """step(state, frozen, batch) -> (state, metrics). ``batch`` leaves are [accum, micro, ...]."""
+
+    def micro_loss(params, frozen, micro_batch):
+        module = nnx.merge(graphdef, params, frozen)
+        total, weight, metrics = loss_fn(module, micro_batch)
+        return total, (weight, metrics)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state, frozen, batch):
+        params = state["params"]
+        first = jax.tree.map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(grad_fn, params, frozen, first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+        def accumulate(carry, micro_batch):
+            (total, (weight, metrics)), grads = grad_fn(params, frozen, micro_batch)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            return _sum_tree(carry, ((total, (weight, metrics)), grads)), None
+
+        ((total, (weight, metrics)), grads), _ = jax.lax.scan(accumulate, zeros, batch)
+        denom = jnp.maximum(weight, 1e-9)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+        }
+        out = {name: s / jnp.maximum(c, 1e-9) for name, (s, c) in metrics.items()}
+        out.update(grad_norm=grad_norm, learning_rate=lr_schedule(state["step"]))
+        return new_state, out
+
+    return step
+
+
+def make_eval_step(graphdef, loss_fn):
+    """eval(params, frozen, batch) -> (total, weight, metric sums): summed, divided by the caller."""
+
+    def evaluate(params, frozen, batch):
+        module = nnx.merge(graphdef, params, frozen)
+        return loss_fn(module, batch)
+
+    return evaluate
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def make_mesh(cfg: config_lib.MeshConfig) -> Mesh:
+    devices = jax.devices()
+    n = len(devices) if cfg.data == -1 else cfg.data
+    if not 1 <= n <= len(devices):
+        raise SystemExit(f"--mesh.data {cfg.data}: {len(devices)} device(s) available")
+    return Mesh(np.asarray(devices[:n]), ("data",))
+
+
+def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
+    """[batch, ...] host arrays -> [accum, micro, ...] device arrays, micro sharded over 'data'."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
+        spec = P(None, "data", *([None] * (v.ndim - 2)))
+        out[k] = jax.device_put(v, NamedSharding(mesh, spec))
+    return out
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: Path
+    train: list[dict]
+    eval: list[dict]
+    state: dict
+    lm: model.LanguageModel
+    graphdef: object
+    frozen: object
+
+
+def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) -> RunResult:
+    """Train (or, with ``eval_only``, evaluate) per ``cfg``; returns what notebooks and tests use."""
+    if cfg.resume:
+        raise SystemExit("--resume: checkpoints are not implemented yet (issue 3); nothing to resume")
+    run_dir = Path(cfg.run_dir or f"runs/{experiment}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_lib.save(cfg, run_dir / "config.json")
+    mesh = make_mesh(cfg.mesh)
+    b = cfg.batching
+    if (b.batch_size // b.grad_accum) % mesh.size:
+        raise SystemExit(
+            f"micro-batch {b.batch_size // b.grad_accum} does not divide over {mesh.size} devices"
+        )
+
+    lm = model.load(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
+    if cfg.lora.rank:
+        model.enable_lora(lm.module, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    echo(model.describe(lm))
+
+    transform = data.Tokenize(lm.tokenizer, lm.chat_format, b.max_length, b.truncation)
+    eval_spec = cfg.eval_data or ("builtin" if cfg.data == "builtin" else None)
+    eval_src = data.source(eval_spec, "eval") if eval_spec else None
+    train_src = data.source(cfg.data, "train")
+    for name, src in (("train", train_src), ("eval", eval_src)):
+        if src is not None and not (cfg.eval_only and name == "train"):
+            counts = data.validate(src, transform)
+            echo(f"{name} data: {counts['records']} records, {counts['truncated']} truncated to "
+                 f"{b.max_length} tokens, {counts['no_loss_tokens']} with no loss token left")
+
+    graphdef, params, frozen = model.split(lm.module)
+    tx, lr = optimizer(cfg.optim, cfg.steps)
+    replicated = NamedSharding(mesh, P())
+    state = jax.device_put(
+        {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)},
+        replicated,
+    )
+    frozen = jax.device_put(frozen, replicated)
+    state_sharding = jax.tree.map(lambda _: replicated, state)
+
+    train_step = jax.jit(
+        make_train_step(graphdef, algorithm.loss, tx, lr),
+        donate_argnums=(0,),
+        out_shardings=(state_sharding, None),
+    )
+    eval_step = jax.jit(make_eval_step(graphdef, algorithm.loss))
+    eval_sets = _eval_sets(cfg, eval_src, transform, lm, graphdef)
+
+    log = MetricsLog(run_dir, echo=lambda s: tqdm.write(s) if echo else None)
+    train_records, eval_records = [], []
+
+    def evaluate(step):
+        metrics = _evaluate(cfg, lm, graphdef, state["params"], frozen, eval_step, eval_sets, mesh)
+        if metrics:
+            eval_records.append(log.log(step, "eval", metrics))
+        return metrics
+
+    try:
+        if cfg.eval_only:
+            metrics = evaluate(0)
+            print(json.dumps(metrics, indent=2))
+            return RunResult(run_dir, train_records, eval_records, state, lm, graphdef, frozen)
+
+        evaluate(0)
+        batches = data.train_batches(train_src, transform, b.batch_size, cfg.seed, b.shuffle)
+        t_last, tokens, pending, compile_seconds = time.perf_counter(), 0, [], None
+        bar = tqdm(total=cfg.steps, desc=experiment, unit="step", dynamic_ncols=True)
+        for step in range(1, cfg.steps + 1):
+            batch = next(batches)
+            tokens += int(batch["attention_mask"].sum())
+            truncated = int(batch.pop("truncated").sum())
+            state, metrics = train_step(state, frozen, shard_batch(batch, mesh, b.grad_accum))
+            pending.append(truncated)
+            bar.update(1)
+            if step == 1:  # the first step compiles: keep it out of the throughput
+                jax.block_until_ready(state)
+                compile_seconds = time.perf_counter() - t_last
+                t_last, tokens = time.perf_counter(), 0
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                metrics["tokens_per_second"] = tokens / (now - t_last) if tokens else 0.0
+                if compile_seconds is not None:
+                    metrics["compile_seconds"], compile_seconds = compile_seconds, None
+                metrics["truncated"] = float(sum(pending))
+                train_records.append(log.log(step, "train", metrics, echo=False))
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}")
+                t_last, tokens, pending = time.perf_counter(), 0, []
+            if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps:
+                evaluate(step)
+                t_last = time.perf_counter()  # evaluation time is not training throughput
+        bar.close()
+    finally:
+        log.close()
+    return RunResult(run_dir, train_records, eval_records, state, lm, graphdef, frozen)
+
+
+def _eval_sets(cfg, eval_src, transform, lm, graphdef):
+    if eval_src is None:
+        return None
+    micro = cfg.batching.batch_size // cfg.batching.grad_accum
+    batches = data.eval_batches(eval_src, transform, micro, cfg.eval.batches)
+    for batch in batches:
+        batch.pop("truncated")
+    pairs = data.prompts_and_answers(eval_src, lm.chat_format, cfg.eval.exact_match)
+    greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
+    return batches, pairs, greedy
+
+
+def _evaluate(cfg, lm, graphdef, params, frozen, eval_step, eval_sets, mesh) -> dict:
+    if eval_sets is None:
+        return {}
+    batches, pairs, greedy = eval_sets
+    sums = None
+    for batch in batches:
+        sharded = jax.tree.map(lambda x: x[0], shard_batch(batch, mesh, 1))
+        out = eval_step(params, frozen, sharded)
+        sums = out if sums is None else _sum_tree(sums, out)
+    total, weight, metrics = jax.device_get(sums)
+    result = {name: float(s) / max(float(c), 1e-9) for name, (s, c) in metrics.items()}
+    if pairs:
+        accuracy, _ = generate.exact_match(
+            lm, greedy, (params, frozen), pairs, cfg.eval.max_new_tokens
+        )
+        result["exact_match"] = accuracy
+    if "loss" in result and math.isfinite(result["loss"]):
+        result["perplexity"] = math.exp(min(result["loss"], 50.0))
+    return result

@@ -1,0 +1,194 @@
+"""Run configuration and its command line (config.py + experiment.py), and the SFT entry point."""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
+from nnx_posttrain import config, experiment  # noqa: E402
+from nnx_posttrain.algorithms import SFT, SFTConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def default():
+    return experiment.config_for(SFT, steps=7, optim=dict(learning_rate=0.01, warmup_steps=3))
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_config_type_is_cached_and_carries_algo_settings():
+    cls = experiment.config_type(SFT)
+    assert cls is experiment.config_type(SFT)
+    assert cls.__name__ == "SFTRunConfig"
+    assert issubclass(cls, config.Config)
+    assert isinstance(cls().algo, SFTConfig)
+
+
+def test_config_for_overrides_only_named_fields(default):
+    assert default.steps == 7
+    assert default.optim.learning_rate == 0.01 and default.optim.warmup_steps == 3
+    base = config.OptimConfig()
+    assert default.optim.schedule == base.schedule and default.optim.b2 == base.b2
+    assert default.batching == config.DataConfig()
+    # a fresh default is not affected by another experiment's overrides
+    assert experiment.config_for(SFT).optim.learning_rate == config.OptimConfig().learning_rate
+
+
+def test_parse_without_args_returns_the_defaults(default):
+    assert config.parse(default, args=[]) == default
+
+
+def test_overrides_top_level_and_nested(default):
+    cfg = config.parse(
+        default,
+        args=["--steps", "5", "--optim.learning-rate", "0.5", "--lora.rank", "4",
+              "--batching.max-length", "16", "--seed", "3", "--data", "chats.jsonl"],
+    )
+    assert cfg.steps == 5 and cfg.seed == 3 and cfg.data == "chats.jsonl"
+    assert cfg.optim.learning_rate == 0.5
+    assert cfg.optim.warmup_steps == 3  # untouched experiment default survives
+    assert cfg.lora.rank == 4
+    assert cfg.batching.max_length == 16
+    assert cfg.batching.batch_size == default.batching.batch_size
+    assert type(cfg) is type(default) and isinstance(cfg.algo, SFTConfig)
+
+
+def test_flags_and_choices(default):
+    cfg = config.parse(
+        default,
+        args=["--resume", "--eval-only", "--batching.no-shuffle", "--batching.truncation", "keep_end",
+              "--dtype", "bfloat16", "--eval-data", "held.jsonl", "--lora.alpha", "16"],
+    )
+    assert cfg.resume is True and cfg.eval_only is True
+    assert cfg.batching.shuffle is False
+    assert cfg.batching.truncation == "keep_end"
+    assert cfg.dtype == "bfloat16"
+    assert cfg.eval_data == "held.jsonl"
+    assert cfg.lora.alpha == 16.0
+
+
+def test_unknown_option_is_rejected_by_name(default, capsys):
+    with pytest.raises(SystemExit) as info:
+        config.parse(default, args=["--no-such-option", "1"])
+    assert info.value.code != 0
+    assert "--no-such-option" in capsys.readouterr().err
+
+
+def test_ill_typed_value_is_rejected_by_name(default, capsys):
+    with pytest.raises(SystemExit) as info:
+        config.parse(default, args=["--steps", "x"])
+    assert info.value.code != 0
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_invalid_choice_is_rejected(default, capsys):
+    with pytest.raises(SystemExit):
+        config.parse(default, args=["--dtype", "float16"])
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_validate_batch_size_multiple_of_grad_accum(default):
+    with pytest.raises(SystemExit) as info:
+        config.parse(default, args=["--batching.batch-size", "6", "--batching.grad-accum", "4"])
+    msg = str(info.value.code)
+    assert "--batching.batch-size (6)" in msg and "--batching.grad-accum (4)" in msg
+    cfg = config.parse(default, args=["--batching.batch-size", "8", "--batching.grad-accum", "4"])
+    assert (cfg.batching.batch_size, cfg.batching.grad_accum) == (8, 4)
+
+
+def test_validate_reports_every_problem_at_once(default):
+    bad = dataclasses.replace(
+        default,
+        steps=-1,
+        log_every=0,
+        lora=dataclasses.replace(default.lora, rank=-2),
+        batching=dataclasses.replace(default.batching, max_length=1, grad_accum=0),
+    )
+    with pytest.raises(SystemExit) as info:
+        bad.validate()
+    msg = str(info.value.code)
+    assert msg.startswith("invalid configuration:")
+    for option in ("--steps", "--log-every", "--lora.rank", "--batching.max-length", "--batching.grad-accum"):
+        assert option in msg
+    assert default.validate() is default
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--steps", "-1"], "--steps"),
+        (["--batching.max-length", "1"], "--batching.max-length"),
+        (["--optim.learning-rate", "-0.1"], "--optim.learning-rate"),
+        (["--batching.batch-size", "0"], "--batching.batch-size"),
+    ],
+)
+def test_parse_validates(default, args, option):
+    with pytest.raises(SystemExit) as info:
+        config.parse(default, args=args)
+    assert option in str(info.value.code)
+
+
+def test_save_writes_the_full_config(default, tmp_path):
+    cfg = config.parse(default, args=["--lora.rank", "4"])
+    path = tmp_path / "config.json"
+    config.save(cfg, path)
+    saved = json.loads(path.read_text())
+    assert saved["algo_name"] == "SFTConfig"
+    assert saved["steps"] == 7 and saved["lora"]["rank"] == 4
+    assert saved["optim"]["learning_rate"] == 0.01
+
+
+# ----------------------------------------------------------------------------- the SFT entry point
+
+
+def help_options(text: str) -> dict[str, str]:
+    """'--option' -> its help text (box borders removed, wrapped lines joined)."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if not line.startswith("│"):  # box borders and text outside the boxes end an entry
+            current = None
+            continue
+        body = line.strip("│").rstrip()
+        # an option starts in the first column of the box; its wrapped help lines are indented
+        m = re.match(r" (-h, )?(--[a-z0-9.-]+)", body)
+        if m:
+            current = m.group(2)
+            entries[current] = body.strip()
+        elif current is not None:
+            entries[current] += " " + body.strip()
+    return entries
+
+
+def test_sft_help_lists_common_options_with_defaults():
+    env = dict(os.environ, COLUMNS="80", NO_COLOR="1", PYTHONIOENCODING="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.sft", "--help"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    options = help_options(proc.stdout)
+    expected = {
+        "--model": "gemma_tiny",
+        "--data": "builtin",
+        "--run-dir": "''",
+        "--steps": "600",
+        "--seed": "0",
+        "--resume": "False",
+        "--eval-only": "False",
+        "--optim.learning-rate": "0.003",
+        "--lora.rank": "0",
+    }
+    for option, value in expected.items():
+        assert option in options, f"{option} missing from --help:\n{proc.stdout}"
+        m = re.search(r"\(default: (.*?)\)", options[option])
+        assert m, f"no default shown for {option}: {options[option]!r}"
+        assert m.group(1) == value, (option, options[option])

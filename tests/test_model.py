@@ -1,0 +1,178 @@
+"""The KerasHub adapter: NNX state of tasks, trainable filter, LoRA, chunked log-probs, loading."""
+
+import json
+
+import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
+import jax
+import jax.numpy as jnp
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_posttrain import model, tokenizer
+
+IDS = jnp.array([[2, 17, 30, 41, 52, 63, 74, 85, 96, 11, 12, 13, 14], [2, 9, 8, 7, 6, 5, 4, 0, 0, 0, 0, 0, 0]])
+MASK = (IDS != 0).astype(jnp.int32).at[:, 0].set(1)
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return model.load("gemma_micro", seed=0)
+
+
+def test_nnx_state_of_a_kerashub_task_works_after_the_adapter(micro):
+    raw = keras_hub.models.GemmaCausalLM(
+        backbone=keras_hub.models.GemmaBackbone(
+            vocabulary_size=64, dtype="float32", **model.TINY["gemma_micro"]
+        )
+    )
+    with pytest.raises(TypeError, match="not supported between instances"):
+        nnx.state(raw)  # the trap the adapter works around
+    state = nnx.state(micro.task)
+    assert model.count_params(state) == model.count_params(nnx.state(micro.module)) > 0
+    assert isinstance(micro.module, nnx.Module)
+
+
+def test_param_filter_selects_nothing_but_ours_selects_every_weight(micro):
+    assert not jax.tree_util.tree_leaves(nnx.state(micro.module, nnx.Param))
+    _, trainable, frozen = model.split(micro.module)
+    assert model.count_params(trainable) == model.count_params(nnx.state(micro.module))
+    assert not jax.tree_util.tree_leaves(frozen)
+
+
+def _trainable_paths(module):
+    return sorted(v.path for v in module.weights if v.trainable)
+
+
+@pytest.mark.parametrize(
+    "targets, per_layer",
+    [("qv", 2), ("attention", 4), ("all-linear", 7), ("query,ffw_linear", 2)],
+)
+def test_lora_targets_select_the_right_layers(targets, per_layer):
+    lm = model.load("gemma_micro", seed=0)
+    layers = lm.module.num_layers
+    adapted = model.enable_lora(lm.module, rank=4, alpha=8.0, targets=targets)
+    assert len(adapted) == per_layer * layers
+    paths = _trainable_paths(lm.module)
+    assert len(paths) == 2 * per_layer * layers
+    assert all(p.endswith(("lora_kernel_a", "lora_kernel_b")) for p in paths)
+    _, trainable, frozen = model.split(lm.module)
+    assert model.count_params(trainable) < model.count_params(frozen)
+
+
+def test_lora_alpha_and_zero_init_keep_outputs_then_scale_updates():
+    lm = model.load("gemma_micro", seed=0)
+    before = model.full_logits(lm.module, IDS, MASK)
+    model.enable_lora(lm.module, rank=4, alpha=16.0, targets="attention")
+    after = model.full_logits(lm.module, IDS, MASK)
+    np.testing.assert_allclose(before, after, atol=1e-6)  # B is zero-initialised
+    query = lm.module.transformer_layers[0].attention.query_dense
+    assert query.lora_alpha == 16.0 and query.lora_rank == 4
+
+
+def test_lora_with_unknown_target_fails_loudly(micro):
+    lm = model.load("gemma_micro", seed=0)
+    with pytest.raises(ValueError, match="matched no Dense/EinsumDense"):
+        model.enable_lora(lm.module, rank=2, targets="no_such_layer")
+
+
+def test_split_refuses_a_module_with_nothing_trainable():
+    lm = model.load("gemma_micro", seed=0)
+    lm.module.trainable = False
+    with pytest.raises(ValueError, match="selected no variable"):
+        model.split(lm.module)
+
+
+def _naive_logps(module, ids, mask):
+    logits = model.full_logits(module, ids, mask)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+@pytest.mark.parametrize("name", ["gemma_micro", "gemma2_tiny"])  # gemma2: final-logit soft cap
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_logprobs_equal_naive_full_logits(name, chunk):
+    lm = model.load(name, seed=0)
+    chunked = model.token_logprobs(lm.module, IDS, MASK, chunk_size=chunk)
+    assert chunked.shape == IDS.shape and chunked.dtype == jnp.float32
+    np.testing.assert_allclose(chunked, _naive_logps(lm.module, IDS, MASK), atol=1e-5)
+    assert np.all(np.asarray(chunked[:, 0]) == 0)
+
+
+def test_chunked_logprob_gradients_equal_naive(micro):
+    graphdef, params, frozen = model.split(micro.module)
+    weights = jnp.where(MASK > 0, 1.0, 0.0)
+
+    def loss(p, fn):
+        m = nnx.merge(graphdef, p, frozen)
+        return jnp.sum(fn(m) * weights)
+
+    g1 = jax.grad(loss)(params, lambda m: model.token_logprobs(m, IDS, MASK, chunk_size=4))
+    g2 = jax.grad(loss)(params, lambda m: _naive_logps(m, IDS, MASK))
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_entropy_matches_the_full_distribution(micro):
+    _, entropy = model.token_logprobs(micro.module, IDS, MASK, chunk_size=3, with_entropy=True)
+    logits = model.full_logits(micro.module, IDS, MASK)[:, :-1]
+    p = jax.nn.softmax(logits, -1)
+    expected = -jnp.sum(p * jax.nn.log_softmax(logits, -1), -1)
+    np.testing.assert_allclose(entropy[:, 1:], expected, atol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_weights_and_logprobs():
+    lm = model.load("gemma_micro", dtype="bfloat16", seed=0)
+    assert all(v.dtype == "float32" for v in lm.module.weights)
+    logps = model.token_logprobs(lm.module, IDS, MASK)
+    assert logps.dtype == jnp.float32
+    ref = model.token_logprobs(model.load("gemma_micro", seed=0).module, IDS, MASK)
+    np.testing.assert_allclose(logps, ref, atol=0.1)
+
+
+def test_offline_named_preset_fails_with_one_clear_message():
+    with pytest.raises(model.ModelLoadError) as info:
+        model.load("gemma_2b")
+    message = str(info.value)
+    assert "gemma_2b_en" in message and "credentials" in message and "local directory" in message
+
+
+def test_unknown_model_name_lists_the_choices():
+    with pytest.raises(model.ModelLoadError, match="unknown model 'not_a_model'.*gemma_tiny"):
+        model.load("not_a_model")
+
+
+def test_local_kerashub_preset_round_trips(micro, tmp_path):
+    micro.task.save_to_preset(str(tmp_path / "preset"))
+    loaded = model.load(str(tmp_path / "preset"))
+    assert loaded.chat_format == "gemma"
+    np.testing.assert_allclose(
+        model.full_logits(loaded.module, IDS, MASK), model.full_logits(micro.module, IDS, MASK), atol=1e-6
+    )
+    assert loaded.tokenizer.encode("What is 1 + 2?") == micro.tokenizer.encode("What is 1 + 2?")
+
+
+def test_local_hugging_face_checkpoint_is_converted_by_kerashub(micro, tmp_path):
+    hf = tmp_path / "hf"
+    micro.task.export_to_transformers(str(hf))
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["architectures"] = ["GemmaForCausalLM"]  # as in every checkpoint on the Hub
+    (hf / "config.json").write_text(json.dumps(cfg))
+    loaded = model.load(str(hf))
+    np.testing.assert_allclose(
+        model.full_logits(loaded.module, IDS, MASK), model.full_logits(micro.module, IDS, MASK), atol=1e-5
+    )
+
+
+def test_builtin_tokenizer_is_deterministic_and_gemma_compatible():
+    assert tokenizer.builtin_proto() == tokenizer.builtin_proto.__wrapped__()
+    tok = model.Tokenizer(keras_hub.models.GemmaTokenizer(proto=tokenizer.builtin_proto()))
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+    assert tok.token_id("<start_of_turn>") is not None and tok.token_id("<end_of_turn>") is not None
+    assert tok.encode("12") == [tok.token_id("1"), tok.token_id("2")]  # digits split
+    text = "<start_of_turn>user\nWhat is 7 + 5?<end_of_turn>\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert isinstance(keras.ops.convert_to_numpy(tok.keras_tokenizer.tokenize("hi")), np.ndarray)

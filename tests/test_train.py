@@ -1,0 +1,153 @@
+"""The training loop: SFT loss, compile-once, exact gradient accumulation, schedule, a real run."""
+
+import json
+
+import nnx_posttrain  # noqa: F401
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from nnx_posttrain import config, experiment, losses, metrics_log, model, train
+from nnx_posttrain.algorithms import SFT
+
+
+def test_sft_loss_hand_computed():
+    logps = jnp.array([[0.0, -1.0, -2.0, -3.0], [0.0, -0.5, -7.0, -9.0]])
+    mask = jnp.array([[0, 0, 1, 1], [0, 1, 0, 0]])
+    total, weight, metrics = losses.sft(logps, mask)
+    assert float(total) == pytest.approx(2 + 3 + 0.5)
+    assert float(weight) == 3
+    s, c = metrics["loss"]
+    assert float(s / c) == pytest.approx(5.5 / 3)
+
+
+def test_sft_prompt_tokens_carry_no_loss_and_no_gradient():
+    mask = jnp.array([[0.0, 0.0, 1.0, 1.0]])
+    base = jnp.array([[0.0, -1.0, -2.0, -3.0]])
+    changed = base.at[0, 1].set(-40.0)  # a prompt position
+    assert float(losses.sft(base, mask)[0]) == float(losses.sft(changed, mask)[0])
+    grad = jax.grad(lambda x: losses.sft(x, mask)[0])(base)
+    np.testing.assert_array_equal(grad, [[0.0, 0.0, -1.0, -1.0]])
+
+
+def _batch(rng, n, length, vocab):
+    ids = rng.integers(3, vocab, size=(n, length)).astype(np.int32)
+    attention = np.ones((n, length), np.int32)
+    loss_mask = np.zeros((n, length), np.float32)
+    for i in range(n):  # different numbers of loss tokens per example
+        real = length - i % 4
+        attention[i, real:] = 0
+        ids[i, real:] = 0
+        loss_mask[i, 2 + i % 3 : real] = 1
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def _setup(sgd=False):
+    lm = model.load("gemma_micro", seed=0)
+    graphdef, params, frozen = model.split(lm.module)
+    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, max_grad_norm=0.0), 10)
+    if sgd:  # the update is the gradient itself: compares gradients, unlike Adam's sign-like step
+        lr = optax.constant_schedule(1.0)
+        tx = optax.sgd(lr)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    algo = SFT(SFT.Config(), logprob_chunk=8)
+    step = jax.jit(train.make_train_step(graphdef, algo.loss, tx, lr), donate_argnums=(0,))
+    return lm, step, state, frozen
+
+
+def _reshape(batch, accum):
+    return {k: jnp.asarray(v.reshape(accum, v.shape[0] // accum, *v.shape[1:])) for k, v in batch.items()}
+
+
+def test_train_step_compiles_once_across_steps():
+    lm, step, state, frozen = _setup()
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        batch = _batch(rng, 4, 12, lm.tokenizer.vocab_size)
+        state, metrics = step(state, frozen, _reshape(batch, 2))
+    assert int(state["step"]) == 4
+    assert step._cache_size() == 1
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    rng = np.random.default_rng(1)
+    lm, step, state, frozen = _setup()
+    batch = _batch(rng, 8, 12, lm.tokenizer.vocab_size)
+    results = {}
+    for accum in (1, 2, 4):
+        _, step, state, frozen = _setup(sgd=True)
+        new_state, metrics = step(state, frozen, _reshape(batch, accum))
+        results[accum] = (jax.device_get(new_state["params"]), {k: float(v) for k, v in metrics.items()})
+    ref_params, ref_metrics = results[1]
+    for accum in (2, 4):
+        params, metrics = results[accum]
+        for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref_params)):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+        assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
+
+    # The loss is token-weighted: the mean of per-micro-batch means would differ here.
+    algo = SFT(SFT.Config(), logprob_chunk=8)
+    module = lm.module
+    means = []
+    for part in np.split(np.arange(8), 4):
+        sub = {k: jnp.asarray(v[part]) for k, v in batch.items()}
+        total, weight, _ = algo.loss(module, sub)
+        means.append(float(total / weight))
+    assert abs(np.mean(means) - ref_metrics["loss"]) > 1e-3
+
+
+def test_schedule_warmup_then_cosine_to_the_floor():
+    cfg = config.OptimConfig(learning_rate=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    lr = train.schedule(cfg, 110)
+    assert float(lr(0)) == 0.0
+    assert float(lr(5)) == pytest.approx(0.5)
+    assert float(lr(10)) == pytest.approx(1.0)
+    assert float(lr(60)) == pytest.approx(0.55, abs=1e-6)
+    assert float(lr(110)) == pytest.approx(0.1)
+    linear = train.schedule(config.OptimConfig(learning_rate=2.0, schedule="linear"), 100)
+    assert float(linear(50)) == pytest.approx(1.0)
+
+
+def _sft_args(tmp_path, *extra):
+    return [
+        "--model", "gemma_micro", "--run-dir", str(tmp_path / "run"), "--steps", "40",
+        "--log-every", "5", "--eval.every", "20", "--eval.batches", "2", "--eval.exact-match", "16",
+        "--batching.batch-size", "8", "--batching.max-length", "32", "--optim.learning-rate", "3e-3",
+        *extra,
+    ]
+
+
+def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path):
+    from experiments.sft import DEFAULT
+
+    result = experiment.main("sft", SFT, DEFAULT, args=_sft_args(tmp_path))
+    run = tmp_path / "run"
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model"] == "gemma_micro" and cfg["steps"] == 40 and cfg["algo_name"] == "SFTConfig"
+    records = metrics_log.read(run)
+    train_losses = [r["loss"] for r in records if r["split"] == "train"]
+    assert len(train_losses) == 8
+    assert train_losses[-1] < 0.6 * train_losses[0]
+    first = next(r for r in records if r["split"] == "train")
+    for key in ("loss", "grad_norm", "learning_rate", "tokens_per_second", "compile_seconds"):
+        assert key in first
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert all(0.0 <= r["exact_match"] <= 1.0 for r in evals)
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert result.train[-1]["step"] == 40
+
+
+def test_eval_only_prints_json_metrics_and_logs_them(tmp_path, capsys):
+    from experiments.sft import DEFAULT
+
+    experiment.main("sft", SFT, DEFAULT, args=_sft_args(tmp_path, "--eval-only"))
+    out = capsys.readouterr().out
+    metrics = json.loads(out[out.index("{") :])
+    assert set(metrics) >= {"loss", "exact_match", "perplexity"}
+    records = metrics_log.read(tmp_path / "run")
+    assert [r["split"] for r in records] == ["eval"]
