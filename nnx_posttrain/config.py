@@ -73,6 +73,20 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 200
+    """Save a checkpoint every this many steps (and always at the end); 0 saves only at the end."""
+    keep: int = 3
+    """Keep the latest this many checkpoints."""
+    keep_best: str | None = None
+    """Also keep the best checkpoint by this eval metric (e.g. 'loss', 'exact_match')."""
+    best_mode: Literal["min", "max"] = "min"
+    """Whether the best --checkpoint.keep-best value is the smallest or the largest."""
+    async_save: bool = True
+    """Write checkpoints in the background while training continues."""
+
+
+@dataclasses.dataclass
 class MeshConfig:
     data: int = -1
     """Devices on the data-parallel axis; -1 uses every device."""
@@ -95,7 +109,7 @@ class Config:
     seed: int = 0
     """Seed of weight initialisation (built-in models), LoRA init and data order."""
     resume: bool = False
-    """Continue from the latest checkpoint in --run-dir."""
+    """Continue from the latest checkpoint in --run-dir (also automatic when it has checkpoints); fails if there is none."""
     eval_only: bool = False
     """Evaluate the model on the eval data without training; print the metrics as JSON."""
     dtype: Literal["float32", "bfloat16", "bfloat16-params"] = "float32"
@@ -108,6 +122,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     batching: DataConfig = dataclasses.field(default_factory=DataConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     algo: Any = None
     """Algorithm settings (a dataclass per algorithm)."""

@@ -16,8 +16,15 @@ def _clean(value):
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, echo=print):
+    def __init__(self, run_dir: Path, keep_until: int | None = None, echo=print):
+        """A fresh log, or with ``keep_until`` (resuming) the old one cut after that step, so
+        steps redone after a crash are not logged twice."""
         self.path = run_dir / "metrics.jsonl"
+        kept = []
+        if keep_until is not None and self.path.exists():
+            kept = [r for r in read(run_dir) if r["step"] <= keep_until]
+        with self.path.open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
         self._file = self.path.open("a")
         self._tb = SummaryWriter(str(run_dir / "tb"))
         self._echo = echo

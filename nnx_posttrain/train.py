@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from nnx_posttrain import config as config_lib
-from nnx_posttrain import data, generate, model
+from nnx_posttrain import checkpoint, data, generate, model
 from nnx_posttrain.metrics_log import MetricsLog
 
 
@@ -92,12 +94,23 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule):
             "params": optax.apply_updates(params, updates),
             "opt_state": opt_state,
             "step": state["step"] + 1,
+            "rng": jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]),
         }
         out = {name: s / jnp.maximum(c, 1e-9) for name, (s, c) in metrics.items()}
         out.update(grad_norm=grad_norm, learning_rate=lr_schedule(state["step"]))
         return new_state, out
 
     return step
+
+
+def init_state(params, tx, seed: int) -> dict:
+    """The training state: one tree, checkpointed as a whole."""
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.key_data(jax.random.key(seed)),
+    }
 
 
 def make_eval_step(graphdef, loss_fn):
@@ -144,14 +157,43 @@ class RunResult:
     lm: model.LanguageModel
     graphdef: object
     frozen: object
+    stopped_by: str | None = None
+
+
+class _StopSignals:
+    """SIGTERM (TPU VM preemption) and SIGINT: finish the current step, checkpoint, exit.
+    A second SIGINT aborts at once."""
+
+    def __init__(self):
+        self.received = None
+
+    def __enter__(self):
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) -> RunResult:
-    """Train (or, with ``eval_only``, evaluate) per ``cfg``; returns what notebooks and tests use."""
-    if cfg.resume:
-        raise SystemExit("--resume: checkpoints are not implemented yet (issue 3); nothing to resume")
+    """Train (or, with ``eval_only``, evaluate) per ``cfg``; returns what notebooks and tests use.
+
+    Resumes from the latest complete checkpoint of the run directory when there is one."""
     run_dir = Path(cfg.run_dir or f"runs/{experiment}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    resume_step = ckpt.latest_step()
+    if cfg.resume and resume_step is None:
+        raise SystemExit(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
     config_lib.save(cfg, run_dir / "config.json")
     mesh = make_mesh(cfg.mesh)
     b = cfg.batching
@@ -178,68 +220,90 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     graphdef, params, frozen = model.split(lm.module)
     tx, lr = optimizer(cfg.optim, cfg.steps)
     replicated = NamedSharding(mesh, P())
-    state = jax.device_put(
-        {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)},
-        replicated,
-    )
+    state = jax.device_put(init_state(params, tx, cfg.seed), replicated)
     frozen = jax.device_put(frozen, replicated)
-    state_sharding = jax.tree.map(lambda _: replicated, state)
+    record = checkpoint.model_record(cfg, state)
+    batches = data.train_batches(train_src, transform, b.batch_size, cfg.seed, b.shuffle)
+    if resume_step is not None:
+        state, data_state, _ = ckpt.restore(resume_step, checkpoint.abstract(state), record)
+        if data_state and not cfg.eval_only:
+            batches.set_state(data_state)
+        echo(f"resumed from {ckpt.directory / str(resume_step)} (step {resume_step})")
+    start = int(state["step"])
 
     train_step = jax.jit(
         make_train_step(graphdef, algorithm.loss, tx, lr),
         donate_argnums=(0,),
-        out_shardings=(state_sharding, None),
+        out_shardings=(jax.tree.map(lambda _: replicated, state), None),
     )
     eval_step = jax.jit(make_eval_step(graphdef, algorithm.loss))
     eval_sets = _eval_sets(cfg, eval_src, transform, lm, graphdef)
 
-    log = MetricsLog(run_dir, echo=lambda s: tqdm.write(s) if echo else None)
-    train_records, eval_records = [], []
+    log = MetricsLog(run_dir, keep_until=start if resume_step is not None else None,
+                     echo=lambda s: tqdm.write(s) if echo else None)
+    result = RunResult(run_dir, [], [], state, lm, graphdef, frozen)
 
     def evaluate(step):
         metrics = _evaluate(cfg, lm, graphdef, state["params"], frozen, eval_step, eval_sets, mesh)
         if metrics:
-            eval_records.append(log.log(step, "eval", metrics))
+            result.eval.append(log.log(step, "eval", metrics))
         return metrics
+
+    def save(step, metrics=None):
+        saved = {"model_record": record, "config": config_lib.to_dict(cfg), "step": step}
+        ckpt.save(step, state, batches.get_state(), saved, metrics=metrics or None)
 
     try:
         if cfg.eval_only:
-            metrics = evaluate(0)
-            print(json.dumps(metrics, indent=2))
-            return RunResult(run_dir, train_records, eval_records, state, lm, graphdef, frozen)
-
-        evaluate(0)
-        batches = data.train_batches(train_src, transform, b.batch_size, cfg.seed, b.shuffle)
+            print(json.dumps(evaluate(start), indent=2))
+            return result
+        if start == 0:
+            evaluate(0)
         t_last, tokens, pending, compile_seconds = time.perf_counter(), 0, [], None
-        bar = tqdm(total=cfg.steps, desc=experiment, unit="step", dynamic_ncols=True)
-        for step in range(1, cfg.steps + 1):
-            batch = next(batches)
-            tokens += int(batch["attention_mask"].sum())
-            truncated = int(batch.pop("truncated").sum())
-            state, metrics = train_step(state, frozen, shard_batch(batch, mesh, b.grad_accum))
-            pending.append(truncated)
-            bar.update(1)
-            if step == 1:  # the first step compiles: keep it out of the throughput
-                jax.block_until_ready(state)
-                compile_seconds = time.perf_counter() - t_last
-                t_last, tokens = time.perf_counter(), 0
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                metrics["tokens_per_second"] = tokens / (now - t_last) if tokens else 0.0
-                if compile_seconds is not None:
-                    metrics["compile_seconds"], compile_seconds = compile_seconds, None
-                metrics["truncated"] = float(sum(pending))
-                train_records.append(log.log(step, "train", metrics, echo=False))
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}")
-                t_last, tokens, pending = time.perf_counter(), 0, []
-            if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps:
-                evaluate(step)
-                t_last = time.perf_counter()  # evaluation time is not training throughput
+        bar = tqdm(total=cfg.steps, initial=start, desc=experiment, unit="step", dynamic_ncols=True)
+        with _StopSignals() as stop:
+            for step in range(start + 1, cfg.steps + 1):
+                batch = next(batches)
+                tokens += int(batch["attention_mask"].sum())
+                pending.append(int(batch.pop("truncated").sum()))
+                state, metrics = train_step(state, frozen, shard_batch(batch, mesh, b.grad_accum))
+                result.state = state
+                bar.update(1)
+                if step == start + 1:  # the first step compiles: keep it out of the throughput
+                    jax.block_until_ready(state)
+                    compile_seconds = time.perf_counter() - t_last
+                    t_last, tokens = time.perf_counter(), 0
+                if step % cfg.log_every == 0 or step == cfg.steps or stop.received:
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    now = time.perf_counter()
+                    metrics["tokens_per_second"] = tokens / (now - t_last) if tokens else 0.0
+                    if compile_seconds is not None:
+                        metrics["compile_seconds"], compile_seconds = compile_seconds, None
+                    metrics["truncated"] = float(sum(pending))
+                    result.train.append(log.log(step, "train", metrics, echo=False))
+                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}")
+                    t_last, tokens, pending = time.perf_counter(), 0, []
+                eval_metrics = None
+                if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps:
+                    eval_metrics = evaluate(step)
+                    t_last = time.perf_counter()  # evaluation time is not training throughput
+                every = cfg.checkpoint.every
+                if (every and step % every == 0) or step == cfg.steps or stop.received:
+                    save(step, eval_metrics)
+                if stop.received:
+                    name = signal.Signals(stop.received).name
+                    ckpt.wait()
+                    bar.close()
+                    echo(f"{name}: saved checkpoint at step {step} in {ckpt.directory}; "
+                         "run the same command again to resume")
+                    result.stopped_by = name
+                    raise SystemExit(128 + stop.received)
         bar.close()
+        echo(f"done: {cfg.steps} steps; run directory {run_dir}")
     finally:
+        ckpt.close()
         log.close()
-    return RunResult(run_dir, train_records, eval_records, state, lm, graphdef, frozen)
+    return result
 
 
 def _eval_sets(cfg, eval_src, transform, lm, graphdef):

@@ -51,7 +51,7 @@ def _setup(sgd=False):
     if sgd:  # the update is the gradient itself: compares gradients, unlike Adam's sign-like step
         lr = optax.constant_schedule(1.0)
         tx = optax.sgd(lr)
-    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    state = train.init_state(params, tx, seed=0)
     algo = SFT(SFT.Config(), logprob_chunk=8)
     step = jax.jit(train.make_train_step(graphdef, algo.loss, tx, lr), donate_argnums=(0,))
     return lm, step, state, frozen

@@ -1,0 +1,134 @@
+"""Orbax checkpoints of the whole training state, for exact resume and for inspection.
+
+A checkpoint ``runs/<name>/checkpoints/<step>/`` holds, as Orbax items:
+
+- ``state``: the trainable variables (all weights, or only the LoRA factors), the optimizer state,
+  the step and the RNG key — one tree, saved sharded and restored into the current mesh;
+- ``data``: the Grain iterator state, so the data continue exactly where they stopped;
+- ``record``: the resolved config and a description of the model (name, dtype, LoRA, the path and
+  shape of every saved variable), used to refuse a checkpoint of a different model clearly.
+
+Orbax writes a checkpoint to a temporary directory and renames it only when complete, so a save
+interrupted by a crash is never picked up: the last complete one is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
+
+from nnx_posttrain import config as config_lib
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model being restored; the message names the differences."""
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def shapes(tree) -> dict[str, list]:
+    """{'params/decoder_block_0/...': [shape..., dtype]} of every leaf."""
+    return {
+        path_str(path): [*map(int, leaf.shape), str(leaf.dtype)]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def model_record(cfg: config_lib.Config, state) -> dict:
+    return {
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": cfg.lora.targets},
+        "variables": shapes(state["params"]),
+    }
+
+
+def check_compatible(saved: dict, current: dict, where: str) -> None:
+    problems = []
+    for key in ("model", "dtype", "lora"):
+        if saved.get(key) != current.get(key):
+            problems.append(f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}")
+    old, new = saved.get("variables", {}), current.get("variables", {})
+    missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+    if missing:
+        problems.append(f"{len(missing)} saved variable(s) absent from this model, e.g. {missing[0]}")
+    if extra:
+        problems.append(f"{len(extra)} variable(s) of this model absent from the checkpoint, e.g. {extra[0]}")
+    for name in sorted(set(old) & set(new)):
+        if old[name] != new[name]:
+            problems.append(f"{name}: checkpoint {old[name]}, this model {new[name]}")
+            if len(problems) > 8:
+                break
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {where} was written for a different model configuration:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, cfg: config_lib.CheckpointConfig):
+        self.directory = Path(directory).absolute()
+        self.cfg = cfg
+        policies = [pp.LatestN(n=max(cfg.keep, 1))]
+        if cfg.keep_best:
+            sign = -1.0 if cfg.best_mode == "max" else 1.0
+            policies.append(pp.BestN(
+                get_metric_fn=lambda m: sign * float(m[cfg.keep_best]), reverse=False, n=1,
+                keep_checkpoints_without_metrics=False,
+            ))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=cfg.async_save,
+            preservation_policy=pp.AnyPreservationPolicy(policies),
+            create=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state, data_state: dict | None, record: dict, metrics=None) -> None:
+        """Start saving (asynchronously unless disabled); training continues meanwhile."""
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state or {}),
+            record=ocp.args.JsonSave(record),
+        )
+        self.manager.save(step, args=args, metrics=metrics, force=True)
+
+    def read_record(self, step: int) -> dict:
+        out = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))
+        return out.record
+
+    def restore(self, step: int, abstract_state, current_record: dict):
+        """(state, data_state, record) of ``step``, laid out like ``abstract_state`` (shapes,
+        dtypes and shardings of the current mesh), after checking the model matches."""
+        saved = self.read_record(step)
+        check_compatible(saved["model_record"], current_record, f"{self.directory}/{step}")
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=ocp.args.JsonRestore(),
+        ))
+        return out.state, out.data, saved
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract(tree, sharding=None):
+    """ShapeDtypeStructs of a tree (optionally all with ``sharding``) to restore into."""
+    def one(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or getattr(x, "sharding", None))
+    return jax.tree.map(one, tree)

@@ -1,0 +1,69 @@
+"""Reading runs back: a checkpoint into a live NNX model in a fresh process (notebooks, tools)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nnx_posttrain import checkpoint, config as config_lib, model, train
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    run_dir: Path
+    config: dict
+    step: int
+    lm: model.LanguageModel
+    state: dict  # params, opt_state, step, rng — as saved
+
+    @property
+    def module(self) -> nnx.Module:
+        """The model with the checkpoint's weights in it."""
+        return self.lm.module
+
+
+def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -> LoadedRun:
+    """Load ``run_dir``'s checkpoint ``step`` (default: the latest complete one) into a model built
+    from the run's own config, laid out on a mesh of this process's devices."""
+    run_dir = Path(run_dir)
+    saved_cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = config_lib.Config(
+        model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],
+        lora=config_lib.LoraConfig(**saved_cfg["lora"]),
+        optim=config_lib.OptimConfig(**saved_cfg["optim"]),
+        checkpoint=dataclasses.replace(config_lib.CheckpointConfig(), async_save=False),
+    )
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None or step not in ckpt.all_steps():
+            raise FileNotFoundError(
+                f"{run_dir / 'checkpoints'}: no complete checkpoint"
+                + (f" at step {step}; available: {ckpt.all_steps()}" if step is not None else "")
+            )
+        lm = model.load(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
+        if cfg.lora.rank:
+            model.enable_lora(lm.module, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+        _, params, _ = model.split(lm.module)
+        tx, _ = train.optimizer(cfg.optim, saved_cfg["steps"])
+        mesh = train.make_mesh(config_lib.MeshConfig(data=mesh_devices))
+        template = train.init_state(params, tx, cfg.seed)
+        abstract = checkpoint.abstract(template, NamedSharding(mesh, P()))
+        state, _, _ = ckpt.restore(step, abstract, checkpoint.model_record(cfg, template))
+    finally:
+        ckpt.close()
+    nnx.update(lm.module, state["params"])
+    return LoadedRun(run_dir, saved_cfg, step, lm, state)
+
+
+def param_leaves(state) -> dict[str, jax.Array]:
+    """{path: array} of the trainable variables of a state (for comparisons)."""
+    return {
+        checkpoint.path_str(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state["params"])[0]
+    }

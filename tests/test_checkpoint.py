@@ -1,0 +1,170 @@
+"""Orbax checkpoints and exact resume, with real subprocesses (exit, SIGTERM, SIGKILL)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nnx_posttrain  # noqa: F401
+import numpy as np
+import pytest
+
+from nnx_posttrain import checkpoint, metrics_log, runs
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+
+
+def _cmd(run_dir, steps=STEPS, *extra):
+    return [
+        sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--run-dir", str(run_dir),
+        "--steps", str(steps), "--log-every", "1", "--checkpoint.every", "3", "--eval.every", "0",
+        "--eval.batches", "1", "--eval.exact-match", "0", "--batching.batch-size", "4",
+        "--batching.max-length", "24", "--optim.learning-rate", "1e-2", "--optim.schedule",
+        "constant", *extra,
+    ]
+
+
+def _run(run_dir, steps=STEPS, *extra, check=True):
+    out = subprocess.run(_cmd(run_dir, steps, *extra), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if check and out.returncode != 0:
+        raise AssertionError(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out
+
+
+def _start(run_dir, *extra):
+    return subprocess.Popen(_cmd(run_dir, STEPS, *extra), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(run_dir, step, proc, timeout=300):
+    path = Path(run_dir) / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and any(r["step"] >= step for r in metrics_log.read(run_dir) if r["split"] == "train"):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def _losses(run_dir):
+    return [(r["step"], r["loss"]) for r in metrics_log.read(run_dir) if r["split"] == "train"]
+
+
+def _final_params(run_dir):
+    loaded = runs.load(run_dir)
+    assert loaded.step == STEPS
+    return {k: np.asarray(v) for k, v in runs.param_leaves(loaded.state).items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    _run(run_dir)
+    return run_dir, _losses(run_dir), _final_params(run_dir)
+
+
+def _assert_same_run(run_dir, reference):
+    _, ref_losses, ref_params = reference
+    assert _losses(run_dir) == ref_losses  # every step once, bitwise-equal losses
+    params = _final_params(run_dir)
+    assert params.keys() == ref_params.keys()
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, ref_params[name], err_msg=name)
+
+
+def test_reference_run_keeps_the_last_checkpoints(reference):
+    run_dir, losses, _ = reference
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [6, 9, 12]  # keep 3, every 3 steps, always the last
+
+
+def test_exit_then_resume_equals_the_uninterrupted_run(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    _run(run_dir, STEPS // 2)
+    assert [s for s, _ in _losses(run_dir)][-1] == STEPS // 2
+    out = _run(run_dir)  # checkpoints present: resumes automatically
+    assert "resumed from" in out.stdout + out.stderr
+    _assert_same_run(run_dir, reference)
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes_exactly(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait_for_step(run_dir, 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "SIGTERM: saved checkpoint at step" in stdout + stderr
+    assert "Traceback" not in stderr
+    stopped = _losses(run_dir)[-1][0]
+    assert stopped < STEPS
+    assert stopped in [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    _run(run_dir, STEPS, "--resume")
+    _assert_same_run(run_dir, reference)
+
+
+def test_sigkill_at_an_arbitrary_step_then_resume_is_exact(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait_for_step(run_dir, 7, proc)  # after the checkpoint at 6, before 12
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    killed_at = _losses(run_dir)[-1][0]
+    assert 7 <= killed_at
+    _run(run_dir)
+    _assert_same_run(run_dir, reference)
+
+
+def test_an_interrupted_checkpoint_is_never_picked_up(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    ckpts = run_dir / "checkpoints"
+    partial = ckpts / "15.orbax-checkpoint-tmp-1795960000000000"  # what a killed save leaves
+    shutil.copytree(ckpts / "12", partial)
+    (partial / "state" / "manifest.ocdbt").write_bytes(b"truncated")
+    assert runs.load(run_dir).step == 12
+
+
+def test_resume_without_a_checkpoint_fails_clearly(tmp_path):
+    out = _run(tmp_path / "run", STEPS, "--resume", check=False)
+    assert out.returncode != 0
+    assert "--resume: no complete checkpoint in" in out.stderr
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    out = _run(run_dir, STEPS + 2, "--lora.rank", "4", check=False)
+    assert out.returncode != 0
+    assert "different model configuration" in out.stderr
+    assert "lora: checkpoint has" in out.stderr and "'rank': 4" in out.stderr
+
+
+def test_restore_in_a_fresh_process_for_inspection_and_on_another_device_count(reference, tmp_path):
+    run_dir = tmp_path / "run2dev"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    cmd = _cmd(run_dir, 3, "--mesh.data", "2")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    script = (
+        "import json, numpy as np\n"
+        "from nnx_posttrain import runs, model\n"
+        f"r = runs.load({str(run_dir)!r})\n"
+        "import jax.numpy as jnp\n"
+        "ids = jnp.array([[2, 5, 6, 7]])\n"
+        "lp = model.token_logprobs(r.module, ids, jnp.ones_like(ids))\n"
+        "print(json.dumps({'step': r.step, 'devices': len(next(iter(runs.param_leaves(r.state).values())).devices()),"
+        " 'lp': float(lp.sum())}))\n"
+    )
+    fresh = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    info = json.loads(fresh.stdout.strip().splitlines()[-1])
+    assert info["step"] == 3 and info["devices"] == 1 and np.isfinite(info["lp"])
