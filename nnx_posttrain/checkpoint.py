@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 from nnx_posttrain import config as config_lib
+from nnx_posttrain import model
 
 
 class CheckpointMismatchError(ValueError):
@@ -44,7 +45,10 @@ def model_record(cfg: config_lib.Config, state) -> dict:
         "model": cfg.model,
         "dtype": cfg.dtype,
         "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": cfg.lora.targets},
-        "variables": shapes(state["params"]),
+        "variables": {
+            name: [*map(int, v.shape), str(v.dtype)]
+            for name, v in model.named_variables(state["params"]).items()
+        },
     }
 
 
@@ -76,15 +80,20 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.cfg = cfg
         policies = [pp.LatestN(n=max(cfg.keep, 1))]
+        metric = None
         if cfg.keep_best:
-            sign = -1.0 if cfg.best_mode == "max" else 1.0
+            def metric(m):
+                return float(m[cfg.keep_best])
+
             policies.append(pp.BestN(
-                get_metric_fn=lambda m: sign * float(m[cfg.keep_best]), reverse=False, n=1,
+                get_metric_fn=metric, reverse=cfg.best_mode == "min", n=1,
                 keep_checkpoints_without_metrics=False,
             ))
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=cfg.async_save,
             preservation_policy=pp.AnyPreservationPolicy(policies),
+            best_fn=metric,  # makes Orbax store each checkpoint's metrics
+            best_mode=cfg.best_mode,
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -277,6 +277,11 @@ def split(module: nnx.Module):
     return graphdef, trainable, frozen
 
 
+def named_variables(state) -> dict[str, jax.Array]:
+    """{Keras variable path (e.g. 'decoder_block_0/attention/query/kernel'): array} of a state."""
+    return {v.path: v.value for _, v in nnx.to_flat_state(state)}
+
+
 def count_params(state) -> int:
     return sum(int(x.size) for x in jax.tree_util.tree_leaves(state))
 

@@ -62,8 +62,5 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -
 
 
 def param_leaves(state) -> dict[str, jax.Array]:
-    """{path: array} of the trainable variables of a state (for comparisons)."""
-    return {
-        checkpoint.path_str(path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state["params"])[0]
-    }
+    """{Keras variable path: array} of the trainable variables of a training state."""
+    return model.named_variables(state["params"])

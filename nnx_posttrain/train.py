@@ -259,6 +259,10 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
             return result
         if start == 0:
             evaluate(0)
+        elif start >= cfg.steps:
+            echo(f"{run_dir} is already complete at step {start} (--steps {cfg.steps}); nothing to "
+                 "do. Raise --steps to continue training, or choose another --run-dir.")
+            return result
         t_last, tokens, pending, compile_seconds = time.perf_counter(), 0, [], None
         bar = tqdm(total=cfg.steps, initial=start, desc=experiment, unit="step", dynamic_ncols=True)
         with _StopSignals() as stop:

@@ -168,3 +168,34 @@ def test_restore_in_a_fresh_process_for_inspection_and_on_another_device_count(r
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     info = json.loads(fresh.stdout.strip().splitlines()[-1])
     assert info["step"] == 3 and info["devices"] == 1 and np.isfinite(info["lp"])
+
+
+def test_keep_latest_plus_the_best_by_an_eval_metric(tmp_path):
+    from nnx_posttrain import config
+
+    cfg = config.CheckpointConfig(keep=2, keep_best="exact_match", best_mode="max", async_save=False)
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", cfg)
+    state = {"params": {"w": np.arange(3.0, dtype=np.float32)}, "step": np.int32(0)}
+    record = {"model_record": {"variables": checkpoint.shapes(state)}}
+    scores = {1: 0.2, 2: 0.9, 3: None, 4: 0.5, 5: None, 6: 0.1}
+    for step, score in scores.items():
+        ckpt.save(step, state, {"i": step}, record, metrics=None if score is None else {"exact_match": score})
+    ckpt.close()
+    kept = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert kept == [2, 5, 6]  # the best (0.9 at step 2) and the latest two
+
+
+def test_lora_checkpoints_hold_only_the_adapters(tmp_path):
+    from nnx_posttrain import config
+
+    run_dir = tmp_path / "lora"
+    _run(run_dir, 2, "--lora.rank", "2", "--lora.targets", "qv")
+    loaded = runs.load(run_dir)
+    names = sorted(runs.param_leaves(loaded.state))
+    assert names[0] == "decoder_block_0/attention/query/lora_kernel_a"
+    assert len(names) == 8 and all(n.endswith(("lora_kernel_a", "lora_kernel_b")) for n in names)
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", config.CheckpointConfig(async_save=False))
+    saved = ckpt.read_record(2)["model_record"]
+    ckpt.close()
+    assert saved["model"] == "gemma_micro" and saved["lora"]["rank"] == 2  # the base to rebuild
+    assert sorted(saved["variables"]) == names
