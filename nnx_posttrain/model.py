@@ -13,6 +13,7 @@ float32 without materialising ``[batch, length, vocab]`` logits at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -323,19 +324,66 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
 # ----------------------------------------------------------------------------- log-probabilities
 
 
-def hidden_states(module, token_ids, padding_mask):
-    return module({"token_ids": token_ids, "padding_mask": padding_mask})
+# The method each KerasHub decoder block uses to build its [batch, query, key] attention mask:
+# Gemma / Gemma 3 blocks, and Llama / Llama 3 / Mistral / Qwen / Qwen 3 decoders.
+_MASK_METHODS = ("_compute_attention_mask", "_compute_self_attention_mask")
 
 
-def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_entropy=False):
+def segment_attention_mask(segment_ids):
+    """[batch, T, T] causal mask that never crosses examples of a packed row (segment 0 = padding;
+    a padding query sees itself only, so no softmax row is empty)."""
+    seg = segment_ids
+    t = seg.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))[None]
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    return ((same & causal) | jnp.eye(t, dtype=bool)[None]).astype(jnp.int32)
+
+
+@contextlib.contextmanager
+def _attention_mask_override(module, mask):
+    """Make every decoder block use ``mask`` instead of its causal + padding mask.
+
+    KerasHub backbones accept only a [batch, T] padding mask; packed rows need a block-diagonal
+    one. The blocks' mask method is shadowed on the instances for the duration of the call."""
+    blocks = list(module.transformer_layers)
+    names = [n for n in _MASK_METHODS if hasattr(type(blocks[0]), n)]
+    if not names:
+        raise NotImplementedError(f"packed sequences are not supported for {type(module).__name__}")
+
+    def masked(*args, **kwargs):
+        return mask
+
+    for block in blocks:
+        object.__setattr__(block, names[0], masked)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            object.__delattr__(block, names[0])
+
+
+def hidden_states(module, token_ids, padding_mask, segment_ids=None):
+    """Final hidden states. With ``segment_ids`` (packed rows), attention stays within each
+    example. Positions are not restarted per example: every supported family uses rotary
+    embeddings, whose attention scores depend only on relative positions within an example."""
+    if segment_ids is None:
+        return module({"token_ids": token_ids, "padding_mask": padding_mask})
+    with _attention_mask_override(module, segment_attention_mask(segment_ids)):
+        return module({"token_ids": token_ids, "padding_mask": (segment_ids != 0).astype(jnp.int32)})
+
+
+def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_entropy=False,
+                   segment_ids=None):
     """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length].
 
     Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
     (and recomputed in the backward pass), so peak memory holds [batch, chunk, vocab], never
     [batch, length, vocab]. With ``with_entropy`` also returns the per-position entropy of the
-    predictive distribution.
+    predictive distribution. ``segment_ids`` marks the examples of packed rows (see
+    ``hidden_states``); the first token of each example has no meaningful prediction and must
+    carry no loss.
     """
-    h = hidden_states(module, token_ids, padding_mask)[:, :-1]
+    h = hidden_states(module, token_ids, padding_mask, segment_ids)[:, :-1]
     targets = token_ids[:, 1:]
     batch, length, width = h.shape
     chunk = min(chunk_size, length)

@@ -176,3 +176,35 @@ def test_builtin_tokenizer_is_deterministic_and_gemma_compatible():
     text = "<start_of_turn>user\nWhat is 7 + 5?<end_of_turn>\n"
     assert tok.decode(tok.encode(text)) == text
     assert isinstance(keras.ops.convert_to_numpy(tok.keras_tokenizer.tokenize("hi")), np.ndarray)
+
+
+@pytest.mark.parametrize("name", ["gemma_micro", "gemma2_tiny"])
+def test_a_packed_row_gives_the_same_per_example_logprobs_as_separate_rows(name):
+    lm = model.load(name, seed=0)
+    a = [2, 17, 30, 41, 52, 63, 74]
+    b = [2, 9, 8, 7, 6]
+    width = 16
+    packed = np.zeros((1, width), np.int32)
+    segments = np.zeros((1, width), np.int32)
+    packed[0, : len(a)] = a
+    packed[0, len(a) : len(a) + len(b)] = b
+    segments[0, : len(a)] = 1
+    segments[0, len(a) : len(a) + len(b)] = 2
+    lp_packed = model.token_logprobs(
+        lm.module, jnp.asarray(packed), jnp.asarray(segments > 0, jnp.int32), chunk_size=4,
+        segment_ids=jnp.asarray(segments),
+    )[0]
+    separate = np.zeros((2, width), np.int32)
+    separate[0, : len(a)], separate[1, : len(b)] = a, b
+    lp_separate = model.token_logprobs(
+        lm.module, jnp.asarray(separate), jnp.asarray(separate > 0, jnp.int32), chunk_size=4
+    )
+    # position 0 of each example has no prediction; compare the predicted tokens
+    np.testing.assert_allclose(lp_packed[1 : len(a)], lp_separate[0, 1 : len(a)], atol=2e-5)
+    np.testing.assert_allclose(
+        lp_packed[len(a) + 1 : len(a) + len(b)], lp_separate[1, 1 : len(b)], atol=2e-5
+    )
+    assert np.all(np.isfinite(np.asarray(lp_packed)))
+    # and the override is gone afterwards: the plain forward is unchanged
+    again = model.token_logprobs(lm.module, jnp.asarray(separate), jnp.asarray(separate > 0, jnp.int32))
+    np.testing.assert_allclose(again, lp_separate, atol=1e-6)
