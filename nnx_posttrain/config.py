@@ -58,6 +58,15 @@ class DataConfig:
     """Which end of an over-long sequence to keep."""
     shuffle: bool = True
     """Shuffle the training data (deterministically, by --seed and epoch)."""
+    format: Literal["auto", "language_modeling", "prompt_completion", "preference",
+                    "unpaired_preference", "prompt_only"] = "auto"
+    """Data format; 'auto' detects it from the columns (text/messages, prompt+completion, chosen+rejected, prompt+completion+label, prompt alone)."""
+    max_prompt_length: int | None = None
+    """Prompt tokens kept (a longer prompt keeps its end and its BOS); None: no separate limit (prompt-only data: max-length)."""
+    skip_bad: bool = False
+    """Skip bad records (counted and reported) instead of stopping before training at the first one."""
+    num_workers: int = 0
+    """Grain worker processes that read and tokenize training data; 0 does it in the training process."""
 
 
 @dataclasses.dataclass

@@ -123,8 +123,8 @@ def test_detect_format_unknown_columns_names_them():
     msg = str(info.value)
     assert "f.jsonl:7" in msg and "'answer'" in msg and "'question'" in msg
     assert "_where" not in msg
-    with pytest.raises(DataError, match="'prompt'"):
-        data.detect_format({"prompt": "only a prompt"})
+    # a prompt alone is a prompt-only record (for RL), which SFT rejects naming the missing field
+    assert data.detect_format({"prompt": "only a prompt"}) == "prompt_only"
 
 
 # ----------------------------------------------------------------------------- Tokenize masks
@@ -330,8 +330,11 @@ def test_validate_counts(tok):
         ],
         "mem",
     )
-    counts = data.validate(src, data.Tokenize(tok, "gemma", 12))
-    assert counts == {"records": 3, "truncated": 2, "no_loss_tokens": 1}
+    report = data.validate(src, data.Tokenize(tok, "gemma", 12))
+    assert (report.records, report.truncated, report.no_loss_tokens) == (3, 2, 1)
+    assert (report.bad, report.bad_examples, report.good_indices.tolist()) == (0, [], [0, 1, 2])
+    # the former dict's keys still read
+    assert (report["records"], report["truncated"], report["no_loss_tokens"]) == (3, 2, 1)
 
 
 def test_validate_stops_on_a_bad_record(tmp_path, tok):
@@ -468,5 +471,327 @@ def test_jsonl_end_to_end(tmp_path, tok):
     path.write_text("\n".join(json.dumps(arithmetic.sft_record(a, b)) for a, b in [(1, 2), (3, 4)]) + "\n")
     src = data.source(str(path))
     t = data.Tokenize(tok, "gemma", 24)
-    assert data.validate(src, t) == {"records": 2, "truncated": 0, "no_loss_tokens": 0}
+    report = data.validate(src, t)
+    assert (report.records, report.bad, report.truncated, report.no_loss_tokens) == (2, 0, 0, 0)
     assert tok.decode(masked_ids(t(src[1]))) == "7<end_of_turn>"
+
+
+# ============================================================================= formats (TRL)
+
+
+@pytest.mark.parametrize(
+    "record, fmt",
+    [
+        ({"prompt": "p", "chosen": "a", "rejected": "b"}, "preference"),
+        ({"chosen": "a", "rejected": "b"}, "preference"),  # implicit prompt
+        ({"messages": [], "chosen": "a", "rejected": "b"}, "preference"),
+        ({"prompt": "p", "completion": "c", "label": True}, "unpaired_preference"),
+        ({"prompt": "p", "completion": "c", "label": None}, "prompt_completion"),  # null = absent
+        ({"prompt": "p", "answer": "42"}, "prompt_only"),
+        ({"prompt": "p", "completion": None}, "prompt_only"),
+        ({"text": None, "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ],
+)
+def test_detect_new_formats(record, fmt):
+    assert data.detect_format(record) == fmt
+
+
+def test_data_format_explicit_auto_and_first_bad_record(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ["{oops", '{"chosen": "a b", "rejected": "a c"}'])
+    src = data.JsonlSource(path)
+    assert data.data_format(src) == "preference"  # the malformed first line is passed over
+    assert data.data_format(src, "prompt_only") == "prompt_only"
+    assert data.data_format(data.ListSource([{"messages": []}], "m")) == "language_modeling"
+    with pytest.raises(DataError, match=r"d\.jsonl:1: malformed JSON"):
+        data.data_format(data.Subset(src, [0]))
+    with pytest.raises(ValueError, match="unknown data format 'dpo'"):
+        data.data_format(src, "dpo")
+
+
+def test_make_transform_picks_by_format(tok):
+    def src(*records):
+        return data.ListSource(list(records), "m")
+
+    t = data.make_transform(src({"text": "x"}), tok, "gemma", 16, "keep_end", 8)
+    assert type(t) is data.Tokenize and t.kind == "sft"
+    assert (t.max_length, t.truncation, t.max_prompt_length, t.format) == (16, "keep_end", 8, "auto")
+    t = data.make_transform(src({"chosen": "a", "rejected": "b"}), tok, "gemma", 16)
+    assert type(t) is data.TokenizePreference and t.kind == "preference"
+    t = data.make_transform(src({"prompt": "a", "completion": "b", "label": False}), tok, "gemma", 16)
+    assert type(t) is data.TokenizeUnpaired and t.kind == "unpaired_preference"
+    t = data.make_transform(src({"prompt": "a"}), tok, "gemma", 16)
+    assert type(t) is data.TokenizePrompt and t.max_prompt_length == 16
+    t = data.make_transform(src({"text": "a"}), tok, "gemma", 16, max_prompt_length=4,
+                            format="prompt_only")
+    assert type(t) is data.TokenizePrompt and t.max_prompt_length == 4
+    t = data.make_transform(src({"text": "a"}), tok, "gemma", 16, format="prompt_completion")
+    assert type(t) is data.Tokenize and t.format == "prompt_completion"
+    with pytest.raises(ValueError, match="max_prompt_length must be >= 1 or None, got 0"):
+        data.TokenizePreference(tok, "gemma", 16, max_prompt_length=0)
+    with pytest.raises(ValueError, match="truncation must be 'keep_start' or 'keep_end'"):
+        data.Tokenize(tok, "gemma", 16, "middle")
+
+
+# ----------------------------------------------------------------------------- SFT format pins
+
+
+def test_sft_rejects_prompt_only_and_preference_records_naming_the_field(tok):
+    t = data.Tokenize(tok, "gemma", 16)
+    with pytest.raises(DataError, match=r"^x\.jsonl:2: field 'completion' is missing \(a prompt-only"):
+        t({"prompt": "What is 2 + 3?", "_where": "x.jsonl:2"})
+    with pytest.raises(DataError, match=r"^x\.jsonl:3: a preference record \(columns \['chosen', "
+                                        r"'rejected'\]\) cannot be used for SFT"):
+        t({"chosen": "a", "rejected": "b", "_where": "x.jsonl:3"})
+    # a null value (Parquet / Arrow) is a missing field
+    with pytest.raises(DataError, match=r"^f\.parquet:row 4: field 'completion' is missing"):
+        t({"prompt": "p", "completion": None, "_where": "f.parquet:row 4"})
+
+
+def test_sft_explicit_format_requires_its_columns(tok):
+    lm = data.Tokenize(tok, "gemma", 16, format="language_modeling")
+    with pytest.raises(DataError, match=r"^x:1: field 'text' is missing \(format 'language_modeling' "
+                                        r"needs 'text' or 'messages'; columns \['completion', 'prompt'\]\)"):
+        lm({"prompt": "a", "completion": "b", "_where": "x:1"})
+    pc = data.Tokenize(tok, "gemma", 16, format="prompt_completion")
+    with pytest.raises(DataError, match=r"^x:2: field 'prompt' is missing$"):
+        pc({"text": "a", "completion": "b", "_where": "x:2"})
+    # a record with text *and* prompt/completion is read as prompt/completion when pinned so
+    ex = pc({"text": "ignored", "prompt": "Q: 2 + 3 =", "completion": " 5"})
+    assert masked_ids(ex) == [*tok.encode(" 5"), tok.eos_id]
+
+
+def test_mixed_string_and_message_prompt_completion(tok):
+    with pytest.raises(DataError, match=r"^x:5: fields 'prompt' and 'completion' must both be strings or "
+                                        r"both be lists of messages, got list and str$"):
+        data.Tokenize(tok, "gemma", 16)({"prompt": [{"role": "user", "content": "q"}], "completion": "a",
+                                         "_where": "x:5"})
+
+
+def test_sft_max_prompt_length_keeps_the_prompt_end_and_bos(tok):
+    record = {"prompt": "What is 2 + 3?", "completion": " 5"}
+    p, c = tok.encode("What is 2 + 3?"), tok.encode(" 5")
+    ex = data.Tokenize(tok, "gemma", 32, max_prompt_length=4)(record)
+    want = [tok.bos_id, *p[-3:], *c, tok.eos_id]
+    assert ex["input_ids"][: len(want)].tolist() == want
+    assert ex["loss_mask"][: len(want)].tolist() == [0.0] * 4 + [1.0] * (len(c) + 1)
+    assert int(ex["truncated"]) == 1
+    # a prompt that fits is not marked
+    assert int(data.Tokenize(tok, "gemma", 32, max_prompt_length=1 + len(p))(record)["truncated"]) == 0
+
+
+# ----------------------------------------------------------------------------- preference
+
+
+def test_preference_strings_explicit_prompt(tok):
+    ex = data.TokenizePreference(tok, "gemma", 24)(
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."})
+    p = tok.encode("The sky is")
+    for side, text in (("chosen", " blue."), ("rejected", " green.")):
+        c = tok.encode(text)
+        want = [tok.bos_id, *p, *c, tok.eos_id]
+        n = len(want)
+        assert ex[f"{side}_input_ids"].tolist() == want + [tok.pad_id] * (24 - n)
+        assert ex[f"{side}_attention_mask"].tolist() == [1] * n + [0] * (24 - n)
+        assert ex[f"{side}_loss_mask"].tolist() == [0.0] * (1 + len(p)) + [1.0] * (len(c) + 1) + [0.0] * (24 - n)
+        assert ex[f"{side}_input_ids"].dtype == np.int32 and ex[f"{side}_loss_mask"].dtype == np.float32
+    assert sorted(ex) == sorted(f"{s}_{k}" for s in ("chosen", "rejected")
+                                for k in ("input_ids", "attention_mask", "loss_mask")) + ["truncated"]
+    assert int(ex["truncated"]) == 0
+
+
+def test_implicit_prompt_strings_like_trl():
+    # common characters; the space before the difference goes to the completions
+    assert data.implicit_prompt("The sky is blue.", "The sky is green.") == ("The sky is", " blue.", " green.")
+    assert data.implicit_prompt("2 + 2 = 4", "2 + 2 = 5") == ("2 + 2 =", " 4", " 5")
+    assert data.implicit_prompt("x=4", "x=5") == ("x=", "4", "5")
+    assert data.implicit_prompt("abc", "xyz") == ("", "abc", "xyz")
+
+
+def test_implicit_prompt_messages():
+    u = {"role": "user", "content": "Capital of France?"}
+    a1, a2 = {"role": "assistant", "content": "Paris"}, {"role": "assistant", "content": "Lyon"}
+    assert data.implicit_prompt([u, a1], [u, a2]) == ([u], [a1], [a2])
+
+
+def test_preference_implicit_prompt_equals_explicit(tok):
+    t = data.TokenizePreference(tok, "gemma", 24)
+    implicit = t({"chosen": "The sky is blue.", "rejected": "The sky is green."})
+    explicit = t({"prompt": "The sky is", "chosen": " blue.", "rejected": " green."})
+    for key in explicit:
+        np.testing.assert_array_equal(implicit[key], explicit[key])
+
+
+def test_preference_conversational(tok):
+    u = {"role": "user", "content": "What is 2 + 3?"}
+    record = {"chosen": [u, {"role": "assistant", "content": "5"}],
+              "rejected": [u, {"role": "assistant", "content": "6"}]}
+    ex = data.TokenizePreference(tok, "gemma", 32)(record)
+    head = tok.encode("<start_of_turn>user\nWhat is 2 + 3?<end_of_turn>\n<start_of_turn>model\n")
+    eot = tok.token_id("<end_of_turn>")
+    for side, answer in (("chosen", "5"), ("rejected", "6")):
+        want = [tok.bos_id, *head, *tok.encode(answer), eot, *tok.encode("\n")]
+        n = len(want)
+        assert ex[f"{side}_input_ids"][:n].tolist() == want
+        assert ex[f"{side}_loss_mask"].tolist() == (
+            [0.0] * (1 + len(head)) + [1.0] * (len(tok.encode(answer)) + 1) + [0.0] * (32 - n + 1))
+        # the same tokens as the equivalent SFT conversation
+        sft = data.Tokenize(tok, "gemma", 32)({"messages": record[side]})
+        np.testing.assert_array_equal(ex[f"{side}_input_ids"], sft["input_ids"])
+        np.testing.assert_array_equal(ex[f"{side}_loss_mask"], sft["loss_mask"])
+    # an explicit conversational prompt gives the same
+    explicit = data.TokenizePreference(tok, "gemma", 32)(
+        {"prompt": [u], "chosen": record["chosen"][1:], "rejected": record["rejected"][1:]})
+    for key in ex:
+        np.testing.assert_array_equal(ex[key], explicit[key])
+
+
+def test_preference_truncation_prompt_first_then_sequence(tok):
+    record = {"prompt": "What is 2 + 3?", "chosen": " 5", "rejected": "Q: 2 + 3 ="}
+    p = tok.encode("What is 2 + 3?")
+    c, r = tok.encode(" 5"), tok.encode("Q: 2 + 3 =")
+    t = data.TokenizePreference(tok, "gemma", 9, max_prompt_length=3)
+    ex = t(record)
+    assert int(ex["truncated"]) == 1
+    # prompt -> BOS + its last 2 tokens; chosen fits; rejected is then cut at 9 (keep_start)
+    assert ex["chosen_input_ids"][: 3 + len(c) + 1].tolist() == [tok.bos_id, *p[-2:], *c, tok.eos_id]
+    assert ex["rejected_input_ids"].tolist() == [tok.bos_id, *p[-2:], *r][:9]
+    assert ex["rejected_loss_mask"].tolist() == [0.0] * 3 + [1.0] * 6
+    end = data.TokenizePreference(tok, "gemma", 9, "keep_end", max_prompt_length=3)(record)
+    assert end["rejected_input_ids"].tolist() == [tok.bos_id, *p[-2:], *r, tok.eos_id][-9:]
+    assert end["rejected_loss_mask"].tolist() == [1.0] * 9
+    # only the chosen side is cut: still marked
+    long_chosen = data.TokenizePreference(tok, "gemma", 12)(
+        {"prompt": "a", "chosen": "What is 2 + 3? What is 2 + 3?", "rejected": " 5"})
+    assert int(long_chosen["truncated"]) == 1
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"prompt": "p", "chosen": "a"}, r"^x:7: field 'rejected' is missing$"),
+        ({"prompt": "p", "chosen": " ", "rejected": "b"}, r"^x:7: field 'chosen' is empty$"),
+        ({"prompt": "p", "chosen": "a", "rejected": ""}, r"^x:7: field 'rejected' is empty$"),
+        ({"prompt": "p", "chosen": 3, "rejected": "b"},
+         r"^x:7: field 'chosen' must be a string or a list of messages, got int$"),
+        ({"prompt": "p", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
+         r"^x:7: fields 'chosen' and 'rejected' must both be strings or both be lists of messages, "
+         r"got str and list$"),
+        ({"chosen": "same", "rejected": "same"},
+         r"^x:7: field 'chosen' is empty once the implicit prompt"),
+        ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": " "}],
+          "rejected": [{"role": "assistant", "content": "b"}]},
+         r"^x:7: field 'chosen' has an empty assistant turn$"),
+        ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "bot", "content": "a"}],
+          "rejected": [{"role": "assistant", "content": "b"}]},
+         r"^x:7: field 'chosen': message 0 has role 'bot'"),
+        ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "user", "content": "a"}],
+          "rejected": [{"role": "assistant", "content": "b"}]},
+         r"^x:7: field 'chosen' has no assistant turn to learn from$"),
+    ],
+)
+def test_preference_bad_records(tok, record, message):
+    with pytest.raises(DataError, match=message):
+        data.TokenizePreference(tok, "gemma", 16)(dict(record, _where="x:7"))
+
+
+# ----------------------------------------------------------------------------- unpaired preference
+
+
+def test_unpaired_preference(tok):
+    t = data.TokenizeUnpaired(tok, "gemma", 24)
+    good = t({"prompt": "What is 2 + 3?", "completion": " 5", "label": True})
+    bad = t({"prompt": "What is 2 + 3?", "completion": " 5", "label": False})
+    p, c = tok.encode("What is 2 + 3?"), tok.encode(" 5")
+    want = [tok.bos_id, *p, *c, tok.eos_id]
+    assert good["input_ids"][: len(want)].tolist() == want
+    assert good["loss_mask"].tolist() == [0.0] * (1 + len(p)) + [1.0] * (len(c) + 1) + [0.0] * (24 - len(want))
+    assert good["label"] == np.float32(1.0) and bad["label"] == np.float32(0.0)
+    assert good["label"].dtype == np.float32
+    assert sorted(good) == ["attention_mask", "input_ids", "label", "loss_mask", "truncated"]
+    np.testing.assert_array_equal(good["input_ids"], bad["input_ids"])
+    conv = t({"prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+              "completion": [{"role": "assistant", "content": "5"}], "label": np.bool_(True)})
+    assert tok.decode(masked_ids(conv)) == "5<end_of_turn>" and conv["label"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"prompt": "p", "completion": "c", "label": 1},
+         r"^x:2: field 'label' must be a boolean \(true or false\), got int$"),
+        ({"prompt": "p", "completion": "c", "label": "yes"},
+         r"^x:2: field 'label' must be a boolean \(true or false\), got str$"),
+        ({"prompt": "p", "completion": "c"}, r"^x:2: field 'label' is missing$"),
+        ({"prompt": "p", "completion": "", "label": True}, r"^x:2: field 'completion' is empty$"),
+        ({"completion": "c", "label": True}, r"^x:2: field 'prompt' is missing$"),
+    ],
+)
+def test_unpaired_bad_records(tok, record, message):
+    with pytest.raises(DataError, match=message):
+        data.TokenizeUnpaired(tok, "gemma", 16)(dict(record, _where="x:2"))
+
+
+# ----------------------------------------------------------------------------- prompt-only
+
+
+def test_prompt_only_left_padded(tok):
+    ex = data.TokenizePrompt(tok, "gemma", 16)({"prompt": "What is 2 + 3?", "answer": "5", "_index": 7})
+    want = [tok.bos_id, *tok.encode("What is 2 + 3?")]
+    k = 16 - len(want)
+    assert ex["prompt_ids"].tolist() == [tok.pad_id] * k + want
+    assert ex["prompt_mask"].tolist() == [0] * k + [1] * len(want)
+    assert int(ex["truncated"]) == 0 and int(ex["index"]) == 7
+    assert sorted(ex) == ["index", "prompt_ids", "prompt_mask", "truncated"]  # arrays only
+    assert int(data.TokenizePrompt(tok, "gemma", 16)({"prompt": "x"})["index"]) == -1
+
+
+def test_prompt_only_conversation_ends_with_generation_prompt(tok):
+    from nnx_posttrain import generate
+
+    prompt = [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 2 + 3?"}]
+    ex = data.TokenizePrompt(tok, "gemma", 32)({"prompt": prompt})
+    text = "<start_of_turn>user\nAdd.\n\nWhat is 2 + 3?<end_of_turn>\n<start_of_turn>model\n"
+    want = [tok.bos_id, *tok.encode(text)]
+    assert ex["prompt_ids"][-len(want):].tolist() == want
+    # what generation encodes for the same prompt (exact-match evaluation)
+    lm = type("LM", (), {"tokenizer": tok})()
+    assert generate.encode_prompt(lm, chat.render(prompt, "gemma", add_generation_prompt=True)) == want
+
+
+def test_prompt_only_truncation_keeps_end_and_bos(tok):
+    p = tok.encode("What is 2 + 3?")
+    ex = data.TokenizePrompt(tok, "gemma", 4)({"prompt": "What is 2 + 3?"})
+    assert ex["prompt_ids"].tolist() == [tok.bos_id, *p[-3:]]
+    assert ex["prompt_mask"].tolist() == [1, 1, 1, 1] and int(ex["truncated"]) == 1
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"answer": "5"}, r"^x:4: field 'prompt' is missing$"),
+        ({"prompt": ""}, r"^x:4: field 'prompt' is empty$"),
+        ({"prompt": 5}, r"^x:4: field 'prompt' must be a string or a list of messages, got int$"),
+        ({"prompt": [{"role": "user"}]}, r"^x:4: field 'prompt': message 0 must be an object with"),
+    ],
+)
+def test_prompt_only_bad_records(tok, record, message):
+    with pytest.raises(DataError, match=message):
+        data.TokenizePrompt(tok, "gemma", 16)(dict(record, _where="x:4"))
+
+
+def test_prompt_only_batches_and_extra_columns(tok):
+    src = data.ListSource([{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "level": i}
+                           for i in range(5)], "mem")
+    t = data.TokenizePrompt(tok, "gemma", 16)
+    batches = data.eval_batches(src, t, batch_size=2)
+    assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3], [4, -1]]
+    assert batches[-1]["prompt_mask"][1].sum() == 0
+    assert data.extra_columns(src, batches[-1]["index"]) == [{"answer": "5", "level": 4}, {}]
+    assert data.extra_columns(src, [1], exclude=()) == [{"prompt": "What is 1 + 1?", "answer": "2", "level": 1}]
+    it = data.train_batches(src, t, batch_size=5, seed=0)
+    batch = next(it)
+    extras = data.extra_columns(src, batch["index"])
+    for row, extra in zip(batch["prompt_ids"], extras):  # each row's answer is its own prompt's
+        i = int(extra["answer"]) - 1
+        np.testing.assert_array_equal(row, t(src[i])["prompt_ids"])
+    assert sorted(int(e["answer"]) for e in extras) == [1, 2, 3, 4, 5]
