@@ -49,6 +49,30 @@ def sft_record(a: int, b: int) -> dict:
     }
 
 
+def preference_record(a: int, b: int, seed: int = 0) -> dict:
+    """A conversational preference pair (TRL's prompt / chosen / rejected columns): the correct
+    sum is chosen, a plausible wrong one (see ``wrong_answer``) rejected. Deterministic."""
+    rng = random.Random(seed * 1_000_003 + a * 100 + b)
+    return {
+        "prompt": [{"role": "user", "content": question(a, b)}],
+        "chosen": [{"role": "assistant", "content": str(a + b)}],
+        "rejected": [{"role": "assistant", "content": wrong_answer(a, b, rng)}],
+    }
+
+
+def unpaired_record(a: int, b: int, seed: int = 0) -> dict:
+    """An unpaired preference example (TRL's prompt / completion / label): half of the problems
+    get the correct answer (label True), the others a plausible wrong one (label False)."""
+    rng = random.Random(seed * 1_000_003 + a * 100 + b)
+    good = rng.random() < 0.5
+    answer = str(a + b) if good else wrong_answer(a, b, rng)
+    return {
+        "prompt": [{"role": "user", "content": question(a, b)}],
+        "completion": [{"role": "assistant", "content": answer}],
+        "label": good,
+    }
+
+
 def prompt_record(a: int, b: int) -> dict:
     """A prompt-only record with the expected answer, for evaluation and RL."""
     return {"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(a + b)}

@@ -111,6 +111,8 @@ class Config:
     """Training data: 'builtin' (the arithmetic task) or a .jsonl file."""
     eval_data: str | None = None
     """Held-out data (.jsonl); default: the built-in task's eval split when --data builtin, else none."""
+    init_from: str | None = None
+    """Start from the weights of this run directory's latest checkpoint (e.g. runs/sft) instead of the model's own."""
     run_dir: str = ""
     """Run directory; default runs/<experiment>."""
     steps: int = 600

@@ -355,10 +355,19 @@ class Subset:
         return f"Subset({self.src!r}, {len(self)} records)"
 
 
-def source(spec: str, split: str = "train"):
+BUILTIN_KINDS = {
+    "sft": lambda a, b: arithmetic.sft_record(a, b),
+    "preference": lambda a, b: arithmetic.preference_record(a, b),
+    "unpaired_preference": lambda a, b: arithmetic.unpaired_record(a, b),
+    "prompt_only": lambda a, b: arithmetic.prompt_record(a, b),
+}
+
+
+def source(spec: str, split: str = "train", builtin: str = "sft"):
     """A source from a ``--data`` value.
 
-    ``spec`` is 'builtin', a path (``.jsonl``, ``.parquet``, ``.arrow``, or a Hugging Face
+    ``spec`` is 'builtin' (the arithmetic task, in the format ``builtin`` names: 'sft',
+    'preference', 'unpaired_preference' or 'prompt_only'), a path (``.jsonl``, ``.parquet``, ``.arrow``, or a Hugging Face
     ``datasets`` directory; for a ``DatasetDict`` directory, ``split`` picks the split: 'eval' tries
     eval, validation, valid, test), or several of them separated by commas: concatenated
     (``Concat``), or, when every one has a weight (``a.jsonl:0.7,b.jsonl:0.3``), mixed in training
@@ -369,7 +378,7 @@ def source(spec: str, split: str = "train"):
         raise DataError(f"{spec!r}: empty entry in the list of data files")
     named = [_weighted(p) for p in parts]
     weights = [w for _, w in named]
-    sources = [_one_source(name, split) for name, _ in named]
+    sources = [_one_source(name, split, builtin) for name, _ in named]
     if all(w is None for w in weights):
         return sources[0] if len(sources) == 1 else Concat(sources)
     if any(w is None for w in weights):
@@ -393,10 +402,11 @@ def _weighted(part: str) -> tuple[str, float | None]:
     return head, weight
 
 
-def _one_source(spec: str, split: str):
+def _one_source(spec: str, split: str, builtin: str = "sft"):
     if spec == "builtin":
-        return ListSource([arithmetic.sft_record(a, b) for a, b in arithmetic.problems(split)],
-                          f"builtin:{split}")
+        make = BUILTIN_KINDS[builtin]
+        return ListSource([make(a, b) for a, b in arithmetic.problems(split)],
+                          f"builtin:{builtin}:{split}")
     path = Path(spec)
     if path.is_dir():
         return ArrowSource(_dataset_dir(path, split))
@@ -1053,7 +1063,9 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
     """Held-out (prompt segments, reference answer) pairs for exact-match evaluation.
 
     A conversation whose last turn is the assistant's gives (the conversation before it, that
-    turn); a prompt/completion record gives (prompt, completion).
+    turn); a prompt/completion record gives (prompt, completion); a preference pair gives
+    (prompt, chosen); an unpaired example labelled desirable gives (prompt, completion); a
+    prompt-only record with an ``answer`` column gives (prompt, answer).
     """
     out = []
     for i in range(len(src)):
@@ -1064,10 +1076,20 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
         if fmt == "messages" and record["messages"][-1]["role"] == "assistant":
             prompt = chat.render(record["messages"][:-1], chat_format, add_generation_prompt=True)
             out.append((prompt, record["messages"][-1]["content"]))
-        elif fmt == "prompt_completion":
+            continue
+        if fmt == "preference":
+            p, c, _ = preference_parts(record)
+        elif fmt in ("prompt_completion", "unpaired_preference"):
+            if fmt == "unpaired_preference" and not record["label"]:
+                continue
             p, c = record["prompt"], record["completion"]
-            if isinstance(p, list):
-                out.append((chat.render(p, chat_format, add_generation_prompt=True), c[-1]["content"]))
-            else:
-                out.append(([(p, False)], c))
+        elif fmt == "prompt_only" and isinstance(record.get("answer"), str):
+            p, c = record["prompt"], record["answer"]
+        else:
+            continue
+        if isinstance(p, list):
+            answer = c[-1]["content"] if isinstance(c, list) else c
+            out.append((chat.render(p, chat_format, add_generation_prompt=True), answer))
+        else:
+            out.append(([(p, False)], c if isinstance(c, str) else c[-1]["content"]))
     return out

@@ -10,6 +10,16 @@ from nnx_posttrain import config as config_lib
 from nnx_posttrain import train
 
 
+# Preference methods start from the default SFT run, on the built-in preference pairs.
+PREFERENCE_DEFAULTS = dict(
+    init_from="runs/sft",
+    steps=200,
+    optim=dict(learning_rate=5e-4, warmup_steps=10, min_lr_ratio=0.1),
+    batching=dict(batch_size=32, max_length=32),
+    eval=dict(every=50, exact_match=500),
+)
+
+
 @functools.cache
 def config_type(algorithm) -> type:
     """``Config`` with ``algo`` typed as the algorithm's settings, so the CLI lists them."""

@@ -321,6 +321,26 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     return adapted
 
 
+@contextlib.contextmanager
+def lora_disabled(module):
+    """Within the block, LoRA layers compute with their base kernel only: the reference model of
+    preference and RL methods, with no second copy of the weights."""
+    layers = [l for l in module._flatten_layers(include_self=False) if getattr(l, "lora_enabled", False)]
+    if not layers:
+        raise ValueError("lora_disabled: the model has no LoRA layer (use a 'copy' reference)")
+    for layer in layers:
+        object.__setattr__(layer, "lora_enabled", False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__setattr__(layer, "lora_enabled", True)
+
+
+def has_lora(module) -> bool:
+    return any(getattr(l, "lora_enabled", False) for l in module._flatten_layers(include_self=False))
+
+
 # ----------------------------------------------------------------------------- log-probabilities
 
 

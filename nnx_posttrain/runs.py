@@ -64,3 +64,27 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -
 def param_leaves(state) -> dict[str, jax.Array]:
     """{Keras variable path: array} of the trainable variables of a training state."""
     return model.named_variables(state["params"])
+
+
+def init_weights(module, run_dir: str | Path) -> str:
+    """Copy the weights of ``run_dir``'s latest checkpoint into ``module`` (same architecture),
+    matching variables by their Keras path. Returns a one-line summary."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise SystemExit(
+            f"--init-from {run_dir}: not a run directory (no config.json). The preference "
+            "experiments start from the SFT run: run `python -m experiments.sft` first, or pass "
+            "--init-from with another run, or --init-from '' to start from the model's own weights."
+        )
+    loaded = load(run_dir)
+    if loaded.config["lora"]["rank"]:
+        raise SystemExit(f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first")
+    source = model.named_variables(nnx.state(loaded.module))
+    target = {v.path: v for v in module.weights}
+    missing = sorted(set(target) - set(source))
+    if missing or any(tuple(source[k].shape) != tuple(target[k].shape) for k in target):
+        raise SystemExit(f"--init-from {run_dir}: its model ({loaded.config['model']}) does not "
+                         f"match this one; e.g. {missing[:1] or 'shapes differ'}")
+    for path, variable in target.items():
+        variable.assign(source[path])
+    return f"initialised from {run_dir} (step {loaded.step}, {len(target)} variables)"

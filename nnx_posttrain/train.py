@@ -11,6 +11,7 @@ and applies AdamW with warm-up and decay. Metrics are fetched from the device on
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import signal
@@ -63,12 +64,27 @@ def _sum_tree(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
+def merge(graphdef, params, frozen):
+    """(module, reference module or None) from the trainable ``params`` and ``frozen`` =
+    {"model": frozen variables, "reference": a frozen copy of the trainable ones, or None}."""
+    module = nnx.merge(graphdef, params, frozen["model"])
+    ref = frozen.get("reference")
+    return module, (None if ref is None else nnx.merge(graphdef, ref, frozen["model"]))
+
+
+def metric_means(metrics: dict) -> dict:
+    """name -> sum / count; NaN where nothing was counted (e.g. no rejected example in a batch)."""
+    return {
+        name: jnp.where(c > 0, s / jnp.where(c > 0, c, 1.0), jnp.nan) for name, (s, c) in metrics.items()
+    }
+
+
 def make_train_step(graphdef, loss_fn, tx, lr_schedule):
-    """step(state, frozen, batch) -> (state, metrics). ``batch`` leaves are [accum, micro, ...]."""
+    """step(state, frozen, batch) -> (state, metrics). ``batch`` leaves are [accum, micro, ...];
+    ``loss_fn(module, micro_batch, reference_module)``; ``frozen`` as in ``merge``."""
 
     def micro_loss(params, frozen, micro_batch):
-        module = nnx.merge(graphdef, params, frozen)
-        total, weight, metrics = loss_fn(module, micro_batch)
+        total, weight, metrics = loss_fn(*_with_batch(merge(graphdef, params, frozen), micro_batch))
         return total, (weight, metrics)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -96,7 +112,7 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule):
             "step": state["step"] + 1,
             "rng": jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]),
         }
-        out = {name: s / jnp.maximum(c, 1e-9) for name, (s, c) in metrics.items()}
+        out = metric_means(metrics)
         out.update(grad_norm=grad_norm, learning_rate=lr_schedule(state["step"]))
         return new_state, out
 
@@ -113,12 +129,16 @@ def init_state(params, tx, seed: int) -> dict:
     }
 
 
+def _with_batch(modules, batch):
+    module, reference = modules
+    return module, batch, reference
+
+
 def make_eval_step(graphdef, loss_fn):
     """eval(params, frozen, batch) -> (total, weight, metric sums): summed, divided by the caller."""
 
     def evaluate(params, frozen, batch):
-        module = nnx.merge(graphdef, params, frozen)
-        return loss_fn(module, batch)
+        return loss_fn(*_with_batch(merge(graphdef, params, frozen), batch))
 
     return evaluate
 
@@ -203,27 +223,33 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
         )
 
     lm = model.load(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
+    if cfg.init_from:
+        from nnx_posttrain import runs
+
+        echo(runs.init_weights(lm.module, cfg.init_from))
     if cfg.lora.rank:
         model.enable_lora(lm.module, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
-    echo(model.describe(lm))
+    module = algorithm.build_module(lm)
+    algorithm.setup(module)
+    echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
+                               if algorithm.reference_mode else ""))
 
-    transform = data.Tokenize(lm.tokenizer, lm.chat_format, b.max_length, b.truncation)
-    eval_spec = cfg.eval_data or ("builtin" if cfg.data == "builtin" else None)
-    eval_src = data.source(eval_spec, "eval") if eval_spec else None
-    train_src = data.source(cfg.data, "train")
-    for name, src in (("train", train_src), ("eval", eval_src)):
-        if src is not None and not (cfg.eval_only and name == "train"):
-            counts = data.validate(src, transform)
-            echo(f"{name} data: {counts['records']} records, {counts['truncated']} truncated to "
-                 f"{b.max_length} tokens, {counts['no_loss_tokens']} with no loss token left")
+    train_src, eval_src, transform = _data(cfg, lm, algorithm, echo)
 
-    graphdef, params, frozen = model.split(lm.module)
+    graphdef, params, frozen_model = model.split(module)
     tx, lr = optimizer(cfg.optim, cfg.steps)
     replicated = NamedSharding(mesh, P())
+    frozen = jax.device_put({"model": frozen_model, "reference": None}, replicated)
+    if algorithm.reference_mode == "copy":  # the starting weights, frozen (not donated)
+        frozen["reference"] = jax.device_put(jax.tree.map(jnp.copy, params), replicated)
     state = jax.device_put(init_state(params, tx, cfg.seed), replicated)
-    frozen = jax.device_put(frozen, replicated)
     record = checkpoint.model_record(cfg, state)
-    batches = data.train_batches(train_src, transform, b.batch_size, cfg.seed, b.shuffle)
+    reference_cache = None
+    if algorithm.reference_mode == "precompute":
+        reference_cache = _precomputed_reference(cfg, run_dir, algorithm, graphdef, state["params"],
+                                                 frozen, train_src, eval_src, transform, echo)
+    batches = data.train_batches(train_src, _Indexed(transform), b.batch_size, cfg.seed, b.shuffle,
+                                 b.num_workers)
     if resume_step is not None:
         state, data_state, _ = ckpt.restore(resume_step, checkpoint.abstract(state), record)
         if data_state and not cfg.eval_only:
@@ -237,14 +263,15 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
         out_shardings=(jax.tree.map(lambda _: replicated, state), None),
     )
     eval_step = jax.jit(make_eval_step(graphdef, algorithm.loss))
-    eval_sets = _eval_sets(cfg, eval_src, transform, lm, graphdef)
+    eval_sets = _eval_sets(cfg, eval_src, transform, lm, graphdef, algorithm,
+                           reference_cache and reference_cache["eval"])
 
     log = MetricsLog(run_dir, keep_until=start if resume_step is not None else None,
                      echo=lambda s: tqdm.write(s) if echo else None)
     result = RunResult(run_dir, [], [], state, lm, graphdef, frozen)
 
     def evaluate(step):
-        metrics = _evaluate(cfg, lm, graphdef, state["params"], frozen, eval_step, eval_sets, mesh)
+        metrics = _evaluate(cfg, lm, state["params"], frozen, eval_step, eval_sets, mesh)
         if metrics:
             result.eval.append(log.log(step, "eval", metrics))
         return metrics
@@ -268,8 +295,9 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
         with _StopSignals() as stop:
             for step in range(start + 1, cfg.steps + 1):
                 batch = next(batches)
-                tokens += int(batch["attention_mask"].sum())
-                pending.append(int(batch.pop("truncated").sum()))
+                tokens += sum(int(v.sum()) for k, v in batch.items() if k.endswith("attention_mask"))
+                pending.append(int(batch["truncated"].sum()))
+                batch = _device_batch(algorithm, batch, reference_cache and reference_cache["train"])
                 state, metrics = train_step(state, frozen, shard_batch(batch, mesh, b.grad_accum))
                 result.state = state
                 bar.update(1)
@@ -310,34 +338,150 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     return result
 
 
-def _eval_sets(cfg, eval_src, transform, lm, graphdef):
+class _Indexed:
+    """A transform that also keeps the record's index in its source (``index``), so per-example
+    data computed before training (precomputed reference log-probs) can be joined to batches."""
+
+    def __init__(self, transform):
+        self.transform = transform
+        self.kind = transform.kind
+
+    def __call__(self, record):
+        return dict(self.transform(record), index=np.int64(record.get("_index", -1)))
+
+
+def _device_batch(algorithm, batch: dict, reference: dict | None) -> dict:
+    """Host batch -> what the step reads: bookkeeping removed, precomputed reference joined,
+    the algorithm's host-side preparation applied."""
+    batch = dict(batch)
+    batch.pop("truncated", None)
+    index = batch.pop("index", None)
+    if reference is not None:
+        batch.update({k: v[index] for k, v in reference.items()})
+    return algorithm.prepare(batch)
+
+
+def _data(cfg, lm, algorithm, echo):
+    """(train source, eval source or None, transform), every record validated up front."""
+    b = cfg.batching
+    kind = algorithm.data_kind
+    train_src = data.source(cfg.data, "train", builtin=kind)
+    eval_spec = cfg.eval_data or ("builtin" if cfg.data == "builtin" else None)
+    eval_src = data.source(eval_spec, "eval", builtin=kind) if eval_spec else None
+    transform = data.make_transform(train_src, lm.tokenizer, lm.chat_format, b.max_length,
+                                    b.truncation, b.max_prompt_length, b.format)
+    if transform.kind != kind:
+        raise SystemExit(
+            f"{algorithm.name} trains on {kind.replace('_', ' ')} data, but {cfg.data} holds "
+            f"{transform.kind.replace('_', ' ')} records (columns of the first record: "
+            f"{sorted(k for k in train_src[0] if not k.startswith('_'))})"
+        )
+    sources = []
+    for name, src in (("train", train_src), ("eval", eval_src)):
+        if src is None or (cfg.eval_only and name == "train"):
+            sources.append(src)
+            continue
+        report = data.validate(src, transform, skip_bad=b.skip_bad)
+        echo(f"{name} data: {report.records} records, {report.bad} bad (skipped), "
+             f"{report.truncated} truncated to {b.max_length} tokens, {report.no_loss_tokens} with "
+             "no loss token left" + "".join("\n  skipped: " + m for m in report.bad_examples))
+        sources.append(data.only_good(src, report))
+    return sources[0], sources[1], transform
+
+
+def _precomputed_reference(cfg, run_dir, algorithm, graphdef, params, frozen, train_src, eval_src,
+                           transform, echo) -> dict:
+    """Reference log-probs of every train and eval example, computed once with the starting
+    weights and cached beside the run (``runs/.reference_cache/<fingerprint>.npz``); reused while
+    the model, the data and the tokenization are the same."""
+    fingerprint = hashlib.sha256(json.dumps({
+        "model": cfg.model, "dtype": cfg.dtype, "seed": cfg.seed, "algorithm": algorithm.name,
+        "data": [cfg.data, cfg.eval_data, _files_signature(cfg.data), _files_signature(cfg.eval_data)],
+        "batching": [cfg.batching.max_length, cfg.batching.max_prompt_length,
+                     cfg.batching.truncation, cfg.batching.format, cfg.batching.skip_bad],
+        "sizes": [len(train_src), len(eval_src) if eval_src is not None else 0],
+    }, sort_keys=True).encode()).hexdigest()[:16]
+    path = run_dir.parent / ".reference_cache" / f"{fingerprint}.npz"
+    if path.exists():
+        with np.load(path) as cached:
+            out = {"train": {}, "eval": {}}
+            for key in cached.files:
+                split, name = key.split("/", 1)
+                out[split][name] = cached[key]
+        echo(f"reference log-probs: reused {path}")
+        return out
+    micro = cfg.batching.batch_size // cfg.batching.grad_accum
+
+    @jax.jit
+    def reference(params, batch):
+        module, _ = merge(graphdef, params, frozen)
+        if model.has_lora(module):
+            with model.lora_disabled(module):
+                return algorithm.reference_logps(module, batch)
+        return algorithm.reference_logps(module, batch)
+
+    out = {"train": {}, "eval": {}}
+    t0 = time.perf_counter()
+    for split, src in (("train", train_src), ("eval", eval_src)):
+        if src is None:
+            continue
+        parts = {}
+        for batch in tqdm(data.eval_batches(src, transform, micro), desc=f"reference {split}",
+                          unit="batch", leave=False):
+            batch = algorithm.prepare({k: v for k, v in batch.items() if k not in ("truncated", "index")})
+            for k, v in jax.device_get(reference(params, batch)).items():
+                parts.setdefault(k, []).append(np.asarray(v))
+        out[split] = {k: np.concatenate(v)[: len(src)] for k, v in parts.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **{f"{s}/{k}": v for s, d in out.items() for k, v in d.items()})
+    tmp.replace(path)
+    echo(f"reference log-probs: computed in {time.perf_counter() - t0:.1f}s, cached in {path}")
+    return out
+
+
+def _files_signature(spec):
+    """Size and modification time of each local file of a data spec (the cache key's data part)."""
+    if not spec or spec == "builtin":
+        return None
+    out = []
+    for part in spec.split(","):
+        path = Path(part.rsplit(":", 1)[0] if not Path(part).exists() else part)
+        if path.exists():
+            st = path.stat()
+            out.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _eval_sets(cfg, eval_src, transform, lm, graphdef, algorithm, reference):
     if eval_src is None:
         return None
     micro = cfg.batching.batch_size // cfg.batching.grad_accum
-    batches = data.eval_batches(eval_src, transform, micro, cfg.eval.batches)
-    for batch in batches:
-        batch.pop("truncated")
-    pairs = data.prompts_and_answers(eval_src, lm.chat_format, cfg.eval.exact_match)
-    greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
-    return batches, pairs, greedy
+    batches = data.eval_batches(eval_src, _Indexed(transform), micro, cfg.eval.batches)
+    batches = [_device_batch(algorithm, batch, reference) for batch in batches]
+    pairs, greedy = [], None
+    if algorithm.generates and cfg.eval.exact_match:
+        pairs = data.prompts_and_answers(eval_src, lm.chat_format, cfg.eval.exact_match)
+        greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
+    return batches, pairs, greedy, algorithm.data_kind == "sft"
 
 
-def _evaluate(cfg, lm, graphdef, params, frozen, eval_step, eval_sets, mesh) -> dict:
+def _evaluate(cfg, lm, params, frozen, eval_step, eval_sets, mesh) -> dict:
     if eval_sets is None:
         return {}
-    batches, pairs, greedy = eval_sets
+    batches, pairs, greedy, is_nll = eval_sets
     sums = None
     for batch in batches:
         sharded = jax.tree.map(lambda x: x[0], shard_batch(batch, mesh, 1))
         out = eval_step(params, frozen, sharded)
         sums = out if sums is None else _sum_tree(sums, out)
-    total, weight, metrics = jax.device_get(sums)
-    result = {name: float(s) / max(float(c), 1e-9) for name, (s, c) in metrics.items()}
+    _, _, metrics = jax.device_get(sums)
+    result = {k: float(v) for k, v in metric_means(metrics).items()}
     if pairs:
         accuracy, _ = generate.exact_match(
-            lm, greedy, (params, frozen), pairs, cfg.eval.max_new_tokens
+            lm, greedy, (params, frozen["model"]), pairs, cfg.eval.max_new_tokens
         )
         result["exact_match"] = accuracy
-    if "loss" in result and math.isfinite(result["loss"]):
+    if is_nll and math.isfinite(result["loss"]):  # SFT's loss is the mean NLL per token
         result["perplexity"] = math.exp(min(result["loss"], 50.0))
     return result

@@ -96,7 +96,9 @@ def test_source_dispatch(tmp_path):
     assert len(ev) == arithmetic.EVAL_SIZE
     a, b = arithmetic.problems("eval")[0]
     assert ev[0]["messages"] == arithmetic.sft_record(a, b)["messages"]
-    assert ev[0]["_where"] == "builtin:eval[0]"
+    assert ev[0]["_where"] == "builtin:sft:eval[0]"
+    pref = data.source("builtin", "eval", builtin="preference")[0]
+    assert pref["chosen"][0]["content"] != pref["rejected"][0]["content"]
 
 
 # ----------------------------------------------------------------------------- formats

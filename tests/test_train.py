@@ -54,7 +54,7 @@ def _setup(sgd=False):
     state = train.init_state(params, tx, seed=0)
     algo = SFT(SFT.Config(), logprob_chunk=8)
     step = jax.jit(train.make_train_step(graphdef, algo.loss, tx, lr), donate_argnums=(0,))
-    return lm, step, state, frozen
+    return lm, step, state, {"model": frozen, "reference": None}
 
 
 def _reshape(batch, accum):

@@ -1,0 +1,16 @@
+"""Direct Preference Optimization (and its TRL variants via --algo.loss-type).
+
+With no arguments: starts from the default SFT run (runs/sft) and trains on the built-in task's
+preference pairs (chosen = the correct sum, rejected = a plausible wrong one).
+
+    python -m experiments.dpo --algo.loss-type ipo --algo.beta 0.5
+    python -m experiments.dpo --model gemma_2b --data pairs.jsonl --lora.rank 8
+"""
+
+from nnx_posttrain import experiment
+from nnx_posttrain.preference import DPO
+
+DEFAULT = experiment.config_for(DPO, **experiment.PREFERENCE_DEFAULTS)
+
+if __name__ == "__main__":
+    experiment.main("dpo", DPO, DEFAULT, __doc__)

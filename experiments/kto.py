@@ -1,0 +1,13 @@
+"""KTO: unpaired desirable / undesirable examples (prompt, completion, label).
+
+With no arguments: starts from the default SFT run (runs/sft) on the built-in task's unpaired
+examples (half labelled desirable with the correct sum, half undesirable with a wrong one).
+"""
+
+from nnx_posttrain import experiment
+from nnx_posttrain.preference import KTO
+
+DEFAULT = experiment.config_for(KTO, **experiment.PREFERENCE_DEFAULTS)
+
+if __name__ == "__main__":
+    experiment.main("kto", KTO, DEFAULT, __doc__)

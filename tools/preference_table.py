@@ -1,0 +1,67 @@
+"""The README's method table: each preference method from the default SFT run, on the built-in task.
+
+    python -m tools.preference_table [--steps 200] [--methods dpo,simpo,...] [-- extra overrides]
+
+Runs ``python -m experiments.sft`` (unless runs/sft exists) and then every method as its own
+process (``runs/table/<method>``), and prints a Markdown table: preference accuracy on held-out
+pairs (rewards/accuracies, or accuracy for the reward model), held-out exact-match accuracy
+before -> after, and wall time. The table is also written to runs/table/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+METHODS = ("dpo", "simpo", "cpo", "orpo", "kto", "reward")
+
+
+def _run(args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", *args], check=True)
+    return time.perf_counter() - t0
+
+
+def _evals(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "eval"]
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--out", default="runs/table")
+    parser.add_argument("--sft-run", default="runs/sft")
+    parser.add_argument("extra", nargs="*", help="overrides passed to every method, after --")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if not (Path(args.sft_run) / "checkpoints").exists():
+        _run(["experiments.sft", "--run-dir", args.sft_run])
+    lines = [
+        "| method | preference accuracy (held-out pairs) | exact match before -> after | wall time |",
+        "|---|---|---|---|",
+    ]
+    for method in args.methods.split(","):
+        run_dir = out / method
+        seconds = _run([f"experiments.{method}", "--run-dir", str(run_dir), "--init-from",
+                        args.sft_run, *args.extra])
+        evals = _evals(run_dir)
+        first, last = evals[0], evals[-1]
+        pref = last.get("rewards/accuracies", last.get("accuracy"))
+        em = (f"{100 * first['exact_match']:.1f}% -> {100 * last['exact_match']:.1f}%"
+              if "exact_match" in last else "n/a (scores answers)")
+        lines.append(f"| {method} | {100 * pref:.1f}% | {em} | {seconds:.0f} s |"
+                     if pref is not None else f"| {method} | n/a | {em} | {seconds:.0f} s |")
+    table = "\n".join(lines)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
