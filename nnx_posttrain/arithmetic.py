@@ -79,12 +79,14 @@ def prompt_record(a: int, b: int) -> dict:
 
 
 def wrong_answer(a: int, b: int, rng: random.Random) -> str:
-    """A plausible wrong answer: a forgotten or spurious carry, or an off-by-one."""
+    """A plausible wrong answer, like a small model's own mistakes: mostly a units digit off by
+    1 to 3, otherwise a forgotten or spurious carry (off by 10)."""
     right = a + b
-    candidates = {right + 10, right - 10, right + 1, right - 1, (a % 10 + b % 10) % 10 + 10 * (a // 10 + b // 10)}
-    candidates.discard(right)
-    candidates = sorted(c for c in candidates if c >= 0)
-    return str(rng.choice(candidates))
+    if rng.random() < 0.7:
+        candidates = [right + d for d in (-3, -2, -1, 1, 2, 3)]
+    else:
+        candidates = [right - 10, right + 10]
+    return str(rng.choice([c for c in candidates if c >= 0]))
 
 
 _INT = re.compile(r"-?\d+")

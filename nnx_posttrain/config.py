@@ -56,6 +56,8 @@ class DataConfig:
     """Split each batch into this many micro-batches; the update equals the one large batch."""
     truncation: Literal["keep_start", "keep_end"] = "keep_start"
     """Which end of an over-long sequence to keep."""
+    packing: bool = False
+    """SFT: pack several examples into each max-length row (attention never crosses them)."""
     shuffle: bool = True
     """Shuffle the training data (deterministically, by --seed and epoch)."""
     format: Literal["auto", "language_modeling", "prompt_completion", "preference",

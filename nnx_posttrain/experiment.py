@@ -41,5 +41,12 @@ def config_for(algorithm, **overrides) -> config_lib.Config:
 
 
 def main(name: str, algorithm, default: config_lib.Config, doc: str | None = None, args=None):
+    """Parse the command line and run. Errors in the user's input (data, model, checkpoint) end
+    the program with their message, not a traceback."""
+    from nnx_posttrain import checkpoint, data, model
+
     cfg = config_lib.parse(default, args=args, description=doc)
-    return train.run(cfg, algorithm(cfg.algo, cfg.logprob_chunk), experiment=name)
+    try:
+        return train.run(cfg, algorithm(cfg.algo, cfg.logprob_chunk), experiment=name)
+    except (data.DataError, model.ModelLoadError, checkpoint.CheckpointMismatchError) as exc:
+        raise SystemExit(f"error: {exc}") from None

@@ -219,8 +219,10 @@ class KTO(Algorithm):
         kl_mask = np.zeros_like(mask)
         for i in range(n):
             j = (i + 1) % n
-            real_i = att[i] > 0
-            prompt = ids[i][real_i & (mask[i] == 0)]
+            # the prompt is what precedes the completion: not the template's tokens after it
+            loss_i = np.flatnonzero(mask[i] > 0)
+            start = int(loss_i[0]) if len(loss_i) else width
+            prompt = ids[i][:start][att[i][:start] > 0]
             completion = ids[j][(att[j] > 0) & (mask[j] > 0)]
             row = np.concatenate([prompt, completion])[:width]
             kl_ids[i, : len(row)] = row

@@ -248,8 +248,12 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     if algorithm.reference_mode == "precompute":
         reference_cache = _precomputed_reference(cfg, run_dir, algorithm, graphdef, state["params"],
                                                  frozen, train_src, eval_src, transform, echo)
-    batches = data.train_batches(train_src, _Indexed(transform), b.batch_size, cfg.seed, b.shuffle,
-                                 b.num_workers)
+    if b.packing:
+        batches = data.packed_train_batches(train_src, transform, b.batch_size, cfg.seed,
+                                            b.shuffle, b.num_workers)
+    else:
+        batches = data.train_batches(train_src, _Indexed(transform), b.batch_size, cfg.seed,
+                                     b.shuffle, b.num_workers)
     if resume_step is not None:
         state, data_state, _ = ckpt.restore(resume_step, checkpoint.abstract(state), record)
         if data_state and not cfg.eval_only:
@@ -370,6 +374,8 @@ def _data(cfg, lm, algorithm, echo):
     eval_src = data.source(eval_spec, "eval", builtin=kind) if eval_spec else None
     transform = data.make_transform(train_src, lm.tokenizer, lm.chat_format, b.max_length,
                                     b.truncation, b.max_prompt_length, b.format)
+    if b.packing and kind != "sft":
+        raise SystemExit(f"--batching.packing applies to SFT only, not {algorithm.name}")
     if transform.kind != kind:
         raise SystemExit(
             f"{algorithm.name} trains on {kind.replace('_', ' ')} data, but {cfg.data} holds "
@@ -396,6 +402,7 @@ def _precomputed_reference(cfg, run_dir, algorithm, graphdef, params, frozen, tr
     the model, the data and the tokenization are the same."""
     fingerprint = hashlib.sha256(json.dumps({
         "model": cfg.model, "dtype": cfg.dtype, "seed": cfg.seed, "algorithm": algorithm.name,
+        "init_from": _init_signature(cfg.init_from),
         "data": [cfg.data, cfg.eval_data, _files_signature(cfg.data), _files_signature(cfg.eval_data)],
         "batching": [cfg.batching.max_length, cfg.batching.max_prompt_length,
                      cfg.batching.truncation, cfg.batching.format, cfg.batching.skip_bad],
@@ -438,6 +445,16 @@ def _precomputed_reference(cfg, run_dir, algorithm, graphdef, params, frozen, tr
     tmp.replace(path)
     echo(f"reference log-probs: computed in {time.perf_counter() - t0:.1f}s, cached in {path}")
     return out
+
+
+def _init_signature(init_from):
+    """The starting weights of ``--init-from`` (the cache key's part for them): the run directory
+    and the modification time of its checkpoints (a new or removed checkpoint changes it)."""
+    if not init_from:
+        return None
+    checkpoints = Path(init_from) / "checkpoints"
+    return [str(Path(init_from).resolve()),
+            checkpoints.stat().st_mtime_ns if checkpoints.exists() else None]
 
 
 def _files_signature(spec):
