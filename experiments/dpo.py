@@ -10,7 +10,8 @@ preference pairs (chosen = the correct sum, rejected = a plausible wrong one).
 from nnx_posttrain import experiment
 from nnx_posttrain.preference import DPO
 
-DEFAULT = experiment.config_for(DPO, **experiment.PREFERENCE_DEFAULTS)
+ALGORITHM = DPO
+DEFAULT = experiment.config_for(DPO, **experiment.PREFERENCE_DEFAULTS, algo=dict(beta=1.0))
 
 if __name__ == "__main__":
     experiment.main("dpo", DPO, DEFAULT, __doc__)

@@ -7,7 +7,8 @@ examples (half labelled desirable with the correct sum, half undesirable with a 
 from nnx_posttrain import experiment
 from nnx_posttrain.preference import KTO
 
-DEFAULT = experiment.config_for(KTO, **experiment.PREFERENCE_DEFAULTS)
+ALGORITHM = KTO
+DEFAULT = experiment.config_for(KTO, **experiment.PREFERENCE_DEFAULTS, algo=dict(beta=1.0))
 
 if __name__ == "__main__":
     experiment.main("kto", KTO, DEFAULT, __doc__)

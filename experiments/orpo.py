@@ -6,7 +6,8 @@ With no arguments: starts from the default SFT run (runs/sft) on the built-in pr
 from nnx_posttrain import experiment
 from nnx_posttrain.preference import ORPO
 
-DEFAULT = experiment.config_for(ORPO, **experiment.PREFERENCE_DEFAULTS)
+ALGORITHM = ORPO
+DEFAULT = experiment.config_for(ORPO, **experiment.PREFERENCE_DEFAULTS, algo=dict(beta=1.0))
 
 if __name__ == "__main__":
     experiment.main("orpo", ORPO, DEFAULT, __doc__)

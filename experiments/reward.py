@@ -7,6 +7,7 @@ the eval metric `accuracy` is how often the correct answer gets the higher rewar
 from nnx_posttrain import experiment
 from nnx_posttrain.preference import Reward
 
+ALGORITHM = Reward
 DEFAULT = experiment.config_for(Reward, **experiment.PREFERENCE_DEFAULTS)
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 from nnx_posttrain import experiment
 from nnx_posttrain.algorithms import SFT
 
+ALGORITHM = SFT
 DEFAULT = experiment.config_for(
     SFT,
     steps=600,

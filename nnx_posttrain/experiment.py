@@ -14,7 +14,7 @@ from nnx_posttrain import train
 PREFERENCE_DEFAULTS = dict(
     init_from="runs/sft",
     steps=200,
-    optim=dict(learning_rate=5e-4, warmup_steps=10, min_lr_ratio=0.1),
+    optim=dict(learning_rate=1e-4, warmup_steps=10, min_lr_ratio=0.1),
     batching=dict(batch_size=32, max_length=32),
     eval=dict(every=50, exact_match=500),
 )

@@ -205,11 +205,18 @@ class ORPO(Algorithm):
 
 class KTO(Algorithm):
     """KTO's KL reference point uses mismatched completions: each prompt of the batch with the
-    next example's completion (as TRL), built on the host by ``prepare``."""
+    next example's completion (as TRL), built on the host by ``prepare``. Those pairs depend on
+    the shuffled batch, so their reference log-probs cannot be precomputed."""
 
     name = "kto"
     Config = KTOConfig
     data_kind = "unpaired_preference"
+
+    def setup(self, module):
+        super().setup(module)
+        if self.reference_mode == "precompute":
+            raise SystemExit("kto: --algo.reference precompute is not supported (the KL pairs are "
+                             "formed within each shuffled batch); use lora_base or copy")
 
     def prepare(self, batch):
         ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]

@@ -234,7 +234,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
                                if algorithm.reference_mode else ""))
 
-    train_src, eval_src, transform = _data(cfg, lm, algorithm, echo)
+    train_src, eval_src, transform, skipped = _data(cfg, lm, algorithm, echo)
 
     graphdef, params, frozen_model = model.split(module)
     tx, lr = optimizer(cfg.optim, cfg.steps)
@@ -335,7 +335,8 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
                     result.stopped_by = name
                     raise SystemExit(128 + stop.received)
         bar.close()
-        echo(f"done: {cfg.steps} steps; run directory {run_dir}")
+        echo(f"done: {cfg.steps} steps; run directory {run_dir}"
+             + (f"; {skipped} bad records were skipped (--batching.skip-bad)" if skipped else ""))
     finally:
         ckpt.close()
         log.close()
@@ -361,12 +362,16 @@ def _device_batch(algorithm, batch: dict, reference: dict | None) -> dict:
     batch.pop("truncated", None)
     index = batch.pop("index", None)
     if reference is not None:
-        batch.update({k: v[index] for k, v in reference.items()})
+        # a blank row padding the last eval batch (index -1) gets 0, as the model gives it in the
+        # other reference modes (its loss mask is all zeros)
+        batch.update({k: np.where(index >= 0, v[index], 0).astype(v.dtype)
+                      for k, v in reference.items()})
     return algorithm.prepare(batch)
 
 
 def _data(cfg, lm, algorithm, echo):
-    """(train source, eval source or None, transform), every record validated up front."""
+    """(train source, eval source or None, transform, bad records skipped), every record
+    validated up front."""
     b = cfg.batching
     kind = algorithm.data_kind
     train_src = data.source(cfg.data, "train", builtin=kind)
@@ -382,7 +387,7 @@ def _data(cfg, lm, algorithm, echo):
             f"{transform.kind.replace('_', ' ')} records (columns of the first record: "
             f"{sorted(k for k in train_src[0] if not k.startswith('_'))})"
         )
-    sources = []
+    sources, skipped = [], 0
     for name, src in (("train", train_src), ("eval", eval_src)):
         if src is None or (cfg.eval_only and name == "train"):
             sources.append(src)
@@ -392,7 +397,8 @@ def _data(cfg, lm, algorithm, echo):
              f"{report.truncated} truncated to {b.max_length} tokens, {report.no_loss_tokens} with "
              "no loss token left" + "".join("\n  skipped: " + m for m in report.bad_examples))
         sources.append(data.only_good(src, report))
-    return sources[0], sources[1], transform
+        skipped += report.bad
+    return sources[0], sources[1], transform, skipped
 
 
 def _precomputed_reference(cfg, run_dir, algorithm, graphdef, params, frozen, train_src, eval_src,
@@ -459,8 +465,12 @@ def _init_signature(init_from):
 
 def _files_signature(spec):
     """Size and modification time of each local file of a data spec (the cache key's data part)."""
-    if not spec or spec == "builtin":
+    if not spec:
         return None
+    if spec == "builtin":  # the generator's code is the data
+        from nnx_posttrain import arithmetic
+
+        return hashlib.sha256(Path(arithmetic.__file__).read_bytes()).hexdigest()
     out = []
     for part in spec.split(","):
         path = Path(part.rsplit(":", 1)[0] if not Path(part).exists() else part)
@@ -475,6 +485,10 @@ def _eval_sets(cfg, eval_src, transform, lm, graphdef, algorithm, reference):
         return None
     micro = cfg.batching.batch_size // cfg.batching.grad_accum
     batches = data.eval_batches(eval_src, _Indexed(transform), micro, cfg.eval.batches)
+    if algorithm.data_kind != "sft" and len(batches) > 1 and (batches[-1]["index"] < 0).any():
+        # blank rows count as pairs in preference losses (SFT's have no loss tokens): use full
+        # batches only
+        batches = batches[:-1]
     batches = [_device_batch(algorithm, batch, reference) for batch in batches]
     pairs, greedy = [], None
     if algorithm.generates and cfg.eval.exact_match:
