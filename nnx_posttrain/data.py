@@ -764,13 +764,9 @@ class Tokenize:
 
 
 @dataclass
-class TokenizePreference:
-    """A preference record (``chosen``, ``rejected``, explicit or implicit ``prompt``) -> prompt +
-    chosen and prompt + rejected, each ``max_length`` long: ``chosen_input_ids``,
-    ``chosen_attention_mask``, ``chosen_loss_mask`` (the completion's tokens only), the same for
-    ``rejected_``, and ``truncated`` (1 if either side was cut)."""
+class _SequenceTransform:
+    """What every prompt + completion transform is configured with (a picklable Grain map)."""
 
-    kind: ClassVar[str] = "preference"
     tokenizer: object
     chat_format: str
     max_length: int
@@ -779,6 +775,16 @@ class TokenizePreference:
 
     def __post_init__(self):
         _check_lengths(self)
+
+
+@dataclass
+class TokenizePreference(_SequenceTransform):
+    """A preference record (``chosen``, ``rejected``, explicit or implicit ``prompt``) -> prompt +
+    chosen and prompt + rejected, each ``max_length`` long: ``chosen_input_ids``,
+    ``chosen_attention_mask``, ``chosen_loss_mask`` (the completion's tokens only), the same for
+    ``rejected_``, and ``truncated`` (1 if either side was cut)."""
+
+    kind: ClassVar[str] = "preference"
 
     def __call__(self, record: dict) -> dict:
         prompt, chosen, rejected = preference_parts(record)
@@ -814,20 +820,12 @@ def preference_parts(record: dict):
 
 
 @dataclass
-class TokenizeUnpaired:
+class TokenizeUnpaired(_SequenceTransform):
     """An unpaired preference record (``prompt``, ``completion``, boolean ``label``) ->
     ``input_ids``, ``attention_mask``, ``loss_mask`` (completion only), ``label`` (1.0 desirable,
     0.0 undesirable), ``truncated``."""
 
     kind: ClassVar[str] = "unpaired_preference"
-    tokenizer: object
-    chat_format: str
-    max_length: int
-    truncation: str = "keep_start"
-    max_prompt_length: int | None = None
-
-    def __post_init__(self):
-        _check_lengths(self)
 
     def __call__(self, record: dict) -> dict:
         where = _where(record)

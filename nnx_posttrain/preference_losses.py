@@ -373,6 +373,17 @@ def bco_update_delta(delta, num_batches, reward_mean_metric):
 # ----------------------------------------------------------------------------------------------
 
 
+def _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll):
+    """The common end of SimPO and CPO: the optional NLL term, TRL's metrics (rewards are beta
+    times the policy log-probs), the (sum, weight, metrics) triple."""
+    if uses_nll:
+        per_pair = per_pair + _f32(nll_weight) * _f32(chosen_nll)
+    metrics = _pair_metrics(beta * chosen, beta * rejected, chosen, rejected, per_pair)
+    if chosen_nll is not None:
+        metrics["nll_loss"] = _mean_metric(jnp.broadcast_to(_f32(chosen_nll), chosen.shape))
+    return jnp.sum(per_pair), _count(chosen), metrics
+
+
 def simpo(
     policy_chosen_avg,
     policy_rejected_avg,
@@ -426,12 +437,7 @@ def simpo(
     beta = _f32(beta)
     logits = beta * (chosen - rejected) - _f32(gamma)
     per_pair = _smoothed_sigmoid(logits, label_smoothing)
-    if uses_nll:
-        per_pair = per_pair + _f32(nll_weight) * _f32(chosen_nll)
-    metrics = _pair_metrics(beta * chosen, beta * rejected, chosen, rejected, per_pair)
-    if chosen_nll is not None:
-        metrics["nll_loss"] = _mean_metric(jnp.broadcast_to(_f32(chosen_nll), chosen.shape))
-    return jnp.sum(per_pair), _count(chosen), metrics
+    return _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll)
 
 
 def cpo(
@@ -485,12 +491,7 @@ def cpo(
         per_pair = jax.nn.relu(1.0 - beta * delta)
     else:  # ipo
         per_pair = jnp.square(delta - 1.0 / (2.0 * beta))
-    if uses_nll:
-        per_pair = per_pair + _f32(nll_weight) * _f32(chosen_nll)
-    metrics = _pair_metrics(beta * chosen, beta * rejected, chosen, rejected, per_pair)
-    if chosen_nll is not None:
-        metrics["nll_loss"] = _mean_metric(jnp.broadcast_to(_f32(chosen_nll), chosen.shape))
-    return jnp.sum(per_pair), _count(chosen), metrics
+    return _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll)
 
 
 def orpo(policy_chosen_avg, policy_rejected_avg, chosen_nll, *, beta: float = 0.1):
