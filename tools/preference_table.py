@@ -3,7 +3,8 @@
     python -m tools.preference_table [--steps 200] [--methods dpo,simpo,...] [-- extra overrides]
 
 Runs ``python -m experiments.sft`` (unless runs/sft exists) and then every method as its own
-process (``runs/table/<method>``), and prints a Markdown table: preference accuracy on held-out
+process (``runs/table/<method>``), plus a baseline that simply continues SFT for as many steps, and
+prints a Markdown table: preference accuracy on held-out
 pairs (rewards/accuracies, or accuracy for the reward model), held-out exact-match accuracy
 before -> after, and wall time. The table is also written to runs/table/table.md.
 """
@@ -17,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("dpo", "simpo", "cpo", "orpo", "kto", "reward")
+METHODS = ("sft", "dpo", "simpo", "cpo", "orpo", "kto", "reward")
+# The baseline row: 200 more SFT steps on the correct answers, with the preference runs' schedule.
+SFT_CONTINUED = ["--steps", "200", "--optim.learning-rate", "1e-4", "--optim.warmup-steps", "10",
+                 "--eval.every", "50"]
 
 
 def _run(args: list[str]) -> float:
@@ -47,15 +51,17 @@ def main(argv=None) -> str:
     ]
     for method in args.methods.split(","):
         run_dir = out / method
+        baseline = SFT_CONTINUED if method == "sft" else []
         seconds = _run([f"experiments.{method}", "--run-dir", str(run_dir), "--init-from",
-                        args.sft_run, *args.extra])
+                        args.sft_run, *baseline, *args.extra])
         evals = _evals(run_dir)
         first, last = evals[0], evals[-1]
         pref = last.get("rewards/accuracies", last.get("accuracy"))
         em = (f"{100 * first['exact_match']:.1f}% -> {100 * last['exact_match']:.1f}%"
               if "exact_match" in last else "n/a (scores answers)")
-        lines.append(f"| {method} | {100 * pref:.1f}% | {em} | {seconds:.0f} s |"
-                     if pref is not None else f"| {method} | n/a | {em} | {seconds:.0f} s |")
+        name = "sft, 200 more steps (baseline)" if method == "sft" else method
+        pref = "n/a" if pref is None else f"{100 * pref:.1f}%"
+        lines.append(f"| {name} | {pref} | {em} | {seconds:.0f} s |")
     table = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
