@@ -340,6 +340,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     finally:
         ckpt.close()
         log.close()
+        getattr(batches, "close", lambda: None)()  # Grain worker processes, when there are any
     return result
 
 
