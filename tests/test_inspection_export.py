@@ -1,0 +1,120 @@
+"""Notebook inspection helpers (nnx_posttrain.inspection) and tools.export, on tiny real runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
+import jax.numpy as jnp
+import keras_hub
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_posttrain import inspection, model, runs
+from tools import export
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = jnp.array([[2, 17, 30, 41, 52, 63, 74, 85, 96, 11, 12, 13, 14], [2, 9, 8, 7, 6, 5, 4, 0, 0, 0, 0, 0, 0]])
+MASK = (IDS != 0).astype(jnp.int32).at[:, 0].set(1)
+
+
+def _train(run_dir, *extra):
+    cmd = [
+        sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--steps", "3",
+        "--eval.every", "0", "--eval.exact-match", "0", "--eval.batches", "1",
+        "--batching.batch-size", "4", "--batching.max-length", "24", "--run-dir", str(run_dir), *extra,
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise AssertionError(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("full") / "run")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("lora") / "run", "--lora.rank", "2", "--lora.targets",
+                  "attention", "--optim.learning-rate", "1e-2")
+
+
+def test_param_counts_group_by_top_level_layer_and_sum_to_the_total(full_run):
+    module = runs.load(full_run).module
+    counts = inspection.param_counts(module)
+    assert {"token_embedding", "decoder_block_0", "decoder_block_1", "total"} <= counts.keys()
+    assert sum(v for k, v in counts.items() if k != "total") == counts["total"]
+    assert counts["total"] == model.count_params(nnx.state(module)) > 0
+
+
+def test_lora_delta_norms_then_merge_keeps_outputs_and_leaves_a_plain_model(lora_run):
+    module = runs.load(lora_run).module
+    norms = inspection.lora_delta_norms(module)
+    assert len(norms) == 4 * 2  # q, k, v, o in each of the 2 blocks
+    assert all(k.startswith("decoder_block_") and v > 0 for k, v in norms.items())
+    dtypes = {v.path: v.dtype for v in module.weights if v.path.endswith("kernel")}
+    before = model.full_logits(module, IDS, MASK)
+    merged = inspection.merge_lora(module)
+    assert sorted(merged) == sorted(norms)
+    after = model.full_logits(module, IDS, MASK)
+    assert float(jnp.max(jnp.abs(before - after))) < 1e-5
+    assert not model.has_lora(module)
+    assert inspection.lora_delta_norms(module) == {}
+    assert not [v.path for v in module.weights if "lora" in v.path]
+    assert {v.path: v.dtype for v in module.weights if v.path.endswith("kernel")} == dtypes
+    _, trainable, frozen = model.split(module)  # a plain model: every weight trains again
+    assert model.count_params(frozen) == 0
+
+
+def test_policy_reference_diff_is_zero_to_itself_and_positive_to_the_base(full_run):
+    module = runs.load(full_run).module
+    same = inspection.policy_reference_diff(module, module)
+    assert same and all(v == 0.0 for v in same.values())
+    base = model.load("gemma_micro", seed=json.loads((full_run / "config.json").read_text())["seed"])
+    diff = inspection.policy_reference_diff(module, base.module)
+    assert diff.keys() == same.keys()
+    assert all(v > 0 for k, v in diff.items() if k.endswith("kernel")), diff
+
+
+def test_show_state_renders_html(full_run):
+    html = inspection.show_state(model.load("gemma_micro").module)
+    assert isinstance(html, str) and len(html) > 1000 and "<" in html
+
+
+@pytest.mark.parametrize("which", ["lora_run", "full_run"])
+def test_export_keras_preset_round_trips_with_the_same_logits(which, request, tmp_path):
+    run_dir = request.getfixturevalue(which)
+    expected_module = runs.load(run_dir).module
+    expected = model.full_logits(expected_module, IDS, MASK)  # LoRA (unmerged) or full weights
+    out = tmp_path / "preset"
+    files = export.main([str(run_dir), "--to", str(out)])
+    assert out / "config.json" in files
+    assert "lora" not in (out / "config.json").read_text()
+    exported = model.load(str(out))
+    got = model.full_logits(exported.module, IDS, MASK)
+    assert float(jnp.max(jnp.abs(got - expected))) < 1e-5
+    task = keras_hub.models.CausalLM.from_preset(str(out))
+    np.testing.assert_allclose(model.full_logits(task.backbone, IDS, MASK), expected, atol=1e-5)
+
+
+def test_export_hf_writes_safetensors_and_config(lora_run, tmp_path):
+    out = tmp_path / "hf"
+    export.main([str(lora_run), "--to", str(out), "--format", "hf"])
+    assert (out / "model.safetensors").stat().st_size > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("model_type") == "gemma"
+
+
+def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path):
+    empty = tmp_path / "run"
+    empty.mkdir()
+    (empty / "config.json").write_text((full_run / "config.json").read_text())
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        export.main([str(empty), "--to", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="not a run directory"):
+        export.main([str(tmp_path / "nothing"), "--to", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,256 @@
+"""tools.compare and tools.sweep: fake run directories, plus one real two-point sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tools import compare, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(**over):
+    cfg = {"model": "gemma_micro", "steps": 20, "seed": 0, "run_dir": "x", "algo": {},
+           "optim": {"learning_rate": 1e-3, "schedule": "cosine"}, "lora": {"rank": 0}}
+    for key, value in over.items():
+        if isinstance(value, dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def make_run(path: Path, records: list[dict], config: dict | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config if config is not None else _config()))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _records(eval_losses, eval_em, train_losses, every=10):
+    out = []
+    for i, loss in enumerate(train_losses):
+        out.append({"step": (i + 1) * every // 2, "split": "train", "loss": loss, "grad_norm": 1.0})
+    for i, (loss, em) in enumerate(zip(eval_losses, eval_em)):
+        out.append({"step": i * every, "split": "eval", "loss": loss, "exact_match": em,
+                    "perplexity": math.exp(loss) if isinstance(loss, float) else loss})
+    return out
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    a = make_run(tmp_path / "runs" / "a", _records([3.0, 1.0, 2.0], [0.1, 0.5, 0.3], [4.0, 3.0, 2.5, 2.0]))
+    b = make_run(tmp_path / "runs" / "b", _records([3.0, "nan", 0.5], [0.0, 0.2, 0.2], [4.0, "nan"]),
+                 _config(optim={"learning_rate": 3e-3}, seed=1, run_dir="y"))
+    return a, b
+
+
+# ---- compare ----
+
+def test_summarize_final_best_and_min_max_rule(two_runs):
+    a, b = compare.load_runs(two_runs)
+    assert compare.summarize(a, "loss") == {"final": 2.0, "final_step": 20, "best": 1.0, "best_step": 10}
+    assert compare.summarize(a, "exact_match") == {"final": 0.3, "final_step": 20, "best": 0.5, "best_step": 10}
+    assert compare.summarize(a, "perplexity")["best_step"] == 10  # 'perplexity' -> min
+    # NaN ("nan" strings in the log) is ignored for the best but shown as the final when last.
+    s = compare.summarize(b, "loss")
+    assert (s["best"], s["best_step"], s["final"]) == (0.5, 20, 0.5)
+    assert compare.summarize(b, "exact_match")["best_step"] == 10  # ties: earliest step
+    assert math.isnan(compare.summarize(b, "loss", split="train")["final"])
+    assert compare.summarize(a, "no_such_metric") is None
+
+
+@pytest.mark.parametrize("name,lower", [("loss", True), ("nll_loss", True), ("perplexity", True),
+                                        ("kl", True), ("exact_match", False),
+                                        ("rewards/accuracies", False)])
+def test_lower_is_better(name, lower):
+    assert compare.lower_is_better(name) is lower
+
+
+def test_summary_table_markdown(two_runs):
+    runs = compare.load_runs(two_runs)
+    table = compare.summary_table(runs, ["loss", "exact_match"])
+    lines = table.splitlines()
+    assert lines[0] == ("| run | loss final | loss best (min) @ step | exact_match final | "
+                        "exact_match best (max) @ step |")
+    assert lines[2] == "| a | 2.0000 | 1.0000 @ 10 | 0.3000 | 0.5000 @ 10 |"
+    assert lines[3] == "| b | 0.5000 | 0.5000 @ 20 | 0.2000 | 0.2000 @ 10 |"
+    # Default: every eval metric.
+    assert "perplexity final" in compare.summary_table(runs)
+
+
+def test_config_diff_only_differing_keys(two_runs, tmp_path):
+    runs = compare.load_runs(two_runs)
+    diff = compare.config_diff(runs)
+    assert diff == {"optim.learning_rate": [1e-3, 3e-3], "seed": [0, 1]}  # run_dir left out
+    table = compare.config_diff_table(runs)
+    assert "| optim.learning_rate | 0.001 | 0.003 |" in table
+    assert "model" not in table and "schedule" not in table
+    # A key only one run has differs; identical configs have no differences.
+    c = make_run(tmp_path / "c", [], _config(lora={"rank": 0, "alpha": 8}))
+    assert compare.config_diff(compare.load_runs([two_runs[0], c]))["lora.alpha"] == ["-", 8]
+    assert compare.config_diff(compare.load_runs([two_runs[0], two_runs[0]])) == {}
+
+
+def test_flatten():
+    assert compare.flatten({"a": {"b": 1, "c": {"d": None}}, "e": {}, "f": [1]}) == {
+        "a.b": 1, "a.c.d": None, "e": {}, "f": [1]}
+
+
+def test_plots_written_and_cli_default_out(two_runs, capsys):
+    result = compare.main([str(p) for p in two_runs] + ["--metrics", "loss,exact_match"])
+    out_dir = two_runs[0].parent / "compare"  # common parent of the runs
+    assert result["plots"] == [out_dir / "loss.png", out_dir / "exact_match.png"]
+    for p in result["plots"]:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "| a | 2.0000 | 1.0000 @ 10 |" in printed and str(out_dir / "loss.png") in printed
+    assert "| seed | 0 | 1 |" in printed
+
+
+def test_plot_metric_with_slash_and_explicit_out(two_runs, tmp_path):
+    runs = compare.load_runs(two_runs)
+    paths = compare.plot(runs, ["loss", "rewards/margins"], tmp_path / "pics")
+    assert paths == [tmp_path / "pics" / "loss.png"]  # a metric no run logged gives no file
+
+
+def test_same_basename_labels(tmp_path):
+    a = make_run(tmp_path / "s1" / "run", _records([1.0], [0.1], [1.0]))
+    b = make_run(tmp_path / "s2" / "run", _records([2.0], [0.2], [2.0]))
+    assert [r.label for r in compare.load_runs([a, b])] == ["s1/run", "s2/run"]
+
+
+def test_bad_run_dir_is_a_clear_error(tmp_path, two_runs):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"empty.*metrics\.jsonl"):
+        compare.main([str(two_runs[0]), str(tmp_path / "empty")])
+    with pytest.raises(SystemExit, match="missing"):
+        compare.load_run(tmp_path / "missing")
+
+
+# ---- sweep ----
+
+def test_grid_expansion_and_names():
+    grid = sweep.parse_grid(["algo.beta=2,2.5", "algo.gamma_beta_ratio=0.3,0.5", "seed=0"])
+    assert grid == {"algo.beta": ["2", "2.5"], "algo.gamma_beta_ratio": ["0.3", "0.5"], "seed": ["0"]}
+    points = sweep.expand(grid)
+    assert len(points) == 4
+    assert [sweep.point_name(p) for p in points] == [
+        "algo.beta=2,algo.gamma_beta_ratio=0.3,seed=0",
+        "algo.beta=2,algo.gamma_beta_ratio=0.5,seed=0",
+        "algo.beta=2.5,algo.gamma_beta_ratio=0.3,seed=0",
+        "algo.beta=2.5,algo.gamma_beta_ratio=0.5,seed=0",
+    ]
+    cmd = sweep.command("experiments.simpo", Path("out/n"), points[0], ["--steps", "5"])
+    assert cmd[1:] == ["-m", "experiments.simpo", "--run-dir", "out/n", "--algo.beta", "2",
+                       "--algo.gamma-beta-ratio", "0.3", "--seed", "0", "--steps", "5"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    (["algo.beta"], "expected KEY=V1,V2"),
+    (["=1,2"], "expected KEY=V1,V2"),
+    (["algo..beta=1"], "expected KEY=V1,V2"),
+    (["algo.beta="], "empty value"),
+    (["algo.beta=1,,2"], "empty value"),
+    (["algo.beta=1,1"], "repeated value"),
+    (["algo.beta=1", "algo.beta=2"], "given twice"),
+    (["run_dir=a,b"], "run-dir"),
+    ([], "at least one"),
+])
+def test_bad_grid_messages(spec, message):
+    with pytest.raises(sweep.GridError, match=message):
+        sweep.parse_grid(spec)
+
+
+def test_bad_grid_exits_cleanly(tmp_path):
+    with pytest.raises(SystemExit, match="bad grid item 'algo.beta'"):
+        sweep.main(["experiments.simpo", "--grid", "algo.beta", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no experiment module 'experiments.nope'"):
+        sweep.main(["nope", "--grid", "a=1", "--out", str(tmp_path)])
+
+
+def test_is_complete(tmp_path):
+    done = make_run(tmp_path / "done", [{"step": 10, "split": "train", "loss": 1.0},
+                                        {"step": 20, "split": "train", "loss": 1.0},
+                                        {"step": 20, "split": "eval", "loss": 1.0}])
+    half = make_run(tmp_path / "half", [{"step": 10, "split": "train", "loss": 1.0},
+                                        {"step": 10, "split": "eval", "loss": 1.0}])
+    assert sweep.is_complete(done)
+    assert not sweep.is_complete(half)
+    assert not sweep.is_complete(tmp_path / "absent")
+    (half / "metrics.jsonl").write_text((half / "metrics.jsonl").read_text() + '{"step": 20, "spl')
+    assert not sweep.is_complete(half)  # a cut last line is ignored, not fatal
+
+
+def test_sweep_skips_complete_and_reruns_incomplete(tmp_path, monkeypatch):
+    out = tmp_path / "sw"
+    make_run(out / "seed=0", [{"step": 20, "split": "train", "loss": 1.0},
+                              {"step": 20, "split": "eval", "loss": 1.0}])
+    make_run(out / "seed=1", [{"step": 10, "split": "train", "loss": 1.0}])
+    calls = []
+
+    def fake_run(cmd):
+        calls.append(cmd)
+        run_dir = Path(cmd[cmd.index("--run-dir") + 1])
+        with (run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": 20, "split": "train", "loss": 0.5}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    state = sweep.sweep("experiments.sft", ["seed=0,1"], out, ["--steps", "20"], echo=lambda m: None)
+    assert len(calls) == 1 and calls[0][-4:] == ["--seed", "1", "--steps", "20"]
+    assert [p["status"] for p in state["points"]] == ["skipped (complete)", "done"]
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["grid"] == {"seed": ["0", "1"]}
+    assert saved["points"][1]["run_dir"] == str(out / "seed=1")
+    assert [p["status"] for p in saved["points"]] == ["skipped (complete)", "done"]
+    assert (out / "compare" / "loss.png").stat().st_size > 0
+
+
+def test_sweep_failed_point_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 2))
+    with pytest.raises(SystemExit, match="1 of 1 sweep points did not complete"):
+        sweep.sweep("experiments.sft", ["seed=0"], tmp_path, echo=lambda m: None)
+    assert json.loads((tmp_path / "sweep.json").read_text())["points"][0]["status"] == "failed (exit 2)"
+
+
+def test_real_sweep_end_to_end_and_resume(tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "tools.sweep", "experiments.sft", "--grid",
+           "optim.learning_rate=1e-3,3e-3", "--out", str(out), "--",
+           "--model", "gemma_micro", "--steps", "3", "--eval.every", "0", "--eval.exact-match", "0",
+           "--eval.batches", "1", "--batching.batch-size", "4", "--batching.max-length", "24",
+           "--checkpoint.every", "0"]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    names = ["optim.learning_rate=1e-3", "optim.learning_rate=3e-3"]
+    for name in names:
+        assert sweep.is_complete(out / name)
+        assert json.loads((out / name / "config.json").read_text())["optim"]["learning_rate"] in (1e-3, 3e-3)
+    state = json.loads((out / "sweep.json").read_text())
+    assert [p["status"] for p in state["points"]] == ["done", "done"]
+    assert "| optim.learning_rate | 0.001 | 0.003 |" in first.stdout
+
+    t0 = time.perf_counter()
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count("complete, skipped") == 2
+    assert elapsed < 15, elapsed  # no training process started
+    state = json.loads((out / "sweep.json").read_text())
+    assert [p["status"] for p in state["points"]] == ["skipped (complete)"] * 2
+    assert (out / "compare" / "loss.png").stat().st_size > 0
+    assert "loss final" in (out / "compare" / "summary.md").read_text()
+
+
+def test_boolean_grid_values_become_tyro_flags():
+    cmd = sweep.command("experiments.sft", Path("r"), {"batching.packing": "false",
+                                                        "batching.shuffle": "true"}, [])
+    assert cmd[-2:] == ["--batching.no-packing", "--batching.shuffle"]

@@ -1,0 +1,271 @@
+"""Compare runs: final and best eval metrics, config differences, and metric curves.
+
+    python -m tools.compare RUN_DIR [RUN_DIR ...] [--metrics loss,exact_match] [--out DIR]
+
+Reads each run's ``config.json`` and ``metrics.jsonl`` and prints
+(a) a Markdown table, one row per run: for each eval metric its final value and its best value
+    with the step (the minimum for metrics whose name contains 'loss', 'perplexity' or 'kl', the
+    maximum otherwise; NaN values are ignored for the best);
+(b) the config keys (flattened, dotted) whose values differ between runs, as a table key x run
+    (``run_dir`` is left out: it always differs and names the column already).
+Writes one PNG per chosen metric (one colour per run; train solid, eval dashed with markers) into
+``--out`` (default: ``compare/`` in the runs' common parent directory) and prints the paths.
+``--metrics`` chooses the metrics of the table and the plots; by default the table has every eval
+metric and the plots ``loss`` and ``exact_match`` (those present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIN_MARKERS = ("loss", "perplexity", "kl")
+DEFAULT_PLOTS = ("loss", "exact_match")
+_MISSING = object()
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    records: list[dict]
+    label: str = ""
+    flat_config: dict = field(default_factory=dict)
+
+    def series(self, split: str, metric: str) -> list[tuple[int, float]]:
+        """(step, value) of ``metric`` in ``split``'s records, in log order ("nan" -> NaN)."""
+        return [(int(r["step"]), _num(r[metric])) for r in self.records
+                if r.get("split") == split and metric in r]
+
+    def metrics(self, split: str) -> list[str]:
+        names: dict[str, None] = {}
+        for r in self.records:
+            if r.get("split") == split:
+                names.update((k, None) for k in r if k not in ("step", "split"))
+        return list(names)
+
+
+def _num(value) -> float:
+    try:
+        return float(value)  # float("nan"), float("inf") parse the logged strings too
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def load_run(path: str | Path) -> Run:
+    """A run directory -> Run. SystemExit naming the path if it has no metrics.jsonl."""
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise SystemExit(f"error: {path} is not a run directory: no {metrics}")
+    records = []
+    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: {metrics}:{n}: not JSON ({exc.msg})") from None
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    return Run(path=path, config=config, records=records, label=path.name or str(path),
+               flat_config=flatten(config))
+
+
+def load_runs(paths) -> list[Run]:
+    runs = [load_run(p) for p in paths]
+    labels = [r.label for r in runs]
+    if len(set(labels)) < len(labels):  # same basename: label by the path from the common parent
+        parent = common_parent([r.path for r in runs])
+        for r in runs:
+            r.label = os.path.relpath(r.path.resolve(), parent)
+    return runs
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"optim": {"learning_rate": 1e-3}} -> {"optim.learning_rate": 1e-3}; empty dicts are kept as {}."""
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def lower_is_better(metric: str) -> bool:
+    name = metric.lower()
+    return any(m in name for m in MIN_MARKERS)
+
+
+def summarize(run: Run, metric: str, split: str = "eval") -> dict | None:
+    """{"final", "best", "best_step"} of one metric in one split; None if the run never logged it.
+    The best ignores NaN (best and best_step are None if every value is NaN); ties go to the
+    earliest step."""
+    series = run.series(split, metric)
+    if not series:
+        return None
+    finite = [(s, v) for s, v in series if not math.isnan(v)]
+    best_step = best = None
+    if finite:
+        pick = min if lower_is_better(metric) else max
+        best = pick(v for _, v in finite)
+        best_step = next(s for s, v in finite if v == best)
+    return {"final": series[-1][1], "final_step": series[-1][0], "best": best, "best_step": best_step}
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.3e}"
+        return f"{v:.4f}"
+    return str(v)
+
+
+def eval_metrics(runs: list[Run]) -> list[str]:
+    names: dict[str, None] = {}
+    for r in runs:
+        names.update((m, None) for m in r.metrics("eval"))
+    return list(names)
+
+
+def summary_table(runs: list[Run], metrics: list[str] | None = None) -> str:
+    """Markdown: one row per run; per eval metric its final value and best value @ step."""
+    metrics = metrics or eval_metrics(runs)
+    head = ["run"]
+    for m in metrics:
+        head += [f"{m} final", f"{m} best ({'min' if lower_is_better(m) else 'max'}) @ step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        row = [r.label]
+        for m in metrics:
+            s = summarize(r, m)
+            if s is None:
+                row += ["-", "-"]
+            else:
+                best = "-" if s["best"] is None else f"{_fmt(s['best'])} @ {s['best_step']}"
+                row += [_fmt(s["final"]), best]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def config_diff(runs: list[Run], ignore=("run_dir",)) -> dict[str, list]:
+    """{dotted key: [value per run]} for the keys whose values differ (a key a run lacks counts as
+    different and shows as '-')."""
+    keys: dict[str, None] = {}
+    for r in runs:
+        keys.update((k, None) for k in r.flat_config)
+    diff = {}
+    for key in sorted(keys):
+        if key in ignore:
+            continue
+        values = [r.flat_config.get(key, _MISSING) for r in runs]
+        canon = {"\0missing" if v is _MISSING else json.dumps(v, sort_keys=True, default=str)
+                 for v in values}
+        if len(canon) > 1:
+            diff[key] = ["-" if v is _MISSING else v for v in values]
+    return diff
+
+
+def config_diff_table(runs: list[Run], diff: dict | None = None) -> str:
+    diff = config_diff(runs) if diff is None else diff
+    if not diff:
+        return "(no config differences)"
+    lines = ["| key | " + " | ".join(r.label for r in runs) + " |", "|" + "---|" * (len(runs) + 1)]
+    for key, values in diff.items():
+        lines.append(f"| {key} | " + " | ".join(json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+                                               for v in values) + " |")
+    return "\n".join(lines)
+
+
+def common_parent(paths) -> Path:
+    parents = [str(Path(p).resolve().parent) for p in paths]
+    return Path(os.path.commonpath(parents))
+
+
+def _safe(metric: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in metric)
+
+
+def plot(runs: list[Run], metrics: list[str], out: str | Path) -> list[Path]:
+    """One PNG per metric in ``out``: a line per run over steps, train solid, eval dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for metric in metrics:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        drawn = False
+        for i, r in enumerate(runs):
+            color = colors[i % len(colors)]
+            for split, style in (("train", dict(linestyle="-")), ("eval", dict(linestyle="--", marker="o"))):
+                series = r.series(split, metric)
+                if series:
+                    steps, values = zip(*series)
+                    if len(steps) == 1:  # a lone point is invisible as a line
+                        style = {**style, "marker": style.get("marker", "s")}
+                    ax.plot(steps, values, color=color, label=f"{r.label} ({split})", **style)
+                    drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.set_title(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = out / f"{_safe(metric)}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def default_plot_metrics(runs: list[Run]) -> list[str]:
+    present = {m for r in runs for split in ("train", "eval") for m in r.metrics(split)}
+    chosen = [m for m in DEFAULT_PLOTS if m in present]
+    return chosen or eval_metrics(runs)
+
+
+def compare(paths, metrics: list[str] | None = None, out: str | Path | None = None, echo=print) -> dict:
+    """Everything the command does; returns {"summary", "config_diff", "plots"}."""
+    if not paths:
+        raise SystemExit("error: give at least one run directory")
+    runs = load_runs(paths)
+    out = Path(out) if out is not None else common_parent([r.path for r in runs]) / "compare"
+    summary = summary_table(runs, metrics)
+    diff = config_diff_table(runs)
+    plots = plot(runs, metrics or default_plot_metrics(runs), out)
+    echo("## Eval metrics\n\n" + summary + "\n\n## Config differences\n\n" + diff + "\n")
+    echo("plots:" + "".join(f"\n  {p}" for p in plots) if plots else "plots: none (metrics not logged)")
+    return {"summary": summary, "config_diff": diff, "plots": plots}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--metrics", default=None, help="comma-separated, e.g. loss,exact_match")
+    parser.add_argument("--out", default=None, help="where the PNGs go (default: <common parent>/compare)")
+    args = parser.parse_args(argv)
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    return compare(args.runs, metrics, args.out)
+
+
+if __name__ == "__main__":
+    main()
