@@ -98,3 +98,17 @@ def exact_match(lm, greedy, states, pairs, max_new_tokens: int) -> tuple[float, 
     completions = greedy_complete(lm, greedy, states, prompts, max_new_tokens)
     hits = [c.strip() == ref.strip() for c, (_, ref) in zip(completions, pairs)]
     return float(np.mean(hits)) if hits else 0.0, completions
+
+
+def complete_chat(lm, module, prompts: list[str], max_new_tokens: int = 32) -> list[str]:
+    """Greedy answers of ``module`` (e.g. ``runs.load(...).module``) to user messages, each
+    rendered with the model family's chat template and its generation prompt."""
+    graphdef, *states = nnx.split(module)
+    greedy = make_greedy(graphdef, max_new_tokens)
+    encoded = [
+        encode_prompt(lm, chat.render([{"role": "user", "content": p}], lm.chat_format,
+                                      add_generation_prompt=True))
+        for p in prompts
+    ]
+    return greedy_complete(lm, greedy, states, encoded, max_new_tokens,
+                           batch_size=min(64, len(prompts)))
