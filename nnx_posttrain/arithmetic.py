@@ -10,10 +10,8 @@ once with a fixed seed; the first ``EVAL_SIZE`` are held out.
 
 from __future__ import annotations
 
-import json
 import random
 import re
-from pathlib import Path
 
 EVAL_SIZE = 500
 _SPLIT_SEED = 1234
@@ -100,22 +98,6 @@ def extract_answer(text: str) -> str | None:
 
 def is_correct(completion: str, answer: str) -> bool:
     return extract_answer(completion) == answer
-
-
-def write_sft_data(directory: str | Path) -> dict[str, Path]:
-    """Write train.jsonl and eval.jsonl (conversational SFT records) and return their paths."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split in ("train", "eval"):
-        path = directory / f"{split}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        with tmp.open("w") as f:
-            for a, b in problems(split):
-                f.write(json.dumps(sft_record(a, b)) + "\n")
-        tmp.replace(path)
-        paths[split] = path
-    return paths
 
 
 def corpus() -> list[str]:

@@ -152,6 +152,10 @@ class Config:
             )
         if b.max_length < 2:
             problems.append(f"--batching.max-length must be >= 2, got {b.max_length}")
+        if b.num_workers < 0:
+            problems.append(f"--batching.num-workers must be >= 0, got {b.num_workers}")
+        if b.max_prompt_length is not None and b.max_prompt_length < 1:
+            problems.append(f"--batching.max-prompt-length must be >= 1, got {b.max_prompt_length}")
         if self.lora.rank < 0:
             problems.append(f"--lora.rank must be >= 0, got {self.lora.rank}")
         if self.optim.learning_rate < 0:

@@ -424,11 +424,6 @@ def _one_source(spec: str, split: str, builtin: str = "sft"):
     )
 
 
-def sources_of(src) -> list:
-    """The parts of a ``Mixture`` (or ``[src]``)."""
-    return list(src.sources) if isinstance(src, Mixture) else [src]
-
-
 def extra_columns(src, indices, exclude=("prompt",)) -> list[dict]:
     """The raw columns of the records at ``indices`` (e.g. a prompt-only batch's ``index``), minus
     ``exclude`` and the private ``_where``; index -1 (a padding row) gives ``{}``. For RL: reward
@@ -549,16 +544,6 @@ def implicit_prompt(chosen, rejected):
     if isinstance(chosen, str) and 0 < n < limit and chosen[n - 1] == " ":
         n -= 1
     return chosen[:n], chosen[n:], rejected[n:]
-
-
-def segments(record: dict, chat_format: str) -> tuple[list[tuple[str, bool]], bool]:
-    """(segments, add_eos) of a language-modelling or prompt-completion record: text pieces with a
-    flag 'carries loss', in order."""
-    fmt = detect_format(record)
-    if fmt == "prompt_completion":
-        head, tail, add_eos = _prompt_completion(record, "prompt", "completion", chat_format)
-        return head + tail, add_eos
-    return _lm_segments(record, fmt, chat_format)
 
 
 def _lm_segments(record, fmt, chat_format):

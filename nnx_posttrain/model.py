@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -443,9 +441,6 @@ def full_logits(module, token_ids, padding_mask):
     return module.token_embedding(h, reverse=True).astype(jnp.float32)
 
 
-LogProbFn = Callable[[jax.Array, jax.Array], jax.Array]
-
-
 def describe(lm: LanguageModel) -> str:
     graph_trainable = nnx.state(lm.module, trainable_filter)
     total = count_params(nnx.state(lm.module))
@@ -455,10 +450,3 @@ def describe(lm: LanguageModel) -> str:
         f"({100 * trainable / max(total, 1):.2f}%), vocab {lm.tokenizer.vocab_size}, chat format "
         f"{lm.chat_format}"
     )
-
-
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-def safe_name(name: str) -> str:
-    return _SAFE.sub("_", name).strip("_") or "model"

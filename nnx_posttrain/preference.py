@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
