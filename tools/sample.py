@@ -1,17 +1,19 @@
 """Answer prompts with a run's checkpoint: ``python -m tools.sample RUN_DIR --prompt "..." [...]``.
 
     python -m tools.sample runs/sft --prompt "What is 12 + 30?" --prompt "What is 47 + 38?"
+    python -m tools.sample runs/sft --prompt "Tell me a story." --temperature 0.8 --top-p 0.95 \\
+        --num-samples 4 --seed 1
 
-Each prompt is a user message rendered with the model family's chat template; answers are greedy
-(the compiled decoder used for exact-match evaluation; temperature / top-k / top-p sampling arrives
-with the KV-cache sampler).
+Each prompt is a user message rendered with the model family's chat template and decoded by the
+compiled KV-cache sampler (``nnx_posttrain.sampler``): greedy by default (``--temperature 0``),
+else sampled at that temperature, with optional top-k / top-p truncation.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from nnx_posttrain import generate, runs
+from nnx_posttrain import runs, sampler
 
 
 def main(argv=None) -> list[str]:
@@ -21,15 +23,30 @@ def main(argv=None) -> list[str]:
     parser.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-samples", type=int, default=1, help="answers per prompt")
     args = parser.parse_args(argv)
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or args.num_samples < 1:
+        parser.error("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --num-samples >= 1")
     try:
         run = runs.load(args.run_dir, args.step)
     except FileNotFoundError as exc:
         raise SystemExit(f"error: {exc}") from None
-    answers = generate.complete_chat(run.lm, run.module, args.prompt, args.max_new_tokens)
-    for prompt, answer in zip(args.prompt, answers):
-        print(f"> {prompt}\n{answer}\n")
-    return answers
+    answers = sampler.sample_texts(
+        run.lm, run.module, args.prompt, args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
+    )
+    flat = []
+    for prompt, texts in zip(args.prompt, answers):
+        print(f"> {prompt}")
+        for i, text in enumerate(texts):
+            print(f"[{i + 1}] {text}" if len(texts) > 1 else text)
+        print()
+        flat += texts
+    return flat
 
 
 if __name__ == "__main__":

@@ -1,0 +1,325 @@
+"""A compiled, batched sampler with a KV cache: rollouts for RL, greedy evaluation, ``tools.sample``.
+
+``make_sampler(graphdef, max_new_tokens, top_k=...)`` returns ``sample(states, prompt_ids,
+prompt_mask, rng, temperature, top_p, stop_ids)``, compiled once per (batch, prompt width,
+``max_new_tokens``, ``top_k``); temperature and top-p are traced, so changing them does not
+recompile. Prompts are LEFT-padded: every row's last prompt token sits at column P - 1, so all rows
+decode in lock-step and ``[prompt_ids, completion_ids]`` with mask ``[prompt_mask,
+completion_mask]`` is exactly the sequence the training side scores with ``model.token_logprobs``
+(left pads, prompt, completion, right pads). Rotary embeddings make attention scores depend only
+on relative positions, so left padding changes nothing as long as pads are masked out of
+attention, which they are here, in the prompt pass and at every decoding step.
+
+The decoding step runs KerasHub's own decoder blocks and cached attention (the code behind each
+``CausalLM.call_with_cache``), so sliding windows, soft caps and LoRA behave as in training. The
+only addition is the padding mask: each block's attention-mask method is wrapped to also hide the
+left pads (KerasHub's own ``generate`` right-pads and never needs this).
+
+Log-probabilities are those of softmax(logits / temperature) (temperature 1 when greedy) WITHOUT
+top-k / top-p truncation, the convention of TRL's rollouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from flax import nnx
+
+from nnx_posttrain import chat
+
+# Backbones whose decoder blocks take a KV cache and whose positions are rotary (relative), by
+# class name. Absolute-position families (GPT-2, OPT, ...) would see shifted positions with left
+# padding and are not supported.
+_EMBED_SCALED = ("GemmaBackbone", "Gemma3Backbone")  # multiply embeddings by sqrt(hidden_dim)
+_SUPPORTED = _EMBED_SCALED + (
+    "LlamaBackbone", "Llama3Backbone", "MistralBackbone", "QwenBackbone", "Qwen3Backbone",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    cache_kw: str  # the block's cache keyword
+    index_kw: str  # the block's cache-index keyword
+    mask_method: str  # the block's method that builds its [batch, query, key] attention mask
+    pair_cache: bool  # per-layer cache is a (key, value) tuple (Gemma 3), else [B, 2, L, kv, hd]
+    embed_scale: bool
+
+
+def _family(module) -> _Family:
+    name = type(module).__name__
+    if name not in _SUPPORTED:
+        raise NotImplementedError(
+            f"the KV-cache sampler does not support {name}: supported backbones are "
+            f"{', '.join(_SUPPORTED)} (rotary positions and cached decoder blocks)"
+        )
+    block = type(module.transformer_layers[0])
+    params = inspect.signature(block.call).parameters
+    if "cache" in params and "cache_update_index" in params:
+        fam = _Family("cache", "cache_update_index", "_compute_attention_mask",
+                      pair_cache=name == "Gemma3Backbone", embed_scale=name in _EMBED_SCALED)
+    elif "self_attention_cache" in params:
+        fam = _Family("self_attention_cache", "self_attention_cache_update_index",
+                      "_compute_self_attention_mask", pair_cache=False,
+                      embed_scale=name in _EMBED_SCALED)
+    else:
+        raise NotImplementedError(f"{name}: decoder block {block.__name__} takes no KV cache")
+    if not hasattr(block, fam.mask_method):
+        raise NotImplementedError(f"{name}: decoder block {block.__name__} has no {fam.mask_method}")
+    return fam
+
+
+def _blocks(module) -> list:
+    """The decoder blocks that the backbone's functional graph calls, in order. Not
+    ``module.transformer_layers``: after ``nnx.merge`` that list still holds the blocks of the
+    module that was split (with its concrete weights), not the merged ones (in ``module.layers``)."""
+    kind = type(module.transformer_layers[0])
+    return [layer for layer in module.layers if isinstance(layer, kind)]
+
+
+def _head_shape(module) -> tuple[int, int]:
+    heads = int(module.num_key_value_heads)
+    head_dim = getattr(module, "head_dim", None) or module.hidden_dim // module.num_query_heads
+    return heads, int(head_dim)
+
+
+@contextlib.contextmanager
+def _key_padding_mask(module, fam: _Family, key_mask):
+    """Within the block, every decoder block's attention mask (causal, sliding window, as KerasHub
+    computes it for the cache) is also zero at the keys where ``key_mask`` [batch, L] is 0."""
+    blocks = _blocks(module)
+    for block in blocks:
+        original = getattr(block, fam.mask_method)
+
+        def masked(*args, _original=original, **kwargs):
+            mask = _original(*args, **kwargs)
+            return jnp.minimum(mask, key_mask[:, None, :].astype(mask.dtype))
+
+        object.__setattr__(block, fam.mask_method, masked)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            object.__delattr__(block, fam.mask_method)
+
+
+def _empty_cache(module, fam: _Family, batch: int, length: int):
+    heads, head_dim = _head_shape(module)
+    dtype = keras.backend.standardize_dtype(module.compute_dtype)
+    caches = []
+    for _ in _blocks(module):
+        if fam.pair_cache:
+            shape = (batch, length, heads, head_dim)
+            caches.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        else:
+            caches.append(jnp.zeros((batch, 2, length, heads, head_dim), dtype))
+    return tuple(caches)
+
+
+def _forward(module, fam: _Family, token_ids, caches, index, key_mask):
+    """Run ``token_ids`` [B, T] at positions index..index+T-1 through the cached blocks: float32
+    logits [B, T, vocab] (the path of ``model.token_logprobs``) and the updated caches."""
+    x = module.token_embedding(token_ids)
+    if fam.embed_scale:
+        x = x * jnp.sqrt(jnp.asarray(module.hidden_dim, jnp.float32)).astype(x.dtype)
+    new = []
+    with _key_padding_mask(module, fam, key_mask):
+        for block, cache in zip(_blocks(module), caches):
+            x, cache = block(x, **{fam.cache_kw: cache, fam.index_kw: index})
+            new.append(cache)
+    h = module.layer_norm(x)
+    logits = module.token_embedding(h, reverse=True).astype(jnp.float32)
+    return logits, tuple(new)
+
+
+def _choose(logits, rng, temperature, top_p, top_k: int):
+    """Next tokens [B] and their log-probs under softmax(logits / T) (T = 1 when greedy), without
+    truncation. Greedy (argmax) when ``temperature`` <= 0; else top-k (static), then top-p over
+    what remains (renormalised), then a categorical draw."""
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+
+    def draw():
+        if top_k > 0:
+            vals, idx = jax.lax.top_k(scaled, top_k)  # sorted, descending
+            probs = jax.nn.softmax(vals, axis=-1)
+            keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # always keeps the first
+            choice = jax.random.categorical(rng, jnp.where(keep, vals, -jnp.inf), axis=-1)
+            return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+
+        def nucleus():
+            vals = -jnp.sort(-scaled, axis=-1)
+            probs = jax.nn.softmax(vals, axis=-1)
+            kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p, axis=-1)  # >= 1
+            threshold = jnp.take_along_axis(vals, kept[:, None] - 1, axis=-1)
+            return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+        filtered = jax.lax.cond(top_p < 1.0, nucleus, lambda: scaled)
+        return jax.random.categorical(rng, filtered, axis=-1)
+
+    tokens = jax.lax.cond(greedy, lambda: jnp.argmax(logits, axis=-1), draw).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int = 0) -> Callable:
+    """``sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids) -> dict``.
+
+    ``states``: the states of ``nnx.split(module)`` after the graphdef; ``prompt_ids`` /
+    ``prompt_mask`` [B, P]: left-padded prompts (see ``pad_prompts``); ``rng``: a PRNG key;
+    ``temperature``: 0 for greedy; ``top_p``: 1.0 for off; ``stop_ids`` int32 [S]. Returns
+    ``completion_ids`` [B, N] (``pad_id`` after the stop token), ``completion_mask`` [B, N] (1 up
+    to and including the stop token), ``logprobs`` [B, N] float32 (0 where the mask is 0) and
+    ``finished`` [B] (a stop token was produced). Rows stop independently; decoding ends when every
+    row has stopped. ``top_k`` (0 = off) is static: one compilation per value. The graphdef of a
+    Keras model is not hashable, so it is closed over rather than passed as a static argument.
+    """
+    n = int(max_new_tokens)
+    if n < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+
+    @jax.jit
+    def _sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids):
+        module = nnx.merge(graphdef, *states)
+        fam = _family(module)
+        batch, width = prompt_ids.shape
+        length = width + n
+        key_mask = jnp.concatenate(
+            [prompt_mask.astype(jnp.int32), jnp.ones((batch, n), jnp.int32)], axis=1
+        )
+        caches = _empty_cache(module, fam, batch, length)
+        logits, caches = _forward(module, fam, prompt_ids, caches, 0, key_mask)
+        logits = logits[:, -1]
+
+        def cond(carry):
+            j, done = carry[0], carry[-1]
+            return (j < n) & ~jnp.all(done)
+
+        def body(carry):
+            j, caches, logits, ids, mask, logps, done = carry
+            token, logp = _choose(logits, jax.random.fold_in(rng, j), temperature, top_p, top_k)
+            live = ~done
+            token = jnp.where(live, token, pad_id)
+            # [N, B] buffers: row j is one contiguous dynamic-update-slice per step
+            ids = jax.lax.dynamic_update_index_in_dim(ids, token, j, 0)
+            mask = jax.lax.dynamic_update_index_in_dim(mask, live.astype(jnp.int32), j, 0)
+            logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(live, logp, 0.0), j, 0)
+            done = done | (live & jnp.isin(token, stop_ids))
+            logits, caches = _forward(module, fam, token[:, None], caches, width + j, key_mask)
+            return j + 1, caches, logits[:, 0], ids, mask, logps, done
+
+        init = (
+            jnp.int32(0), caches, logits,
+            jnp.full((n, batch), pad_id, jnp.int32), jnp.zeros((n, batch), jnp.int32),
+            jnp.zeros((n, batch), jnp.float32), jnp.zeros((batch,), bool),
+        )
+        _, _, _, ids, mask, logps, done = jax.lax.while_loop(cond, body, init)
+        return {"completion_ids": ids.T, "completion_mask": mask.T, "logprobs": logps.T,
+                "finished": done}
+
+    def sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids):
+        # Fixed dtypes (a Python float is weakly typed, an np.float32 is not): no recompilation
+        # when callers mix them.
+        return _sample(
+            tuple(states), jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32),
+            rng, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(stop_ids, jnp.int32).reshape(-1),
+        )
+
+    sample.jitted = _sample
+    sample._cache_size = _sample._cache_size
+    return sample
+
+
+def pad_prompts(prompts: list[list[int]], pad_id: int, bucket: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids and mask [B, P], P = the longest prompt rounded up to a multiple of
+    ``bucket`` (fewer distinct shapes, fewer compilations)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("pad_prompts needs a non-empty list of non-empty prompts")
+    width = -(-max(len(p) for p in prompts) // bucket) * bucket
+    ids = np.full((len(prompts), width), pad_id, np.int32)
+    mask = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def stop_ids(lm) -> list[int]:
+    """End-of-sequence id and the chat format's end-of-turn marker (when it is one token)."""
+    ids = {lm.tokenizer.eos_id}
+    marker = lm.tokenizer.token_id(chat.END_OF_TURN[lm.chat_format])
+    if marker is not None:
+        ids.add(marker)
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(lm, segments) -> list[int]:
+    """Token ids of rendered chat segments, with the beginning-of-sequence id."""
+    tok = lm.tokenizer
+    ids = [tok.bos_id] if tok.bos_id is not None else []
+    for text, _ in segments:
+        ids += tok.encode(text)
+    return ids
+
+
+def chat_prompt(lm, user_message: str) -> list[int]:
+    """A user message rendered with the family's chat template and its generation prompt."""
+    return encode_prompt(lm, chat.render([{"role": "user", "content": user_message}],
+                                         lm.chat_format, add_generation_prompt=True))
+
+
+def decode_completions(lm, out: dict, stops) -> list[str]:
+    """Text of each row of a sampler output, stop tokens removed."""
+    ids, mask = np.asarray(out["completion_ids"]), np.asarray(out["completion_mask"])
+    stops = set(int(s) for s in stops)
+    return [lm.tokenizer.decode([int(t) for t, m in zip(row, ms) if m and int(t) not in stops])
+            for row, ms in zip(ids, mask)]
+
+
+def sample_ids(lm, sample, states, prompts: list[list[int]], *, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, batch_size: int = 64) -> list[str]:
+    """Completions (text, stop marker removed) of tokenized prompts with a sampler from
+    ``make_sampler``, ``batch_size`` rows per call (the last batch is padded to the same shape)."""
+    stops = stop_ids(lm)
+    rng = jax.random.key(seed)
+    bucket = 16
+    width = -(-max(len(p) for p in prompts) // bucket) * bucket  # one width for every batch
+    out = []
+    for b, start in enumerate(range(0, len(prompts), batch_size)):
+        chunk = prompts[start : start + batch_size]
+        count = len(chunk)
+        chunk = chunk + [chunk[-1]] * (batch_size - count)  # fixed batch shape
+        ids, mask = pad_prompts(chunk, lm.tokenizer.pad_id, bucket=width)
+        result = sample(tuple(states), ids, mask, jax.random.fold_in(rng, b), temperature, top_p,
+                        np.asarray(stops, np.int32))
+        out += decode_completions(lm, result, stops)[:count]
+    return out
+
+
+def sample_texts(lm, module_or_states, prompts: list[str], max_new_tokens: int = 32, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 num_samples: int = 1, graphdef=None) -> list[list[str]]:
+    """Answers to user messages (rendered with the chat template + generation prompt): for each
+    prompt, ``num_samples`` completions (text, stop marker removed). ``module_or_states`` is an
+    ``nnx.Module`` (e.g. ``runs.load(...).module``) or the states of ``nnx.split`` with their
+    ``graphdef``. Greedy when ``temperature`` is 0."""
+    if isinstance(module_or_states, nnx.Module):
+        graphdef, *states = nnx.split(module_or_states)
+    elif graphdef is None:
+        raise ValueError("sample_texts: pass graphdef= with states (or pass the module)")
+    else:
+        states = list(module_or_states)
+    encoded = [chat_prompt(lm, p) for p in prompts for _ in range(num_samples)]
+    sample = make_sampler(graphdef, max_new_tokens, top_k=top_k, pad_id=lm.tokenizer.pad_id)
+    texts = sample_ids(lm, sample, states, encoded, temperature=temperature, top_p=top_p,
+                       seed=seed, batch_size=min(64, len(encoded)))
+    return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]

@@ -1,0 +1,204 @@
+"""The KV-cache sampler: equal to no-cache decoding, log-probs equal to one full forward pass,
+truncation, stop tokens, and one compilation per shape."""
+
+import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
+import jax
+import jax.numpy as jnp
+import keras_hub
+import numpy as np
+import pytest
+from types import SimpleNamespace
+from flax import nnx
+
+from nnx_posttrain import generate, model, sampler
+
+N = 8
+NO_STOP = np.array([-1, -2], np.int32)  # the shape of the real stop ids: one compilation
+PROMPTS = [[2, 5, 6, 7], [2, 9, 10, 11, 12, 13, 14, 15, 16, 17, 3, 4, 5, 6, 7, 8, 9, 10], [2, 40]]
+
+
+@pytest.fixture(scope="module")
+def micro():
+    lm = model.load("gemma_micro", seed=0)
+    graphdef, *states = nnx.split(lm.module)
+    return lm, graphdef, states, sampler.make_sampler(graphdef, N)
+
+
+@pytest.fixture(scope="module")
+def reference(micro):
+    """Greedy tokens of PROMPTS by plain no-cache decoding."""
+    ids, mask = _batch()
+    return argmax_reference(micro[0].module, ids, mask, N)
+
+
+def _batch(prompts=PROMPTS, bucket=16):
+    # bucket 16: the width ``sampler.sample_ids`` uses, so every test shares one compilation
+    return sampler.pad_prompts(prompts, 0, bucket=bucket)
+
+
+def argmax_reference(module, ids, mask, n):
+    """Plain decoding without a cache: the whole left-padded buffer through the model per token
+    (eager: cheaper than a compilation for a few tokens of a tiny model)."""
+    batch, width = ids.shape
+    tokens = np.concatenate([ids, np.zeros((batch, n), np.int32)], 1)
+    masks = np.concatenate([mask, np.zeros((batch, n), np.int32)], 1)
+    for j in range(n):
+        logits = model.full_logits(module, jnp.asarray(tokens), jnp.asarray(masks))
+        tokens[:, width + j] = np.asarray(jnp.argmax(logits[:, width + j - 1], -1))
+        masks[:, width + j] = 1
+    return tokens[:, width:]
+
+
+def test_pad_prompts_left_pads_to_a_bucket():
+    ids, mask = sampler.pad_prompts([[5, 6, 7], [8]], pad_id=0, bucket=4)
+    np.testing.assert_array_equal(ids, [[0, 5, 6, 7], [0, 0, 0, 8]])
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1]])
+    assert sampler.pad_prompts([[1] * 17], 0)[0].shape == (1, 32)
+
+
+def test_greedy_equals_no_cache_argmax_with_different_prompt_lengths(micro, reference):
+    lm, _, states, sample = micro
+    ids, mask = _batch()
+    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    np.testing.assert_array_equal(np.asarray(out["completion_ids"]), reference)
+    assert np.asarray(out["completion_mask"]).all() and not np.asarray(out["finished"]).any()
+
+
+def test_greedy_equals_no_cache_argmax_gemma2_sliding_window_soft_caps_and_lora():
+    lm = model.load("gemma2_tiny", seed=0)
+    model.enable_lora(lm.module, rank=2, targets="attention")
+    lora_b = [v for v in lm.module.weights if "lora_kernel_b" in v.path]
+    rng = np.random.default_rng(0)
+    for v in lora_b:
+        v.assign(rng.normal(0, 0.5, v.shape).astype("float32"))
+    # a 30-token prompt in a width of 32, then 6 new tokens: the last queries are further than the
+    # sliding window (32) from the first prompt tokens
+    prompts = PROMPTS + [list(range(2, 32))]
+    graphdef, *states = nnx.split(lm.module)
+    ids, mask = _batch(prompts, 32)
+    sample = sampler.make_sampler(graphdef, 6)
+    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    ref = argmax_reference(lm.module, ids, mask, 6)
+    np.testing.assert_array_equal(np.asarray(out["completion_ids"]), ref)
+    # the sampler reads the weights from the states it is given, not from the module they were
+    # split from (a merged module's ``transformer_layers`` still lists the original blocks)
+    other = jax.tree.map(lambda x: x * 1.25, states)
+    out = sample(other, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    other_ref = argmax_reference(nnx.merge(graphdef, *other), ids, mask, 6)
+    np.testing.assert_array_equal(np.asarray(out["completion_ids"]), other_ref)
+    assert not np.array_equal(other_ref, ref)
+
+
+def test_unsupported_family_is_named():
+    bb = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                       intermediate_dim=32, max_sequence_length=32)
+    graphdef, *states = nnx.split(bb)
+    ids, mask = _batch()
+    with pytest.raises(NotImplementedError, match="GPT2Backbone"):
+        sampler.make_sampler(graphdef, 2)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+
+
+def test_logprobs_equal_one_full_forward_pass(micro):
+    lm, _, states, sample = micro
+    ids, mask = _batch()
+    out = sample(states, ids, mask, jax.random.key(1), 1.0, 1.0, NO_STOP)
+    seq = jnp.concatenate([ids, out["completion_ids"]], 1)
+    seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
+    ref = model.token_logprobs(lm.module, seq, seq_mask)[:, ids.shape[1]:]
+    np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(ref), atol=1e-4)
+    greedy = sample(states, ids, mask, jax.random.key(1), 0.0, 1.0, NO_STOP)
+    assert not np.array_equal(np.asarray(out["completion_ids"]), np.asarray(greedy["completion_ids"]))
+
+    out = sample(states, ids, mask, jax.random.key(2), 0.7, 1.0, NO_STOP)
+    seq = jnp.concatenate([ids, out["completion_ids"]], 1)
+    seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
+    logits = model.full_logits(lm.module, seq, seq_mask)[:, ids.shape[1] - 1:-1]
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits / 0.7, -1), out["completion_ids"][..., None], -1)
+    np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want[..., 0]), atol=1e-4)
+    # compiled once: temperature, top_p, rng and their Python / NumPy types do not recompile
+    sample(states, ids, mask, jax.random.key(3), np.float32(0.5), 0.9, NO_STOP)
+    assert sample._cache_size() == 1
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(micro):
+    lm, graphdef, states, sample = micro
+    ids, mask = _batch()
+    greedy_out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    greedy = np.asarray(greedy_out["completion_ids"])
+    top1 = sampler.make_sampler(graphdef, N, top_k=1)(states, ids, mask, jax.random.key(4), 1.0, 1.0, NO_STOP)
+    np.testing.assert_array_equal(np.asarray(top1["completion_ids"]), greedy)
+    nucleus = sample(states, ids, mask, jax.random.key(5), 1.0, 1e-6, NO_STOP)
+    np.testing.assert_array_equal(np.asarray(nucleus["completion_ids"]), greedy)
+    # log-probs stay those of the untruncated distribution (greedy reports temperature 1's)
+    np.testing.assert_allclose(np.asarray(nucleus["logprobs"]), np.asarray(greedy_out["logprobs"]),
+                               atol=1e-6)
+    assert float(jnp.max(nucleus["logprobs"])) < 0
+
+
+def test_sampled_frequencies_follow_the_model_distribution(micro):
+    lm, graphdef, states, _ = micro
+    draws = 3000
+    ids, mask = _batch([[2, 9, 10, 11]] * draws)
+    probs = np.asarray(jax.nn.softmax(model.full_logits(lm.module, ids[:1], mask[:1])[0, -1]))
+    sample = sampler.make_sampler(graphdef, 1)
+
+    def chi_square(temperature):
+        out = sample(states, ids, mask, jax.random.key(7), temperature, 1.0, NO_STOP)
+        counts = np.bincount(np.asarray(out["completion_ids"])[:, 0], minlength=probs.size)
+        expected = draws * probs
+        return float(np.sum((counts - expected) ** 2 / expected)), probs.size - 1
+
+    stat, dof = chi_square(1.0)
+    assert stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
+    wrong, _ = chi_square(0.5)  # the test has the power to see a wrong temperature
+    assert wrong > dof + 6 * np.sqrt(2 * dof), (wrong, dof)
+
+
+def test_stop_tokens_rows_stop_independently(micro):
+    lm, _, states, sample = micro
+    ids, mask = _batch()
+    free = np.asarray(sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)["completion_ids"])
+    stop = int(free[0, 2])
+    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, np.array([stop, -5], np.int32))
+    got_ids, got_mask = np.asarray(out["completion_ids"]), np.asarray(out["completion_mask"])
+    got_lp = np.asarray(out["logprobs"])
+    for row in range(len(PROMPTS)):
+        hits = np.flatnonzero(free[row] == stop)
+        end = hits[0] + 1 if hits.size else N
+        assert bool(out["finished"][row]) == bool(hits.size)
+        np.testing.assert_array_equal(got_mask[row], np.arange(N) < end)  # includes the stop token
+        np.testing.assert_array_equal(got_ids[row, :end], free[row, :end])
+        assert (got_ids[row, end:] == 0).all() and (got_lp[row, end:] == 0).all()
+        assert (got_lp[row, :end] < 0).all()
+    assert out["finished"][0]
+
+
+def test_greedy_complete_uses_the_sampler(micro, reference):
+    lm, _, states, sample = micro
+    texts = generate.greedy_complete(lm, sample, states, PROMPTS, N)  # the fixture's compilation
+    stops = set(generate.stop_ids(lm))
+    assert texts == [lm.tokenizer.decode([int(t) for t in _until_stop(r, stops)]) for r in reference]
+    assert sample._cache_size() == 1
+
+
+def _until_stop(row, stops):
+    out = []
+    for t in row:
+        if int(t) in stops:
+            break
+        out.append(t)
+    return out
+
+
+def test_tools_sample_samples_with_options(micro, monkeypatch, capsys):
+    from tools import sample as sample_tool
+
+    lm = micro[0]
+    monkeypatch.setattr(sample_tool.runs, "load", lambda run_dir, step: SimpleNamespace(lm=lm, module=lm.module))
+    argv = ["RUN", "--prompt", "What is 1 + 2?", "--prompt", "Hi", "--max-new-tokens", "4",
+            "--temperature", "0.9", "--top-k", "5", "--top-p", "0.9", "--seed", "3", "--num-samples", "2"]
+    answers = sample_tool.main(argv)
+    out = capsys.readouterr().out
+    assert len(answers) == 4 and all(isinstance(a, str) for a in answers)
+    assert out.count("> ") == 2 and out.count("[2] ") == 2
+    assert sample_tool.main(argv) == answers  # same seed, same samples
