@@ -1,0 +1,50 @@
+"""tools.bench's own logic at a trivial size (skipped without the bench extra)."""
+
+import numpy as np
+import pytest
+
+from tools import bench
+
+
+def test_batches_are_the_same_on_both_sides_and_well_formed():
+    spec = bench.spec_of("micro")
+    a = bench.make_batches(spec, "dpo", 2, seed=3)
+    b = bench.make_batches(spec, "dpo", 2, seed=3)
+    for x, y in zip(a, b):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+    batch = a[0]
+    p, t = spec["prompt"], spec["seq"]
+    assert batch["chosen_input_ids"].shape == (spec["batch"], t)
+    np.testing.assert_array_equal(batch["chosen_input_ids"][:, :p], batch["rejected_input_ids"][:, :p])
+    assert batch["chosen_loss_mask"][:, :p].sum() == 0 and batch["chosen_loss_mask"][:, p:].all()
+    assert batch["chosen_input_ids"].min() >= 4 and batch["chosen_input_ids"].max() < spec["vocab"]
+    sft = bench.make_batches(spec, "sft", 1)[0]
+    assert sft["loss_mask"][:, 0].sum() == 0 and sft["loss_mask"][:, 1:].all()
+    assert bench.tokens_per_step(spec, "dpo") == 2 * bench.tokens_per_step(spec, "sft")
+
+
+def test_summary_and_table():
+    s = bench.summarize([5.0, 1.0, 0.2, 0.1, 0.3], warmup=1)
+    assert s["ms_per_step"] == pytest.approx(200.0) and s["compile_s"] == pytest.approx(4.8)
+    rows = [dict(size="micro", case="sft", side="ours", ms_per_step=10.0, tokens_per_s=100.0,
+                 peak_rss_mb=1.0, compile_s=1.0),
+            dict(size="micro", case="sft", side="trl", ms_per_step=40.0, tokens_per_s=25.0,
+                 peak_rss_mb=2.0, compile_s=0.1)]
+    text = bench.table(bench._median_over_repeats(rows))
+    assert "| micro | sft | 10.0 | 40.0 | 4.00x |" in text
+
+
+def test_end_to_end_micro(tmp_path):
+    pytest.importorskip("trl")
+    pytest.importorskip("torch")
+    out = tmp_path / "bench.json"
+    results = bench.main(["--sizes", "micro", "--cases", "sft,dpo", "--steps", "2", "--warmup", "0",
+                          "--json", str(out)])
+    assert out.exists()
+    by = {(r["case"], r["side"]): r for r in results}
+    for case in ("sft", "dpo"):
+        for side in ("ours", "trl"):
+            r = by[(case, side)]
+            assert "error" not in r, r
+            assert r["ms_per_step"] > 0 and r["peak_rss_mb"] > 0 and r["steps_measured"] == 2

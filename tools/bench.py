@@ -1,0 +1,318 @@
+"""Benchmark our training step against the PyTorch stack (TRL), same model, data and batch.
+
+    pip install -e ".[bench]"                    # CPU torch 2.13, transformers, trl
+    python -m tools.bench                        # tiny and medium, SFT and DPO, a Markdown table
+    python -m tools.bench --sizes tiny --steps 10 --json runs/bench.json
+    python -m tools.bench --device gpu --sizes medium,gemma_2b --dtype bfloat16   # see tools/bench_gpu.sh
+    python -m tools.bench --parity               # TRL parity: tokenisation, logits and DPO metrics
+
+Every measurement runs in its own subprocess (``tools.bench_ours`` for our JAX step,
+``tools.bench_trl`` for TRL's trainers), so each peak resident memory is that side's own. Both
+sides build the same Gemma architecture with the same weights (ours exported to Hugging Face
+safetensors with KerasHub's exporter), train on the same random token ids with the same batch,
+sequence lengths and AdamW (constant learning rate, clipping at 1.0, float32, no gradient
+checkpointing). Cases:
+
+- ``sft``: our ``SFT`` step vs TRL's ``SFTTrainer`` (loss on every token);
+- ``dpo``: our ``DPO`` with ``--algo.reference copy`` vs ``DPOTrainer`` with a reference model:
+  full fine-tuning, a reference forward every step on both sides;
+- ``dpo_precompute``: reference log-probs computed before training, both sides
+  (``precompute_ref_log_probs=True`` in TRL); the precomputation is reported, not timed per step;
+- ``dpo_lora``: ours only, LoRA rank 8 on attention with the reference as the LoRA base view.
+
+Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
+shardings) with ``jax.block_until_ready``; TRL's between ``on_step_begin`` and ``on_step_end``
+(forward, backward, clipping, optimizer step; the batch is already collated). Reported: median
+ms/step over the measured steps, tokens/s (sequences x length processed by the policy per step /
+median), peak RSS of the process, RSS once imports are done, and compile time (ours: first step
+minus the median; TRL: first step minus the median, i.e. its own warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Gemma architectures (KerasHub GemmaBackbone arguments; intermediate_dim is KerasHub's, twice the
+# Hugging Face intermediate_size). batch: examples (SFT) or pairs (DPO) per step.
+SIZES = {
+    "micro": dict(vocab=64, hidden_dim=32, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+                  head_dim=16, intermediate_dim=64, seq=16, prompt=8, batch=2),
+    "tiny": dict(vocab=512, hidden_dim=128, num_layers=4, num_query_heads=4, num_key_value_heads=1,
+                 head_dim=32, intermediate_dim=512, seq=128, prompt=64, batch=8),
+    "medium": dict(vocab=32000, hidden_dim=512, num_layers=8, num_query_heads=8,
+                   num_key_value_heads=1, head_dim=64, intermediate_dim=2048, seq=256, prompt=128,
+                   batch=4),
+    # gemma_2b's dimensions (GPU only)
+    "gemma_2b": dict(vocab=256000, hidden_dim=2048, num_layers=18, num_query_heads=8,
+                     num_key_value_heads=1, head_dim=256, intermediate_dim=32768, seq=512,
+                     prompt=256, batch=4),
+}
+CASES = ("sft", "dpo", "dpo_precompute", "dpo_lora")
+TRL_CASES = ("sft", "dpo", "dpo_precompute")
+BACKBONE_KEYS = ("hidden_dim", "num_layers", "num_query_heads", "num_key_value_heads", "head_dim",
+                 "intermediate_dim")
+LEARNING_RATE = 1e-5
+
+
+def spec_of(size: str, batch: int | None = None, seq: int | None = None) -> dict:
+    spec = dict(SIZES[size], name=size)
+    if batch:
+        spec["batch"] = batch
+    if seq:
+        spec["prompt"] = max(1, spec["prompt"] * seq // spec["seq"])
+        spec["seq"] = seq
+    return spec
+
+
+def make_batches(spec: dict, kind: str, n: int, seed: int = 0) -> list[dict]:
+    """``n`` batches of random token ids (numpy), the same on both sides. ``kind`` 'sft': rows of
+    ``seq`` tokens, loss on every predicted token; 'dpo': a shared prompt of ``prompt`` tokens and
+    two different completions filling ``seq``, loss on the completions. Ids avoid 0-3 (pad, eos,
+    bos, unk)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    b, t, p, v = spec["batch"], spec["seq"], spec["prompt"], spec["vocab"]
+    out = []
+    for _ in range(n):
+        if kind == "sft":
+            ids = rng.randint(4, v, size=(b, t)).astype(np.int32)
+            mask = np.ones((b, t), np.float32)
+            mask[:, 0] = 0  # position 0 has no prediction
+            out.append({"input_ids": ids, "attention_mask": np.ones((b, t), np.int32),
+                        "loss_mask": mask})
+        else:
+            prompt = rng.randint(4, v, size=(b, p)).astype(np.int32)
+            batch = {}
+            for name in ("chosen", "rejected"):
+                completion = rng.randint(4, v, size=(b, t - p)).astype(np.int32)
+                mask = np.zeros((b, t), np.float32)
+                mask[:, p:] = 1
+                batch[f"{name}_input_ids"] = np.concatenate([prompt, completion], axis=1)
+                batch[f"{name}_attention_mask"] = np.ones((b, t), np.int32)
+                batch[f"{name}_loss_mask"] = mask
+            out.append(batch)
+    return out
+
+
+def tokens_per_step(spec: dict, case: str) -> int:
+    rows = spec["batch"] * (1 if case == "sft" else 2)  # DPO: chosen and rejected
+    return rows * spec["seq"]
+
+
+def model_flops(spec: dict, case: str) -> float:
+    """Model FLOPs of one step (PaLM's convention: 6 per parameter and token for forward and
+    backward, the attention scores' 12 * layers * seq * heads * head_dim per token; the LM head
+    counted, the embedding lookup not; a reference forward adds 2 per parameter and token)."""
+    d, layers, heads, kv, hd = (spec[k] for k in ("hidden_dim", "num_layers", "num_query_heads",
+                                                   "num_key_value_heads", "head_dim"))
+    ff = spec["intermediate_dim"] // 2  # KerasHub's intermediate_dim is twice each MLP branch
+    per_layer = 2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ff
+    n = layers * per_layer + spec["vocab"] * d
+    tokens = tokens_per_step(spec, case)
+    attention = 12 * layers * spec["seq"] * heads * hd * tokens
+    per_param = 6 + (2 if case in ("dpo", "dpo_lora") else 0)
+    if case == "dpo_lora":  # LoRA: no weight gradients of the frozen base (4 instead of 6)
+        per_param = 4 + 2
+    return per_param * n * tokens + attention
+
+
+def rss_now_mb() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def summarize(times: list[float], warmup: int) -> dict:
+    """median ms of the steps after the first ``1 + warmup``; compile = first step - median."""
+    import statistics
+
+    measured = times[1 + warmup:]
+    med = statistics.median(measured)
+    return {"ms_per_step": 1000 * med, "compile_s": max(times[0] - med, 0.0),
+            "first_step_s": times[0], "steps_measured": len(measured),
+            "ms_min": 1000 * min(measured), "ms_max": 1000 * max(measured)}
+
+
+def emit(result: dict) -> None:
+    """Workers print their result as one line the driver reads."""
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def _run_worker(module: str, args: list[str], timeout: float) -> dict:
+    cmd = [sys.executable, "-m", module, *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            result = json.loads(line[len("BENCH_RESULT "):])
+            result["process_wall_s"] = wall
+            return result
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    return {"error": f"{module} exited {proc.returncode} without a result", "log_tail": tail}
+
+
+def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) -> dict:
+    return _run_worker("tools.bench_ours", ["--export", out_dir, "--spec", json.dumps(spec),
+                                            "--seed", str(seed)], timeout)
+
+
+def measure(side: str, spec: dict, case: str, args, hf_dir: str) -> dict:
+    common = ["--spec", json.dumps(spec), "--case", case, "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--device", args.device, "--dtype", args.dtype,
+              "--seed", str(args.seed)]
+    if side == "ours":
+        extra = ["--logprob-chunk", str(args.logprob_chunk)]
+        if args.ours_flags:
+            extra += ["--flags", args.ours_flags]
+        return _run_worker("tools.bench_ours", common + extra, args.timeout)
+    return _run_worker("tools.bench_trl", common + ["--hf-dir", hf_dir], args.timeout)
+
+
+def _fmt(x, spec="{:.1f}"):
+    return "n/a" if x is None else spec.format(x)
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: one row per (size, case), ours and TRL side by side."""
+    rows = {}
+    for r in results:
+        rows.setdefault((r["size"], r["case"]), {})[r["side"]] = r
+    lines = [
+        "| size | case | ours ms/step | TRL ms/step | speed-up (TRL / ours) | ours tokens/s | TRL tokens/s "
+        "| ours peak RSS MB | TRL peak RSS MB | ours compile s | TRL first-step overhead s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (size, case), sides in rows.items():
+        ours, trl = sides.get("ours", {}), sides.get("trl", {})
+        ratio = (trl["ms_per_step"] / ours["ms_per_step"]
+                 if "ms_per_step" in ours and "ms_per_step" in trl else None)
+        if case == "dpo_lora" and "ms_per_step" in ours and (size, "dpo") in rows:
+            base = rows[(size, "dpo")].get("trl", {})
+            ratio = base["ms_per_step"] / ours["ms_per_step"] if "ms_per_step" in base else None
+        lines.append("| " + " | ".join([
+            size, case + (" (vs TRL dpo)" if case == "dpo_lora" else ""),
+            _fmt(ours.get("ms_per_step")), _fmt(trl.get("ms_per_step")),
+            _fmt(ratio, "{:.2f}x"), _fmt(ours.get("tokens_per_s"), "{:,.0f}"),
+            _fmt(trl.get("tokens_per_s"), "{:,.0f}"), _fmt(ours.get("peak_rss_mb"), "{:,.0f}"),
+            _fmt(trl.get("peak_rss_mb"), "{:,.0f}"), _fmt(ours.get("compile_s"), "{:.2f}"),
+            _fmt(trl.get("compile_s"), "{:.2f}"),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="tiny,medium", help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--sides", default="ours,trl")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps after the first not measured")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure each case this many times, alternating ours / TRL (ABAB)")
+    parser.add_argument("--batch", type=int, default=None, help="override the size's batch")
+    parser.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--logprob-chunk", type=int, default=128)
+    parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's peak (e.g. 989 for an H100/H200 in dense bfloat16): "
+                             "report model FLOPs utilisation")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--parity", action="store_true", help="run the TRL parity check instead")
+    args = parser.parse_args(argv)
+    if args.parity:
+        from tools import trl_parity
+
+        return trl_parity.main([])
+    sizes = [s for s in args.sizes.split(",") if s]
+    cases = [c for c in args.cases.split(",") if c]
+    sides = [s for s in args.sides.split(",") if s]
+    for name, allowed in ((sizes, SIZES), (cases, CASES), (sides, ("ours", "trl"))):
+        bad = [x for x in name if x not in allowed]
+        if bad:
+            raise SystemExit(f"unknown {bad}; expected {', '.join(allowed)}")
+    print(f"# python -m tools.bench {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
+        for size in sizes:
+            spec = spec_of(size, args.batch, args.seq)
+            hf_dir = str(Path(tmp) / size)
+            if "trl" in sides:
+                exported = export_weights(spec, hf_dir, args.seed)
+                if "error" in exported:
+                    raise SystemExit(f"export failed: {exported}")
+            for case in cases:
+                order = [s for s in ("ours", "trl") if s in sides and (s == "ours" or case in TRL_CASES)]
+                for rep in range(args.repeats):
+                    for side in (order if rep % 2 == 0 else order[::-1]):
+                        r = measure(side, spec, case, args, hf_dir)
+                        r.update(size=size, case=case, side=side, repeat=rep)
+                        results.append(r)
+                        msg = (f"{r['ms_per_step']:.1f} ms/step, peak RSS {r['peak_rss_mb']:.0f} MB"
+                               if "ms_per_step" in r else r.get("error", "?") + "\n" + r.get("log_tail", ""))
+                        print(f"{size:8s} {case:15s} {side:5s} {msg}", flush=True)
+    for r in results:
+        if "ms_per_step" in r:
+            spec = spec_of(r["size"], args.batch, args.seq)
+            r["model_tflops_per_s"] = model_flops(spec, r["case"]) / (r["ms_per_step"] / 1000) / 1e12
+            if args.peak_tflops:
+                r["mfu"] = r["model_tflops_per_s"] / args.peak_tflops
+                print(f"{r['size']:8s} {r['case']:15s} {r['side']:5s} "
+                      f"{r['model_tflops_per_s']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}%")
+    merged = _median_over_repeats(results)
+    print()
+    print(table(merged))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:],
+                                               "results": results}, indent=1))
+    return merged
+
+
+def _median_over_repeats(results: list[dict]) -> list[dict]:
+    import statistics
+
+    groups = {}
+    for r in results:
+        groups.setdefault((r["size"], r["case"], r["side"]), []).append(r)
+    out = []
+    for (size, case, side), rs in groups.items():
+        ok = [r for r in rs if "ms_per_step" in r]
+        if not ok:
+            out.append(rs[0])
+            continue
+        m = dict(ok[0])
+        for k in ("ms_per_step", "tokens_per_s", "peak_rss_mb", "compile_s"):
+            if all(k in r for r in ok):
+                m[k] = statistics.median(r[k] for r in ok)
+        out.append(m)
+    return out
+
+
+if __name__ == "__main__":
+    main()

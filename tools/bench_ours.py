@@ -1,0 +1,225 @@
+"""Our side of ``tools.bench``: one measurement of the library's training step, in its own process.
+
+    python -m tools.bench_ours --spec JSON --case sft|dpo|dpo_precompute|dpo_lora [--steps N ...]
+    python -m tools.bench_ours --export DIR --spec JSON        # the same weights as HF safetensors
+
+The step is ``train.make_train_step`` with the algorithm's loss, jitted as ``train.run`` does it
+(state donated, output shardings pinned to the replicated sharding of a one-axis mesh).
+``--flags`` (comma-separated) measures variants: ``no_donate``, ``precision=highest|high|default``
+(jax_default_matmul_precision), ``split_pair`` (chosen and rejected in two forwards instead of one
+concatenated forward), ``full_logits`` (log-probs from the [batch, length, vocab] logits at once
+instead of the chunked, rematerialised computation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from tools.bench import (BACKBONE_KEYS, LEARNING_RATE, emit, make_batches, peak_rss_mb, rss_now_mb,
+                         summarize, tokens_per_step)
+
+
+def _setup_platform(device: str) -> None:
+    if device == "gpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cuda")
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
+    """A KerasHub GemmaCausalLM of the spec's dimensions (the built-in tokenizer as preprocessor:
+    the benchmark feeds token ids), its backbone warmed up once eagerly as ``model.load`` does."""
+    import nnx_posttrain  # noqa: F401  (backend)
+    import jax.numpy as jnp
+    import keras
+    import keras_hub
+
+    from nnx_posttrain import model
+    from nnx_posttrain import tokenizer as builtin_tokenizer
+
+    keras.utils.set_random_seed(seed)
+    tok = keras_hub.models.GemmaTokenizer(proto=builtin_tokenizer.builtin_proto())
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=spec["vocab"], dtype=model.DTYPES[dtype],
+        **{k: spec[k] for k in BACKBONE_KEYS})
+    task = keras_hub.models.GemmaCausalLM(
+        backbone=backbone, preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tok))
+    ids = jnp.zeros((1, 4), jnp.int32)
+    backbone({"token_ids": ids, "padding_mask": jnp.ones_like(ids)})
+    if hasattr(task, "_compiled_trainable_state"):  # see model._nnx_ready
+        del task._compiled_trainable_state
+    return task
+
+
+def export(spec: dict, out_dir: str, seed: int) -> dict:
+    """The spec's model with seed ``seed`` as Hugging Face safetensors (KerasHub's exporter)."""
+    import numpy as np
+
+    task = build_task(spec, "float32", seed)
+    task.export_to_transformers(out_dir)
+    emb = np.asarray(task.backbone.token_embedding.embeddings.value)
+    return {"dir": out_dir, "embedding_checksum": float(np.abs(emb).sum())}
+
+
+def _apply_flags(flags: list[str]) -> None:
+    import jax
+
+    from nnx_posttrain import model, preference
+
+    for flag in flags:
+        if flag.startswith("precision="):
+            jax.config.update("jax_default_matmul_precision", flag.split("=", 1)[1])
+        elif flag == "split_pair":
+            def pair_logps(module, batch, chunk):
+                out = {}
+                for name in ("chosen", "rejected"):
+                    s, a, n = preference.sequence_logps(
+                        module, batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"],
+                        batch[f"{name}_loss_mask"], chunk)
+                    out.update({name: s, f"{name}_avg": a, f"{name}_len": n})
+                return out
+
+            preference.pair_logps = pair_logps
+        elif flag == "full_logits":
+            import jax.numpy as jnp
+
+            def token_logprobs(module, token_ids, padding_mask, chunk_size=128, with_entropy=False,
+                               segment_ids=None):
+                logits = model.full_logits(module, token_ids, padding_mask)[:, :-1]
+                logp = jax.nn.log_softmax(logits, axis=-1)
+                picked = jnp.take_along_axis(logp, token_ids[:, 1:, None], axis=-1)[..., 0]
+                return jnp.pad(picked, ((0, 0), (1, 0)))
+
+            model.token_logprobs = token_logprobs
+        elif flag and flag != "no_donate":
+            raise SystemExit(f"unknown flag {flag!r}")
+
+
+def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
+            logprob_chunk: int, flags: list[str]) -> dict:
+    import nnx_posttrain  # noqa: F401
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from nnx_posttrain import config as config_lib, model, train
+    from nnx_posttrain.algorithms import SFT, SFTConfig
+    from nnx_posttrain.preference import DPO, DPOConfig
+
+    rss_imports = rss_now_mb()
+    _apply_flags(flags)
+    task = build_task(spec, dtype, seed)
+    module = task.backbone
+    if case == "sft":
+        algorithm = SFT(SFTConfig(), logprob_chunk)
+    else:
+        reference = {"dpo": "copy", "dpo_precompute": "precompute", "dpo_lora": "lora_base"}[case]
+        algorithm = DPO(DPOConfig(reference=reference), logprob_chunk)
+    if case == "dpo_lora":
+        model.enable_lora(module, 8, None, "attention")
+    algorithm.setup(module)
+
+    # the mesh, placement and output shardings exactly as train.run makes them (one device here)
+    mesh = train.make_mesh(config_lib.MeshConfig())
+    try:
+        from nnx_posttrain import sharding
+
+        def place(tree):
+            return sharding.put(tree, sharding.tree_shardings(tree, mesh))
+
+        def state_shardings(state):
+            return sharding.tree_shardings(state, mesh)
+    except ImportError:  # the single-axis (data) version of train.run
+        replicated = NamedSharding(mesh, P())
+
+        def place(tree):
+            return jax.device_put(tree, replicated)
+
+        def state_shardings(state):
+            return jax.tree.map(lambda _: replicated, state)
+    if hasattr(model, "set_remat"):
+        model.set_remat(module, False)  # train.run's default (--remat none): no recomputation
+    graphdef, params, frozen_model = model.split(module)
+    optim = config_lib.OptimConfig(learning_rate=LEARNING_RATE, schedule="constant",
+                                   weight_decay=0.0, max_grad_norm=1.0)
+    total = 1 + warmup + steps
+    tx, lr = train.optimizer(optim, total)
+    frozen = place({"model": frozen_model, "reference": None})
+    if algorithm.reference_mode == "copy":
+        frozen["reference"] = place(jax.tree.map(jnp.copy, params))
+    state = place(train.init_state(params, tx, seed))
+
+    kind = "sft" if case == "sft" else "dpo"
+    host = [algorithm.prepare(b) for b in make_batches(spec, kind, min(total, 4), seed)]
+    precompute_s = None
+    if algorithm.reference_mode == "precompute":
+        reference_fn = jax.jit(lambda p, b: algorithm.reference_logps(
+            train.merge(graphdef, p, frozen)[0], b))
+        t0 = time.perf_counter()
+        for b in host:
+            b.update(jax.device_get(reference_fn(state["params"], b)))
+        precompute_s = time.perf_counter() - t0
+    batches = [train.shard_batch(b, mesh, 1) for b in host]
+
+    step_fn = jax.jit(
+        train.make_train_step(graphdef, algorithm.loss, tx, lr),
+        donate_argnums=() if "no_donate" in flags else (0,),
+        out_shardings=(state_shardings(state), NamedSharding(mesh, P())),
+    )
+    rss_before = rss_now_mb()
+    times, losses = [], []
+    for i in range(total):
+        t0 = time.perf_counter()
+        state, metrics = step_fn(state, frozen, batches[i % len(batches)])
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            losses.append(float(metrics["loss"]))
+    losses.append(float(metrics["loss"]))
+    out = summarize(times, warmup)
+    out.update(
+        tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
+        peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,
+        rss_before_steps_mb=rss_before, precompute_s=precompute_s,
+        params=model.count_params(nnx_posttrain_params(graphdef, params, frozen_model)),
+        trainable_params=model.count_params(params), loss_first=losses[0], loss_last=losses[-1],
+        device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
+        flags=flags, logprob_chunk=logprob_chunk, times_s=times,
+    )
+    return out
+
+
+def nnx_posttrain_params(graphdef, params, frozen_model):
+    """Every variable (trainable and frozen)."""
+    return [params, frozen_model]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", required=True)
+    p.add_argument("--export", default=None)
+    p.add_argument("--case", default="sft")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logprob-chunk", type=int, default=128)
+    p.add_argument("--flags", default="")
+    args = p.parse_args(argv)
+    _setup_platform(args.device)
+    spec = json.loads(args.spec)
+    if args.export:
+        emit(export(spec, args.export, args.seed))
+        return
+    emit(measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
+                 args.logprob_chunk, [f for f in args.flags.split(",") if f]))
+
+
+if __name__ == "__main__":
+    main()
