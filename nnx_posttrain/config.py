@@ -99,8 +99,42 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
+    """The device mesh (data x fsdp x tensor; the product must equal the number of devices of all
+    processes) and, for several hosts, how the processes find each other."""
+
     data: int = -1
-    """Devices on the data-parallel axis; -1 uses every device."""
+    """Devices on the data-parallel axis (batch split, weights replicated); -1: the devices the other axes leave."""
+    fsdp: int = 1
+    """Devices on the FSDP axis (batch split, weights / gradients / optimizer state sharded); -1: the rest."""
+    tensor: int = 1
+    """Devices on the tensor-parallel axis (heads, MLP width and vocabulary split); -1: the rest."""
+    distributed: Literal["auto", "on", "off"] = "auto"
+    """Multi-process JAX: 'auto' calls jax.distributed.initialize when a coordinator address or more than one process is given (here or by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); 'on' always calls it (JAX detects TPU pod slices, SLURM, Open MPI itself); 'off' never."""
+    coordinator_address: str | None = None
+    """host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS; auto-detected on TPU / SLURM)."""
+    num_processes: int | None = None
+    """Number of processes (default: $JAX_NUM_PROCESSES; auto-detected on TPU / SLURM)."""
+    process_id: int | None = None
+    """This process's index, 0 .. num_processes - 1 (default: $JAX_PROCESS_ID; auto-detected on TPU / SLURM)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if size == 0 or size < -1:
+                out.append(f"--mesh.{name} must be a positive device count or -1 (the rest), got {size}")
+        if sum(size == -1 for size in sizes.values()) > 1:
+            out.append("at most one of --mesh.data / --mesh.fsdp / --mesh.tensor may be -1 (the rest), "
+                       f"got {sizes}")
+        if self.num_processes is not None and self.num_processes < 1:
+            out.append(f"--mesh.num-processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and (self.process_id < 0 or (
+                self.num_processes is not None and self.process_id >= self.num_processes)):
+            out.append(f"--mesh.process-id must be in 0 .. num-processes - 1, got {self.process_id} "
+                       f"of {self.num_processes}")
+        if self.coordinator_address is not None and ":" not in self.coordinator_address:
+            out.append(f"--mesh.coordinator-address must be host:port, got {self.coordinator_address!r}")
+        return out
 
 
 @dataclasses.dataclass
@@ -131,6 +165,8 @@ class Config:
     """Log training metrics every this many steps."""
     logprob_chunk: int = 128
     """Sequence positions per chunk when computing log-probs (bounds the logits in memory)."""
+    remat: Literal["none", "blocks"] = "none"
+    """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     batching: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -162,6 +198,7 @@ class Config:
             problems.append("--optim.learning-rate must be >= 0")
         if self.log_every <= 0:
             problems.append("--log-every must be positive")
+        problems.extend(self.mesh.problems())
         if problems:
             raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
         return self

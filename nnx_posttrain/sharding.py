@@ -1,0 +1,196 @@
+"""Sharding is a rule: (Keras variable path, shape, mesh) -> PartitionSpec.
+
+The mesh has three axes, sized by ``--mesh.data / --mesh.fsdp / --mesh.tensor``:
+
+- ``data``: pure data parallelism — the batch is split, every weight is replicated;
+- ``fsdp``: the batch is split *and* every weight is sharded along its model dimension (ZeRO-3:
+  XLA gathers a weight just before it is used); optimizer state and gradients follow the weights;
+- ``tensor``: Megatron-style tensor parallelism — attention heads, the MLP's intermediate
+  dimension and the vocabulary are split; the batch is replicated over it.
+
+One rule set covers KerasHub's decoder families: Gemma 1/2/3 (``decoder_block_i/attention/...``,
+q/k/v kernels laid out [heads, hidden, head_dim]) and Llama 3 / Mistral / Qwen 2 / 2.5 / 3
+(``transformer_layer_i/self_attention/...``, q/k/v kernels [hidden, heads, head_dim]). Each rule
+names a *logical* axis per dimension; a dimension that does not divide by its mesh axis (gemma_2b
+has one key/value head) is replicated on that axis instead of failing — see ``spec_for``. LoRA
+factors follow their base kernel (A: the kernel's input dimensions, B: its output dimension);
+norms, biases of the output projections, scalars and anything unknown of rank < 2 are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+F, T = "fsdp", "tensor"
+
+# (regular expression searched in the Keras path, logical axis of each dimension). First match wins.
+RULES: list[tuple[str, tuple]] = [
+    # token embedding [vocab, hidden]; Llama / Mistral's untied output embedding [hidden, vocab]
+    (r"token_embedding/embeddings$", (T, F)),
+    (r"token_embedding/reverse_embeddings$", (F, T)),
+    # Gemma 1/2/3: q/k/v [heads, hidden, head_dim], output [heads, head_dim, hidden]
+    (r"(^|/)attention/(query|key|value)/kernel$", (T, F, None)),
+    # Llama 3 / Mistral / Qwen: q/k/v [hidden, heads, head_dim]; Qwen 2 biases [heads, head_dim]
+    (r"self_attention/(query|key|value)/kernel$", (F, T, None)),
+    (r"attention/(query|key|value)/bias$", (T, None)),
+    (r"attention_output/kernel$", (T, None, F)),
+    # MLP: gate / up [hidden, intermediate], down [intermediate, hidden]
+    (r"(ffw_gating|ffw_gating_2|feedforward_gate_dense|feedforward_intermediate_dense)/kernel$", (F, T)),
+    (r"(ffw_gating|ffw_gating_2|feedforward_gate_dense|feedforward_intermediate_dense)/bias$", (T,)),
+    (r"(ffw_linear|feedforward_output_dense)/kernel$", (T, F)),
+    # scalar heads of reward / value models [hidden, 1]
+    (r"(reward_head|value_head)/kernel$", (F, None)),
+]
+_COMPILED = [(re.compile(pattern), axes) for pattern, axes in RULES]
+
+
+def _sizes(mesh) -> dict[str, int]:
+    """Axis sizes of a ``Mesh``, an ``AbstractMesh`` or a plain {axis: size} dict."""
+    return dict(getattr(mesh, "shape", mesh))
+
+
+def logical_axes(path: str, ndim: int) -> tuple:
+    """The logical axis (``fsdp``, ``tensor`` or None) of each dimension of variable ``path``."""
+    if path.endswith(("/lora_kernel_a", "/lora_kernel_b")):
+        base, which = path.rsplit("/", 1)
+        kernel = _match(base + "/kernel")
+        if kernel is None:
+            return _generic(ndim)
+        if which == "lora_kernel_a":  # the kernel's input dimensions, then the rank
+            return (*kernel[: ndim - 1], None) if len(kernel) == ndim else _generic(ndim)
+        return (None, kernel[-1]) if ndim == 2 else _generic(ndim)  # rank, then the output dim
+    axes = _match(path)
+    if axes is None or len(axes) != ndim:
+        return _generic(ndim)
+    return axes
+
+
+def _match(path):
+    for pattern, axes in _COMPILED:
+        if pattern.search(path):
+            return axes
+    return None
+
+
+def _generic(ndim):
+    """Unknown variables: replicated below rank 2 (norms, biases, scalars), else the first
+    dimension over fsdp."""
+    return (None,) * ndim if ndim < 2 else (F,) + (None,) * (ndim - 1)
+
+
+def spec_for(path: str, shape, mesh) -> P:
+    """PartitionSpec of variable ``path`` with ``shape`` on ``mesh``.
+
+    An axis of size 1 is dropped, and a dimension that its axis does not divide falls back to
+    replication on that axis (so a single key/value head stays whole under tensor parallelism)."""
+    sizes = _sizes(mesh)
+    out = []
+    for dim, axis in zip(shape, logical_axes(path, len(shape))):
+        size = sizes.get(axis, 1) if axis else 1
+        out.append(axis if size > 1 and dim % size == 0 else None)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+# ----------------------------------------------------------------------------- trees of variables
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def tree_specs(tree, mesh):
+    """A tree like ``tree`` with a PartitionSpec for every array: the rule's spec for every
+    variable (parameters, their optimizer moments — optax mirrors the parameters' variables, Keras
+    paths included — and frozen variables), replicated for everything else (step, RNG, counts)."""
+
+    def one(x):
+        if _is_variable(x):
+            spec = spec_for(x.path, tuple(x.value.shape), mesh)
+            return jax.tree.map(lambda _: spec, x)
+        return P()
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def tree_shardings(tree, mesh: Mesh):
+    """NamedShardings of every array of ``tree`` on ``mesh`` (see ``tree_specs``)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def put(tree, shardings):
+    """Place host or single-device arrays onto (possibly multi-process) ``shardings``. Every
+    process holds the same full values and contributes the shards of its own devices."""
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        if isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def batch_spec(ndim: int, leading: int = 0) -> P:
+    """Spec of a batch array: dimension ``leading`` (the examples) over data and fsdp."""
+    return P(*([None] * leading), BATCH_AXES, *([None] * (ndim - leading - 1)))
+
+
+def batch_divisor(mesh) -> int:
+    """How many ways the batch dimension is split (data x fsdp)."""
+    sizes = _sizes(mesh)
+    return sizes.get("data", 1) * sizes.get("fsdp", 1)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def shard_shape(shape, spec: P, mesh) -> tuple:
+    sizes = _sizes(mesh)
+    out = []
+    for i, dim in enumerate(shape):
+        axes = spec[i] if i < len(spec) else None
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        out.append(-(-dim // math.prod(sizes[a] for a in axes)))
+    return tuple(out)
+
+
+def per_device_bytes(tree, mesh, itemsize: int | None = None) -> int:
+    """Bytes of ``tree``'s arrays held by one device (the largest share) under the rules, computed
+    from shapes alone (works for ``jax.ShapeDtypeStruct`` leaves and for meshes of any size).
+    ``itemsize`` overrides the leaves' dtypes (e.g. 4 for float32 optimizer moments)."""
+    total = 0
+    specs = jax.tree.leaves(tree_specs(tree, mesh), is_leaf=lambda x: isinstance(x, P))
+    for leaf, spec in zip(jax.tree.leaves(tree), specs):
+        size = itemsize or np.dtype(leaf.dtype).itemsize
+        total += math.prod(shard_shape(leaf.shape, spec, mesh)) * size
+    return total
+
+
+def device_bytes(tree) -> dict:
+    """Bytes of ``tree``'s arrays actually resident on each addressable device: {device id: bytes}."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
+
+
+def describe(tree, mesh) -> dict[str, str]:
+    """{Keras path: 'shape -> spec'} of every variable of ``tree`` (for reports and debugging)."""
+    out = {}
+    for _, v in nnx.to_flat_state(tree):
+        out[v.path] = f"{tuple(v.value.shape)} -> {spec_for(v.path, tuple(v.value.shape), mesh)}"
+    return out
