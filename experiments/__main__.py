@@ -9,7 +9,8 @@ import sys
 
 from nnx_posttrain import experiment
 
-NAMES = ("sft", "dpo", "simpo", "cpo", "orpo", "kto", "reward")
+NAMES = ("sft", "dpo", "simpo", "cpo", "orpo", "kto", "reward", "grpo", "rloo", "ppo",
+         "online_dpo")
 
 
 def main(argv=None):

@@ -24,6 +24,7 @@ class Algorithm:
     data_kind = "preference"  # which tokenized view of the data the loss reads
     reference_mode: str | None = None  # None: reference-free
     generates = True  # the module is a language model: exact-match evaluation applies
+    online = False  # generates its own training batches (see nnx_posttrain.online)
 
     def __init__(self, cfg, logprob_chunk: int = 128):
         self.cfg = cfg
@@ -42,6 +43,10 @@ class Algorithm:
         if mode == "lora_base" and not model.has_lora(module):
             raise SystemExit("--algo.reference lora_base needs LoRA (--lora.rank > 0)")
         self.reference_mode = mode
+
+    def policy_view(self, graphdef, params, frozen_model):
+        """(graphdef, states) of the language model inside the trained module, for generation."""
+        return graphdef, (params, frozen_model)
 
     def prepare(self, batch: dict) -> dict:
         """Host-side preparation of a numpy batch before it goes to the device."""
@@ -77,6 +82,6 @@ class SFT(Algorithm):
 
 
 def registry() -> dict[str, type[Algorithm]]:
-    from nnx_posttrain import preference
+    from nnx_posttrain import online, preference
 
-    return {"sft": SFT, **preference.ALGORITHMS}
+    return {"sft": SFT, **preference.ALGORITHMS, **online.ALGORITHMS}

@@ -19,6 +19,16 @@ PREFERENCE_DEFAULTS = dict(
     eval=dict(every=50, exact_match=500),
 )
 
+# Online RL methods also start from the SFT run, on the built-in task's prompts, rewarded by the
+# program that checks the answer. batch_size counts completions (num_generations per prompt).
+ONLINE_DEFAULTS = dict(
+    init_from="runs/sft",
+    steps=200,
+    optim=dict(learning_rate=3e-4, warmup_steps=5, min_lr_ratio=0.1),
+    batching=dict(batch_size=128, max_length=32),
+    eval=dict(every=50, exact_match=500),
+)
+
 
 @functools.cache
 def config_type(algorithm) -> type:

@@ -363,7 +363,7 @@ def _attention_mask_override(module, mask):
 
     KerasHub backbones accept only a [batch, T] padding mask; packed rows need a block-diagonal
     one. The blocks' mask method is shadowed on the instances for the duration of the call."""
-    blocks = list(module.transformer_layers)
+    blocks = decoder_blocks(module)  # not module.transformer_layers: see decoder_blocks
     names = [n for n in _MASK_METHODS if hasattr(type(blocks[0]), n)]
     if not names:
         raise NotImplementedError(f"packed sequences are not supported for {type(module).__name__}")
@@ -384,14 +384,65 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None):
     """Final hidden states. With ``segment_ids`` (packed rows), attention stays within each
     example. Positions are not restarted per example: every supported family uses rotary
     embeddings, whose attention scores depend only on relative positions within an example."""
-    if segment_ids is None:
-        return module({"token_ids": token_ids, "padding_mask": padding_mask})
-    with _attention_mask_override(module, segment_attention_mask(segment_ids)):
-        return module({"token_ids": token_ids, "padding_mask": (segment_ids != 0).astype(jnp.int32)})
+    with _remat_scope(module):
+        if segment_ids is None:
+            return module({"token_ids": token_ids, "padding_mask": padding_mask})
+        with _attention_mask_override(module, segment_attention_mask(segment_ids)):
+            return module({"token_ids": token_ids,
+                           "padding_mask": (segment_ids != 0).astype(jnp.int32)})
+
+
+def decoder_blocks(module) -> list:
+    """The decoder blocks that the backbone's functional graph calls. ``module.transformer_layers``
+    is not it after ``nnx.merge``: that list still holds the blocks of the module that was split,
+    while the merged graph calls new block objects (those in ``module.layers``)."""
+    kind = type(module.transformer_layers[0])
+    return [layer for layer in module.layers if isinstance(layer, kind)]
+
+
+def set_remat(module, enabled: bool) -> None:
+    """Rematerialise each decoder block of the backbone ``module`` (``--remat blocks``): the
+    backward pass recomputes a block's activations from its input instead of keeping them, so
+    activation memory holds one block's internals rather than all of them. A plain attribute,
+    kept by ``nnx.split`` / ``nnx.merge``; ``hidden_states`` applies it."""
+    object.__setattr__(module, "_nnx_posttrain_remat", bool(enabled))
+
+
+@contextlib.contextmanager
+def _remat_scope(module):
+    """While active, each decoder block's ``call`` runs under ``jax.checkpoint`` (when enabled by
+    ``set_remat``). Only array arguments are traced; the others (flags, None) stay static."""
+    if not getattr(module, "_nnx_posttrain_remat", False):
+        yield
+        return
+    blocks = decoder_blocks(module)
+
+    def checkpointed(call):
+        def wrapper(*args, **kwargs):
+            leaves, treedef = jax.tree.flatten((args, kwargs))
+            where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+            def inner(*arrays):
+                full = list(leaves)
+                for i, x in zip(where, arrays):
+                    full[i] = x
+                args, kwargs = jax.tree.unflatten(treedef, full)
+                return call(*args, **kwargs)
+
+            return jax.checkpoint(inner)(*(leaves[i] for i in where))
+        return wrapper
+
+    for block in blocks:
+        object.__setattr__(block, "call", checkpointed(block.call))
+    try:
+        yield
+    finally:
+        for block in blocks:
+            object.__delattr__(block, "call")
 
 
 def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_entropy=False,
-                   segment_ids=None):
+                   segment_ids=None, temperature: float = 1.0):
     """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length].
 
     Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
@@ -399,9 +450,17 @@ def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_
     [batch, length, vocab]. With ``with_entropy`` also returns the per-position entropy of the
     predictive distribution. ``segment_ids`` marks the examples of packed rows (see
     ``hidden_states``); the first token of each example has no meaningful prediction and must
-    carry no loss.
+    carry no loss. ``temperature`` divides the logits (RL: the sampling distribution).
     """
-    h = hidden_states(module, token_ids, padding_mask, segment_ids)[:, :-1]
+    h = hidden_states(module, token_ids, padding_mask, segment_ids)
+    return logprobs_from_hidden(module, h, token_ids, chunk_size, with_entropy, temperature)
+
+
+def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entropy=False,
+                         temperature: float = 1.0):
+    """``token_logprobs`` from the final hidden states ``h`` [batch, length, width] (for models
+    that read the hidden states twice, e.g. a policy with a value head)."""
+    h = h[:, :-1]
     targets = token_ids[:, 1:]
     batch, length, width = h.shape
     chunk = min(chunk_size, length)
@@ -417,6 +476,8 @@ def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_
     def one_chunk(args):
         h_c, t_c = args
         logits = embedding(h_c, reverse=True).astype(jnp.float32)
+        if temperature != 1.0:
+            logits = logits / temperature
         log_z = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
         logp = picked - log_z

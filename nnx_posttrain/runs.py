@@ -20,11 +20,8 @@ class LoadedRun:
     step: int
     lm: model.LanguageModel
     state: dict  # params, opt_state, step, rng — as saved
-
-    @property
-    def module(self) -> nnx.Module:
-        """The model with the checkpoint's weights in it."""
-        return self.lm.module
+    module: nnx.Module  # the trained model with the checkpoint's weights in it: the backbone, or
+    # the algorithm's wrapper around it (a reward model's scalar head, a policy's value head)
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -> LoadedRun:
@@ -49,7 +46,8 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -
         lm = model.load(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
         if cfg.lora.rank:
             model.enable_lora(lm.module, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
-        _, params, _ = model.split(lm.module)
+        module = _algorithm_module(saved_cfg, lm)
+        _, params, _ = model.split(module)
         tx, _ = train.optimizer(cfg.optim, saved_cfg["steps"])
         mesh = train.make_mesh(config_lib.MeshConfig(data=mesh_devices))
         template = train.init_state(params, tx, cfg.seed)
@@ -57,8 +55,19 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -
         state, _, _ = ckpt.restore(step, abstract, checkpoint.model_record(cfg, template))
     finally:
         ckpt.close()
-    nnx.update(lm.module, state["params"])
-    return LoadedRun(run_dir, saved_cfg, step, lm, state)
+    nnx.update(module, state["params"])
+    return LoadedRun(run_dir, saved_cfg, step, lm, state, module)
+
+
+def _algorithm_module(saved_cfg: dict, lm) -> nnx.Module:
+    """The module the run trained: the algorithm (found by its settings' class name) builds it."""
+    from nnx_posttrain import algorithms
+
+    by_config = {a.Config.__name__: a for a in algorithms.registry().values()}
+    algorithm = by_config.get(saved_cfg.get("algo_name"))
+    if algorithm is None:
+        return lm.module
+    return algorithm(algorithm.Config(**(saved_cfg.get("algo") or {}))).build_module(lm)
 
 
 def param_leaves(state) -> dict[str, jax.Array]:

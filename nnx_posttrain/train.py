@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from nnx_posttrain import config as config_lib
-from nnx_posttrain import checkpoint, data, generate, model
+from nnx_posttrain import checkpoint, data, generate, model, sharding
 from nnx_posttrain.metrics_log import MetricsLog
 
 
@@ -146,22 +147,73 @@ def make_eval_step(graphdef, loss_fn):
 # ----------------------------------------------------------------------------- mesh
 
 
+def initialize_distributed(cfg: config_lib.MeshConfig) -> bool:
+    """``jax.distributed.initialize`` when configured (``--mesh.distributed``, the coordinator /
+    process options, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). Must run
+    before anything else touches JAX's devices. Returns whether this is a multi-process run."""
+    env = os.environ
+    address = cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+    num = cfg.num_processes if cfg.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    pid = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
+    wanted = cfg.distributed == "on" or (
+        cfg.distributed == "auto" and (address is not None or (num or 1) > 1))
+    if not wanted or jax.distributed.is_initialized():
+        return jax.distributed.is_initialized()
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    return True
+
+
+def _env_int(name):
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def mesh_shape(cfg: config_lib.MeshConfig, n_devices: int) -> dict[str, int]:
+    """{data, fsdp, tensor} sizes for ``n_devices``, the -1 axis taking the rest; SystemExit with
+    the reason when they do not multiply to the device count."""
+    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    rest = [k for k, v in sizes.items() if v == -1]
+    if rest:
+        if n_devices % fixed:
+            raise SystemExit(f"mesh {sizes}: {n_devices} device(s) do not divide by the fixed axes' "
+                             f"product {fixed}")
+        sizes[rest[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise SystemExit(
+            f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
+            f"{math.prod(sizes.values())} devices, but {n_devices} are available "
+            f"({jax.process_count()} process(es)); the product must equal the device count "
+            "(set one axis to -1 to take the rest)"
+        )
+    return sizes
+
+
 def make_mesh(cfg: config_lib.MeshConfig) -> Mesh:
+    """The (data, fsdp, tensor) mesh over every device of every process. Tensor-parallel
+    neighbours are adjacent devices (same host / fast links), then fsdp, then data."""
     devices = jax.devices()
-    n = len(devices) if cfg.data == -1 else cfg.data
-    if not 1 <= n <= len(devices):
-        raise SystemExit(f"--mesh.data {cfg.data}: {len(devices)} device(s) available")
-    return Mesh(np.asarray(devices[:n]), ("data",))
+    sizes = mesh_shape(cfg, len(devices))
+    shape = tuple(sizes[a] for a in sharding.AXES)
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except Exception:  # noqa: BLE001 - CPU / odd topologies: the plain order is fine
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, sharding.AXES)
 
 
 def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
-    """[batch, ...] host arrays -> [accum, micro, ...] device arrays, micro sharded over 'data'."""
+    """[batch, ...] host arrays -> [accum, micro, ...] device arrays, micro split over the data
+    and fsdp axes (replicated over tensor). Every process holds the whole global batch and
+    contributes the rows of its own devices."""
     out = {}
     for k, v in batch.items():
         v = np.asarray(v)
         v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
-        spec = P(None, "data", *([None] * (v.ndim - 2)))
-        out[k] = jax.device_put(v, NamedSharding(mesh, spec))
+        target = NamedSharding(mesh, sharding.batch_spec(v.ndim, leading=1))
+        out[k] = jax.make_array_from_callback(v.shape, target, lambda index, v=v: v[index])
     return out
 
 
@@ -178,6 +230,7 @@ class RunResult:
     graphdef: object
     frozen: object
     stopped_by: str | None = None
+    algorithm: object = None
 
 
 class _StopSignals:
@@ -208,6 +261,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     """Train (or, with ``eval_only``, evaluate) per ``cfg``; returns what notebooks and tests use.
 
     Resumes from the latest complete checkpoint of the run directory when there is one."""
+    initialize_distributed(cfg.mesh)  # before anything touches the devices
     run_dir = Path(cfg.run_dir or f"runs/{experiment}")
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
@@ -217,9 +271,10 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     config_lib.save(cfg, run_dir / "config.json")
     mesh = make_mesh(cfg.mesh)
     b = cfg.batching
-    if (b.batch_size // b.grad_accum) % mesh.size:
+    if (b.batch_size // b.grad_accum) % sharding.batch_divisor(mesh):
         raise SystemExit(
-            f"micro-batch {b.batch_size // b.grad_accum} does not divide over {mesh.size} devices"
+            f"micro-batch {b.batch_size // b.grad_accum} does not divide over the "
+            f"{sharding.batch_divisor(mesh)} batch shards (--mesh.data x --mesh.fsdp)"
         )
 
     lm = model.load(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
@@ -229,6 +284,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
         echo(runs.init_weights(lm.module, cfg.init_from))
     if cfg.lora.rank:
         model.enable_lora(lm.module, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    model.set_remat(lm.module, cfg.remat == "blocks")
     module = algorithm.build_module(lm)
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
@@ -238,21 +294,27 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
 
     graphdef, params, frozen_model = model.split(module)
     tx, lr = optimizer(cfg.optim, cfg.steps)
-    replicated = NamedSharding(mesh, P())
-    frozen = jax.device_put({"model": frozen_model, "reference": None}, replicated)
+    def place(tree):  # onto the mesh, each variable sharded by its rule (nnx_posttrain.sharding)
+        return sharding.put(tree, sharding.tree_shardings(tree, mesh))
+
+    frozen = place({"model": frozen_model, "reference": None})
     if algorithm.reference_mode == "copy":  # the starting weights, frozen (not donated)
-        frozen["reference"] = jax.device_put(jax.tree.map(jnp.copy, params), replicated)
-    state = jax.device_put(init_state(params, tx, cfg.seed), replicated)
+        frozen["reference"] = place(jax.tree.map(jnp.copy, params))
+    state = place(init_state(params, tx, cfg.seed))
     record = checkpoint.model_record(cfg, state)
     reference_cache = None
     if algorithm.reference_mode == "precompute":
         reference_cache = _precomputed_reference(cfg, run_dir, algorithm, graphdef, state["params"],
                                                  frozen, train_src, eval_src, transform, echo)
+    online = algorithm.online
+    if online:  # the data gives prompts; each step's batch is a rollout (nnx_posttrain.online)
+        algorithm.attach(lm, graphdef, state["params"], frozen, train_src, cfg.seed, merge)
     if b.packing:
         batches = data.packed_train_batches(train_src, transform, b.batch_size, cfg.seed,
                                             b.shuffle, b.num_workers)
     else:
-        batches = data.train_batches(train_src, _Indexed(transform), b.batch_size, cfg.seed,
+        rows = algorithm.prompts_per_step(b.batch_size) if online else b.batch_size
+        batches = data.train_batches(train_src, _Indexed(transform), rows, cfg.seed,
                                      b.shuffle, b.num_workers)
     if resume_step is not None:
         state, data_state, _ = ckpt.restore(resume_step, checkpoint.abstract(state), record)
@@ -264,15 +326,18 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     train_step = jax.jit(
         make_train_step(graphdef, algorithm.loss, tx, lr),
         donate_argnums=(0,),
-        out_shardings=(jax.tree.map(lambda _: replicated, state), None),
+        # pinned: without it the state's shardings drift after an update
+        out_shardings=(sharding.tree_shardings(state, mesh), NamedSharding(mesh, P())),
     )
     eval_step = jax.jit(make_eval_step(graphdef, algorithm.loss))
     eval_sets = _eval_sets(cfg, eval_src, transform, lm, graphdef, algorithm,
-                           reference_cache and reference_cache["eval"])
+                           reference_cache and reference_cache["eval"],
+                           (state["params"], frozen["model"]))
 
-    log = MetricsLog(run_dir, keep_until=start if resume_step is not None else None,
-                     echo=lambda s: tqdm.write(s) if echo else None)
-    result = RunResult(run_dir, [], [], state, lm, graphdef, frozen)
+    log = (MetricsLog(run_dir, keep_until=start if resume_step is not None else None,
+                      echo=lambda s: tqdm.write(s) if echo else None)
+           if jax.process_index() == 0 else _SecondaryLog())  # process 0 writes the metrics
+    result = RunResult(run_dir, [], [], state, lm, graphdef, frozen, algorithm=algorithm)
 
     def evaluate(step):
         metrics = _evaluate(cfg, lm, state["params"], frozen, eval_step, eval_sets, mesh)
@@ -295,12 +360,21 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
                  "do. Raise --steps to continue training, or choose another --run-dir.")
             return result
         t_last, tokens, pending, compile_seconds = time.perf_counter(), 0, [], None
+        rollout, host_metrics = None, []  # online algorithms: the current rollout, its metrics
         bar = tqdm(total=cfg.steps, initial=start, desc=experiment, unit="step", dynamic_ncols=True)
         with _StopSignals() as stop:
             for step in range(start + 1, cfg.steps + 1):
-                batch = next(batches)
+                if online:  # a new rollout, or the current one again (num_iterations)
+                    if algorithm.fresh(step):
+                        prompts = next(batches)
+                        pending.append(int(prompts["truncated"].sum()))
+                        rollout, rollout_metrics = algorithm.rollout(step, state, frozen, prompts)
+                        host_metrics.append(rollout_metrics)
+                    batch = rollout
+                else:
+                    batch = next(batches)
+                    pending.append(int(batch["truncated"].sum()))
                 tokens += sum(int(v.sum()) for k, v in batch.items() if k.endswith("attention_mask"))
-                pending.append(int(batch["truncated"].sum()))
                 batch = _device_batch(algorithm, batch, reference_cache and reference_cache["train"])
                 state, metrics = train_step(state, frozen, shard_batch(batch, mesh, b.grad_accum))
                 result.state = state
@@ -316,6 +390,9 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
                     if compile_seconds is not None:
                         metrics["compile_seconds"], compile_seconds = compile_seconds, None
                     metrics["truncated"] = float(sum(pending))
+                    if online:  # the rollouts since the last log (or the one being reused)
+                        metrics.update(_means(host_metrics or [rollout_metrics]))
+                        host_metrics = []
                     result.train.append(log.log(step, "train", metrics, echo=False))
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}")
                     t_last, tokens, pending = time.perf_counter(), 0, []
@@ -324,9 +401,13 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
                     eval_metrics = evaluate(step)
                     t_last = time.perf_counter()  # evaluation time is not training throughput
                 every = cfg.checkpoint.every
-                if (every and step % every == 0) or step == cfg.steps or stop.received:
+                # an online algorithm's rollout is reused for num_iterations steps: checkpoints
+                # fall between rollouts, so a resumed run starts with a fresh one
+                between = not online or algorithm.fresh(step + 1)
+                if (((every and step % every == 0) or stop.received) and between
+                        or step == cfg.steps):
                     save(step, eval_metrics)
-                if stop.received:
+                if stop.received and (between or step == cfg.steps):
                     name = signal.Signals(stop.received).name
                     ckpt.wait()
                     bar.close()
@@ -342,6 +423,25 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
         log.close()
         getattr(batches, "close", lambda: None)()  # Grain worker processes, when there are any
     return result
+
+
+class _SecondaryLog:
+    """Metrics of processes other than 0 of a multi-process run: returned, never written."""
+
+    def log(self, step, split, metrics, echo=True):
+        return {"step": int(step), "split": split, **{k: float(v) for k, v in metrics.items()}}
+
+    def close(self):
+        pass
+
+
+def _means(rows: list[dict]) -> dict:
+    """Per-key mean of host-side metrics (online rollouts) since the last log, NaN-ignoring."""
+    out = {}
+    for key in sorted({k for r in rows for k in r}):
+        values = [r[key] for r in rows if key in r and np.isfinite(r[key])]
+        out[key] = float(np.mean(values)) if values else float("nan")
+    return out
 
 
 class _Indexed:
@@ -481,7 +581,7 @@ def _files_signature(spec):
     return out
 
 
-def _eval_sets(cfg, eval_src, transform, lm, graphdef, algorithm, reference):
+def _eval_sets(cfg, eval_src, transform, lm, graphdef, algorithm, reference, states):
     if eval_src is None:
         return None
     micro = cfg.batching.batch_size // cfg.batching.grad_accum
@@ -491,10 +591,13 @@ def _eval_sets(cfg, eval_src, transform, lm, graphdef, algorithm, reference):
         # batches only
         batches = batches[:-1]
     batches = [_device_batch(algorithm, batch, reference) for batch in batches]
+    if algorithm.online:  # its loss needs rollouts: evaluated by generation only
+        batches = []
     pairs, greedy = [], None
     if algorithm.generates and cfg.eval.exact_match:
         pairs = data.prompts_and_answers(eval_src, lm.chat_format, cfg.eval.exact_match)
-        greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
+        view = lambda params, frozen_model: algorithm.policy_view(graphdef, params, frozen_model)
+        greedy = (generate.make_greedy(view(*states)[0], cfg.eval.max_new_tokens), view)
     return batches, pairs, greedy, algorithm.data_kind == "sft"
 
 
@@ -507,11 +610,14 @@ def _evaluate(cfg, lm, params, frozen, eval_step, eval_sets, mesh) -> dict:
         sharded = jax.tree.map(lambda x: x[0], shard_batch(batch, mesh, 1))
         out = eval_step(params, frozen, sharded)
         sums = out if sums is None else _sum_tree(sums, out)
-    _, _, metrics = jax.device_get(sums)
-    result = {k: float(v) for k, v in metric_means(metrics).items()}
+    result = {}
+    if sums is not None:
+        _, _, metrics = jax.device_get(sums)
+        result = {k: float(v) for k, v in metric_means(metrics).items()}
     if pairs:
+        greedy, view = greedy
         accuracy, _ = generate.exact_match(
-            lm, greedy, (params, frozen["model"]), pairs, cfg.eval.max_new_tokens
+            lm, greedy, view(params, frozen["model"])[1], pairs, cfg.eval.max_new_tokens
         )
         result["exact_match"] = accuracy
     if is_nll and math.isfinite(result["loss"]):  # SFT's loss is the mean NLL per token

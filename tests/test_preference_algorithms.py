@@ -279,8 +279,11 @@ def test_precomputed_reference_is_cached_reused_and_joined_to_the_right_examples
     _assert_learns_and_logs_trl_metrics(copy)
     for name in TRL_PAIR_METRICS:
         np.testing.assert_array_equal([r[name] for r in reused], [r[name] for r in pre])
-        np.testing.assert_allclose([r[name] for r in pre], [r[name] for r in copy], rtol=0,
-                                   atol=1e-5, err_msg=name)
+        # at step 1 the policy is the reference: every margin is 0 up to float rounding, and which
+        # side of 0 a margin falls on (the accuracy) is rounding noise, not behaviour
+        first = 1 if name == "rewards/accuracies" else 0
+        np.testing.assert_allclose([r[name] for r in pre][first:], [r[name] for r in copy][first:],
+                                   rtol=0, atol=1e-5, err_msg=name)
     # Step 1: policy == reference on whatever shuffled examples the batch holds.
     assert pre[0]["loss"] == pytest.approx(LOG2, abs=1e-6)
     assert pre[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)

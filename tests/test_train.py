@@ -6,6 +6,7 @@ import nnx_posttrain  # noqa: F401
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 import optax
 import pytest
 
@@ -175,6 +176,11 @@ def test_packed_sft_batch_gives_the_same_loss_as_its_examples_unpacked():
     total_u, weight_u, _ = algo.loss(lm.module, unpacked)
     assert float(weight_p) == float(weight_u) > 0
     assert float(total_p) == pytest.approx(float(total_u), rel=1e-5)
+    # and as the training step computes it: jitted over nnx.merge (new block objects), where the
+    # attention-mask override must reach the merged blocks, not the split module's
+    graphdef, params, frozen = model.split(lm.module)
+    jitted = jax.jit(lambda p, f, b: algo.loss(nnx.merge(graphdef, p, f), b)[0])
+    assert float(jitted(params, frozen, sharded)) == pytest.approx(float(total_u), rel=1e-5)
 
 
 def test_end_to_end_packed_sft_run(tmp_path):

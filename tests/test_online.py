@@ -1,0 +1,188 @@
+"""Online RL through the model and the loop: the rollout contract (sampler log-probs = the
+training forward's), GRPO / RLOO / PPO / online DPO runs with TRL's metric names, learning a
+reward, reward functions by name, module path and reward-model run, exact resume between
+rollouts, and the checks on bad settings."""
+
+import json
+import math
+from pathlib import Path
+
+import nnx_posttrain  # noqa: F401
+import numpy as np
+import pytest
+
+from nnx_posttrain import experiment, metrics_log, online, rewards
+
+MICRO = ["--model", "gemma_micro", "--init-from", "", "--batching.max-length", "24",
+         "--algo.max-completion-length", "4", "--eval.exact-match", "8", "--log-every", "1",
+         "--checkpoint.every", "0"]
+
+
+def digits_reward(prompts, completions, **_):
+    """Test reward: the fraction of digits in the completion (dense: learnable from scratch)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def half_none(prompts, completions, **_):
+    """Test reward that does not apply to the first half of the rows (None): left out of the mean."""
+    return [None if i < len(completions) // 2 else 1.0 for i in range(len(completions))]
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    from nnx_posttrain import data
+
+    d = tmp_path_factory.mktemp("prompts")
+    out = []
+    for split, n in (("train", 32), ("eval", 8)):
+        src = data.source("builtin", split, builtin="prompt_only")
+        path = d / f"{split}.jsonl"
+        path.write_text("".join(json.dumps({k: v for k, v in src[i].items()
+                                            if not k.startswith("_")}) + "\n" for i in range(n)))
+        out.append(str(path))
+    return out
+
+
+def _run(name, algorithm_cls, tmp_path, files, *extra):
+    module = __import__(f"experiments.{name}", fromlist=["DEFAULT"])
+    args = [*MICRO, "--data", files[0], "--eval-data", files[1],
+            "--run-dir", str(tmp_path / name), *extra]
+    return experiment.main(name, algorithm_cls, module.DEFAULT, args=args)
+
+
+def _train(run_dir):
+    return [r for r in metrics_log.read(run_dir) if r["split"] == "train"]
+
+
+GRPO_METRICS = ("loss", "reward", "reward_std", "rewards/exact_match/mean", "kl", "entropy",
+                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
+                "clip_ratio/high_mean", "clip_ratio/region_mean", "frac_reward_zero_std")
+
+
+def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files):
+    """The sampler's log-probs of the sampled tokens = the training forward's log-probs of the
+    same sequence at the completion positions (the contract the policy ratio relies on), and the
+    rollout batch is laid out as the loss reads it."""
+    import jax
+
+    from nnx_posttrain import data
+
+    result = _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
+                  "--batching.batch-size", "8", "--algo.num-generations", "4",
+                  "--algo.num-iterations", "2", "--eval.every", "0")
+    algo, state, frozen = result.algorithm, result.state, result.frozen
+    transform = data.TokenizePrompt(result.lm.tokenizer, result.lm.chat_format, 24)
+    prompts = next(data.train_batches(algo.train_src, transform, 2, seed=0))
+    batch, _ = algo.rollout(7, state, frozen, prompts)
+    width = prompts["prompt_ids"].shape[1]
+    assert batch["input_ids"].shape == (8, width + 4)
+    np.testing.assert_array_equal(batch["loss_mask"][:, :width], 0)
+    np.testing.assert_array_equal(batch["input_ids"][0, :width], batch["input_ids"][3, :width])
+    states = algo.policy_view(algo.graphdef, state["params"], frozen["model"])[1]
+    sampled = algo._sample(states, batch["input_ids"][:, :width], batch["attention_mask"][:, :width],
+                           jax.random.fold_in(jax.random.key(0), 7), 1.0, 1.0, algo.stop_ids)
+    mask = np.asarray(sampled["completion_mask"])
+    np.testing.assert_array_equal(batch["attention_mask"][:, width:], mask)  # the same sample
+    np.testing.assert_allclose(batch["old_logps"][:, width:] * mask,
+                               np.asarray(sampled["logprobs"]), atol=2e-4)
+    assert batch["advantages"].shape == (8,) and np.isfinite(batch["advantages"]).all()
+
+
+def test_grpo_learns_a_reward_and_logs_trl_metrics(tmp_path, prompt_files):
+    _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "12",
+         "--batching.batch-size", "16", "--algo.num-generations", "4",
+         "--algo.rewards", "test_online:digits_reward,exact_match", "--algo.reward-weights", "1,0",
+         "--algo.beta", "0.04", "--optim.learning-rate", "3e-2", "--optim.warmup-steps", "0",
+         "--eval.every", "6")
+    records = _train(tmp_path / "grpo")
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for name in ("loss", "reward", "reward_std", "rewards/digits_reward/mean", "kl", "entropy",
+                 "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean"):
+        assert all(math.isfinite(r[name]) for r in records), name
+    first = np.mean([r["reward"] for r in records[:3]])
+    last = np.mean([r["reward"] for r in records[-3:]])
+    assert last > first + 0.2, (first, last)
+    evals = [r for r in metrics_log.read(tmp_path / "grpo") if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 6, 12] and all("exact_match" in r for r in evals)
+
+
+@pytest.mark.parametrize("name,cls,extra", [
+    ("rloo", online.RLOO, ["--algo.num-generations", "2"]),
+    ("ppo", online.PPO, ["--algo.num-iterations", "2"]),
+    ("online_dpo", online.OnlineDPO, ["--algo.num-generations", "2"]),
+])
+def test_other_online_algorithms_run_with_their_metrics(tmp_path, prompt_files, name, cls, extra):
+    _run(name, cls, tmp_path, prompt_files, "--steps", "2", "--batching.batch-size", "8",
+         "--eval.every", "0", "--algo.rewards", "length", *extra)
+    records = _train(tmp_path / name)
+    assert [r["step"] for r in records] == [1, 2]
+    expected = {
+        "rloo": ("loss", "reward", "kl", "clip_ratio/region_mean"),
+        "ppo": ("loss", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg",
+                "val/clipfrac_avg", "objective/kl", "objective/scores", "objective/rlhf_reward"),
+        "online_dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                       "rewards/accuracies", "reward"),
+    }[name]
+    for key in expected:
+        assert all(math.isfinite(r[key]) for r in records), key
+    if name == "ppo":  # the value head starts at zero: non-zero returns give it a loss to learn
+        assert records[-1]["loss/value_avg"] > 0
+
+
+def test_resume_between_rollouts_equals_the_uninterrupted_run(tmp_path, prompt_files):
+    """num_iterations 2: checkpoints only after whole rollouts (steps 2, 4); stopping at 4 and
+    resuming gives the same per-step losses as one run of 6 steps."""
+    common = ["--batching.batch-size", "8", "--algo.num-generations", "4",
+              "--algo.num-iterations", "2", "--algo.beta", "0.04", "--eval.every", "0",
+              "--eval.exact-match", "0", "--optim.schedule", "constant",
+              "--optim.learning-rate", "1e-2"]
+    _run("grpo", online.GRPO, tmp_path / "a", prompt_files, "--steps", "6", *common)
+    _run("grpo", online.GRPO, tmp_path / "b", prompt_files, "--steps", "4", *common,
+         "--checkpoint.every", "1")
+    steps = sorted(int(p.name) for p in (tmp_path / "b" / "grpo" / "checkpoints").iterdir()
+                   if p.name.isdigit())
+    assert steps == [2, 4], steps  # never between the two steps of a rollout
+    _run("grpo", online.GRPO, tmp_path / "b", prompt_files, "--steps", "6", *common)
+    a = [(r["step"], r["loss"], r["reward"]) for r in _train(tmp_path / "a" / "grpo")]
+    b = [(r["step"], r["loss"], r["reward"]) for r in _train(tmp_path / "b" / "grpo")]
+    assert [s for s, *_ in b] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(np.array(b)[:, 1:], np.array(a)[:, 1:], rtol=1e-5, atol=1e-6)
+
+
+def test_reward_model_run_as_reward(tmp_path, prompt_files):
+    from experiments import reward as reward_experiment
+    from nnx_posttrain.preference import Reward
+
+    experiment.main("reward", Reward, reward_experiment.DEFAULT, args=[
+        "--model", "gemma_micro", "--init-from", "", "--steps", "2", "--batching.batch-size", "4",
+        "--batching.max-length", "24", "--eval.exact-match", "0", "--eval.batches", "1",
+        "--run-dir", str(tmp_path / "rm"), "--checkpoint.every", "0"])
+    _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", "--batching.batch-size", "8",
+         "--algo.num-generations", "4", "--algo.rewards", f"{tmp_path / 'rm'},test_online:half_none",
+         "--eval.every", "0")
+    (record,) = _train(tmp_path / "grpo")
+    assert math.isfinite(record["rewards/rm/mean"]) and record["rewards/rm/std"] > 0
+    assert record["rewards/half_none/mean"] == 1.0  # the None rows are left out
+
+
+def test_bad_reward_and_batch_settings_are_refused(tmp_path, prompt_files):
+    with pytest.raises(SystemExit, match="not a built-in reward"):
+        rewards.resolve("exactmatch")
+    with pytest.raises(SystemExit, match="cannot import"):
+        rewards.resolve("no_such_module:f")
+    with pytest.raises(SystemExit, match="must be a multiple of --algo.num-generations 3"):
+        _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
+             "--batching.batch-size", "8", "--algo.num-generations", "3")
+    with pytest.raises(SystemExit, match="precompute does not apply"):
+        _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", "--algo.beta", "0.1",
+             "--algo.reference", "precompute", "--batching.batch-size", "8")
+    with pytest.raises(ValueError, match="answer"):
+        rewards.exact_match(["q"], ["1"])
+
+
+def test_experiments_dispatch_online_names():
+    from experiments.__main__ import NAMES
+
+    for name in ("grpo", "rloo", "ppo", "online_dpo"):
+        assert name in NAMES
+        assert (Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py").exists()
