@@ -32,7 +32,7 @@ import keras
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import chat
+from nnx_posttrain import chat, model
 
 # Backbones whose decoder blocks take a KV cache and whose positions are rotary (relative), by
 # class name. Absolute-position families (GPT-2, OPT, ...) would see shifted positions with left
@@ -75,14 +75,6 @@ def _family(module) -> _Family:
     return fam
 
 
-def _blocks(module) -> list:
-    """The decoder blocks that the backbone's functional graph calls, in order. Not
-    ``module.transformer_layers``: after ``nnx.merge`` that list still holds the blocks of the
-    module that was split (with its concrete weights), not the merged ones (in ``module.layers``)."""
-    kind = type(module.transformer_layers[0])
-    return [layer for layer in module.layers if isinstance(layer, kind)]
-
-
 def _head_shape(module) -> tuple[int, int]:
     heads = int(module.num_key_value_heads)
     head_dim = getattr(module, "head_dim", None) or module.hidden_dim // module.num_query_heads
@@ -93,7 +85,7 @@ def _head_shape(module) -> tuple[int, int]:
 def _key_padding_mask(module, fam: _Family, key_mask):
     """Within the block, every decoder block's attention mask (causal, sliding window, as KerasHub
     computes it for the cache) is also zero at the keys where ``key_mask`` [batch, L] is 0."""
-    blocks = _blocks(module)
+    blocks = model.decoder_blocks(module)
     for block in blocks:
         original = getattr(block, fam.mask_method)
 
@@ -113,7 +105,7 @@ def _empty_cache(module, fam: _Family, batch: int, length: int):
     heads, head_dim = _head_shape(module)
     dtype = keras.backend.standardize_dtype(module.compute_dtype)
     caches = []
-    for _ in _blocks(module):
+    for _ in model.decoder_blocks(module):
         if fam.pair_cache:
             shape = (batch, length, heads, head_dim)
             caches.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
@@ -130,7 +122,7 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask):
         x = x * jnp.sqrt(jnp.asarray(module.hidden_dim, jnp.float32)).astype(x.dtype)
     new = []
     with _key_padding_mask(module, fam, key_mask):
-        for block, cache in zip(_blocks(module), caches):
+        for block, cache in zip(model.decoder_blocks(module), caches):
             x, cache = block(x, **{fam.cache_kw: cache, fam.index_kw: index})
             new.append(cache)
     h = module.layer_norm(x)
