@@ -398,15 +398,19 @@ class PPO(OnlineAlgorithm):
         backbone_graphdef, *states = nnx.split(nnx.merge(graphdef, params, frozen_model).backbone)
         return backbone_graphdef, tuple(states)
 
+    def attach(self, lm, graphdef, params, frozen, train_src, seed, merge):
+        super().attach(lm, graphdef, params, frozen, train_src, seed, merge)
+        self._values_jit = jax.jit(self._logps_and_values)
+
+    def _logps_and_values(self, params, frozen, ids, att):
+        """The rollout's log-probs and values under the generating policy, without gradient."""
+        module, _ = self._merge(self.graphdef, params, frozen)
+        return module.logps_and_values(ids, att, self.logprob_chunk, self.logprob_temperature)
+
     def make_batch(self, batch, scores, finished, state, frozen):
         c = self.cfg
         ids, att = batch["input_ids"], batch["attention_mask"]
         mask = batch["loss_mask"].astype(np.float32)
-        if not hasattr(self, "_values_jit"):
-            def values(params, frozen, ids, att):
-                module, _ = self._merge(self.graphdef, params, frozen)
-                return module.logps_and_values(ids, att, self.logprob_chunk, self.logprob_temperature)
-            self._values_jit = jax.jit(values)
         old_logps, old_values = (np.asarray(x) for x in jax.device_get(
             self._values_jit(state["params"], frozen, ids, att)))
         scores = scores.astype(np.float32)
