@@ -49,8 +49,15 @@ class Algorithm:
         return graphdef, (params, frozen_model)
 
     def prepare(self, batch: dict) -> dict:
-        """Host-side preparation of a numpy batch before it goes to the device."""
-        return batch
+        """Host-side preparation of a numpy batch before it goes to the device: for each loss
+        mask ``*loss_mask``, the positions that carry loss as ``*positions``
+        (``model.scored_positions``), so that only those go through the vocabulary projection."""
+        masks = [key for key in batch if key.endswith("loss_mask")]
+        positions = model.scored_positions(*(batch[k] for k in masks)) if masks else None
+        if positions is None:
+            return batch
+        return dict(batch, **{k.replace("loss_mask", "positions"): p
+                              for k, p in zip(masks, positions)})
 
     def reference(self, module, reference_module, batch, forward):
         """``forward(m)`` evaluated as the reference, without gradient."""
@@ -76,7 +83,7 @@ class SFT(Algorithm):
     def loss(self, module, batch, reference=None):
         logps = model.token_logprobs(
             module, batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
-            segment_ids=batch.get("segment_ids"),
+            segment_ids=batch.get("segment_ids"), positions=batch.get("positions"),
         )
         return losses.sft(logps, batch["loss_mask"])
 

@@ -5,9 +5,24 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
-from tensorboardX import SummaryWriter
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter. tensorboardX imports torch whenever it is installed (only to
+    accept torch tensors, which never reach it here): ~1,200 modules, seconds of start-up and
+    resident memory in every training process of an environment that also has torch (e.g. the
+    bench extra). Hidden from that import unless something already imported it."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX goes without
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _clean(value):
@@ -26,7 +41,7 @@ class MetricsLog:
         with self.path.open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         self._file = self.path.open("a")
-        self._tb = SummaryWriter(str(run_dir / "tb"))
+        self._tb = _summary_writer()(str(run_dir / "tb"))
         self._echo = echo
 
     def log(self, step: int, split: str, metrics: dict, echo: bool = True) -> dict:

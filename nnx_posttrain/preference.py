@@ -112,9 +112,10 @@ class RewardConfig:
 # ----------------------------------------------------------------------------- shared machinery
 
 
-def sequence_logps(module, ids, attention, loss_mask, chunk):
-    """(summed, averaged, lengths) completion log-probs of each row, float32 [rows]."""
-    token = model.token_logprobs(module, ids, attention, chunk)
+def sequence_logps(module, ids, attention, loss_mask, chunk, positions=None):
+    """(summed, averaged, lengths) completion log-probs of each row, float32 [rows];
+    ``positions`` as in ``model.token_logprobs``."""
+    token = model.token_logprobs(module, ids, attention, chunk, positions=positions)
     mask = loss_mask.astype(jnp.float32)
     summed = jnp.sum(token * mask, axis=-1)
     lengths = jnp.sum(mask, axis=-1)
@@ -124,8 +125,9 @@ def sequence_logps(module, ids, attention, loss_mask, chunk):
 def pair_logps(module, batch, chunk):
     """Chosen and rejected through the model in ONE forward: dict of [batch] arrays."""
     cat = lambda k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=0)
-    summed, avg, lengths = sequence_logps(module, cat("input_ids"), cat("attention_mask"),
-                                          cat("loss_mask"), chunk)
+    summed, avg, lengths = sequence_logps(
+        module, cat("input_ids"), cat("attention_mask"), cat("loss_mask"), chunk,
+        cat("positions") if "chosen_positions" in batch else None)
     n = batch["chosen_input_ids"].shape[0]
     return {
         "chosen": summed[:n], "rejected": summed[n:],
@@ -234,12 +236,14 @@ class KTO(Algorithm):
             kl_ids[i, : len(row)] = row
             kl_att[i, : len(row)] = 1
             kl_mask[i, len(prompt) : len(row)] = 1
-        return dict(batch, kl_input_ids=kl_ids, kl_attention_mask=kl_att, kl_loss_mask=kl_mask)
+        return super().prepare(dict(batch, kl_input_ids=kl_ids, kl_attention_mask=kl_att,
+                                    kl_loss_mask=kl_mask))
 
     def _forward(self, m, batch):
         cat = lambda k: jnp.concatenate([batch[k], batch[f"kl_{k}"]], axis=0)
         summed, _, _ = sequence_logps(m, cat("input_ids"), cat("attention_mask"),
-                                      cat("loss_mask"), self.logprob_chunk)
+                                      cat("loss_mask"), self.logprob_chunk,
+                                      cat("positions") if "positions" in batch else None)
         n = batch["input_ids"].shape[0]
         return summed[:n], summed[n:]
 
@@ -284,6 +288,9 @@ class Reward(Algorithm):
 
     def build_module(self, lm):
         return RewardModel(lm.module)
+
+    def prepare(self, batch):
+        return batch  # the reward head reads hidden states: no vocabulary projection
 
     def loss(self, module, batch, reference=None):
         ids = jnp.concatenate([batch["chosen_input_ids"], batch["rejected_input_ids"]], axis=0)

@@ -48,3 +48,5 @@ def test_end_to_end_micro(tmp_path):
             r = by[(case, side)]
             assert "error" not in r, r
             assert r["ms_per_step"] > 0 and r["peak_rss_mb"] > 0 and r["steps_measured"] == 2
+    for case in ("sft", "dpo"):  # the matmul bound: model FLOPs at this machine's best matmul
+        assert 0 < by[(case, "ours")]["bound_ms"] < by[(case, "ours")]["ms_per_step"]

@@ -116,6 +116,42 @@ def test_chunked_logprob_gradients_equal_naive(micro):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_scored_positions_lists_the_loss_positions_in_one_bucketed_width():
+    a = np.zeros((2, 16), np.float32)
+    a[0, 10:13] = 1
+    a[1, 0] = 1  # position 0 has no prediction: never scored
+    a[1, 15] = 1
+    b = np.zeros((2, 16), np.float32)
+    b[0, 4:7] = 1
+    pa, pb = model.scored_positions(a, b)  # 3 needed -> 16/8 = 2 is too few, 16/4 = 4
+    assert pa.dtype == np.int32 and pa.shape == pb.shape == (2, 4)
+    np.testing.assert_array_equal(pa, [[10, 11, 12, 16], [15, 16, 16, 16]])  # 16 = nothing
+    np.testing.assert_array_equal(pb, [[4, 5, 6, 16], [16, 16, 16, 16]])
+    a[0, 2:12] = 1  # 11 needed, more than half of 16: project everything
+    assert model.scored_positions(a, b) is None
+
+
+def test_logprobs_at_scored_positions_equal_the_full_ones_with_their_gradients(micro):
+    graphdef, params, frozen = model.split(micro.module)
+    loss_mask = np.zeros(IDS.shape, np.float32)
+    loss_mask[0, 9:12] = 1
+    loss_mask[1, 3:6] = 1
+    (positions,) = model.scored_positions(loss_mask)
+    assert positions.shape[1] < IDS.shape[1] - 1
+
+    def loss(p, positions):
+        m = nnx.merge(graphdef, p, frozen)
+        logp = model.token_logprobs(m, IDS, MASK, chunk_size=2, positions=positions)
+        return jnp.sum(logp * loss_mask), logp
+
+    (full_loss, full), g_full = jax.value_and_grad(loss, has_aux=True)(params, None)
+    (part_loss, part), g_part = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, positions)
+    np.testing.assert_allclose(part, np.where(loss_mask > 0, full, 0.0), atol=1e-6)
+    np.testing.assert_allclose(part_loss, full_loss, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g_part), jax.tree_util.tree_leaves(g_full)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_entropy_matches_the_full_distribution(micro):
     _, entropy = model.token_logprobs(micro.module, IDS, MASK, chunk_size=3, with_entropy=True)
     logits = model.full_logits(micro.module, IDS, MASK)[:, :-1]

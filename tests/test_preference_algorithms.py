@@ -433,6 +433,22 @@ def test_reward_run_logs_accuracy_and_no_exact_match(tmp_path, pref_files):
     assert all(math.isfinite(r["loss"]) for r in records if r["split"] == "train")
 
 
+def test_reward_model_learns_a_learnable_preference(tmp_path):
+    """A preference a scalar head can read off the last tokens (answers ending in '!' preferred):
+    held-out accuracy reaches (nearly) 1 in 20 steps."""
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "rock", "fish"]
+    pairs = [{"prompt": a, "chosen": f" {b}!", "rejected": f" {b}."}
+             for a in words for b in words if a != b]
+    files = (_write_jsonl(tmp_path / "train.jsonl", pairs[::2]),
+             _write_jsonl(tmp_path / "eval.jsonl", pairs[1::2][:32]))
+    from experiments.reward import DEFAULT
+
+    experiment.main("reward", Reward, DEFAULT, args=_args(
+        tmp_path / "rm", *LEARNING_RUN, "--eval.batches", "8", data_files=files))
+    evals = [r for r in metrics_log.read(tmp_path / "rm") if r["split"] == "eval"]
+    assert evals[-1]["accuracy"] >= 0.95 and evals[-1]["loss"] < evals[0]["loss"] / 2, evals
+
+
 # ----------------------------------------------------------------------------- 6. end to end
 # (DPO's end-to-end run is the 'copy' run of the precompute test above.)
 

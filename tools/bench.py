@@ -25,7 +25,10 @@ shardings) with ``jax.block_until_ready``; TRL's between ``on_step_begin`` and `
 (forward, backward, clipping, optimizer step; the batch is already collated). Reported: median
 ms/step over the measured steps, tokens/s (sequences x length processed by the policy per step /
 median), peak RSS of the process, RSS once imports are done, and compile time (ours: first step
-minus the median; TRL: first step minus the median, i.e. its own warm-up).
+minus the median; TRL: first step minus the median, i.e. its own warm-up), and the matmul bound: the
+step's model FLOPs divided by the best float32 matmul throughput this machine reaches on the size's
+own large shapes (measured first, in its own process), the time of a step whose every FLOP ran as
+fast as the best matmul: what no implementation of the step, ours or TRL's, can beat.
 """
 
 from __future__ import annotations
@@ -109,19 +112,21 @@ def tokens_per_step(spec: dict, case: str) -> int:
 
 def model_flops(spec: dict, case: str) -> float:
     """Model FLOPs of one step (PaLM's convention: 6 per parameter and token for forward and
-    backward, the attention scores' 12 * layers * seq * heads * head_dim per token; the LM head
-    counted, the embedding lookup not; a reference forward adds 2 per parameter and token)."""
+    backward, the attention scores' 12 * layers * seq * heads * head_dim per token; the embedding
+    lookup not counted; a reference forward adds 2 per parameter and token). The LM head counts
+    only at the positions that carry loss: every token for SFT, the completions for DPO (both
+    TRL's fused LM head and ours skip the prompt positions)."""
     d, layers, heads, kv, hd = (spec[k] for k in ("hidden_dim", "num_layers", "num_query_heads",
                                                    "num_key_value_heads", "head_dim"))
     ff = spec["intermediate_dim"] // 2  # KerasHub's intermediate_dim is twice each MLP branch
     per_layer = 2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ff
-    n = layers * per_layer + spec["vocab"] * d
     tokens = tokens_per_step(spec, case)
+    head_tokens = tokens if case == "sft" else tokens // spec["seq"] * (spec["seq"] - spec["prompt"])
     attention = 12 * layers * spec["seq"] * heads * hd * tokens
     per_param = 6 + (2 if case in ("dpo", "dpo_lora") else 0)
     if case == "dpo_lora":  # LoRA: no weight gradients of the frozen base (4 instead of 6)
         per_param = 4 + 2
-    return per_param * n * tokens + attention
+    return per_param * (layers * per_layer * tokens + spec["vocab"] * d * head_tokens) + attention
 
 
 def rss_now_mb() -> float:
@@ -173,6 +178,11 @@ def _run_worker(module: str, args: list[str], timeout: float) -> dict:
     return {"error": f"{module} exited {proc.returncode} without a result", "log_tail": tail}
 
 
+def matmul_peak(spec: dict, args) -> dict:
+    return _run_worker("tools.bench_ours", ["--matmul-peak", "--spec", json.dumps(spec), "--device",
+                                            args.device, "--dtype", args.dtype], args.timeout)
+
+
 def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) -> dict:
     return _run_worker("tools.bench_ours", ["--export", out_dir, "--spec", json.dumps(spec),
                                             "--seed", str(seed)], timeout)
@@ -201,8 +211,9 @@ def table(results: list[dict]) -> str:
         rows.setdefault((r["size"], r["case"]), {})[r["side"]] = r
     lines = [
         "| size | case | ours ms/step | TRL ms/step | speed-up (TRL / ours) | ours tokens/s | TRL tokens/s "
-        "| ours peak RSS MB | TRL peak RSS MB | ours compile s | TRL first-step overhead s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours peak RSS MB | TRL peak RSS MB | ours compile s | TRL first-step overhead s "
+        "| matmul bound ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (size, case), sides in rows.items():
         ours, trl = sides.get("ours", {}), sides.get("trl", {})
@@ -217,7 +228,7 @@ def table(results: list[dict]) -> str:
             _fmt(ratio, "{:.2f}x"), _fmt(ours.get("tokens_per_s"), "{:,.0f}"),
             _fmt(trl.get("tokens_per_s"), "{:,.0f}"), _fmt(ours.get("peak_rss_mb"), "{:,.0f}"),
             _fmt(trl.get("peak_rss_mb"), "{:,.0f}"), _fmt(ours.get("compile_s"), "{:.2f}"),
-            _fmt(trl.get("compile_s"), "{:.2f}"),
+            _fmt(trl.get("compile_s"), "{:.2f}"), _fmt(ours.get("bound_ms")),
         ]) + " |")
     return "\n".join(lines)
 
@@ -257,11 +268,14 @@ def main(argv=None) -> list[dict]:
         if bad:
             raise SystemExit(f"unknown {bad}; expected {', '.join(allowed)}")
     print(f"# python -m tools.bench {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
-    results = []
+    results, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
         for size in sizes:
             spec = spec_of(size, args.batch, args.seq)
             hf_dir = str(Path(tmp) / size)
+            peaks[size] = matmul_peak(spec, args)
+            print(f"{size:8s} matmul peak {peaks[size].get('peak_gflops', 0):.1f} GFLOP/s "
+                  f"{peaks[size].get('matmul_gflops', peaks[size])}", flush=True)
             if "trl" in sides:
                 exported = export_weights(spec, hf_dir, args.seed)
                 if "error" in exported:
@@ -280,6 +294,9 @@ def main(argv=None) -> list[dict]:
         if "ms_per_step" in r:
             spec = spec_of(r["size"], args.batch, args.seq)
             r["model_tflops_per_s"] = model_flops(spec, r["case"]) / (r["ms_per_step"] / 1000) / 1e12
+            peak = peaks.get(r["size"], {}).get("peak_gflops")
+            if peak:  # every model FLOP at the best matmul speed of this machine
+                r["bound_ms"] = model_flops(spec, r["case"]) / (peak * 1e9) * 1000
             if args.peak_tflops:
                 r["mfu"] = r["model_tflops_per_s"] / args.peak_tflops
                 print(f"{r['size']:8s} {r['case']:15s} {r['side']:5s} "
@@ -290,7 +307,7 @@ def main(argv=None) -> list[dict]:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:],
-                                               "results": results}, indent=1))
+                                               "matmul_peak": peaks, "results": results}, indent=1))
     return merged
 
 

@@ -2,13 +2,15 @@
 
     python -m tools.bench_ours --spec JSON --case sft|dpo|dpo_precompute|dpo_lora [--steps N ...]
     python -m tools.bench_ours --export DIR --spec JSON        # the same weights as HF safetensors
+    python -m tools.bench_ours --matmul-peak --spec JSON       # this machine's float32 matmul GFLOP/s
 
 The step is ``train.make_train_step`` with the algorithm's loss, jitted as ``train.run`` does it
 (state donated, output shardings pinned to the replicated sharding of a one-axis mesh).
 ``--flags`` (comma-separated) measures variants: ``no_donate``, ``precision=highest|high|default``
 (jax_default_matmul_precision), ``split_pair`` (chosen and rejected in two forwards instead of one
 concatenated forward), ``full_logits`` (log-probs from the [batch, length, vocab] logits at once
-instead of the chunked, rematerialised computation).
+instead of the chunked, rematerialised computation), ``all_positions`` (the vocabulary projection on
+every position, not only those that carry loss).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def _apply_flags(flags: list[str]) -> None:
                 return jnp.pad(picked, ((0, 0), (1, 0)))
 
             model.token_logprobs = token_logprobs
+        elif flag == "all_positions":
+            model.scored_positions = lambda *masks: None
         elif flag and flag != "no_donate":
             raise SystemExit(f"unknown flag {flag!r}")
 
@@ -199,10 +203,40 @@ def nnx_posttrain_params(graphdef, params, frozen_model):
     return [params, frozen_model]
 
 
+def matmul_peak(spec: dict, dtype: str = "float32", repeats: int = 10) -> dict:
+    """The best matmul throughput of this device: on the size's own large shapes (the MLP and the
+    vocabulary projection over one step's tokens) and on a large square one. Model FLOPs / the best
+    = the time a step would take if every FLOP ran at the speed of the best matmul, a bound no
+    implementation beats."""
+    import nnx_posttrain  # noqa: F401
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    tokens = spec["batch"] * spec["seq"]
+    shapes = [(tokens, spec["hidden_dim"], spec["intermediate_dim"] // 2),
+              (tokens, spec["hidden_dim"], spec["vocab"]), (2048, 2048, 2048)]
+    out = {}
+    for m, k, n in shapes:
+        rng = np.random.default_rng(0)
+        a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        b = jnp.asarray(rng.standard_normal((k, n)), dtype)
+        f = jax.jit(jnp.matmul)
+        f(a, b).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(a, b).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n / sorted(times)[len(times) // 2] / 1e9
+    return {"matmul_gflops": out, "peak_gflops": max(out.values())}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True)
     p.add_argument("--export", default=None)
+    p.add_argument("--matmul-peak", action="store_true")
     p.add_argument("--case", default="sft")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -216,6 +250,9 @@ def main(argv=None):
     spec = json.loads(args.spec)
     if args.export:
         emit(export(spec, args.export, args.seed))
+        return
+    if args.matmul_peak:
+        emit(matmul_peak(spec, args.dtype))
         return
     emit(measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
                  args.logprob_chunk, [f for f in args.flags.split(",") if f]))
