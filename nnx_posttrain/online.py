@@ -185,7 +185,7 @@ class OnlineAlgorithm(Algorithm):
         policy_graphdef, _ = self.policy_view(graphdef, params, frozen["model"])
         self._sample = sampler.make_sampler(policy_graphdef, self.cfg.max_completion_length,
                                             top_k=self.cfg.top_k)
-        self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(4, 5))
+        self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(5, 6))
 
     # -- the rollout
 
@@ -207,10 +207,14 @@ class OnlineAlgorithm(Algorithm):
         scores, metrics = self._rewards(prompt_ids, prompt_mask, completion_ids, completion_mask,
                                         texts, index)
         loss_mask = completion_mask * (finished[:, None] if c.mask_truncated_completions else 1)
+        width = prompt_ids.shape[1]
         batch = {
             "input_ids": np.concatenate([prompt_ids, completion_ids], axis=1),
             "attention_mask": np.concatenate([prompt_mask, completion_mask], axis=1),
             "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
+            # only the completion's positions go through the vocabulary projection
+            "positions": np.broadcast_to(np.arange(width, width + completion_ids.shape[1],
+                                                   dtype=np.int32), completion_ids.shape).copy(),
         }
         metrics.update(_completion_metrics(completion_mask, finished))
         batch, extra = self.make_batch(batch, scores, finished, state, frozen)
@@ -248,13 +252,14 @@ class OnlineAlgorithm(Algorithm):
         metrics["frac_reward_zero_std"] = float((groups.std(axis=1) == 0).mean())
         return total, metrics
 
-    def _rollout_logps(self, params, frozen, ids, att, with_old: bool, with_ref: bool):
+    def _rollout_logps(self, params, frozen, ids, att, positions, with_old: bool, with_ref: bool):
         """Per-token log-probs of the rollout under the current policy (``old_logps``) and the
         reference (``ref_logps``), at the sampling temperature, without gradient."""
         module, reference = self._merge(self.graphdef, params, frozen)
         policy = self.policy(module)
         fwd = lambda m: model.token_logprobs(m, ids, att, self.logprob_chunk,
-                                             temperature=self.logprob_temperature)
+                                             temperature=self.logprob_temperature,
+                                             positions=positions)
         out = {}
         if with_old:
             out["old_logps"] = fwd(policy)
@@ -267,7 +272,7 @@ class OnlineAlgorithm(Algorithm):
         if not (with_old or with_ref):
             return {}
         out = self._logps_jit(state["params"], frozen, batch["input_ids"], batch["attention_mask"],
-                              with_old, with_ref)
+                              batch["positions"], with_old, with_ref)
         return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
 
     def make_batch(self, batch, scores, finished, state, frozen) -> tuple[dict, dict]:
@@ -276,7 +281,8 @@ class OnlineAlgorithm(Algorithm):
     def _policy_logps(self, module, batch, with_entropy=True):
         return model.token_logprobs(self.policy(module), batch["input_ids"], batch["attention_mask"],
                                     self.logprob_chunk, with_entropy=with_entropy,
-                                    temperature=self.logprob_temperature)
+                                    temperature=self.logprob_temperature,
+                                    positions=batch.get("positions"))
 
 
 def _right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -373,11 +379,12 @@ class PolicyWithValue(nnx.Module):
         self.value_head = keras.layers.Dense(1, name="value_head", kernel_initializer="zeros")
         self.value_head.build((None, backbone.hidden_dim))
 
-    def logps_and_values(self, ids, att, chunk, temperature, with_entropy=False):
+    def logps_and_values(self, ids, att, chunk, temperature, with_entropy=False, positions=None):
         h = model.hidden_states(self.backbone, ids, att)
         values = self.value_head(h)[..., 0].astype(jnp.float32)
         values = jnp.pad(values[:, :-1], ((0, 0), (1, 0)))
-        out = model.logprobs_from_hidden(self.backbone, h, ids, chunk, with_entropy, temperature)
+        out = model.logprobs_from_hidden(self.backbone, h, ids, chunk, with_entropy, temperature,
+                                         positions)
         return out, values
 
 
@@ -402,17 +409,18 @@ class PPO(OnlineAlgorithm):
         super().attach(lm, graphdef, params, frozen, train_src, seed, merge)
         self._values_jit = jax.jit(self._logps_and_values)
 
-    def _logps_and_values(self, params, frozen, ids, att):
+    def _logps_and_values(self, params, frozen, ids, att, positions):
         """The rollout's log-probs and values under the generating policy, without gradient."""
         module, _ = self._merge(self.graphdef, params, frozen)
-        return module.logps_and_values(ids, att, self.logprob_chunk, self.logprob_temperature)
+        return module.logps_and_values(ids, att, self.logprob_chunk, self.logprob_temperature,
+                                       positions=positions)
 
     def make_batch(self, batch, scores, finished, state, frozen):
         c = self.cfg
         ids, att = batch["input_ids"], batch["attention_mask"]
         mask = batch["loss_mask"].astype(np.float32)
         old_logps, old_values = (np.asarray(x) for x in jax.device_get(
-            self._values_jit(state["params"], frozen, ids, att)))
+            self._values_jit(state["params"], frozen, ids, att, batch["positions"])))
         scores = scores.astype(np.float32)
         if c.missing_eos_penalty is not None:
             scores = scores - c.missing_eos_penalty * (~finished)
@@ -439,7 +447,7 @@ class PPO(OnlineAlgorithm):
         c = self.cfg
         (logps, entropy), values = module.logps_and_values(
             batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
-            self.logprob_temperature, with_entropy=True)
+            self.logprob_temperature, with_entropy=True, positions=batch.get("positions"))
         return rl.ppo_loss(logps, batch["old_logps"], batch["advantages"], batch["returns"], values,
                            batch["old_values"], batch["loss_mask"], cliprange=c.cliprange,
                            cliprange_value=c.cliprange_value, vf_coef=c.vf_coef, entropies=entropy)
@@ -469,7 +477,7 @@ class OnlineDPO(OnlineAlgorithm):
         chosen = np.arange(0, len(scores), 2) + np.where(first_wins, 0, 1)
         rejected = np.arange(0, len(scores), 2) + np.where(first_wins, 1, 0)
         out = {}
-        for key in ("input_ids", "attention_mask", "loss_mask"):
+        for key in ("input_ids", "attention_mask", "loss_mask", "positions"):
             out[f"chosen_{key}"] = batch[key][chosen]
             out[f"rejected_{key}"] = batch[key][rejected]
         return out, {"objective/scores_margin": float(np.abs(pairs[:, 0] - pairs[:, 1]).mean())}

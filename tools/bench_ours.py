@@ -104,7 +104,7 @@ def _apply_flags(flags: list[str]) -> None:
 
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
-            logprob_chunk: int, flags: list[str]) -> dict:
+            logprob_chunk: int, flags: list[str], profile_steps: int = 0) -> dict:
     import nnx_posttrain  # noqa: F401
     import jax
     import jax.numpy as jnp
@@ -195,6 +195,21 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
         flags=flags, logprob_chunk=logprob_chunk, times_s=times,
     )
+    if profile_steps:
+        import tempfile
+
+        from tools import profile_breakdown
+
+        hlo = step_fn.lower(state, frozen, batches[0]).compile().as_text()
+
+        def run_step():
+            nonlocal state
+            state, m = step_fn(state, frozen, batches[0])
+            return m
+
+        with tempfile.TemporaryDirectory() as trace_dir:
+            profile_breakdown.trace_steps(run_step, profile_steps, trace_dir)
+            out["profile"] = profile_breakdown.breakdown(trace_dir, hlo, profile_steps)
     return out
 
 
@@ -245,6 +260,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logprob-chunk", type=int, default=128)
     p.add_argument("--flags", default="")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after measuring, trace N steps and print where the time goes")
     args = p.parse_args(argv)
     _setup_platform(args.device)
     spec = json.loads(args.spec)
@@ -254,8 +271,13 @@ def main(argv=None):
     if args.matmul_peak:
         emit(matmul_peak(spec, args.dtype))
         return
-    emit(measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
-                 args.logprob_chunk, [f for f in args.flags.split(",") if f]))
+    result = measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
+                     args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile)
+    if "profile" in result:
+        from tools import profile_breakdown
+
+        profile_breakdown.print_breakdown(result["profile"])
+    emit(result)
 
 
 if __name__ == "__main__":
