@@ -50,3 +50,17 @@ def test_end_to_end_micro(tmp_path):
             assert r["ms_per_step"] > 0 and r["peak_rss_mb"] > 0 and r["steps_measured"] == 2
     for case in ("sft", "dpo"):  # the matmul bound: model FLOPs at this machine's best matmul
         assert 0 < by[(case, "ours")]["bound_ms"] < by[(case, "ours")]["ms_per_step"]
+
+
+def test_profile_breakdown_attributes_the_step_to_model_components():
+    from tools import bench_ours
+
+    result = bench_ours.measure(bench.spec_of("micro"), "sft", steps=1, warmup=0, dtype="float32",
+                                seed=0, logprob_chunk=8, flags=[], profile_steps=2)
+    profile = result["profile"]
+    parts = profile["by_component_ms"]
+    assert profile["ops_ms_per_step"] > 0
+    assert sum(parts.values()) == pytest.approx(profile["ops_ms_per_step"])
+    for part in ("attention fwd", "attention bwd", "ffw fwd", "ffw bwd", "token_embedding bwd"):
+        assert parts.get(part, 0) > 0, parts
+    assert parts.get("other fwd", 0) + parts.get("other bwd", 0) < 0.5 * profile["ops_ms_per_step"]
