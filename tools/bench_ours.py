@@ -8,8 +8,8 @@ The step is ``train.make_train_step`` with the algorithm's loss, jitted as ``tra
 (state donated, output shardings pinned to the replicated sharding of a one-axis mesh).
 ``--flags`` (comma-separated) measures variants: ``no_donate``, ``precision=highest|high|default``
 (jax_default_matmul_precision), ``split_pair`` (chosen and rejected in two forwards instead of one
-concatenated forward), ``full_logits`` (log-probs from the [batch, length, vocab] logits at once
-instead of the chunked, rematerialised computation), ``all_positions`` (the vocabulary projection on
+concatenated forward), ``full_logits`` (log-probs from the [batch, length, vocab] logits at once,
+every position, instead of the chunked, rematerialised computation at the scored positions), ``all_positions`` (the vocabulary projection on
 every position, not only those that carry loss).
 """
 
@@ -81,7 +81,7 @@ def _apply_flags(flags: list[str]) -> None:
                 for name in ("chosen", "rejected"):
                     s, a, n = preference.sequence_logps(
                         module, batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"],
-                        batch[f"{name}_loss_mask"], chunk)
+                        batch[f"{name}_loss_mask"], chunk, batch.get(f"{name}_positions"))
                     out.update({name: s, f"{name}_avg": a, f"{name}_len": n})
                 return out
 
@@ -90,13 +90,15 @@ def _apply_flags(flags: list[str]) -> None:
             import jax.numpy as jnp
 
             def token_logprobs(module, token_ids, padding_mask, chunk_size=128, with_entropy=False,
-                               segment_ids=None):
+                               segment_ids=None, temperature=1.0, positions=None):
+                assert positions is None  # every position, as before scored positions existed
                 logits = model.full_logits(module, token_ids, padding_mask)[:, :-1]
                 logp = jax.nn.log_softmax(logits, axis=-1)
                 picked = jnp.take_along_axis(logp, token_ids[:, 1:, None], axis=-1)[..., 0]
                 return jnp.pad(picked, ((0, 0), (1, 0)))
 
             model.token_logprobs = token_logprobs
+            model.scored_positions = lambda *masks: None
         elif flag == "all_positions":
             model.scored_positions = lambda *masks: None
         elif flag and flag != "no_donate":
