@@ -1,0 +1,107 @@
+"""Data: records from files -> tokenized, fixed-length examples -> Grain batches.
+
+One job per module:
+
+- ``sources``: random-access sources (JSONL, Parquet, Hugging Face Arrow directories, in-memory
+  lists, concatenations, weighted mixtures, subsets), ``source()`` for a ``--data`` value, the
+  built-in task's registry (``register_builtin``), ``extra_columns``;
+- ``formats``: record formats (TRL's column conventions), their detection, the checks of a
+  record's fields, the split of a record into prompt and completion segments;
+- ``tokenize``: the transforms from a record to fixed-length numpy arrays (``make_transform``);
+- ``validate``: every record read and tokenized before training (``validate``, ``only_good``);
+- ``batches``: Grain pipelines (training batches, packed or not; eval batches; the prompts and
+  answers of exact-match evaluation) and ``Indexed``;
+- ``errors``: ``DataError``.
+
+This package imports only ``nnx_posttrain.chat``, ``nnx_posttrain.config`` and other
+model-independent code (numpy, grain, pyarrow); never ``model``, ``losses``, ``algorithms`` or
+``train``, and not keras (Grain worker processes import it). The built-in task registers its
+records here (``register_builtin``) rather than being imported.
+"""
+
+from nnx_posttrain.data.batches import (
+    Indexed,
+    eval_batches,
+    packed_train_batches,
+    prompts_and_answers,
+    records_dataset,
+    train_batches,
+)
+from nnx_posttrain.data.errors import DataError
+from nnx_posttrain.data.formats import (
+    FORMATS,
+    RECORD_FORMATS,
+    coarse_format,
+    data_format,
+    detect_format,
+    implicit_prompt,
+    preference_parts,
+)
+from nnx_posttrain.data.sources import (
+    SPLIT_NAMES,
+    ArrowSource,
+    Concat,
+    JsonlSource,
+    ListSource,
+    Mixture,
+    ParquetSource,
+    Subset,
+    extra_columns,
+    register_builtin,
+    source,
+)
+from nnx_posttrain.data.tokenize import (
+    Tokenize,
+    TokenizePreference,
+    TokenizePrompt,
+    TokenizeUnpaired,
+    make_transform,
+    pad_example,
+)
+
+# Last, so that ``data.validate`` is the function (importing the submodule ``validate`` binds the
+# same name to the module).
+from nnx_posttrain.data.validate import ValidationReport, only_good, validate  # noqa: E402
+
+__all__ = [
+    # sources
+    "SPLIT_NAMES",
+    "ArrowSource",
+    "Concat",
+    "JsonlSource",
+    "ListSource",
+    "Mixture",
+    "ParquetSource",
+    "Subset",
+    "extra_columns",
+    "register_builtin",
+    "source",
+    # errors
+    "DataError",
+    # formats
+    "FORMATS",
+    "RECORD_FORMATS",
+    "coarse_format",
+    "data_format",
+    "detect_format",
+    "implicit_prompt",
+    "preference_parts",
+    # tokenize
+    "Tokenize",
+    "TokenizePreference",
+    "TokenizePrompt",
+    "TokenizeUnpaired",
+    "make_transform",
+    "pad_example",
+    # validate
+    "ValidationReport",
+    "only_good",
+    "validate",
+    # batches
+    "Indexed",
+    "eval_batches",
+    "packed_train_batches",
+    "prompts_and_answers",
+    "records_dataset",
+    "train_batches",
+]

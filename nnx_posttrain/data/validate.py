@@ -1,0 +1,84 @@
+"""Validation before training: every record is read and tokenized once, bad ones reported (or
+skipped), and the source restricted to the good ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nnx_posttrain.data.errors import DataError
+from nnx_posttrain.data.sources import Mixture, Subset
+
+@dataclass
+class ValidationReport:
+    """What ``validate`` found. ``report["records"]`` also works (the former dict)."""
+
+    records: int
+    """Records read."""
+    good_indices: np.ndarray
+    """Indices (into the source) of the records that tokenize."""
+    bad: int
+    """Records skipped as bad (``skip_bad``)."""
+    bad_examples: list[str] = field(default_factory=list)
+    """The first few errors, each naming the file, the line or row and the field."""
+    truncated: int = 0
+    """Good records cut to fit ``max_length`` / ``max_prompt_length``."""
+    no_loss_tokens: int = 0
+    """Good records left with no token to learn from (a loss mask of zeros)."""
+
+    def __getitem__(self, key):
+        return getattr(self, key)
+
+
+def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> ValidationReport:
+    """Read and tokenize every record before training, one at a time (nothing is kept).
+
+    By default the first bad record (malformed JSON, a missing column, a value of the wrong type,
+    an empty completion, ...) stops the run here with a ``DataError`` naming its file, line and
+    field, instead of hours into training. With ``skip_bad`` bad records are counted and skipped:
+    ``only_good(src, report)`` then serves the good ones; if none is good it still fails.
+    """
+    n = len(src)
+    if n == 0:
+        raise DataError(f"{_name(src)}: no records")
+    good = np.zeros(n, bool)
+    bad, examples, truncated, no_loss = 0, [], 0, 0
+    for i in range(n):
+        try:
+            ex = transform(src[i])
+        except DataError as exc:
+            if not skip_bad:
+                raise
+            bad += 1
+            if len(examples) < max_examples:
+                examples.append(str(exc))
+            continue
+        good[i] = True
+        truncated += int(ex["truncated"])
+        no_loss += int(any(v.sum() == 0 for k, v in ex.items() if k.endswith("loss_mask")))
+    if bad == n:
+        raise DataError(f"{_name(src)}: all {n} records are bad; the first: {examples[0]}")
+    return ValidationReport(n, np.flatnonzero(good), bad, examples, truncated, no_loss)
+
+
+def _name(src) -> str:
+    return str(getattr(src, "path", getattr(src, "name", src)))
+
+
+def only_good(src, report: ValidationReport):
+    """``src`` restricted to the records ``validate`` found good: ``src`` itself when all are,
+    else a ``Subset`` (a ``Mixture`` of ``Subset``s for a mixture, its weights kept)."""
+    indices = report.good_indices
+    if len(indices) == len(src):
+        return src
+    if not isinstance(src, Mixture):
+        return Subset(src, indices)
+    parts = []
+    for k, part in enumerate(src.sources):
+        lo, hi = int(src._offsets[k]), int(src._offsets[k + 1])
+        mine = indices[(indices >= lo) & (indices < hi)] - lo
+        if not len(mine):
+            raise DataError(f"{_name(part)}: no good records left in this part of the mixture")
+        parts.append(part if len(mine) == len(part) else Subset(part, mine))
+    return Mixture(parts, src.weights)
