@@ -14,7 +14,8 @@ import dataclasses
 import jax
 from flax import nnx
 
-from nnx_posttrain import losses, model
+from nnx_posttrain import model
+from nnx_posttrain.losses import sft as losses  # import line only: losses.sft is the function
 
 
 class Algorithm:

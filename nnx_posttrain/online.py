@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import data, model, rewards as rewards_lib
-from nnx_posttrain import preference_losses as pl
-from nnx_posttrain import rl_losses as rl
+from nnx_posttrain.losses import dpo as pl  # import line only: pl.dpo is the function
+from nnx_posttrain.losses import rl
 from nnx_posttrain.algorithms import Algorithm
 from nnx_posttrain.preference import Reference
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from nnx_posttrain import model
 from nnx_posttrain.algorithms import Algorithm
-from nnx_posttrain import preference_losses as pl
+from nnx_posttrain.losses import preference as pl  # import line only: pl.dpo is now losses.dpo.dpo
 
 Reference = Literal["auto", "lora_base", "copy", "precompute"]
 

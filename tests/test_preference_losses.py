@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_posttrain import preference_losses as pl
+from nnx_posttrain.losses import preference as pl
+from nnx_posttrain.losses.common import log1mexp
+from nnx_posttrain.losses.dpo import DPO_LOSS_TYPES, dpo
 
 # Five pairs whose DPO log-ratio differences d = (pc - rc) - (pr - rr) are
 # 1.5, -2.0, 0.0, -3.0, 1.8: positive, negative and zero margins.
@@ -79,7 +81,7 @@ def mean_of(metric):
 
 
 def dpo_call(kind, beta=0.1, ls=0.0, delta_bco=0.0, **kw):
-    return pl.dpo(
+    return dpo(
         PC, PR, RC, RR, beta=beta, loss_type=kind, label_smoothing=ls, chosen_nll=NLL,
         chosen_lengths=LEN_C, rejected_lengths=LEN_R, bco_delta=delta_bco, **kw,
     )
@@ -138,26 +140,26 @@ def test_dpo_matches_numpy_reference(kind, beta, ls, delta_bco):
 
 
 def test_dpo_ipo_without_lengths_uses_logps_as_given():
-    total, _, _ = pl.dpo(PC, PR, RC, RR, beta=0.1, loss_type="ipo")
+    total, _, _ = dpo(PC, PR, RC, RR, beta=0.1, loss_type="ipo")
     assert float(total) == pytest.approx(np_dpo_term("ipo", 0.1, lengths=False).sum(), rel=1e-5)
 
 
 def test_dpo_hand_computed():
     # d = (-1 - -3) - (-5 - -5) = 2; beta = 0.1: -log sigmoid(0.2) = log(1 + e^-0.2).
     args = (jnp.array([-1.0]), jnp.array([-5.0]), jnp.array([-3.0]), jnp.array([-5.0]))
-    total, weight, metrics = pl.dpo(*args, beta=0.1)
+    total, weight, metrics = dpo(*args, beta=0.1)
     assert float(total) == pytest.approx(0.5981388693, abs=1e-6)
     assert float(weight) == 1.0
     assert mean_of(metrics["rewards/chosen"]) == pytest.approx(0.2)
     assert mean_of(metrics["rewards/rejected"]) == pytest.approx(0.0)
     assert mean_of(metrics["rewards/accuracies"]) == 1.0
-    assert float(pl.dpo(*args, beta=0.1, loss_type="hinge")[0]) == pytest.approx(0.8)
-    assert float(pl.dpo(*args, beta=0.1, loss_type="ipo")[0]) == pytest.approx(9.0)  # (2 - 5)^2
+    assert float(dpo(*args, beta=0.1, loss_type="hinge")[0]) == pytest.approx(0.8)
+    assert float(dpo(*args, beta=0.1, loss_type="ipo")[0]) == pytest.approx(9.0)  # (2 - 5)^2
     # sppo_hard: (2 - 5)^2 + (0 + 5)^2
-    assert float(pl.dpo(*args, beta=0.1, loss_type="sppo_hard")[0]) == pytest.approx(34.0)
+    assert float(dpo(*args, beta=0.1, loss_type="sppo_hard")[0]) == pytest.approx(34.0)
     # equal chosen and rejected rewards: the sigmoid loss is log 2 and the accuracy 0 (tie).
     zero = jnp.zeros(3)
-    total, _, metrics = pl.dpo(zero, zero, zero, zero)
+    total, _, metrics = dpo(zero, zero, zero, zero)
     assert float(total) == pytest.approx(3 * math.log(2.0))
     assert mean_of(metrics["rewards/accuracies"]) == 0.0
 
@@ -177,26 +179,17 @@ def test_dpo_mpo_is_the_weighted_sum_of_its_terms():
 
 def test_dpo_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown"):
-        pl.dpo(PC, PR, RC, RR, loss_type="kto_pair")
+        dpo(PC, PR, RC, RR, loss_type="kto_pair")
     with pytest.raises(ValueError, match="sigmoid_norm"):
-        pl.dpo(PC, PR, RC, RR, loss_type="sigmoid_norm")
+        dpo(PC, PR, RC, RR, loss_type="sigmoid_norm")
     with pytest.raises(ValueError, match="chosen_nll"):
-        pl.dpo(PC, PR, RC, RR, loss_type=("sigmoid", "sft"))
+        dpo(PC, PR, RC, RR, loss_type=("sigmoid", "sft"))
     with pytest.raises(ValueError, match="loss_weights"):
-        pl.dpo(PC, PR, RC, RR, loss_type=("sigmoid", "hinge"), loss_weights=(1.0,))
+        dpo(PC, PR, RC, RR, loss_type=("sigmoid", "hinge"), loss_weights=(1.0,))
     with pytest.raises(ValueError, match="label_smoothing"):
-        pl.dpo(PC, PR, RC, RR, loss_type="robust", label_smoothing=0.5)
+        dpo(PC, PR, RC, RR, loss_type="robust", label_smoothing=0.5)
     with pytest.raises(ValueError, match="both"):
-        pl.dpo(PC, PR, RC, RR, loss_type="ipo", chosen_lengths=LEN_C)
-
-
-def test_bco_update_delta_is_the_running_mean_of_batch_means():
-    delta, n = 0.0, 0
-    batch_means = [0.3, -0.1, 0.7]
-    for m in batch_means:
-        delta, n = pl.bco_update_delta(delta, n, (jnp.float32(4 * m), jnp.float32(4)))
-    assert float(n) == 3
-    assert float(delta) == pytest.approx(np.mean(batch_means), rel=1e-6)
+        dpo(PC, PR, RC, RR, loss_type="ipo", chosen_lengths=LEN_C)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,10 +296,10 @@ def test_orpo_hand_computed():
 
 def test_log1mexp_is_accurate_over_the_whole_range():
     x = np.array([-1e-7, -1e-4, -0.01, -0.5, -0.6931, -0.7, -1.0, -5.0, -20.0, -80.0])
-    np.testing.assert_allclose(pl.log1mexp(x.astype(np.float32)), np_log1mexp(x), rtol=2e-6)
+    np.testing.assert_allclose(log1mexp(x.astype(np.float32)), np_log1mexp(x), rtol=2e-6)
     far = np.array([-100.0, -1e4])
-    np.testing.assert_allclose(pl.log1mexp(far.astype(np.float32)), 0.0, atol=1e-30)
-    assert np.isfinite(float(pl.log1mexp(0.0)))
+    np.testing.assert_allclose(log1mexp(far.astype(np.float32)), 0.0, atol=1e-30)
+    assert np.isfinite(float(log1mexp(0.0)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,22 +401,6 @@ def test_reward_bt_hand_computed():
 
 
 # ---------------------------------------------------------------------------------------------
-# sequence_logps
-# ---------------------------------------------------------------------------------------------
-
-
-def test_sequence_logps_sum_and_average():
-    logps = jnp.array(
-        [[-1.0, -2.0, -3.0, -jnp.inf], [-0.5, -0.5, -9.0, -9.0], [-1.0, -1.0, -1.0, -1.0]]
-    )
-    mask = jnp.array([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], jnp.float32)
-    np.testing.assert_allclose(pl.sequence_logps(logps, mask, average=False), [-5.0, -1.0, 0.0])
-    np.testing.assert_allclose(pl.sequence_logps(logps, mask, average=True), [-2.5, -0.5, 0.0])
-    grad = jax.grad(lambda x: pl.sequence_logps(x, mask, average=True).sum())(logps)
-    np.testing.assert_array_equal(grad, [[0, 0.5, 0.5, 0], [0.5, 0.5, 0, 0], [0, 0, 0, 0]])
-
-
-# ---------------------------------------------------------------------------------------------
 # Edge cases: finite losses and gradients
 # ---------------------------------------------------------------------------------------------
 
@@ -447,13 +424,13 @@ def assert_finite_loss_and_grads(fn, chosen, rejected):
 
 
 @pytest.mark.parametrize("case", sorted(EDGE_CASES))
-@pytest.mark.parametrize("kind", pl.DPO_LOSS_TYPES)
+@pytest.mark.parametrize("kind", DPO_LOSS_TYPES)
 def test_dpo_edge_cases_are_finite(kind, case):
     chosen, rejected = EDGE_CASES[case]
     lengths = np.array([1.0, 300.0, 0.0])  # 0 is clamped to 1, as TRL
 
     def fn(c, r):
-        return pl.dpo(
+        return dpo(
             c, r, rejected, chosen, beta=0.1, loss_type=kind, label_smoothing=0.1,
             chosen_nll=-c, chosen_lengths=lengths, rejected_lengths=lengths, bco_delta=0.2,
         )
@@ -492,7 +469,7 @@ def test_orpo_near_zero_and_zero_logps_are_finite():
 
 def test_losses_are_float32_even_for_float64_or_int_inputs():
     ints = np.array([-1, -2]), np.array([-3, -1]), np.array([-2, -2]), np.array([-2, -2])
-    total, weight, _ = pl.dpo(*ints)
+    total, weight, _ = dpo(*ints)
     assert total.dtype == jnp.float32 and weight.dtype == jnp.float32
 
 
@@ -518,10 +495,10 @@ def _split_and_compare(fn, arrays, cut):
         assert s_split / c_split == pytest.approx(float(s) / float(c), rel=1e-6, abs=1e-7), name
 
 
-@pytest.mark.parametrize("kind", pl.DPO_LOSS_TYPES + (("sigmoid", "bco_pair", "sft"),))
+@pytest.mark.parametrize("kind", DPO_LOSS_TYPES + (("sigmoid", "bco_pair", "sft"),))
 def test_dpo_accumulates_exactly(kind):
     def fn(pc, pr, rc, rr, nll, lc, lr):
-        return pl.dpo(
+        return dpo(
             pc, pr, rc, rr, beta=0.3, loss_type=kind, label_smoothing=0.1, chosen_nll=nll,
             chosen_lengths=lc, rejected_lengths=lr, bco_delta=0.1,
             loss_weights=(0.8, 0.2, 1.0) if not isinstance(kind, str) else None,
@@ -563,5 +540,5 @@ def test_kto_accumulates_exactly_with_a_shared_kl():
 
 
 def test_losses_jit():
-    f = jax.jit(lambda *a: pl.dpo(*a, loss_type=("sigmoid", "ipo"))[0])
+    f = jax.jit(lambda *a: dpo(*a, loss_type=("sigmoid", "ipo"))[0])
     assert np.isfinite(float(f(PC, PR, RC, RR)))

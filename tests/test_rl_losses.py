@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_posttrain import rl_losses as rl
+from nnx_posttrain.losses import rl
 
 
 def test_group_advantages_by_hand():

@@ -10,14 +10,15 @@ from flax import nnx
 import optax
 import pytest
 
-from nnx_posttrain import config, experiment, losses, metrics_log, model, train
+from nnx_posttrain import config, experiment, metrics_log, model, train
+from nnx_posttrain.losses.sft import sft
 from nnx_posttrain.algorithms import SFT
 
 
 def test_sft_loss_hand_computed():
     logps = jnp.array([[0.0, -1.0, -2.0, -3.0], [0.0, -0.5, -7.0, -9.0]])
     mask = jnp.array([[0, 0, 1, 1], [0, 1, 0, 0]])
-    total, weight, metrics = losses.sft(logps, mask)
+    total, weight, metrics = sft(logps, mask)
     assert float(total) == pytest.approx(2 + 3 + 0.5)
     assert float(weight) == 3
     s, c = metrics["loss"]
@@ -28,8 +29,8 @@ def test_sft_prompt_tokens_carry_no_loss_and_no_gradient():
     mask = jnp.array([[0.0, 0.0, 1.0, 1.0]])
     base = jnp.array([[0.0, -1.0, -2.0, -3.0]])
     changed = base.at[0, 1].set(-40.0)  # a prompt position
-    assert float(losses.sft(base, mask)[0]) == float(losses.sft(changed, mask)[0])
-    grad = jax.grad(lambda x: losses.sft(x, mask)[0])(base)
+    assert float(sft(base, mask)[0]) == float(sft(changed, mask)[0])
+    grad = jax.grad(lambda x: sft(x, mask)[0])(base)
     np.testing.assert_array_equal(grad, [[0.0, 0.0, -1.0, -1.0]])
 
 

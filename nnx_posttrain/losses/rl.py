@@ -3,9 +3,9 @@
 Shapes: ``B`` completions (``num_generations`` consecutive rows per prompt), ``T`` positions.
 Per-token arrays (``logps``, ``old_logps``, ``ref_logps``, ``mask``) are aligned as
 ``model.token_logprobs`` returns them (position t holds log p(x_t | x_<t)); ``mask`` is 1 on the
-completion tokens that carry loss. Losses return ``(total, weight, metrics)`` as in
-``nnx_posttrain.losses``: summing ``total`` and ``weight`` over micro-batches before dividing
-gives the large-batch loss exactly.
+completion tokens that carry loss. Losses return ``(total, weight, metrics)`` as every loss of
+:mod:`nnx_posttrain.losses` (see :mod:`nnx_posttrain.losses.common`): summing ``total`` and
+``weight`` over micro-batches before dividing gives the large-batch loss exactly.
 
 Definitions follow TRL's GRPOTrainer / RLOOTrainer / PPOTrainer, so metrics are comparable.
 """

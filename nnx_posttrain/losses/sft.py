@@ -1,12 +1,7 @@
-"""Losses: pure functions of arrays. No model, no I/O.
+"""The SFT loss: next-token negative log-likelihood on the loss tokens. Imports jax only.
 
-Every loss returns ``(total, weight, metrics)``:
-
-- ``total``: the loss *summed* over its unit (tokens for SFT, pairs for preference losses);
-- ``weight``: how many units were summed, so that ``total / weight`` is the mean, and summing
-  ``total`` and ``weight`` over micro-batches before dividing gives exactly the large-batch mean
-  (gradient accumulation is token-weighted, not a mean of means);
-- ``metrics``: ``name -> (sum, count)``, reduced the same way.
+Returns ``(total, weight, metrics)`` as every loss of :mod:`nnx_posttrain.losses` (see
+:mod:`nnx_posttrain.losses.common`): the NLL summed over tokens and the number of tokens.
 """
 
 from __future__ import annotations

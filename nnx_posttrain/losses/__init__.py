@@ -1,0 +1,23 @@
+"""Losses: pure functions of arrays. No model, no I/O; imports jax only, nothing of nnx_posttrain.
+
+- :mod:`.sft`: ``sft``, the next-token NLL on the loss tokens;
+- :mod:`.dpo`: ``dpo``, DPO and its family (sigmoid, hinge, ipo, robust, bco_pair, sppo_hard,
+  nca_pair, apo_zero, apo_down, sigmoid_norm, sft and weighted combinations), a table of terms;
+- :mod:`.preference`: the reference-free and unpaired preference losses (``simpo``, ``cpo``,
+  ``orpo``, ``kto``) and the Bradley-Terry reward-model loss ``reward_bt``;
+- :mod:`.rl`: online RL advantages and losses (GRPO loss types, RLOO, GAE, PPO);
+- :mod:`.common`: the shared conventions and helpers.
+
+Every loss returns ``(total, weight, metrics)``: ``total`` the loss *summed* over its unit
+(tokens, pairs, examples), ``weight`` how many units were summed, so that ``total / weight`` is
+the mean, and ``metrics`` ``name -> (sum, count)``. Summing all of them over micro-batches before
+dividing gives exactly the large-batch mean (see :mod:`.common`).
+
+Import the submodules (``from nnx_posttrain.losses.dpo import dpo``, ``from nnx_posttrain.losses
+import rl``): their functions are not re-exported here, since ``sft`` and ``dpo`` are also the
+names of their modules.
+"""
+
+from nnx_posttrain.losses import common, dpo, preference, rl, sft
+
+__all__ = ["common", "dpo", "preference", "rl", "sft"]
