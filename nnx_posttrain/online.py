@@ -175,7 +175,7 @@ class OnlineAlgorithm(Algorithm):
     def attach(self, lm, graphdef, params, frozen, train_src, seed: int, merge):
         """Called by the loop once the model is split: what the rollouts need. ``merge`` is
         ``train.merge`` (graphdef, params, frozen) -> (module, reference module or None)."""
-        from nnx_posttrain import generate, sampler
+        from nnx_posttrain.sampling import generate, sampler
 
         self.lm, self.train_src, self.seed, self._merge = lm, train_src, seed, merge
         self.graphdef = graphdef

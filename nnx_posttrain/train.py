@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from nnx_posttrain import config as config_lib
-from nnx_posttrain import checkpoint, data, generate, model, sharding
+from nnx_posttrain import checkpoint, data, model, sharding
+from nnx_posttrain.sampling import generate
 from nnx_posttrain.metrics_log import MetricsLog
 
 

@@ -748,7 +748,7 @@ def test_prompt_only_left_padded(tok):
 
 
 def test_prompt_only_conversation_ends_with_generation_prompt(tok):
-    from nnx_posttrain import generate
+    from nnx_posttrain.sampling import generate
 
     prompt = [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 2 + 3?"}]
     ex = data.TokenizePrompt(tok, "gemma", 32)({"prompt": prompt})

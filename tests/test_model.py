@@ -244,3 +244,35 @@ def test_a_packed_row_gives_the_same_per_example_logprobs_as_separate_rows(name)
     # and the override is gone afterwards: the plain forward is unchanged
     again = model.token_logprobs(lm.module, jnp.asarray(separate), jnp.asarray(separate > 0, jnp.int32))
     np.testing.assert_allclose(again, lp_separate, atol=1e-6)
+
+
+def test_block_override_is_set_on_every_block_and_removed_on_exit_also_on_error(micro):
+    module = micro.module
+    blocks = model.decoder_blocks(module)
+    calls = []
+
+    def make(block, original):
+        def wrapped(*args, **kwargs):
+            calls.append(block)
+            return original(*args, **kwargs)
+        return wrapped
+
+    with model.override_blocks(module, "call", make) as yielded:
+        assert yielded == blocks and all("call" in vars(b) for b in blocks)
+        model.full_logits(module, IDS, MASK)
+    assert calls == blocks  # each block's override ran once, in order
+    assert not any("call" in vars(b) for b in blocks)
+    with pytest.raises(RuntimeError, match="inside"):
+        with model.override_blocks(module, "call", make):
+            raise RuntimeError("inside")
+    assert not any("call" in vars(b) for b in blocks)
+
+
+def test_a_registered_builtin_config_loads_under_its_name():
+    config = dict(model.TINY["gemma_micro"], num_layers=1)
+    model.register_builtin("gemma_nano_test", config, tokenizer.builtin_proto)
+    try:
+        lm = model.load("gemma_nano_test", seed=0)
+        assert lm.module.num_layers == 1 and lm.chat_format == "gemma" and lm.name == "gemma_nano_test"
+    finally:
+        model.TINY.pop("gemma_nano_test")

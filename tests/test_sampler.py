@@ -10,7 +10,8 @@ import pytest
 from types import SimpleNamespace
 from flax import nnx
 
-from nnx_posttrain import generate, model, sampler
+from nnx_posttrain import model
+from nnx_posttrain.sampling import generate, sampler
 
 N = 8
 NO_STOP = np.array([-1, -2], np.int32)  # the shape of the real stop ids: one compilation

@@ -24,7 +24,8 @@ import keras_hub
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import model, sampler
+from nnx_posttrain import model
+from nnx_posttrain.sampling import sampler
 
 
 def make_no_cache_greedy(graphdef, max_new_tokens: int):

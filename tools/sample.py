@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from nnx_posttrain import runs, sampler
+from nnx_posttrain import runs
+from nnx_posttrain.sampling import sampler
 
 
 def main(argv=None) -> list[str]:

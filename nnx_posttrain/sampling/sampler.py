@@ -21,7 +21,6 @@ top-k / top-p truncation, the convention of TRL's rollouts.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 from typing import Callable
@@ -81,24 +80,18 @@ def _head_shape(module) -> tuple[int, int]:
     return heads, int(head_dim)
 
 
-@contextlib.contextmanager
 def _key_padding_mask(module, fam: _Family, key_mask):
     """Within the block, every decoder block's attention mask (causal, sliding window, as KerasHub
     computes it for the cache) is also zero at the keys where ``key_mask`` [batch, L] is 0."""
-    blocks = model.decoder_blocks(module)
-    for block in blocks:
-        original = getattr(block, fam.mask_method)
 
-        def masked(*args, _original=original, **kwargs):
-            mask = _original(*args, **kwargs)
+    def make(block, original):
+        def masked(*args, **kwargs):
+            mask = original(*args, **kwargs)
             return jnp.minimum(mask, key_mask[:, None, :].astype(mask.dtype))
 
-        object.__setattr__(block, fam.mask_method, masked)
-    try:
-        yield
-    finally:
-        for block in blocks:
-            object.__delattr__(block, fam.mask_method)
+        return masked
+
+    return model.override_blocks(module, fam.mask_method, make)
 
 
 def _empty_cache(module, fam: _Family, batch: int, length: int):
@@ -121,8 +114,8 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask):
     if fam.embed_scale:
         x = x * jnp.sqrt(jnp.asarray(module.hidden_dim, jnp.float32)).astype(x.dtype)
     new = []
-    with _key_padding_mask(module, fam, key_mask):
-        for block, cache in zip(model.decoder_blocks(module), caches):
+    with _key_padding_mask(module, fam, key_mask) as blocks:
+        for block, cache in zip(blocks, caches):
             x, cache = block(x, **{fam.cache_kw: cache, fam.index_kw: index})
             new.append(cache)
     h = module.layer_norm(x)

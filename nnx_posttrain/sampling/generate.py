@@ -1,14 +1,15 @@
 """Greedy generation for evaluation (exact-match accuracy on held-out prompts).
 
-Built on the KV-cache sampler (``nnx_posttrain.sampler``) at temperature 0: one compilation per
-(batch, prompt width) shape, decoding stops as soon as every row has produced a stop token.
+Built on the KV-cache sampler (``nnx_posttrain.sampling.sampler``) at temperature 0: one
+compilation per (batch, prompt width) shape, decoding stops as soon as every row has produced a
+stop token.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from nnx_posttrain import sampler
+from nnx_posttrain.sampling import sampler
 
 # Re-exported: evaluation and data code build prompts with these.
 stop_ids = sampler.stop_ids

@@ -1,0 +1,72 @@
+"""The model adapter: the only code that knows KerasHub.
+
+A ``LanguageModel`` (``load``) holds the KerasHub ``CausalLM`` (``task``, kept for
+``save_to_preset`` and KerasHub's own tools), the ``nnx.Module`` that training splits,
+differentiates and merges (``module``, the backbone), a plain-Python ``Tokenizer`` and the name of
+its chat template. Around it:
+
+- ``load``: names, presets, local KerasHub / Hugging Face directories, built-in configurations
+  (``register_builtin``), the ``nnx.state`` workaround for tasks, ``describe``;
+- ``lora``: the trainable-variable filter, ``split``, LoRA and its off switch (the reference model);
+- ``blocks``: overriding a method of every decoder block for one call (``override_blocks``): the
+  packed-row attention mask, remat, the sampler's key-padding mask;
+- ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
+- ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``).
+
+It may import only config-level modules (``config``, ``chat``, ``sharding``, ``checkpoint``,
+``metrics_log``) and third-party libraries: never data, losses, algorithms, train or tasks.
+"""
+
+from nnx_posttrain.model.blocks import (
+    decoder_blocks,
+    override_blocks,
+    segment_attention_mask,
+    set_remat,
+)
+from nnx_posttrain.model.heads import PolicyWithValue, RewardModel
+from nnx_posttrain.model.load import (
+    DTYPES,
+    PRESETS,
+    TINY,
+    LanguageModel,
+    ModelLoadError,
+    Tokenizer,
+    chat_format_for,
+    describe,
+    is_local_model,
+    load,
+    register_builtin,
+)
+from nnx_posttrain.model.logprobs import (
+    full_logits,
+    hidden_states,
+    logprobs_from_hidden,
+    scored_positions,
+    token_logprobs,
+)
+from nnx_posttrain.model.lora import (
+    ATTENTION_LAYERS,
+    LORA_TARGETS,
+    count_params,
+    enable_lora,
+    has_lora,
+    lora_disabled,
+    named_variables,
+    split,
+    trainable_filter,
+)
+
+__all__ = [
+    # load
+    "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer", "chat_format_for",
+    "describe", "is_local_model", "load", "register_builtin",
+    # lora
+    "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_disabled",
+    "named_variables", "split", "trainable_filter",
+    # blocks
+    "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat",
+    # logprobs
+    "full_logits", "hidden_states", "logprobs_from_hidden", "scored_positions", "token_logprobs",
+    # heads
+    "PolicyWithValue", "RewardModel",
+]

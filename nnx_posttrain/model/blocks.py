@@ -1,0 +1,113 @@
+"""Changing what every decoder block of a KerasHub backbone does, for the duration of a call.
+
+KerasHub backbones expose no hook for a custom attention mask or for rematerialisation, so these
+shadow a method of each decoder block *instance* (``object.__setattr__``, bypassing Keras'
+attribute tracking) and remove the shadow afterwards; the class is never touched. One helper,
+``override_blocks``, does the patching for its three users: the packed-row attention mask
+(``hidden_states``), remat (``set_remat``) and the sampler's key-padding mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+
+def decoder_blocks(module) -> list:
+    """The decoder blocks that the backbone's functional graph calls. ``module.transformer_layers``
+    is not it after ``nnx.merge``: that list still holds the blocks of the module that was split,
+    while the merged graph calls new block objects (those in ``module.layers``)."""
+    kind = type(module.transformer_layers[0])
+    return [layer for layer in module.layers if isinstance(layer, kind)]
+
+
+@contextlib.contextmanager
+def override_blocks(module, name: str, make: Callable[[Any, Any], Any]) -> Iterator[list]:
+    """Within the block, every decoder block's attribute ``name`` (a method, e.g. ``call``) is
+    ``make(block, original)``, where ``original`` is what ``getattr(block, name)`` gave before
+    (a bound method). The override is set on the instances and removed on exit, also on error.
+    Yields the blocks (``decoder_blocks(module)``)."""
+    blocks = decoder_blocks(module)
+    patched = []
+    try:
+        for block in blocks:
+            object.__setattr__(block, name, make(block, getattr(block, name)))
+            patched.append(block)
+        yield blocks
+    finally:
+        for block in patched:
+            object.__delattr__(block, name)
+
+
+# ----------------------------------------------------------------------------- packed rows
+
+
+# The method each KerasHub decoder block uses to build its [batch, query, key] attention mask:
+# Gemma / Gemma 3 blocks, and Llama / Llama 3 / Mistral / Qwen / Qwen 3 decoders.
+_MASK_METHODS = ("_compute_attention_mask", "_compute_self_attention_mask")
+
+
+def segment_attention_mask(segment_ids):
+    """[batch, T, T] causal mask that never crosses examples of a packed row (segment 0 = padding;
+    a padding query sees itself only, so no softmax row is empty)."""
+    seg = segment_ids
+    t = seg.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))[None]
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    return ((same & causal) | jnp.eye(t, dtype=bool)[None]).astype(jnp.int32)
+
+
+def _attention_mask_override(module, mask):
+    """Make every decoder block use ``mask`` instead of its causal + padding mask.
+
+    KerasHub backbones accept only a [batch, T] padding mask; packed rows need a block-diagonal
+    one. The blocks' mask method is shadowed on the instances for the duration of the call."""
+    blocks = decoder_blocks(module)  # not module.transformer_layers: see decoder_blocks
+    names = [n for n in _MASK_METHODS if hasattr(type(blocks[0]), n)]
+    if not names:
+        raise NotImplementedError(f"packed sequences are not supported for {type(module).__name__}")
+
+    def masked(*args, **kwargs):
+        return mask
+
+    return override_blocks(module, names[0], lambda block, original: masked)
+
+
+# ----------------------------------------------------------------------------- remat
+
+
+def set_remat(module, enabled: bool) -> None:
+    """Rematerialise each decoder block of the backbone ``module`` (``--remat blocks``): the
+    backward pass recomputes a block's activations from its input instead of keeping them, so
+    activation memory holds one block's internals rather than all of them. A plain attribute,
+    kept by ``nnx.split`` / ``nnx.merge``; ``hidden_states`` applies it."""
+    object.__setattr__(module, "_nnx_posttrain_remat", bool(enabled))
+
+
+def _checkpointed(call):
+    """``call`` under ``jax.checkpoint``. Only array arguments are traced; the others (flags,
+    None) stay static."""
+    def wrapper(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+        def inner(*arrays):
+            full = list(leaves)
+            for i, x in zip(where, arrays):
+                full[i] = x
+            args, kwargs = jax.tree.unflatten(treedef, full)
+            return call(*args, **kwargs)
+
+        return jax.checkpoint(inner)(*(leaves[i] for i in where))
+    return wrapper
+
+
+def _remat_scope(module):
+    """While active, each decoder block's ``call`` runs under ``jax.checkpoint`` (when enabled by
+    ``set_remat``). Only array arguments are traced; the others (flags, None) stay static."""
+    if not getattr(module, "_nnx_posttrain_remat", False):
+        return contextlib.nullcontext()
+    return override_blocks(module, "call", lambda block, call: _checkpointed(call))

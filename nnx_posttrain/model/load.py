@@ -1,0 +1,284 @@
+"""Loading a KerasHub causal LM as a ``LanguageModel`` on the NNX backend.
+
+``load(name)`` accepts a built-in configuration (``TINY``, filled by ``register_builtin``), a short
+name (``PRESETS``), a KerasHub preset handle, or a local directory (a KerasHub preset or a Hugging
+Face checkpoint, which KerasHub converts). Every failure becomes one ``ModelLoadError`` that says
+what to do (offline: pass a local directory). It also works around the ``nnx.state`` trap of
+KerasHub tasks and warms the backbone up eagerly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax.numpy as jnp
+import keras
+import keras_hub
+from flax import nnx
+
+from nnx_posttrain.model.lora import count_params, trainable_filter
+
+# Short names -> KerasHub preset handles (checked against keras_hub.models.CausalLM.presets).
+PRESETS = {
+    "gemma_2b": "gemma_2b_en",
+    "gemma_7b": "gemma_7b_en",
+    "gemma_2b_it": "gemma_instruct_2b_en",
+    "gemma2_2b": "gemma2_2b_en",
+    "gemma2_9b": "gemma2_9b_en",
+    "gemma3_270m": "gemma3_270m",
+    "gemma3_1b": "gemma3_1b",
+    "llama3_8b": "llama3_8b_en",
+    "llama3.2_1b": "llama3.2_1b",
+    "llama3.2_3b": "llama3.2_3b",
+    "qwen2.5_0.5b": "qwen2.5_0.5b_en",
+    "qwen2.5_7b": "qwen2.5_7b_en",
+    "qwen3_0.6b": "qwen3_0.6b_en",
+    "mistral_7b": "mistral_7b_en",
+}
+
+DTYPES = {"float32": "float32", "bfloat16": "mixed_bfloat16", "bfloat16-params": "bfloat16"}
+
+# Built-in configurations: name -> GemmaBackbone keyword arguments (Gemma architectures with a
+# SentencePiece tokenizer of their own), filled by ``register_builtin``.
+TINY: dict[str, dict] = {}
+_TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
+
+
+def register_builtin(name: str, backbone_kwargs: dict,
+                     tokenizer_proto: Callable[[], bytes]) -> None:
+    """Make ``load(name)`` build a ``GemmaCausalLM`` from ``backbone_kwargs`` (every
+    ``GemmaBackbone`` argument but the vocabulary size, which is the tokenizer's) and the
+    SentencePiece model that ``tokenizer_proto()`` returns (serialized bytes; called at each load,
+    so it may build and cache the model lazily)."""
+    TINY[name] = dict(backbone_kwargs)
+    _TOKENIZER_PROTOS[name] = tokenizer_proto
+
+
+def _build_builtin(name: str, policy: str, seed: int):
+    """The ``GemmaCausalLM`` of a registered built-in configuration, initialised from ``seed``."""
+    keras.utils.set_random_seed(seed)
+    tok = keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]())
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=tok.vocabulary_size(), dtype=policy, **TINY[name]
+    )
+    preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tok)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
+
+
+# TEMPORARY: the lead replaces this with a registry the built-in task (nnx_posttrain/tasks) fills
+def _register_default_builtins() -> None:
+    """The built-in configurations with the project's own SentencePiece tokenizer."""
+    from nnx_posttrain import tokenizer as builtin_tokenizer
+
+    defaults = {
+        "gemma_tiny": dict(
+            num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=128,
+            intermediate_dim=512, head_dim=32,
+        ),
+        # Gemma 2 features: attention and final-logit soft caps, post norms, sliding window.
+        "gemma2_tiny": dict(
+            num_layers=4, num_query_heads=4, num_key_value_heads=2, hidden_dim=128,
+            intermediate_dim=512, head_dim=32, query_head_dim_normalize=True,
+            use_post_ffw_norm=True, use_post_attention_norm=True, attention_logit_soft_cap=50.0,
+            final_logit_soft_cap=30.0, use_sliding_window_attention=True, sliding_window_size=32,
+        ),
+        "gemma_micro": dict(  # for fast tests
+            num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,
+            intermediate_dim=64, head_dim=16,
+        ),
+    }
+    for name, kwargs in defaults.items():
+        register_builtin(name, kwargs, builtin_tokenizer.builtin_proto)
+
+
+_register_default_builtins()
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what to do."""
+
+
+class Tokenizer:
+    """Plain-Python view of a KerasHub tokenizer: encode to / decode from lists of ints.
+
+    SentencePiece tokenizers (Gemma, Mistral, the built-in one) run through the ``sentencepiece``
+    package directly: fast, and picklable for data-loading worker processes.
+    """
+
+    def __init__(self, keras_tokenizer):
+        self.keras_tokenizer = keras_tokenizer
+        proto = getattr(keras_tokenizer, "proto", None)
+        self._sp = None
+        if proto is not None:
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        self.bos_id = _token_id(keras_tokenizer, "start_token_id")
+        self.eos_id = _token_id(keras_tokenizer, "end_token_id")
+        pad = _token_id(keras_tokenizer, "pad_token_id")
+        self.pad_id = pad if pad is not None else (self.eos_id or 0)
+        self.vocab_size = int(keras_tokenizer.vocabulary_size())
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._sp is not None:
+            return self._sp.encode(text)
+        return [int(t) for t in keras.ops.convert_to_numpy(self.keras_tokenizer.tokenize(text))]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self._sp is not None:
+            return self._sp.decode(ids)
+        return str(keras.ops.convert_to_numpy(self.keras_tokenizer.detokenize(ids)).item().decode())
+
+    def token_id(self, piece: str) -> int | None:
+        """Id of a single special piece (e.g. '<end_of_turn>'), or None if it is not one token."""
+        ids = self.encode(piece)
+        return ids[0] if len(ids) == 1 else None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["keras_tokenizer"] = None  # TensorFlow-backed; workers only need the fast path
+        if self._sp is not None:
+            state["_sp"] = self._sp.serialized_model_proto()
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if isinstance(self._sp, bytes):
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_proto=self._sp)
+
+
+def _token_id(tok, attr):
+    value = getattr(tok, attr, None)
+    return None if value is None else int(value)
+
+
+@dataclasses.dataclass
+class LanguageModel:
+    task: keras_hub.models.CausalLM
+    tokenizer: Tokenizer
+    chat_format: str
+    name: str
+
+    @property
+    def module(self) -> nnx.Module:
+        """The NNX module that training operates on (the backbone, with LoRA when enabled)."""
+        return self.task.backbone
+
+
+def chat_format_for(backbone) -> str:
+    """The chat template family of a KerasHub backbone, from its class name."""
+    name = type(backbone).__name__.lower()
+    if name.startswith("gemma"):
+        return "gemma"
+    if name.startswith("llama3"):
+        return "llama3"
+    if name.startswith("qwen"):
+        return "chatml"
+    if name.startswith("mistral"):
+        return "mistral"
+    return "chatml"
+
+
+def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
+    """Make ``nnx.state`` / ``nnx.split`` work on a KerasHub task.
+
+    Keras keeps ``_compiled_trainable_state``, a dict keyed by layer objects, on every model; NNX
+    sorts dict keys when it flattens a graph and fails with "'<' not supported between instances
+    of 'GemmaBackbone' and 'GemmaCausalLM'". We never ``compile()`` the task, so the dict is unused.
+    """
+    if hasattr(task, "_compiled_trainable_state"):
+        del task._compiled_trainable_state
+    return task
+
+
+def is_local_model(name: str) -> bool:
+    return os.path.isdir(os.path.expanduser(name))
+
+
+def load(name: str, dtype: str = "float32", seed: int = 0) -> LanguageModel:
+    """Load ``name``: a built-in tiny config, a short name, a KerasHub handle or a local directory.
+
+    Local directories may be KerasHub presets (what ``save_to_preset`` writes) or Hugging Face
+    checkpoints (config.json + safetensors), which KerasHub converts itself.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    policy = DTYPES[dtype]
+    if name in TINY:
+        task = _build_builtin(name, policy, seed)
+    else:
+        handle = PRESETS.get(name, name)
+        if is_local_model(handle):
+            handle = str(Path(handle).expanduser().resolve())
+        elif not (handle.startswith(("kaggle://", "hf://", "modelscope://", "gs://"))
+                  or handle in keras_hub.models.CausalLM.presets):
+            raise ModelLoadError(
+                f"unknown model {name!r}: not a built-in config ({', '.join(TINY)}), a short name "
+                f"({', '.join(PRESETS)}), a KerasHub preset name, a kaggle:// or hf:// handle, or "
+                "an existing local directory"
+            )
+        task = _from_preset(name, handle, policy)
+    _warm_up(task.backbone)
+    return LanguageModel(
+        task=_nnx_ready(task),
+        tokenizer=Tokenizer(_tokenizer_of(task, name)),
+        chat_format=chat_format_for(task.backbone),
+        name=name,
+    )
+
+
+def _tokenizer_of(task, name):
+    if task.preprocessor is None or getattr(task.preprocessor, "tokenizer", None) is None:
+        raise ModelLoadError(f"model {name!r} has no tokenizer: the preset must include one")
+    return task.preprocessor.tokenizer
+
+
+def _from_preset(name: str, handle: str, policy: str):
+    try:
+        return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
+    except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        local = is_local_model(handle)
+        if local:
+            advice = (
+                "The directory must be a KerasHub preset (written by save_to_preset: "
+                "config.json, metadata.json, model.weights.h5, tokenizer assets) or a Hugging Face "
+                "checkpoint of a family KerasHub converts (config.json, *.safetensors, tokenizer)."
+            )
+        else:
+            advice = (
+                "Downloading a preset needs network access to Kaggle or Hugging Face and, for "
+                "gated models (Gemma, Llama), an accepted licence and credentials: KAGGLE_USERNAME "
+                "and KAGGLE_KEY, or HF_TOKEN. Offline, download the preset on a connected machine "
+                "and pass its local directory: --model /path/to/preset."
+            )
+        raise ModelLoadError(
+            f"could not load model {name!r} (KerasHub handle {handle!r}): "
+            f"{type(exc).__name__}: {first_line}\n{advice}"
+        ) from None
+
+
+def _warm_up(backbone) -> None:
+    """One eager call: Keras flips build/bookkeeping flags on the first call, which would otherwise
+    happen inside the first trace and cost a second compilation."""
+    ids = jnp.zeros((1, 4), jnp.int32)
+    backbone({"token_ids": ids, "padding_mask": jnp.ones_like(ids)})
+
+
+def describe(lm: LanguageModel) -> str:
+    graph_trainable = nnx.state(lm.module, trainable_filter)
+    total = count_params(nnx.state(lm.module))
+    trainable = count_params(graph_trainable)
+    return (
+        f"{lm.name}: {type(lm.module).__name__}, {total:,} parameters, {trainable:,} trainable "
+        f"({100 * trainable / max(total, 1):.2f}%), vocab {lm.tokenizer.vocab_size}, chat format "
+        f"{lm.chat_format}"
+    )

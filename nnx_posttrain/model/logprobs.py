@@ -1,0 +1,128 @@
+"""Per-token log-probabilities in float32, without materialising [batch, length, vocab] logits.
+
+The forward pass (``hidden_states``, with packed rows and remat applied through ``blocks``), then
+the vocabulary projection a chunk of positions at a time, only at the positions that carry loss
+when asked (``scored_positions``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_posttrain.model.blocks import (
+    _attention_mask_override,
+    _remat_scope,
+    segment_attention_mask,
+)
+
+
+def hidden_states(module, token_ids, padding_mask, segment_ids=None):
+    """Final hidden states. With ``segment_ids`` (packed rows), attention stays within each
+    example. Positions are not restarted per example: every supported family uses rotary
+    embeddings, whose attention scores depend only on relative positions within an example."""
+    with _remat_scope(module):
+        if segment_ids is None:
+            return module({"token_ids": token_ids, "padding_mask": padding_mask})
+        with _attention_mask_override(module, segment_attention_mask(segment_ids)):
+            return module({"token_ids": token_ids,
+                           "padding_mask": (segment_ids != 0).astype(jnp.int32)})
+
+
+def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_entropy=False,
+                   segment_ids=None, temperature: float = 1.0, positions=None):
+    """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length].
+
+    Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
+    (and recomputed in the backward pass), so peak memory holds [batch, chunk, vocab], never
+    [batch, length, vocab]. With ``with_entropy`` also returns the per-position entropy of the
+    predictive distribution. ``segment_ids`` marks the examples of packed rows (see
+    ``hidden_states``); the first token of each example has no meaningful prediction and must
+    carry no loss. ``temperature`` divides the logits (RL: the sampling distribution).
+
+    ``positions`` [batch, k] (from :func:`scored_positions`) limits the vocabulary projection to
+    those positions, the ones that carry loss: the others come back as 0. The projection is the
+    largest matmul of a small model; a preference pair's prompt needs none (TRL's fused LM head
+    does the same).
+    """
+    h = hidden_states(module, token_ids, padding_mask, segment_ids)
+    return logprobs_from_hidden(module, h, token_ids, chunk_size, with_entropy, temperature,
+                                positions)
+
+
+def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
+    """Host side: for each [batch, length] loss mask, the positions that carry loss, ascending,
+    as a [batch, k] int32 array padded with ``length`` (an index that selects nothing), for
+    ``token_logprobs(positions=...)``. One ``k`` for all masks, rounded up to length/8, /4 or /2
+    (a few compiled shapes at most); None when some row needs more than half the positions
+    (projecting every position is then as cheap)."""
+    length = loss_masks[0].shape[1]
+    need = max(int((m[:, 1:] > 0).sum(axis=1).max(initial=0)) for m in loss_masks)
+    k = next((-(-length // d) for d in (8, 4, 2) if need <= -(-length // d)), None)
+    if k is None:
+        return None
+    out = []
+    for mask in loss_masks:
+        scored = mask > 0
+        scored[:, 0] = False  # position 0 has no prediction
+        order = np.argsort(~scored, axis=1, kind="stable")[:, :k]
+        out.append(np.where(np.take_along_axis(scored, order, axis=1), order, length)
+                   .astype(np.int32))
+    return out
+
+
+def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entropy=False,
+                         temperature: float = 1.0, positions=None):
+    """``token_logprobs`` from the final hidden states ``h`` [batch, length, width] (for models
+    that read the hidden states twice, e.g. a policy with a value head)."""
+    batch, full_length = token_ids.shape
+    if positions is None:
+        h, targets = h[:, :-1], token_ids[:, 1:]
+    else:  # position t is predicted from the hidden state at t - 1
+        clipped = jnp.clip(positions, 1, full_length - 1)
+        h = jnp.take_along_axis(h, (clipped - 1)[..., None], axis=1)
+        targets = jnp.take_along_axis(token_ids, clipped, axis=1)
+    length, width = h.shape[1], h.shape[2]
+    chunk = min(chunk_size, length)
+    n_chunks = -(-length // chunk)
+    pad = n_chunks * chunk - length
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    h = h.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)
+    targets = targets.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    embedding = module.token_embedding
+
+    @jax.checkpoint
+    def one_chunk(args):
+        h_c, t_c = args
+        logits = embedding(h_c, reverse=True).astype(jnp.float32)
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+        logp = picked - log_z
+        if not with_entropy:
+            return logp, jnp.zeros_like(logp)
+        probs = jax.nn.softmax(logits, axis=-1)
+        entropy = log_z - jnp.sum(probs * logits, axis=-1)
+        return logp, entropy
+
+    logp, entropy = jax.lax.map(one_chunk, (h, targets))
+
+    def unchunk(x):
+        x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
+        if positions is None:
+            return jnp.pad(x, ((0, 0), (1, 0)))
+        rows = jnp.arange(batch)[:, None]
+        return jnp.zeros((batch, full_length), x.dtype).at[rows, positions].set(x, mode="drop")
+
+    if with_entropy:
+        return unchunk(logp), unchunk(entropy)
+    return unchunk(logp)
+
+
+def full_logits(module, token_ids, padding_mask):
+    """Reference path: the [batch, length, vocab] logits in one piece (tests, short sequences)."""
+    h = hidden_states(module, token_ids, padding_mask)
+    return module.token_embedding(h, reverse=True).astype(jnp.float32)

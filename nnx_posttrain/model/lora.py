@@ -1,0 +1,101 @@
+"""Which variables train: the trainable-variable filter, the NNX split, LoRA and its off switch.
+
+Keras variables are ``nnx.Variable`` subclasses but not ``nnx.Param``: every filter here selects on
+``keras.Variable`` with ``v.trainable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import keras
+from flax import nnx
+
+# Layer names KerasHub's decoder families give their linear projections.
+ATTENTION_LAYERS = ("query", "key", "value", "attention_output")
+LORA_TARGETS = {
+    "qv": ("query", "value"),  # KerasHub's own default
+    "attention": ATTENTION_LAYERS,
+    "all-linear": None,  # every Dense / EinsumDense of the decoder blocks
+}
+
+
+def trainable_filter(path, value) -> bool:
+    """NNX filter selecting trainable Keras variables.
+
+    Keras variables are ``nnx.Variable`` subclasses but not ``nnx.Param``: filtering on
+    ``nnx.Param`` selects nothing and would silently train nothing.
+    """
+    return isinstance(value, keras.Variable) and value.trainable
+
+
+def split(module: nnx.Module):
+    """(graphdef, trainable state, frozen state); fails loudly if nothing is trainable."""
+    graphdef, trainable, frozen = nnx.split(module, trainable_filter, ...)
+    if not jax.tree_util.tree_leaves(trainable):
+        raise ValueError("the trainable-variable filter selected no variable: nothing would train")
+    return graphdef, trainable, frozen
+
+
+def named_variables(state) -> dict[str, jax.Array]:
+    """{Keras variable path (e.g. 'decoder_block_0/attention/query/kernel'): array} of a state."""
+    return {v.path: v.value for _, v in nnx.to_flat_state(state)}
+
+
+def count_params(state) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(state))
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "attention") -> list[str]:
+    """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
+
+    ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'all-linear' (every Dense
+    or EinsumDense of the decoder blocks), or comma-separated layer names. Returns the paths of
+    the adapted layers; raises if none matched.
+    """
+    if rank <= 0:
+        raise ValueError(f"LoRA rank must be positive, got {rank}")
+    names = LORA_TARGETS[targets] if targets in LORA_TARGETS else tuple(
+        t.strip() for t in targets.split(",") if t.strip()
+    )
+    layers = [layer for layer in module._flatten_layers(include_self=False)]
+    for layer in layers:
+        layer.trainable = False
+    adapted = []
+    for layer in layers:
+        if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            continue
+        if names is not None and layer.name not in names:
+            continue
+        layer.trainable = True
+        layer.enable_lora(rank, lora_alpha=alpha)
+        adapted.append(layer.path)
+    if not adapted:
+        raise ValueError(
+            f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
+        )
+    return adapted
+
+
+@contextlib.contextmanager
+def lora_disabled(module):
+    """Within the block, LoRA layers compute with their base kernel only: the reference model of
+    preference and RL methods, with no second copy of the weights."""
+    layers = [l for l in module._flatten_layers(include_self=False) if getattr(l, "lora_enabled", False)]
+    if not layers:
+        raise ValueError("lora_disabled: the model has no LoRA layer (use a 'copy' reference)")
+    for layer in layers:
+        object.__setattr__(layer, "lora_enabled", False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__setattr__(layer, "lora_enabled", True)
+
+
+def has_lora(module) -> bool:
+    return any(getattr(l, "lora_enabled", False) for l in module._flatten_layers(include_self=False))
