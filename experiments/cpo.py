@@ -4,7 +4,7 @@ With no arguments: starts from the default SFT run (runs/sft) on the built-in pr
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.preference import CPO
+from nnx_posttrain.algorithms import CPO
 
 ALGORITHM = CPO
 DEFAULT = experiment.config_for(CPO, **experiment.PREFERENCE_DEFAULTS)

@@ -8,7 +8,7 @@ preference pairs (chosen = the correct sum, rejected = a plausible wrong one).
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.preference import DPO
+from nnx_posttrain.algorithms import DPO
 
 ALGORITHM = DPO
 DEFAULT = experiment.config_for(DPO, **experiment.PREFERENCE_DEFAULTS, algo=dict(beta=1.0))

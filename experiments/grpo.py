@@ -10,7 +10,7 @@ prompts with the exact-match reward (1 when the answer is the correct sum).
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.online import GRPO
+from nnx_posttrain.algorithms import GRPO
 
 ALGORITHM = GRPO
 DEFAULT = experiment.config_for(GRPO, **experiment.ONLINE_DEFAULTS, algo=dict(num_generations=4))

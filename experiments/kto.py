@@ -5,7 +5,7 @@ examples (half labelled desirable with the correct sum, half undesirable with a 
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.preference import KTO
+from nnx_posttrain.algorithms import KTO
 
 ALGORITHM = KTO
 DEFAULT = experiment.config_for(KTO, **experiment.PREFERENCE_DEFAULTS, algo=dict(beta=1.0))

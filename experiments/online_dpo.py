@@ -5,7 +5,7 @@ the exact-match reward.
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.online import OnlineDPO
+from nnx_posttrain.algorithms import OnlineDPO
 
 ALGORITHM = OnlineDPO
 DEFAULT = experiment.config_for(OnlineDPO, **experiment.ONLINE_DEFAULTS)

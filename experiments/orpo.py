@@ -4,7 +4,7 @@ With no arguments: starts from the default SFT run (runs/sft) on the built-in pr
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.preference import ORPO
+from nnx_posttrain.algorithms import ORPO
 
 ALGORITHM = ORPO
 DEFAULT = experiment.config_for(ORPO, **experiment.PREFERENCE_DEFAULTS, algo=dict(beta=1.0))

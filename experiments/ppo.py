@@ -6,7 +6,7 @@ the exact-match reward.
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.online import PPO
+from nnx_posttrain.algorithms import PPO
 
 ALGORITHM = PPO
 DEFAULT = experiment.config_for(PPO, **experiment.ONLINE_DEFAULTS)

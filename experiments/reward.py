@@ -5,7 +5,7 @@ the eval metric `accuracy` is how often the correct answer gets the higher rewar
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.preference import Reward
+from nnx_posttrain.algorithms import Reward
 
 ALGORITHM = Reward
 DEFAULT = experiment.config_for(Reward, **experiment.PREFERENCE_DEFAULTS)

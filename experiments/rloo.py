@@ -5,7 +5,7 @@ the exact-match reward.
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.online import RLOO
+from nnx_posttrain.algorithms import RLOO
 
 ALGORITHM = RLOO
 DEFAULT = experiment.config_for(RLOO, **experiment.ONLINE_DEFAULTS)

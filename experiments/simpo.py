@@ -7,7 +7,7 @@ With no arguments: starts from the default SFT run (runs/sft) on the built-in pr
 """
 
 from nnx_posttrain import experiment
-from nnx_posttrain.preference import SimPO
+from nnx_posttrain.algorithms import SimPO
 
 ALGORITHM = SimPO
 DEFAULT = experiment.config_for(SimPO, **experiment.PREFERENCE_DEFAULTS)

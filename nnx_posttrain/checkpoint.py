@@ -128,6 +128,18 @@ class Checkpointer:
         ))
         return out.state, out.data, saved
 
+    def restore_weights(self, step: int, abstract_state, current_record: dict) -> dict:
+        """The part of ``step``'s state that ``abstract_state`` names (e.g. params, step, rng,
+        without the optimizer state), after checking the model matches: what inspection and
+        ``--init-from`` read, without building an optimizer."""
+        saved = self.read_record(step)
+        check_compatible(saved["model_record"], current_record, f"{self.directory}/{step}")
+        args = ocp.args.PyTreeRestore(
+            abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+            partial_restore=True)
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(self.directory / str(step) / "state", args=args)
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

@@ -164,7 +164,7 @@ class Config:
     log_every: int = 10
     """Log training metrics every this many steps."""
     logprob_chunk: int = 128
-    """Sequence positions per chunk when computing log-probs (bounds the logits in memory)."""
+    """Sequence positions per chunk when computing log-probs (bounds the logits in memory); 0: the whole sequence at once, no recomputation."""
     remat: Literal["none", "blocks"] = "none"
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -196,6 +196,8 @@ class Config:
             problems.append(f"--lora.rank must be >= 0, got {self.lora.rank}")
         if self.optim.learning_rate < 0:
             problems.append("--optim.learning-rate must be >= 0")
+        if self.logprob_chunk < 0:
+            problems.append(f"--logprob-chunk must be >= 0 (0: no chunking), got {self.logprob_chunk}")
         if self.log_every <= 0:
             problems.append("--log-every must be positive")
         problems.extend(self.mesh.problems())

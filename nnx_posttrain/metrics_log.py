@@ -70,3 +70,13 @@ def _fmt(v) -> str:
 def read(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class SecondaryLog:
+    """Metrics of processes other than 0 of a multi-process run: returned, never written."""
+
+    def log(self, step, split, metrics, echo=True):
+        return {"step": int(step), "split": split, **{k: float(v) for k, v in metrics.items()}}
+
+    def close(self):
+        pass

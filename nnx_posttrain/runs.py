@@ -1,4 +1,5 @@
-"""Reading runs back: a checkpoint into a live NNX model in a fresh process (notebooks, tools)."""
+"""Runs: building a run's model from its settings, and reading a checkpoint back into a live NNX
+model in a fresh process (notebooks, tools, ``--init-from``, reward-model rewards)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import checkpoint, config as config_lib, model, train
+from nnx_posttrain import checkpoint, config as config_lib, model, sharding
+from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models and data)
+from nnx_posttrain.algorithms import registry
+from nnx_posttrain.model import heads
 
 
 @dataclasses.dataclass
@@ -19,20 +24,33 @@ class LoadedRun:
     config: dict
     step: int
     lm: model.LanguageModel
-    state: dict  # params, opt_state, step, rng — as saved
+    state: dict  # params, step, rng — as saved (the optimizer state is not read)
     module: nnx.Module  # the trained model with the checkpoint's weights in it: the backbone, or
     # the algorithm's wrapper around it (a reward model's scalar head, a policy's value head)
 
 
+def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
+                init_from: str | None = None, remat: bool = False, echo=print):
+    """(language model, module) of a run: the model loaded, the weights of ``init_from`` copied
+    in, LoRA added, rematerialisation set, and the algorithm's scalar ``head`` (if any) on top."""
+    lm = model.load(name, dtype=dtype, seed=seed)
+    if init_from:
+        echo(init_weights(lm.module, init_from))
+    if lora.rank:
+        model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets)
+    model.set_remat(lm.module, remat)
+    return lm, heads.wrap(head, lm.module)
+
+
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -> LoadedRun:
     """Load ``run_dir``'s checkpoint ``step`` (default: the latest complete one) into a model built
-    from the run's own config, laid out on a mesh of this process's devices."""
+    from the run's own config, laid out on a mesh of this process's devices. Only the weights (and
+    the step and RNG) are read: no optimizer state is built."""
     run_dir = Path(run_dir)
     saved_cfg = json.loads((run_dir / "config.json").read_text())
     cfg = config_lib.Config(
         model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],
         lora=config_lib.LoraConfig(**saved_cfg["lora"]),
-        optim=config_lib.OptimConfig(**saved_cfg["optim"]),
         checkpoint=dataclasses.replace(config_lib.CheckpointConfig(), async_save=False),
     )
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
@@ -43,31 +61,26 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -
                 f"{run_dir / 'checkpoints'}: no complete checkpoint"
                 + (f" at step {step}; available: {ckpt.all_steps()}" if step is not None else "")
             )
-        lm = model.load(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
-        if cfg.lora.rank:
-            model.enable_lora(lm.module, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
-        module = _algorithm_module(saved_cfg, lm)
+        lm, module = build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
+                                 head=_head_of(saved_cfg))
         _, params, _ = model.split(module)
-        tx, _ = train.optimizer(cfg.optim, saved_cfg["steps"])
-        mesh = train.make_mesh(config_lib.MeshConfig(data=mesh_devices))
-        template = train.init_state(params, tx, cfg.seed)
-        abstract = checkpoint.abstract(template, NamedSharding(mesh, P()))
-        state, _, _ = ckpt.restore(step, abstract, checkpoint.model_record(cfg, template))
+        mesh = sharding.make_mesh(config_lib.MeshConfig(data=mesh_devices))
+        replicated = NamedSharding(mesh, P())
+        template = {"params": params, "step": jnp.zeros((), jnp.int32),
+                    "rng": jax.random.key_data(jax.random.key(cfg.seed))}
+        state = ckpt.restore_weights(step, checkpoint.abstract(template, replicated),
+                                     checkpoint.model_record(cfg, template))
     finally:
         ckpt.close()
     nnx.update(module, state["params"])
     return LoadedRun(run_dir, saved_cfg, step, lm, state, module)
 
 
-def _algorithm_module(saved_cfg: dict, lm) -> nnx.Module:
-    """The module the run trained: the algorithm (found by its settings' class name) builds it."""
-    from nnx_posttrain import algorithms
-
-    by_config = {a.Config.__name__: a for a in algorithms.registry().values()}
+def _head_of(saved_cfg: dict) -> str | None:
+    """The scalar head of the algorithm that trained a run (found by its settings' class name)."""
+    by_config = {a.Config.__name__: a for a in registry.ALGORITHMS.values()}
     algorithm = by_config.get(saved_cfg.get("algo_name"))
-    if algorithm is None:
-        return lm.module
-    return algorithm(algorithm.Config(**(saved_cfg.get("algo") or {}))).build_module(lm)
+    return None if algorithm is None else algorithm.head
 
 
 def param_leaves(state) -> dict[str, jax.Array]:

@@ -1,4 +1,4 @@
-"""Sharding is a rule: (Keras variable path, shape, mesh) -> PartitionSpec.
+"""Sharding is a rule: (Keras variable path, shape, mesh) -> PartitionSpec; and the mesh itself.
 
 The mesh has three axes, sized by ``--mesh.data / --mesh.fsdp / --mesh.tensor``:
 
@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from nnx_posttrain import config as config_lib
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
@@ -194,3 +196,42 @@ def describe(tree, mesh) -> dict[str, str]:
     for _, v in nnx.to_flat_state(tree):
         out[v.path] = f"{tuple(v.value.shape)} -> {spec_for(v.path, tuple(v.value.shape), mesh)}"
     return out
+
+
+# ----------------------------------------------------------------------------- the mesh
+
+
+def mesh_shape(cfg: config_lib.MeshConfig, n_devices: int) -> dict[str, int]:
+    """{data, fsdp, tensor} sizes for ``n_devices``, the -1 axis taking the rest; SystemExit with
+    the reason when they do not multiply to the device count."""
+    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    rest = [k for k, v in sizes.items() if v == -1]
+    if rest:
+        if n_devices % fixed:
+            raise SystemExit(f"mesh {sizes}: {n_devices} device(s) do not divide by the fixed axes' "
+                             f"product {fixed}")
+        sizes[rest[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise SystemExit(
+            f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
+            f"{math.prod(sizes.values())} devices, but {n_devices} are available "
+            f"({jax.process_count()} process(es)); the product must equal the device count "
+            "(set one axis to -1 to take the rest)"
+        )
+    return sizes
+
+
+def make_mesh(cfg: config_lib.MeshConfig) -> Mesh:
+    """The (data, fsdp, tensor) mesh over every device of every process. Tensor-parallel
+    neighbours are adjacent devices (same host / fast links), then fsdp, then data."""
+    devices = jax.devices()
+    sizes = mesh_shape(cfg, len(devices))
+    shape = tuple(sizes[a] for a in AXES)
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except Exception:  # noqa: BLE001 - CPU / odd topologies: the plain order is fine
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, AXES)

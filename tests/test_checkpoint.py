@@ -13,27 +13,24 @@ import nnx_posttrain  # noqa: F401
 import numpy as np
 import pytest
 
-from nnx_posttrain import checkpoint, metrics_log, runs
+from nnx_posttrain import checkpoint, runs
+from support import experiment_command, records, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 
 
 def _cmd(run_dir, steps=STEPS, *extra):
-    return [
-        sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--run-dir", str(run_dir),
-        "--steps", str(steps), "--log-every", "1", "--checkpoint.every", "3", "--eval.every", "0",
-        "--eval.batches", "1", "--eval.exact-match", "0", "--batching.batch-size", "4",
-        "--batching.max-length", "24", "--optim.learning-rate", "1e-2", "--optim.schedule",
+    return experiment_command(
+        "sft", run_dir, "--steps", str(steps), "--log-every", "1", "--checkpoint.every", "3",
+        "--eval.every", "0", "--eval.batches", "1", "--eval.exact-match", "0",
+        "--batching.batch-size", "4", "--optim.learning-rate", "1e-2", "--optim.schedule",
         "constant", *extra,
-    ]
+    )
 
 
 def _run(run_dir, steps=STEPS, *extra, check=True):
-    out = subprocess.run(_cmd(run_dir, steps, *extra), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if check and out.returncode != 0:
-        raise AssertionError(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return out
+    return run_command(_cmd(run_dir, steps, *extra), check=check)
 
 
 def _start(run_dir, *extra):
@@ -45,7 +42,7 @@ def _wait_for_step(run_dir, step, proc, timeout=300):
     path = Path(run_dir) / "metrics.jsonl"
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if path.exists() and any(r["step"] >= step for r in metrics_log.read(run_dir) if r["split"] == "train"):
+        if path.exists() and any(r["step"] >= step for r in records(run_dir)):
             return
         if proc.poll() is not None:
             raise AssertionError(f"process ended early: {proc.communicate()}")
@@ -54,7 +51,7 @@ def _wait_for_step(run_dir, step, proc, timeout=300):
 
 
 def _losses(run_dir):
-    return [(r["step"], r["loss"]) for r in metrics_log.read(run_dir) if r["split"] == "train"]
+    return [(r["step"], r["loss"]) for r in records(run_dir)]
 
 
 def _final_params(run_dir):

@@ -8,8 +8,9 @@ import pytest
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras / keras_hub are imported)
 import keras_hub  # noqa: E402
 
-from nnx_posttrain import arithmetic, chat, data  # noqa: E402
-from nnx_posttrain import tokenizer as tk  # noqa: E402
+from nnx_posttrain import chat, data  # noqa: E402
+from nnx_posttrain.tasks import arithmetic  # noqa: E402
+from nnx_posttrain.tasks import tokenizer as tk  # noqa: E402
 from nnx_posttrain.data import DataError  # noqa: E402
 from nnx_posttrain.model import Tokenizer  # noqa: E402
 

@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
@@ -13,6 +12,7 @@ import pytest
 from flax import nnx
 
 from nnx_posttrain import inspection, model, runs
+from support import experiment_command
 from tools import export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,11 +21,10 @@ MASK = (IDS != 0).astype(jnp.int32).at[:, 0].set(1)
 
 
 def _train(run_dir, *extra):
-    cmd = [
-        sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--steps", "3",
-        "--eval.every", "0", "--eval.exact-match", "0", "--eval.batches", "1",
-        "--batching.batch-size", "4", "--batching.max-length", "24", "--run-dir", str(run_dir), *extra,
-    ]
+    cmd = experiment_command(
+        "sft", run_dir, "--steps", "3", "--eval.every", "0", "--eval.exact-match", "0",
+        "--eval.batches", "1", "--batching.batch-size", "4", *extra,
+    )
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise AssertionError(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")

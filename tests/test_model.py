@@ -11,15 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_posttrain import model, tokenizer
+from nnx_posttrain import model
+from nnx_posttrain.tasks import tokenizer
 
 IDS = jnp.array([[2, 17, 30, 41, 52, 63, 74, 85, 96, 11, 12, 13, 14], [2, 9, 8, 7, 6, 5, 4, 0, 0, 0, 0, 0, 0]])
 MASK = (IDS != 0).astype(jnp.int32).at[:, 0].set(1)
-
-
-@pytest.fixture(scope="module")
-def micro():
-    return model.load("gemma_micro", seed=0)
 
 
 def test_nnx_state_of_a_kerashub_task_works_after_the_adapter(micro):

@@ -13,7 +13,8 @@ from pathlib import Path
 import nnx_posttrain  # noqa: F401
 import numpy as np
 
-from nnx_posttrain import experiment, metrics_log
+from nnx_posttrain import experiment
+from support import MICRO, losses as _losses
 from nnx_posttrain.algorithms import SFT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,15 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _args(data, run_dir, steps):
     return [
-        "--model", "gemma_micro", "--data", str(data), "--run-dir", str(run_dir),
+        *MICRO, "--data", str(data), "--run-dir", str(run_dir),
         "--steps", str(steps), "--log-every", "1", "--checkpoint.every", "3",
-        "--checkpoint.no-async-save", "--batching.batch-size", "4", "--batching.max-length", "24",
+        "--checkpoint.no-async-save", "--batching.batch-size", "4",
         "--optim.learning-rate", "1e-2", "--optim.warmup-steps", "0", "--optim.schedule", "constant",
     ]
-
-
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in metrics_log.read(run_dir) if r["split"] == "train"}
 
 
 def _free_port():

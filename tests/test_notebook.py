@@ -10,15 +10,17 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from support import experiment_command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("nb") / "run"
-    cmd = [sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--run-dir", str(run),
-           "--steps", "4", "--log-every", "1", "--eval.every", "2", "--eval.batches", "1",
-           "--eval.exact-match", "4", "--batching.batch-size", "4", "--batching.max-length", "24"]
+    cmd = experiment_command("sft", run, "--steps", "4", "--log-every", "1", "--eval.every", "2",
+                             "--eval.batches", "1", "--eval.exact-match", "4",
+                             "--batching.batch-size", "4")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return run

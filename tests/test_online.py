@@ -11,11 +11,13 @@ import nnx_posttrain  # noqa: F401
 import numpy as np
 import pytest
 
-from nnx_posttrain import experiment, metrics_log, online, rewards
+from nnx_posttrain import experiment, metrics_log
+from support import MICRO, records
+from nnx_posttrain.algorithms import online
+from nnx_posttrain.algorithms.online import rewards
 
-MICRO = ["--model", "gemma_micro", "--init-from", "", "--batching.max-length", "24",
-         "--algo.max-completion-length", "4", "--eval.exact-match", "8", "--log-every", "1",
-         "--checkpoint.every", "0"]
+ONLINE_MICRO = [*MICRO, "--init-from", "", "--algo.max-completion-length", "4",
+                "--eval.exact-match", "8", "--log-every", "1", "--checkpoint.every", "0"]
 
 
 def digits_reward(prompts, completions, **_):
@@ -45,13 +47,12 @@ def prompt_files(tmp_path_factory):
 
 def _run(name, algorithm_cls, tmp_path, files, *extra):
     module = __import__(f"experiments.{name}", fromlist=["DEFAULT"])
-    args = [*MICRO, "--data", files[0], "--eval-data", files[1],
+    args = [*ONLINE_MICRO, "--data", files[0], "--eval-data", files[1],
             "--run-dir", str(tmp_path / name), *extra]
     return experiment.main(name, algorithm_cls, module.DEFAULT, args=args)
 
 
-def _train(run_dir):
-    return [r for r in metrics_log.read(run_dir) if r["split"] == "train"]
+_train = records
 
 
 GRPO_METRICS = ("loss", "reward", "reward_std", "rewards/exact_match/mean", "kl", "entropy",
@@ -71,16 +72,18 @@ def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files
                   "--batching.batch-size", "8", "--algo.num-generations", "4",
                   "--algo.num-iterations", "2", "--eval.every", "0")
     algo, state, frozen = result.algorithm, result.state, result.frozen
+    rollouts = result.source  # the run's batch source: the rollout engine
     transform = data.TokenizePrompt(result.lm.tokenizer, result.lm.chat_format, 24)
-    prompts = next(data.train_batches(algo.train_src, transform, 2, seed=0))
-    batch, _ = algo.rollout(7, state, frozen, prompts)
+    prompts = next(data.train_batches(rollouts.train_src, transform, 2, seed=0))
+    batch, _ = rollouts.rollout(7, state, prompts)
     width = prompts["prompt_ids"].shape[1]
     assert batch["input_ids"].shape == (8, width + 4)
     np.testing.assert_array_equal(batch["loss_mask"][:, :width], 0)
     np.testing.assert_array_equal(batch["input_ids"][0, :width], batch["input_ids"][3, :width])
-    states = algo.policy_view(algo.graphdef, state["params"], frozen["model"])[1]
-    sampled = algo._sample(states, batch["input_ids"][:, :width], batch["attention_mask"][:, :width],
-                           jax.random.fold_in(jax.random.key(0), 7), 1.0, 1.0, algo.stop_ids)
+    states = algo.policy_view(rollouts.graphdef, state["params"], frozen["model"])[1]
+    sampled = rollouts._sample(states, batch["input_ids"][:, :width],
+                               batch["attention_mask"][:, :width],
+                               jax.random.fold_in(jax.random.key(0), 7), 1.0, 1.0, rollouts.stop_ids)
     mask = np.asarray(sampled["completion_mask"])
     np.testing.assert_array_equal(batch["attention_mask"][:, width:], mask)  # the same sample
     np.testing.assert_allclose(batch["old_logps"][:, width:] * mask,
@@ -151,7 +154,7 @@ def test_resume_between_rollouts_equals_the_uninterrupted_run(tmp_path, prompt_f
 
 def test_reward_model_run_as_reward(tmp_path, prompt_files):
     from experiments import reward as reward_experiment
-    from nnx_posttrain.preference import Reward
+    from nnx_posttrain.algorithms import Reward
 
     experiment.main("reward", Reward, reward_experiment.DEFAULT, args=[
         "--model", "gemma_micro", "--init-from", "", "--steps", "2", "--batching.batch-size", "4",
@@ -181,7 +184,9 @@ def test_bad_reward_and_batch_settings_are_refused(tmp_path, prompt_files):
 
 
 def test_experiments_dispatch_online_names():
-    from experiments.__main__ import NAMES
+    from nnx_posttrain.algorithms import names
+
+    NAMES = names()
 
     for name in ("grpo", "rloo", "ppo", "online_dpo"):
         assert name in NAMES

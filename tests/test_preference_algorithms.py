@@ -15,8 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_posttrain import config, data, experiment, metrics_log, model, preference, train
-from nnx_posttrain.preference import DPO, KTO, Reward, RewardModel, SimPO
+from nnx_posttrain import config, data, experiment, metrics_log, model, train
+from nnx_posttrain.algorithms import preference, reference
+from nnx_posttrain.algorithms.base import RunContext
+from nnx_posttrain.algorithms.preference import DPO, KTO, Reward, SimPO
+from nnx_posttrain.model.heads import RewardModel
+from support import MICRO, records
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 24
@@ -73,13 +77,12 @@ def _pair_batch(lm, records, max_length=MAX_LEN):
 
 def _args(run_dir, *extra, data_files=None):
     train_file, eval_file = data_files
-    return ["--model", "gemma_micro", "--init-from", "", "--data", str(train_file),
+    return [*MICRO, "--init-from", "", "--data", str(train_file),
             "--eval-data", str(eval_file), "--run-dir", str(run_dir),
             "--batching.max-length", str(MAX_LEN), "--checkpoint.every", "0", *extra]
 
 
-def _train_records(run_dir):
-    return [r for r in metrics_log.read(run_dir) if r["split"] == "train"]
+_train_records = records
 
 
 # ----------------------------------------------------------------------------- 1. one forward
@@ -142,7 +145,7 @@ def test_lora_base_reference_is_the_model_before_lora():
     def policy_and_reference(params, batch):
         module, reference = train.merge(graphdef, params, {"model": frozen, "reference": None})
         forward = lambda m: preference.pair_logps(m, batch, CHUNK)
-        return forward(module), algo.reference(module, reference, batch, forward)
+        return forward(module), algo.reference(module, reference, forward)
 
     jit_policy, jit_ref = policy_and_reference(params, batch)
     for side in ("chosen", "rejected"):
@@ -313,8 +316,9 @@ def test_reference_cache_key_includes_the_init_from_checkpoint(tmp_path):
         algo = DPO(DPO.Config(reference="precompute"), CHUNK)
         algo.reference_mode = "precompute"
         said = []
-        train._precomputed_reference(cfg, tmp_path / "runs" / "x", algo, graphdef, params, frozen,
-                                     src, None, transform, said.append)
+        run = RunContext(cfg, lm, graphdef, frozen, src, None, transform, tmp_path / "runs" / "x",
+                         said.append)
+        reference.precomputed(run, algo, params)
         return said[-1].split()[2]  # 'computed' or 'reused'
 
     assert precompute(str(inits["sft_a"])) == "computed"

@@ -19,17 +19,17 @@ PROMPTS = [[2, 5, 6, 7], [2, 9, 10, 11, 12, 13, 14, 15, 16, 17, 3, 4, 5, 6, 7, 8
 
 
 @pytest.fixture(scope="module")
-def micro():
-    lm = model.load("gemma_micro", seed=0)
+def micro_sampler(micro):
+    lm = micro
     graphdef, *states = nnx.split(lm.module)
     return lm, graphdef, states, sampler.make_sampler(graphdef, N)
 
 
 @pytest.fixture(scope="module")
-def reference(micro):
+def reference(micro_sampler):
     """Greedy tokens of PROMPTS by plain no-cache decoding."""
     ids, mask = _batch()
-    return argmax_reference(micro[0].module, ids, mask, N)
+    return argmax_reference(micro_sampler[0].module, ids, mask, N)
 
 
 def _batch(prompts=PROMPTS, bucket=16):
@@ -57,8 +57,8 @@ def test_pad_prompts_left_pads_to_a_bucket():
     assert sampler.pad_prompts([[1] * 17], 0)[0].shape == (1, 32)
 
 
-def test_greedy_equals_no_cache_argmax_with_different_prompt_lengths(micro, reference):
-    lm, _, states, sample = micro
+def test_greedy_equals_no_cache_argmax_with_different_prompt_lengths(micro_sampler, reference):
+    lm, _, states, sample = micro_sampler
     ids, mask = _batch()
     out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]), reference)
@@ -99,8 +99,8 @@ def test_unsupported_family_is_named():
         sampler.make_sampler(graphdef, 2)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
 
 
-def test_logprobs_equal_one_full_forward_pass(micro):
-    lm, _, states, sample = micro
+def test_logprobs_equal_one_full_forward_pass(micro_sampler):
+    lm, _, states, sample = micro_sampler
     ids, mask = _batch()
     out = sample(states, ids, mask, jax.random.key(1), 1.0, 1.0, NO_STOP)
     seq = jnp.concatenate([ids, out["completion_ids"]], 1)
@@ -121,8 +121,8 @@ def test_logprobs_equal_one_full_forward_pass(micro):
     assert sample._cache_size() == 1
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy(micro):
-    lm, graphdef, states, sample = micro
+def test_top_k_one_and_tiny_top_p_are_greedy(micro_sampler):
+    lm, graphdef, states, sample = micro_sampler
     ids, mask = _batch()
     greedy_out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
     greedy = np.asarray(greedy_out["completion_ids"])
@@ -136,8 +136,8 @@ def test_top_k_one_and_tiny_top_p_are_greedy(micro):
     assert float(jnp.max(nucleus["logprobs"])) < 0
 
 
-def test_sampled_frequencies_follow_the_model_distribution(micro):
-    lm, graphdef, states, _ = micro
+def test_sampled_frequencies_follow_the_model_distribution(micro_sampler):
+    lm, graphdef, states, _ = micro_sampler
     draws = 3000
     ids, mask = _batch([[2, 9, 10, 11]] * draws)
     probs = np.asarray(jax.nn.softmax(model.full_logits(lm.module, ids[:1], mask[:1])[0, -1]))
@@ -155,8 +155,8 @@ def test_sampled_frequencies_follow_the_model_distribution(micro):
     assert wrong > dof + 6 * np.sqrt(2 * dof), (wrong, dof)
 
 
-def test_stop_tokens_rows_stop_independently(micro):
-    lm, _, states, sample = micro
+def test_stop_tokens_rows_stop_independently(micro_sampler):
+    lm, _, states, sample = micro_sampler
     ids, mask = _batch()
     free = np.asarray(sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)["completion_ids"])
     stop = int(free[0, 2])
@@ -174,8 +174,8 @@ def test_stop_tokens_rows_stop_independently(micro):
     assert out["finished"][0]
 
 
-def test_greedy_complete_uses_the_sampler(micro, reference):
-    lm, _, states, sample = micro
+def test_greedy_complete_uses_the_sampler(micro_sampler, reference):
+    lm, _, states, sample = micro_sampler
     texts = generate.greedy_complete(lm, sample, states, PROMPTS, N)  # the fixture's compilation
     stops = set(generate.stop_ids(lm))
     assert texts == [lm.tokenizer.decode([int(t) for t in _until_stop(r, stops)]) for r in reference]
@@ -191,10 +191,10 @@ def _until_stop(row, stops):
     return out
 
 
-def test_tools_sample_samples_with_options(micro, monkeypatch, capsys):
+def test_tools_sample_samples_with_options(micro_sampler, monkeypatch, capsys):
     from tools import sample as sample_tool
 
-    lm = micro[0]
+    lm = micro_sampler[0]
     monkeypatch.setattr(sample_tool.runs, "load", lambda run_dir, step: SimpleNamespace(lm=lm, module=lm.module))
     argv = ["RUN", "--prompt", "What is 1 + 2?", "--prompt", "Hi", "--max-new-tokens", "4",
             "--temperature", "0.9", "--top-k", "5", "--top-p", "0.9", "--seed", "3", "--num-samples", "2"]

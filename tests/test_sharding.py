@@ -113,11 +113,6 @@ def test_lora_factors_follow_their_kernel_and_heads_are_sharded_sensibly():
     assert spec("some/unknown/matrix", (8, 32), {"fsdp": 4}) == P("fsdp")
 
 
-@pytest.fixture(scope="module")
-def micro():
-    return model.load("gemma_micro", seed=0)
-
-
 def test_optimizer_state_mirrors_the_parameters_and_scalars_are_replicated(micro):
     _, params, _ = model.split(micro.module)
     tx, _ = train.optimizer(config.OptimConfig(), 10)

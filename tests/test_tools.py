@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from support import MICRO
 from tools import compare, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,9 +226,8 @@ def test_real_sweep_end_to_end_and_resume(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "tools.sweep", "experiments.sft", "--grid",
            "optim.learning_rate=1e-3,3e-3", "--out", str(out), "--",
-           "--model", "gemma_micro", "--steps", "3", "--eval.every", "0", "--eval.exact-match", "0",
-           "--eval.batches", "1", "--batching.batch-size", "4", "--batching.max-length", "24",
-           "--checkpoint.every", "0"]
+           *MICRO, "--steps", "3", "--eval.every", "0", "--eval.exact-match", "0",
+           "--eval.batches", "1", "--batching.batch-size", "4", "--checkpoint.every", "0"]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     names = ["optim.learning_rate=1e-3", "optim.learning_rate=3e-3"]

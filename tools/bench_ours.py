@@ -41,7 +41,7 @@ def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
     import keras_hub
 
     from nnx_posttrain import model
-    from nnx_posttrain import tokenizer as builtin_tokenizer
+    from nnx_posttrain.tasks import tokenizer as builtin_tokenizer
 
     keras.utils.set_random_seed(seed)
     tok = keras_hub.models.GemmaTokenizer(proto=builtin_tokenizer.builtin_proto())
@@ -52,7 +52,7 @@ def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
         backbone=backbone, preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tok))
     ids = jnp.zeros((1, 4), jnp.int32)
     backbone({"token_ids": ids, "padding_mask": jnp.ones_like(ids)})
-    if hasattr(task, "_compiled_trainable_state"):  # see model._nnx_ready
+    if hasattr(task, "_compiled_trainable_state"):  # see model.load._nnx_ready
         del task._compiled_trainable_state
     return task
 
@@ -67,40 +67,20 @@ def export(spec: dict, out_dir: str, seed: int) -> dict:
     return {"dir": out_dir, "embedding_checksum": float(np.abs(emb).sum())}
 
 
-def _apply_flags(flags: list[str]) -> None:
+def _apply_flags(flags: list[str], algorithm) -> None:
+    """The variants, through the library's own options (no patching)."""
     import jax
-
-    from nnx_posttrain import model, preference
 
     for flag in flags:
         if flag.startswith("precision="):
             jax.config.update("jax_default_matmul_precision", flag.split("=", 1)[1])
         elif flag == "split_pair":
-            def pair_logps(module, batch, chunk):
-                out = {}
-                for name in ("chosen", "rejected"):
-                    s, a, n = preference.sequence_logps(
-                        module, batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"],
-                        batch[f"{name}_loss_mask"], chunk, batch.get(f"{name}_positions"))
-                    out.update({name: s, f"{name}_avg": a, f"{name}_len": n})
-                return out
-
-            preference.pair_logps = pair_logps
+            algorithm.pair_forward = "separate"  # chosen and rejected in two forwards
         elif flag == "full_logits":
-            import jax.numpy as jnp
-
-            def token_logprobs(module, token_ids, padding_mask, chunk_size=128, with_entropy=False,
-                               segment_ids=None, temperature=1.0, positions=None):
-                assert positions is None  # every position, as before scored positions existed
-                logits = model.full_logits(module, token_ids, padding_mask)[:, :-1]
-                logp = jax.nn.log_softmax(logits, axis=-1)
-                picked = jnp.take_along_axis(logp, token_ids[:, 1:, None], axis=-1)[..., 0]
-                return jnp.pad(picked, ((0, 0), (1, 0)))
-
-            model.token_logprobs = token_logprobs
-            model.scored_positions = lambda *masks: None
+            algorithm.logprob_chunk = 0  # --logprob-chunk 0: every position's logits at once
+            algorithm.scored_positions_only = False
         elif flag == "all_positions":
-            model.scored_positions = lambda *masks: None
+            algorithm.scored_positions_only = False
         elif flag and flag != "no_donate":
             raise SystemExit(f"unknown flag {flag!r}")
 
@@ -110,15 +90,13 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     import nnx_posttrain  # noqa: F401
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from nnx_posttrain import config as config_lib, model, train
+    from nnx_posttrain import config as config_lib, model, sharding, train
     from nnx_posttrain.algorithms import SFT, SFTConfig
-    from nnx_posttrain.preference import DPO, DPOConfig
+    from nnx_posttrain.algorithms.preference import DPO, DPOConfig
 
     rss_imports = rss_now_mb()
-    _apply_flags(flags)
     task = build_task(spec, dtype, seed)
     module = task.backbone
     if case == "sft":
@@ -126,39 +104,23 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     else:
         reference = {"dpo": "copy", "dpo_precompute": "precompute", "dpo_lora": "lora_base"}[case]
         algorithm = DPO(DPOConfig(reference=reference), logprob_chunk)
+    _apply_flags(flags, algorithm)
     if case == "dpo_lora":
         model.enable_lora(module, 8, None, "attention")
     algorithm.setup(module)
 
     # the mesh, placement and output shardings exactly as train.run makes them (one device here)
     mesh = train.make_mesh(config_lib.MeshConfig())
-    try:
-        from nnx_posttrain import sharding
-
-        def place(tree):
-            return sharding.put(tree, sharding.tree_shardings(tree, mesh))
-
-        def state_shardings(state):
-            return sharding.tree_shardings(state, mesh)
-    except ImportError:  # the single-axis (data) version of train.run
-        replicated = NamedSharding(mesh, P())
-
-        def place(tree):
-            return jax.device_put(tree, replicated)
-
-        def state_shardings(state):
-            return jax.tree.map(lambda _: replicated, state)
-    if hasattr(model, "set_remat"):
-        model.set_remat(module, False)  # train.run's default (--remat none): no recomputation
+    model.set_remat(module, False)  # train.run's default (--remat none): no recomputation
     graphdef, params, frozen_model = model.split(module)
     optim = config_lib.OptimConfig(learning_rate=LEARNING_RATE, schedule="constant",
                                    weight_decay=0.0, max_grad_norm=1.0)
     total = 1 + warmup + steps
     tx, lr = train.optimizer(optim, total)
-    frozen = place({"model": frozen_model, "reference": None})
+    frozen = train.place({"model": frozen_model, "reference": None}, mesh)
     if algorithm.reference_mode == "copy":
-        frozen["reference"] = place(jax.tree.map(jnp.copy, params))
-    state = place(train.init_state(params, tx, seed))
+        frozen["reference"] = train.place(jax.tree.map(jnp.copy, params), mesh)
+    state = train.place(train.init_state(params, tx, seed), mesh)
 
     kind = "sft" if case == "sft" else "dpo"
     host = [algorithm.prepare(b) for b in make_batches(spec, kind, min(total, 4), seed)]
@@ -175,7 +137,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     step_fn = jax.jit(
         train.make_train_step(graphdef, algorithm.loss, tx, lr),
         donate_argnums=() if "no_donate" in flags else (0,),
-        out_shardings=(state_shardings(state), NamedSharding(mesh, P())),
+        out_shardings=(sharding.tree_shardings(state, mesh), NamedSharding(mesh, P())),
     )
     rss_before = rss_now_mb()
     times, losses = [], []

@@ -5,7 +5,7 @@ Greedy decoding of the same batch of prompts (random token ids, all ``--prompt-l
 token so every row generates ``--new-tokens``) by three decoders of the same weights, timed in one
 process after a warm-up call (median of ``--repeats``):
 
-- ``sampler``: ``nnx_posttrain.sampler.make_sampler`` (compiled loop, KV cache);
+- ``sampler``: ``nnx_posttrain.sampling.sampler.make_sampler`` (compiled loop, KV cache);
 - ``kerashub``: KerasHub's own ``CausalLM.generate`` (greedy sampler, its KV cache);
 - ``no-cache``: a plain compiled argmax loop that runs the whole buffer through the model for
   every new token (the evaluation decoder before the sampler).
@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import model
+from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models)
 from nnx_posttrain.sampling import sampler
 
 

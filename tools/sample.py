@@ -5,7 +5,7 @@
         --num-samples 4 --seed 1
 
 Each prompt is a user message rendered with the model family's chat template and decoded by the
-compiled KV-cache sampler (``nnx_posttrain.sampler``): greedy by default (``--temperature 0``),
+compiled KV-cache sampler (``nnx_posttrain.sampling.sampler``): greedy by default (``--temperature 0``),
 else sampled at that temperature, with optional top-k / top-p truncation.
 """
 

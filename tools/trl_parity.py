@@ -71,8 +71,8 @@ def check(tol_logits: float = 1e-4, tol_metrics: float = 1e-4, echo=print) -> di
     from datasets import Dataset
     from transformers import AutoTokenizer, GemmaForCausalLM
 
-    from nnx_posttrain import model
-    from nnx_posttrain.preference import DPO, DPOConfig
+    from nnx_posttrain import model, tasks  # noqa: F401  (tasks: the built-in models)
+    from nnx_posttrain.algorithms.preference import DPO, DPOConfig
 
     report = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "trl": trl.__version__, "jax": jax.__version__}}
@@ -149,7 +149,7 @@ def check(tol_logits: float = 1e-4, tol_metrics: float = 1e-4, echo=print) -> di
     theirs = {"loss": float(loss)}
     theirs.update({k: float(v[-1]) for k, v in trainer._metrics["eval"].items() if k in METRICS})
     # per-row sequence log-probs of policy and reference, both sides (for diagnosis)
-    from nnx_posttrain.preference import pair_logps
+    from nnx_posttrain.algorithms.preference import pair_logps
 
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
     per_row = {"ours_policy": pair_logps(policy.module, jb, 128),

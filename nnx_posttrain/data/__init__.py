@@ -47,6 +47,7 @@ from nnx_posttrain.data.sources import (
     ParquetSource,
     Subset,
     extra_columns,
+    builtin_fingerprint,
     register_builtin,
     source,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "ParquetSource",
     "Subset",
     "extra_columns",
+    "builtin_fingerprint",
     "register_builtin",
     "source",
     # errors

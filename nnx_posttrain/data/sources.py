@@ -314,38 +314,30 @@ class Subset:
 # ============================================================================= built-in task
 
 _builtin_records: Callable[[str, str], list[dict]] | None = None
+_builtin_fingerprint: str | None = None
 
 
-def register_builtin(records: Callable[[str, str], list[dict]]) -> None:
+def register_builtin(records: Callable[[str, str], list[dict]], fingerprint: str) -> None:
     """Register the built-in task: ``records(kind, split)`` -> the list of records (dicts) that
     ``source("builtin", split, builtin=kind)`` serves, ``kind`` one of 'sft', 'preference',
-    'unpaired_preference', 'prompt_only' and ``split`` 'train' or 'eval'. A later registration
-    replaces an earlier one."""
-    global _builtin_records
-    _builtin_records = records
+    'unpaired_preference', 'prompt_only' and ``split`` 'train' or 'eval'; ``fingerprint`` changes
+    whenever the records do (caches keyed on the data use it). A later registration replaces an
+    earlier one."""
+    global _builtin_records, _builtin_fingerprint
+    _builtin_records, _builtin_fingerprint = records, fingerprint
+
+
+def builtin_fingerprint() -> str:
+    """The registered built-in task's fingerprint (see ``register_builtin``)."""
+    _builtin_provider()
+    return _builtin_fingerprint
 
 
 def _builtin_provider() -> Callable[[str, str], list[dict]]:
-    provider = _builtin_records or _temporary_arithmetic_provider()
-    if provider is None:
+    if _builtin_records is None:
         raise DataError("builtin: no built-in task is registered (the module that provides it, "
                         "e.g. nnx_posttrain.tasks, calls nnx_posttrain.data.register_builtin)")
-    return provider
-
-
-# TEMPORARY: the lead replaces this with nnx_posttrain.tasks registering itself
-def _temporary_arithmetic_provider() -> Callable[[str, str], list[dict]]:
-    """The arithmetic task's records, as ``--data builtin`` gave them before the registry."""
-    from nnx_posttrain import arithmetic
-
-    kinds = {"sft": arithmetic.sft_record, "preference": arithmetic.preference_record,
-             "unpaired_preference": arithmetic.unpaired_record, "prompt_only": arithmetic.prompt_record}
-
-    def records(kind: str, split: str) -> list[dict]:
-        make = kinds[kind]
-        return [make(a, b) for a, b in arithmetic.problems(split)]
-
-    return records
+    return _builtin_records
 
 
 # ============================================================================= --data specs

@@ -51,6 +51,7 @@ from nnx_posttrain.model.lora import (
     enable_lora,
     has_lora,
     lora_disabled,
+    merge,
     named_variables,
     split,
     trainable_filter,
@@ -61,7 +62,7 @@ __all__ = [
     "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer", "chat_format_for",
     "describe", "is_local_model", "load", "register_builtin",
     # lora
-    "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_disabled",
+    "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_disabled", "merge",
     "named_variables", "split", "trainable_filter",
     # blocks
     "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat",

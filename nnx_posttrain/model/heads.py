@@ -49,3 +49,16 @@ class PolicyWithValue(nnx.Module):
         out = logprobs_from_hidden(self.backbone, h, ids, chunk, with_entropy, temperature,
                                    positions)
         return out, values
+
+
+HEADS = {"reward": RewardModel, "value": PolicyWithValue}
+
+
+def wrap(head: str | None, backbone):
+    """The module an algorithm trains: the backbone itself (``head`` None), or the backbone with
+    the named scalar head (``HEADS``) on top."""
+    if head is None:
+        return backbone
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; expected one of {sorted(HEADS)}")
+    return HEADS[head](backbone)

@@ -68,35 +68,6 @@ def _build_builtin(name: str, policy: str, seed: int):
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
-# TEMPORARY: the lead replaces this with a registry the built-in task (nnx_posttrain/tasks) fills
-def _register_default_builtins() -> None:
-    """The built-in configurations with the project's own SentencePiece tokenizer."""
-    from nnx_posttrain import tokenizer as builtin_tokenizer
-
-    defaults = {
-        "gemma_tiny": dict(
-            num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=128,
-            intermediate_dim=512, head_dim=32,
-        ),
-        # Gemma 2 features: attention and final-logit soft caps, post norms, sliding window.
-        "gemma2_tiny": dict(
-            num_layers=4, num_query_heads=4, num_key_value_heads=2, hidden_dim=128,
-            intermediate_dim=512, head_dim=32, query_head_dim_normalize=True,
-            use_post_ffw_norm=True, use_post_attention_norm=True, attention_logit_soft_cap=50.0,
-            final_logit_soft_cap=30.0, use_sliding_window_attention=True, sliding_window_size=32,
-        ),
-        "gemma_micro": dict(  # for fast tests
-            num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,
-            intermediate_dim=64, head_dim=16,
-        ),
-    }
-    for name, kwargs in defaults.items():
-        register_builtin(name, kwargs, builtin_tokenizer.builtin_proto)
-
-
-_register_default_builtins()
-
-
 class ModelLoadError(RuntimeError):
     """A model could not be loaded; the message says what to do."""
 
@@ -221,7 +192,7 @@ def load(name: str, dtype: str = "float32", seed: int = 0) -> LanguageModel:
         elif not (handle.startswith(("kaggle://", "hf://", "modelscope://", "gs://"))
                   or handle in keras_hub.models.CausalLM.presets):
             raise ModelLoadError(
-                f"unknown model {name!r}: not a built-in config ({', '.join(TINY)}), a short name "
+                f"unknown model {name!r}: not a built-in config ({', '.join(TINY) or 'none registered: import nnx_posttrain.tasks'}), a short name "
                 f"({', '.join(PRESETS)}), a KerasHub preset name, a kaggle:// or hf:// handle, or "
                 "an existing local directory"
             )

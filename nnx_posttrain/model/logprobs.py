@@ -36,7 +36,8 @@ def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_
 
     Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
     (and recomputed in the backward pass), so peak memory holds [batch, chunk, vocab], never
-    [batch, length, vocab]. With ``with_entropy`` also returns the per-position entropy of the
+    [batch, length, vocab]; ``chunk_size`` 0 projects the whole sequence at once, without
+    recomputation (more memory, fewer FLOPs). With ``with_entropy`` also returns the per-position entropy of the
     predictive distribution. ``segment_ids`` marks the examples of packed rows (see
     ``hidden_states``); the first token of each example has no meaningful prediction and must
     carry no loss. ``temperature`` divides the logits (RL: the sampling distribution).
@@ -84,7 +85,7 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entro
         h = jnp.take_along_axis(h, (clipped - 1)[..., None], axis=1)
         targets = jnp.take_along_axis(token_ids, clipped, axis=1)
     length, width = h.shape[1], h.shape[2]
-    chunk = min(chunk_size, length)
+    chunk = min(chunk_size, length) if chunk_size > 0 else length
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
@@ -93,7 +94,6 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entro
     targets = targets.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
     embedding = module.token_embedding
 
-    @jax.checkpoint
     def one_chunk(args):
         h_c, t_c = args
         logits = embedding(h_c, reverse=True).astype(jnp.float32)
@@ -108,6 +108,8 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entro
         entropy = log_z - jnp.sum(probs * logits, axis=-1)
         return logp, entropy
 
+    if chunk_size > 0:  # recomputed in the backward pass: one chunk of logits alive at a time
+        one_chunk = jax.checkpoint(one_chunk)
     logp, entropy = jax.lax.map(one_chunk, (h, targets))
 
     def unchunk(x):

@@ -38,6 +38,15 @@ def split(module: nnx.Module):
     return graphdef, trainable, frozen
 
 
+def merge(graphdef, params, frozen: dict):
+    """(module, reference module or None) from the trainable ``params`` and ``frozen`` =
+    {"model": the frozen variables of ``split``, "reference": a frozen copy of the trainable ones,
+    or None}: the layout of the training state that every step and rollout reads."""
+    module = nnx.merge(graphdef, params, frozen["model"])
+    ref = frozen.get("reference")
+    return module, (None if ref is None else nnx.merge(graphdef, ref, frozen["model"]))
+
+
 def named_variables(state) -> dict[str, jax.Array]:
     """{Keras variable path (e.g. 'decoder_block_0/attention/query/kernel'): array} of a state."""
     return {v.path: v.value for _, v in nnx.to_flat_state(state)}

@@ -1,15 +1,9 @@
 """Preference algorithms: DPO (and its variants), SimPO, CPO, ORPO, KTO, reward modelling.
 
 Each is a settings dataclass plus ``loss(module, batch, reference)``: it runs the model (chosen and
-rejected in ONE concatenated forward), gets the reference log-probs the configured way, and hands
-arrays to a pure function of ``nnx_posttrain.preference_losses``.
-
-The reference model, without waste (``--algo.reference``):
-- ``lora_base`` (default with LoRA): the same weights with the LoRA delta switched off, computed
-  inside the same step — no second copy of the model in memory;
-- ``copy`` (default for full fine-tuning): a frozen copy of the starting weights;
-- ``precompute``: reference log-probs computed once over the dataset before training, cached on
-  disk beside the run and reused while the data and model fingerprints match.
+rejected in ONE concatenated forward), gets the reference log-probs the configured way
+(``nnx_posttrain.algorithms.reference``), and hands arrays to a pure function of
+``nnx_posttrain.losses``.
 """
 
 from __future__ import annotations
@@ -18,15 +12,14 @@ import dataclasses
 from typing import Literal
 
 import jax.numpy as jnp
-import keras
 import numpy as np
-from flax import nnx
 
 from nnx_posttrain import model
-from nnx_posttrain.algorithms import Algorithm
-from nnx_posttrain.losses import preference as pl  # import line only: pl.dpo is now losses.dpo.dpo
-
-Reference = Literal["auto", "lora_base", "copy", "precompute"]
+from nnx_posttrain.algorithms.base import AlgorithmBase
+from nnx_posttrain.algorithms.reference import Reference
+from nnx_posttrain.algorithms.registry import register
+from nnx_posttrain.losses import preference as pl
+from nnx_posttrain.losses.dpo import dpo
 
 
 def _floats(text: str | None) -> list[float] | None:
@@ -122,8 +115,17 @@ def sequence_logps(module, ids, attention, loss_mask, chunk, positions=None):
     return summed, summed / jnp.maximum(lengths, 1.0), lengths
 
 
-def pair_logps(module, batch, chunk):
-    """Chosen and rejected through the model in ONE forward: dict of [batch] arrays."""
+def pair_logps(module, batch, chunk, concatenated: bool = True):
+    """Chosen and rejected log-probs: dict of [batch] arrays. ``concatenated`` runs both through
+    the model in ONE forward (the default); False runs two (a benchmark variant)."""
+    if not concatenated:
+        out = {}
+        for name in ("chosen", "rejected"):
+            s, a, n = sequence_logps(module, batch[f"{name}_input_ids"],
+                                     batch[f"{name}_attention_mask"], batch[f"{name}_loss_mask"],
+                                     chunk, batch.get(f"{name}_positions"))
+            out.update({name: s, f"{name}_avg": a, f"{name}_len": n})
+        return out
     cat = lambda k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=0)
     summed, avg, lengths = sequence_logps(
         module, cat("input_ids"), cat("attention_mask"), cat("loss_mask"), chunk,
@@ -136,26 +138,34 @@ def pair_logps(module, batch, chunk):
     }
 
 
-def _ref_pair(algo, module, reference_module, batch):
-    if algo.reference_mode == "precompute":
-        return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-    ref = algo.reference(module, reference_module, batch,
-                         lambda m: pair_logps(m, batch, algo.logprob_chunk))
-    return ref["chosen"], ref["rejected"]
+class PairAlgorithm(AlgorithmBase):
+    """Trains on chosen / rejected pairs; ``pair_forward`` "separate" is a benchmark variant."""
+
+    pair_forward = "concatenated"
+
+    def pair_logps(self, module, batch):
+        return pair_logps(module, batch, self.logprob_chunk, self.pair_forward == "concatenated")
+
+    def reference_pair(self, module, reference_module, batch):
+        if self.reference_mode == "precompute":
+            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        ref = self.reference(module, reference_module, lambda m: self.pair_logps(m, batch))
+        return ref["chosen"], ref["rejected"]
 
 
 def _chosen_nll(lp):
     return -lp["chosen_avg"]
 
 
-class DPO(Algorithm):
+@register
+class DPO(PairAlgorithm):
     name = "dpo"
     Config = DPOConfig
 
     def loss(self, module, batch, reference=None):
-        lp = pair_logps(module, batch, self.logprob_chunk)
-        ref_c, ref_r = _ref_pair(self, module, reference, batch)
-        return pl.dpo(
+        lp = self.pair_logps(module, batch)
+        ref_c, ref_r = self.reference_pair(module, reference, batch)
+        return dpo(
             lp["chosen"], lp["rejected"], ref_c, ref_r, beta=self.cfg.beta,
             loss_type=_names(self.cfg.loss_type), label_smoothing=self.cfg.label_smoothing,
             loss_weights=_floats(self.cfg.loss_weights), chosen_nll=_chosen_nll(lp),
@@ -163,16 +173,17 @@ class DPO(Algorithm):
         )
 
     def reference_logps(self, module, batch):
-        lp = pair_logps(module, batch, self.logprob_chunk)
+        lp = self.pair_logps(module, batch)
         return {"ref_chosen_logps": lp["chosen"], "ref_rejected_logps": lp["rejected"]}
 
 
-class SimPO(Algorithm):
+@register
+class SimPO(PairAlgorithm):
     name = "simpo"
     Config = SimPOConfig
 
     def loss(self, module, batch, reference=None):
-        lp = pair_logps(module, batch, self.logprob_chunk)
+        lp = self.pair_logps(module, batch)
         c = self.cfg
         return pl.simpo(
             lp["chosen_avg"], lp["rejected_avg"], beta=c.beta, gamma=c.gamma,
@@ -181,12 +192,13 @@ class SimPO(Algorithm):
         )
 
 
-class CPO(Algorithm):
+@register
+class CPO(PairAlgorithm):
     name = "cpo"
     Config = CPOConfig
 
     def loss(self, module, batch, reference=None):
-        lp = pair_logps(module, batch, self.logprob_chunk)
+        lp = self.pair_logps(module, batch)
         c = self.cfg
         key = "_avg" if c.loss_type == "ipo" else ""
         return pl.cpo(
@@ -195,16 +207,18 @@ class CPO(Algorithm):
         )
 
 
-class ORPO(Algorithm):
+@register
+class ORPO(PairAlgorithm):
     name = "orpo"
     Config = ORPOConfig
 
     def loss(self, module, batch, reference=None):
-        lp = pair_logps(module, batch, self.logprob_chunk)
+        lp = self.pair_logps(module, batch)
         return pl.orpo(lp["chosen_avg"], lp["rejected_avg"], _chosen_nll(lp), beta=self.cfg.beta)
 
 
-class KTO(Algorithm):
+@register
+class KTO(AlgorithmBase):
     """KTO's KL reference point uses mismatched completions: each prompt of the batch with the
     next example's completion (as TRL), built on the host by ``prepare``. Those pairs depend on
     the shuffled batch, so their reference log-probs cannot be precomputed."""
@@ -252,7 +266,7 @@ class KTO(Algorithm):
         if self.reference_mode == "precompute":
             ref, kl_ref = batch["ref_logps"], batch["ref_kl_logps"]
         else:
-            ref, kl_ref = self.reference(module, reference, batch, lambda m: self._forward(m, batch))
+            ref, kl_ref = self.reference(module, reference, lambda m: self._forward(m, batch))
         return pl.kto(
             policy, ref, batch["label"], kl_policy, kl_ref, beta=self.cfg.beta,
             desirable_weight=self.cfg.desirable_weight, undesirable_weight=self.cfg.undesirable_weight,
@@ -263,31 +277,12 @@ class KTO(Algorithm):
         return {"ref_logps": ref, "ref_kl_logps": kl_ref}
 
 
-class RewardModel(nnx.Module):
-    """A KerasHub backbone with a scalar head read at the last real token of each sequence."""
-
-    def __init__(self, backbone, seed: int = 0):
-        self.backbone = backbone
-        self.head = keras.layers.Dense(
-            1, name="reward_head", kernel_initializer=keras.initializers.RandomNormal(
-                stddev=1.0 / np.sqrt(backbone.hidden_dim + 1), seed=seed),
-        )
-        self.head.build((None, backbone.hidden_dim))
-
-    def __call__(self, token_ids, padding_mask):
-        h = model.hidden_states(self.backbone, token_ids, padding_mask)
-        last = jnp.maximum(jnp.sum(padding_mask, axis=-1) - 1, 0)
-        picked = h[jnp.arange(h.shape[0]), last]
-        return self.head(picked)[:, 0].astype(jnp.float32)
-
-
-class Reward(Algorithm):
+@register
+class Reward(AlgorithmBase):
     name = "reward"
     Config = RewardConfig
+    head = "reward"  # nnx_posttrain.model.heads.RewardModel
     generates = False
-
-    def build_module(self, lm):
-        return RewardModel(lm.module)
 
     def prepare(self, batch):
         return batch  # the reward head reads hidden states: no vocabulary projection
@@ -299,6 +294,3 @@ class Reward(Algorithm):
         n = batch["chosen_input_ids"].shape[0]
         return pl.reward_bt(rewards[:n], rewards[n:], margin=batch.get("margin"),
                             center_rewards_coefficient=self.cfg.center_rewards_coefficient)
-
-
-ALGORITHMS = {a.name: a for a in (DPO, SimPO, CPO, ORPO, KTO, Reward)}

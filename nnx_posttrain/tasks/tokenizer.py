@@ -13,7 +13,7 @@ import io
 
 import sentencepiece as spm
 
-from nnx_posttrain import arithmetic
+from nnx_posttrain.tasks import arithmetic
 
 VOCAB_SIZE = 512
 CHAT_TOKENS = ("<start_of_turn>", "<end_of_turn>")

@@ -21,14 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
-from nnx_posttrain import arithmetic
+_INTEGER_IN = re.compile(r"-?\d+")
+
+
+def first_integer(text: str) -> str | None:
+    """The first integer in a completion, or None."""
+    match = _INTEGER_IN.search(text)
+    return match.group(0) if match else None
 
 
 def exact_match(prompts, completions, answer=None, **_):
     """1.0 when the completion's first integer equals the ``answer`` column, else 0.0."""
     if answer is None:
         raise ValueError("the exact_match reward needs an 'answer' column in the data")
-    return [None if a is None else float(arithmetic.is_correct(c, str(a)))
+    return [None if a is None else float(first_integer(c) == str(a))
             for c, a in zip(completions, answer)]
 
 
@@ -52,17 +58,15 @@ class RewardModelScore:
     """The score of a reward model trained by ``experiments.reward``, on token ids.
 
     Called by the rollout with the prompt and completion token ids (``score_tokens``); it has no
-    text interface because it must see exactly the tokens the policy produced."""
+    text interface because it must see exactly the tokens the policy produced. ``loaded`` is the
+    run read back by ``nnx_posttrain.runs.load``."""
 
     needs_tokens = True
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, loaded):
         import jax
         from flax import nnx
 
-        from nnx_posttrain import runs
-
-        loaded = runs.load(run_dir)
         if not hasattr(loaded.module, "head"):
             raise SystemExit(f"--algo.rewards {run_dir}: not a reward-model run "
                              f"(its algorithm is {loaded.config.get('algo_name')})")
@@ -78,9 +82,9 @@ class RewardModelScore:
         return [float(x) for x in np.asarray(self._score(self._state, ids, mask))]
 
 
-def resolve(spec: str) -> list[tuple[str, object]]:
+def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
     """``--algo.rewards`` -> [(name, function)]; a clear error for a name that is none of the
-    three kinds."""
+    three kinds. ``load_run`` (``nnx_posttrain.runs.load``) reads a reward-model run."""
     out = []
     for name in (x.strip() for x in spec.split(",") if x.strip()):
         if name in BUILTIN:
@@ -92,8 +96,8 @@ def resolve(spec: str) -> list[tuple[str, object]]:
             except (ImportError, AttributeError) as exc:
                 raise SystemExit(f"--algo.rewards {name}: cannot import it ({exc})") from None
             out.append((attr, fn))
-        elif (Path(name) / "config.json").exists():
-            out.append((Path(name).name, RewardModelScore(name)))
+        elif (Path(name) / "config.json").exists() and load_run is not None:
+            out.append((Path(name).name, RewardModelScore(name, load_run(name))))
         else:
             raise SystemExit(
                 f"--algo.rewards {name!r}: not a built-in reward ({', '.join(BUILTIN)}), a "

@@ -1,0 +1,314 @@
+"""The rollout engine of online RL, and what every online algorithm shares.
+
+Each step of an online algorithm starts from a batch of prompts and a *rollout*:
+
+    prompts --sampler--> completions --reward functions--> rewards --> advantages
+            (KV cache, compiled once)       (text, TRL signature)     (group / leave-one-out / GAE)
+
+``Rollouts`` is the batch source the training loop iterates (``algorithms.base.BatchSource``): it
+samples with the current policy, scores, and asks the algorithm to turn the scored rollout into
+its training batch (``make_batch``). With ``num_iterations`` > 1 a rollout is reused for that many
+optimizer steps (the log-probs of the policy that generated it are kept as ``old_logps``);
+checkpoints are allowed only between rollouts, so a resumed run regenerates nothing and continues
+exactly (the sampling RNG of step s is derived from the seed and s).
+
+``--batching.batch-size`` counts completions per optimizer step (TRL's convention): each step
+draws ``batch_size / num_generations`` prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_posttrain import data, model
+from nnx_posttrain.algorithms.base import AlgorithmBase, Inputs, RunContext, device_batch
+from nnx_posttrain.algorithms.online import rewards as rewards_lib
+from nnx_posttrain.algorithms.reference import Reference
+from nnx_posttrain.sampling import generate, sampler
+
+
+@dataclasses.dataclass
+class SamplingConfig:
+    """What every online algorithm shares: generation and rewards."""
+
+    num_generations: int = 8
+    """Completions sampled per prompt (a GRPO / RLOO group)."""
+    max_completion_length: int = 8
+    """Generated tokens per completion at most."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs in the loss use the same temperature, as TRL)."""
+    top_k: int = 0
+    """Sample from the k most likely tokens only; 0 = off."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1.0 = off."""
+    rewards: str = "exact_match"
+    """Reward functions, comma-separated: built-in names (exact_match, format, length), 'module:function', or a reward-model run directory."""
+    reward_weights: str | None = None
+    """Comma-separated weights of the reward functions (default: all 1)."""
+    num_iterations: int = 1
+    """Optimizer steps per rollout (TRL's num_iterations / PPO epochs); old log-probs are kept."""
+    mask_truncated_completions: bool = False
+    """Completions cut at max_completion_length (no stop token) carry no loss."""
+    reference: Reference = "auto"
+    """Reference for the KL term: lora_base (LoRA on), copy (full fine-tuning), auto picks."""
+
+
+class OnlineAlgorithm(AlgorithmBase):
+    """Generates its own training batches from prompts (see the module docstring). Subclasses
+    give ``make_batch`` (scored rollout -> training batch) and ``loss``."""
+
+    data_kind = "prompt_only"
+
+    def setup(self, module):
+        if not self.needs_reference():
+            return  # reference-free: no second copy of the weights
+        super().setup(self.policy(module))
+        if self.reference_mode == "precompute":
+            raise SystemExit(f"{self.name}: --algo.reference precompute does not apply to online "
+                             "methods (the completions are new at every step); use lora_base or copy")
+
+    def needs_reference(self) -> bool:
+        return bool(getattr(self.cfg, "beta", 0.0))
+
+    def policy(self, module):
+        """The language model inside the trained module."""
+        return module
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Log-probs are those of the sampling distribution, softmax(logits / temperature), as
+        the sampler reports them (temperature 0 samples greedily: the plain distribution)."""
+        return self.cfg.temperature or 1.0
+
+    def prompts_per_step(self, batch_size: int) -> int:
+        c, g = self.cfg, self.cfg.num_generations
+        problems = [f"--algo.{name.replace('_', '-')} must be {rule}, got {getattr(c, name)}"
+                    for name, ok, rule in (
+                        ("num_generations", g >= 1, ">= 1"),
+                        ("max_completion_length", c.max_completion_length >= 1, ">= 1"),
+                        ("temperature", c.temperature >= 0, ">= 0"),
+                        ("top_k", c.top_k >= 0, ">= 0"),
+                        ("top_p", 0 < c.top_p <= 1, "in (0, 1]"),
+                        ("num_iterations", c.num_iterations >= 1, ">= 1"))
+                    if not ok]
+        if problems:
+            raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+        if batch_size % g:
+            raise SystemExit(f"--batching.batch-size {batch_size} must be a multiple of "
+                             f"--algo.num-generations {g}")
+        return batch_size // g
+
+    def inputs(self, run: RunContext, params) -> Inputs:
+        # the loss needs rollouts: held-out data is evaluated by generation only
+        return Inputs(Rollouts(self, run, params), [])
+
+    def attach(self, rollouts: "Rollouts") -> None:
+        """Called once the rollout engine exists (compile extra rollout-time forwards here)."""
+
+    def make_batch(self, batch, scores, finished, rollouts: "Rollouts", state) -> tuple[dict, dict]:
+        """A scored rollout (``batch`` of numpy arrays, ``scores`` [B], ``finished`` [B]) ->
+        (training batch, host metrics)."""
+        raise NotImplementedError
+
+    def policy_logps(self, module, batch, with_entropy=True):
+        return model.token_logprobs(self.policy(module), batch["input_ids"], batch["attention_mask"],
+                                    self.logprob_chunk, with_entropy=with_entropy,
+                                    temperature=self.logprob_temperature,
+                                    positions=batch.get("positions"))
+
+
+class Rollouts:
+    """The batch source of online algorithms: prompts -> rollout -> training batch, reused for
+    ``num_iterations`` steps."""
+
+    def __init__(self, algorithm: OnlineAlgorithm, run: RunContext, params):
+        cfg, b, c = run.cfg, run.cfg.batching, algorithm.cfg
+        self.algorithm, self.lm, self.train_src, self.seed = algorithm, run.lm, run.train_src, cfg.seed
+        self.graphdef, self.frozen = run.graphdef, run.frozen
+        self.reward_fns = rewards_lib.resolve(c.rewards, run.load_run)
+        self.reward_weights = rewards_lib.weights(c.reward_weights, len(self.reward_fns))
+        self.stop_ids = jnp.asarray(generate.stop_ids(run.lm), jnp.int32)
+        policy_graphdef, _ = algorithm.policy_view(run.graphdef, params, run.frozen["model"])
+        self._sample = sampler.make_sampler(policy_graphdef, c.max_completion_length, top_k=c.top_k)
+        self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(5, 6))
+        algorithm.attach(self)
+        self.prompts = data.train_batches(run.train_src, data.Indexed(run.transform),
+                                          algorithm.prompts_per_step(b.batch_size), cfg.seed,
+                                          b.shuffle, b.num_workers)
+        self.current, self.since_log, self.truncated = None, [], 0
+
+    # -- the batch source
+
+    def fresh(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) starts with a new rollout."""
+        return (step - 1) % self.algorithm.cfg.num_iterations == 0
+
+    def next(self, step, state):
+        if self.fresh(step) or self.current is None:
+            prompts = next(self.prompts)
+            self.truncated += int(prompts["truncated"].sum())
+            self.current = self.rollout(step, state, prompts)
+            self.since_log.append(self.current[1])
+        return self.current[0]
+
+    def to_device(self, batch):
+        return device_batch(self.algorithm, batch)
+
+    def host_metrics(self):
+        """``truncated`` prompts and the means of the rollouts since the last call (or of the
+        rollout being reused)."""
+        out = {"truncated": float(self.truncated)}
+        out.update(_means(self.since_log or [self.current[1]]))
+        self.since_log, self.truncated = [], 0
+        return out
+
+    def checkpoint_ok(self, step):
+        return self.fresh(step + 1)
+
+    def get_state(self):
+        return self.prompts.get_state()
+
+    def set_state(self, state):
+        self.prompts.set_state(state)
+
+    def close(self):
+        getattr(self.prompts, "close", lambda: None)()
+
+    # -- the rollout
+
+    def compile(self, fn):
+        """``fn(module, reference_module, *arrays)`` jitted over the training state: returns
+        ``f(state, *arrays)`` (without gradient: rollout-time forwards)."""
+        def run(params, frozen, *arrays):
+            module, reference = model.merge(self.graphdef, params, frozen)
+            return fn(module, reference, *arrays)
+
+        jitted = jax.jit(run)
+        return lambda state, *arrays: jitted(state["params"], self.frozen, *arrays)
+
+    def rollout(self, step: int, state: dict, prompts: dict) -> tuple[dict, dict]:
+        """Prompts batch -> (training batch of numpy arrays, host metrics)."""
+        algo = self.algorithm
+        c, g = algo.cfg, algo.cfg.num_generations
+        prompt_ids = np.repeat(np.asarray(prompts["prompt_ids"]), g, axis=0)
+        prompt_mask = np.repeat(np.asarray(prompts["prompt_mask"]), g, axis=0)
+        index = np.repeat(np.asarray(prompts["index"]), g, axis=0)
+        _, states = algo.policy_view(self.graphdef, state["params"], self.frozen["model"])
+        rng = jax.random.fold_in(jax.random.key(self.seed), step)
+        out = jax.device_get(self._sample(tuple(states), prompt_ids, prompt_mask, rng,
+                                          jnp.float32(c.temperature), jnp.float32(c.top_p),
+                                          self.stop_ids))
+        completion_ids = np.asarray(out["completion_ids"])
+        completion_mask = np.asarray(out["completion_mask"]).astype(np.int32)
+        finished = np.asarray(out["finished"]).astype(bool)
+        texts = self._texts(completion_ids, completion_mask)
+        scores, metrics = self._rewards(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                        texts, index)
+        loss_mask = completion_mask * (finished[:, None] if c.mask_truncated_completions else 1)
+        width = prompt_ids.shape[1]
+        batch = {
+            "input_ids": np.concatenate([prompt_ids, completion_ids], axis=1),
+            "attention_mask": np.concatenate([prompt_mask, completion_mask], axis=1),
+            "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
+            # only the completion's positions go through the vocabulary projection
+            "positions": np.broadcast_to(np.arange(width, width + completion_ids.shape[1],
+                                                   dtype=np.int32), completion_ids.shape).copy(),
+        }
+        metrics.update(_completion_metrics(completion_mask, finished))
+        batch, extra = algo.make_batch(batch, scores, finished, self, state)
+        metrics.update(extra)
+        return batch, metrics
+
+    def _texts(self, ids, mask) -> list[str]:
+        stops = set(np.asarray(self.stop_ids).tolist())
+        decode = self.lm.tokenizer.decode
+        return [decode([int(t) for t, m in zip(row, mrow) if m and int(t) not in stops])
+                for row, mrow in zip(ids, mask)]
+
+    def _rewards(self, prompt_ids, prompt_mask, completion_ids, completion_mask, texts, index):
+        """[B] weighted reward sum (NaN-ignoring, as TRL) and the per-function metrics."""
+        records = data.extra_columns(self.train_src, index, exclude=())
+        columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
+        prompts = columns.pop("prompt", [None] * len(texts))
+        per_fn = np.zeros((len(texts), len(self.reward_fns)), np.float32)
+        metrics = {}
+        for j, (name, fn) in enumerate(self.reward_fns):
+            if getattr(fn, "needs_tokens", False):
+                values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
+                                                         completion_ids, completion_mask))
+            else:
+                values = fn(prompts=prompts, completions=texts, **columns)
+            per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
+            applies = per_fn[:, j][np.isfinite(per_fn[:, j])]
+            metrics[f"rewards/{name}/mean"] = float(applies.mean()) if len(applies) else np.nan
+            metrics[f"rewards/{name}/std"] = float(applies.std()) if len(applies) else np.nan
+        total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
+        groups = total.reshape(-1, self.algorithm.cfg.num_generations)
+        metrics["reward"] = float(total.mean())
+        metrics["reward_std"] = (float(groups.std(axis=1, ddof=1).mean()) if groups.shape[1] > 1
+                                 else 0.0)
+        metrics["frac_reward_zero_std"] = float((groups.std(axis=1) == 0).mean())
+        return total, metrics
+
+    def _rollout_logps(self, params, frozen, ids, att, positions, with_old: bool, with_ref: bool):
+        """Per-token log-probs of the rollout under the current policy (``old_logps``) and the
+        reference (``ref_logps``), at the sampling temperature, without gradient."""
+        algo = self.algorithm
+        module, reference = model.merge(self.graphdef, params, frozen)
+        policy = algo.policy(module)
+        fwd = lambda m: model.token_logprobs(m, ids, att, algo.logprob_chunk,
+                                             temperature=algo.logprob_temperature,
+                                             positions=positions)
+        out = {}
+        if with_old:
+            out["old_logps"] = fwd(policy)
+        if with_ref:
+            out["ref_logps"] = algo.reference(
+                policy, None if reference is None else algo.policy(reference), fwd)
+        return out
+
+    def logps(self, batch, state, with_old: bool, with_ref: bool) -> dict:
+        """``old_logps`` and / or ``ref_logps`` of a rollout batch, as numpy arrays."""
+        if not (with_old or with_ref):
+            return {}
+        out = self._logps_jit(state["params"], self.frozen, batch["input_ids"],
+                              batch["attention_mask"], batch["positions"], with_old, with_ref)
+        return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
+
+
+def _right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Left-padded prompt + completion -> right-padded rows (for models reading the last token)."""
+    ids = np.concatenate([prompt_ids, completion_ids], axis=1)
+    mask = np.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
+    out = np.zeros_like(ids)
+    out_mask = np.zeros_like(ids, dtype=np.int32)
+    for i in range(len(ids)):
+        row = ids[i][mask[i]]
+        out[i, : len(row)] = row
+        out_mask[i, : len(row)] = 1
+    return out, out_mask
+
+
+def _completion_metrics(mask, finished) -> dict:
+    lengths = mask.sum(axis=1).astype(np.float32)
+    done = lengths[finished]
+    return {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(1.0 - finished.mean()),
+        "completions/mean_terminated_length": float(done.mean()) if len(done) else 0.0,
+    }
+
+
+def _means(rows: list[dict]) -> dict:
+    """Per-key mean of host-side metrics (rollouts) since the last log, NaN-ignoring."""
+    out = {}
+    for key in sorted({k for r in rows for k in r}):
+        values = [r[key] for r in rows if key in r and np.isfinite(r[key])]
+        out[key] = float(np.mean(values)) if values else float("nan")
+    return out

@@ -1,0 +1,52 @@
+"""The built-in task: two-digit addition in chat form (``arithmetic``), its SentencePiece
+tokenizer (``tokenizer``) and the tiny Gemma configurations trained on it. A *user* of the
+library: importing this package registers the task's data (``--data builtin``, with
+``nnx_posttrain.data.register_builtin``) and its models (``gemma_tiny``, ``gemma2_tiny``,
+``gemma_micro``, with ``nnx_posttrain.model.register_builtin``). The library's lower layers never
+import it; ``nnx_posttrain.runs`` (and so the training loop) does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from nnx_posttrain import data, model
+from nnx_posttrain.tasks import arithmetic, tokenizer
+
+# Gemma architectures with the task's own SentencePiece tokenizer.
+MODELS = {
+    "gemma_tiny": dict(
+        num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=128,
+        intermediate_dim=512, head_dim=32,
+    ),
+    # Gemma 2 features: attention and final-logit soft caps, post norms, sliding window.
+    "gemma2_tiny": dict(
+        num_layers=4, num_query_heads=4, num_key_value_heads=2, hidden_dim=128,
+        intermediate_dim=512, head_dim=32, query_head_dim_normalize=True,
+        use_post_ffw_norm=True, use_post_attention_norm=True, attention_logit_soft_cap=50.0,
+        final_logit_soft_cap=30.0, use_sliding_window_attention=True, sliding_window_size=32,
+    ),
+    "gemma_micro": dict(  # for fast tests
+        num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,
+        intermediate_dim=64, head_dim=16,
+    ),
+}
+
+_RECORDS = {"sft": arithmetic.sft_record, "preference": arithmetic.preference_record,
+            "unpaired_preference": arithmetic.unpaired_record,
+            "prompt_only": arithmetic.prompt_record}
+
+
+def records(kind: str, split: str) -> list[dict]:
+    """The task's records of one format (``kind``) and split."""
+    make = _RECORDS[kind]
+    return [make(a, b) for a, b in arithmetic.problems(split)]
+
+
+# the generator's code is the data: its hash changes whenever the records may
+FINGERPRINT = hashlib.sha256(Path(arithmetic.__file__).read_bytes()).hexdigest()
+
+data.register_builtin(records, FINGERPRINT)
+for _name, _dims in MODELS.items():
+    model.register_builtin(_name, _dims, tokenizer.builtin_proto)

@@ -1,0 +1,61 @@
+"""The device mesh, multi-process start-up, and batches laid out on the mesh."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from nnx_posttrain import config as config_lib
+from nnx_posttrain import sharding
+from nnx_posttrain.sharding import make_mesh, mesh_shape  # noqa: F401  (the loop builds it)
+
+
+def initialize_distributed(cfg: config_lib.MeshConfig) -> bool:
+    """``jax.distributed.initialize`` when configured (``--mesh.distributed``, the coordinator /
+    process options, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). Must run
+    before anything else touches JAX's devices. Returns whether this is a multi-process run."""
+    env = os.environ
+    address = cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+    num = cfg.num_processes if cfg.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    pid = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
+    wanted = cfg.distributed == "on" or (
+        cfg.distributed == "auto" and (address is not None or (num or 1) > 1))
+    if not wanted or jax.distributed.is_initialized():
+        return jax.distributed.is_initialized()
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    return True
+
+
+def _env_int(name):
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def check_micro_batch(cfg: config_lib.Config, mesh: Mesh) -> None:
+    b = cfg.batching
+    if (b.batch_size // b.grad_accum) % sharding.batch_divisor(mesh):
+        raise SystemExit(
+            f"micro-batch {b.batch_size // b.grad_accum} does not divide over the "
+            f"{sharding.batch_divisor(mesh)} batch shards (--mesh.data x --mesh.fsdp)"
+        )
+
+
+def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
+    """[batch, ...] host arrays -> [accum, micro, ...] device arrays, micro split over the data
+    and fsdp axes (replicated over tensor). Every process holds the whole global batch and
+    contributes the rows of its own devices."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
+        target = NamedSharding(mesh, sharding.batch_spec(v.ndim, leading=1))
+        out[k] = jax.make_array_from_callback(v.shape, target, lambda index, v=v: v[index])
+    return out
+
+
+def place(tree, mesh: Mesh):
+    """A state tree onto the mesh, each variable sharded by its rule (nnx_posttrain.sharding)."""
+    return sharding.put(tree, sharding.tree_shardings(tree, mesh))

@@ -1,0 +1,115 @@
+"""The jitted training step and its optimizer.
+
+    state = {params (trainable variables), opt_state, step, rng}   frozen variables stay outside
+    step(state, frozen, batch) -> (state, metrics)                 jax.jit over nnx.split / nnx.merge
+
+The step compiles once (fixed batch shape), donates the state, accumulates gradients over
+micro-batches with a scan (token-weighted, so the update equals the one large batch), clips,
+and applies AdamW with warm-up and decay. Metrics are fetched from the device only when logged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nnx_posttrain import config as config_lib
+from nnx_posttrain.model import merge
+
+
+def schedule(cfg: config_lib.OptimConfig, total_steps: int) -> optax.Schedule:
+    peak, warm = cfg.learning_rate, max(cfg.warmup_steps, 0)
+    decay_steps = max(total_steps - warm, 1)
+    end = peak * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(peak)
+    if not warm:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), decay], [warm])
+
+
+def optimizer(cfg: config_lib.OptimConfig, total_steps: int):
+    lr = schedule(cfg, total_steps)
+    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*parts), lr
+
+
+def init_state(params, tx, seed: int) -> dict:
+    """The training state: one tree, checkpointed as a whole."""
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.key_data(jax.random.key(seed)),
+    }
+
+
+def _sum_tree(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def metric_means(metrics: dict) -> dict:
+    """name -> sum / count; NaN where nothing was counted (e.g. no rejected example in a batch)."""
+    return {
+        name: jnp.where(c > 0, s / jnp.where(c > 0, c, 1.0), jnp.nan) for name, (s, c) in metrics.items()
+    }
+
+
+def _with_batch(modules, batch):
+    module, reference = modules
+    return module, batch, reference
+
+
+def make_train_step(graphdef, loss_fn, tx, lr_schedule):
+    """step(state, frozen, batch) -> (state, metrics). ``batch`` leaves are [accum, micro, ...];
+    ``loss_fn(module, micro_batch, reference_module)``; ``frozen`` as in ``algorithms.merge``."""
+
+    def micro_loss(params, frozen, micro_batch):
+        total, weight, metrics = loss_fn(*_with_batch(merge(graphdef, params, frozen), micro_batch))
+        return total, (weight, metrics)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state, frozen, batch):
+        params = state["params"]
+        first = jax.tree.map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(grad_fn, params, frozen, first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+        def accumulate(carry, micro_batch):
+            (total, (weight, metrics)), grads = grad_fn(params, frozen, micro_batch)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            return _sum_tree(carry, ((total, (weight, metrics)), grads)), None
+
+        ((total, (weight, metrics)), grads), _ = jax.lax.scan(accumulate, zeros, batch)
+        denom = jnp.maximum(weight, 1e-9)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]),
+        }
+        out = metric_means(metrics)
+        out.update(grad_norm=grad_norm, learning_rate=lr_schedule(state["step"]))
+        return new_state, out
+
+    return step
+
+
+def make_eval_step(graphdef, loss_fn):
+    """eval(params, frozen, batch) -> (total, weight, metric sums): summed, divided by the caller."""
+
+    def evaluate(params, frozen, batch):
+        return loss_fn(*_with_batch(merge(graphdef, params, frozen), batch))
+
+    return evaluate

@@ -1,0 +1,116 @@
+"""The README's measured tables, rendered from result files (claims are generated, not typed).
+
+A tool that measures something writes ``results/<name>.json`` with :func:`record`: the table's
+columns and rows (already formatted), the command that measured it, the commit and the date. The
+README holds each table between markers::
+
+    <!-- results:NAME -->
+    ... (written by this tool; do not edit by hand) ...
+    <!-- /results:NAME -->
+
+    python -m tools.readme            # rewrite every marked block from results/*.json
+    python -m tools.readme --check    # exit 1 when a block differs from what its file renders to
+
+A test runs ``--check``, so a README number can only change by rerunning the tool that measured it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+README = ROOT / "README.md"
+_BLOCK = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)",
+                    re.DOTALL)
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return out + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> str:
+    import os
+
+    return f"{os.cpu_count()}-core {platform.machine()} CPU, {platform.python_implementation()} {platform.python_version()}"
+
+
+def record(name: str, command: str, columns: list[str], rows: list[list], notes: list[str] = (),
+           data: dict | None = None) -> Path:
+    """Write ``results/<name>.json`` (rows formatted as strings) and return its path. ``data``
+    keeps the raw numbers beside the formatted table."""
+    if any(len(r) != len(columns) for r in rows):
+        raise ValueError(f"{name}: every row needs {len(columns)} cells")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({
+        "name": name, "command": command, "commit": _commit(),
+        "date": datetime.date.today().isoformat(), "machine": machine(),
+        "columns": list(columns), "rows": [[str(c) for c in r] for r in rows],
+        "notes": list(notes), "data": data or {},
+    }, indent=1) + "\n")
+    return path
+
+
+def render(result: dict) -> str:
+    """The Markdown of one result: the table, then how it was measured."""
+    lines = ["| " + " | ".join(result["columns"]) + " |",
+             "|" + "---|" * len(result["columns"])]
+    lines += ["| " + " | ".join(row) + " |" for row in result["rows"]]
+    lines.append("")
+    lines.append(f"<sub>Measured by `{result['command']}` at commit {result['commit']} on "
+                 f"{result['date']} ({result['machine']}); rendered by `python -m tools.readme` "
+                 f"from `results/{result['name']}.json`.</sub>")
+    lines += [""] + [f"<sub>{note}</sub>" for note in result.get("notes", [])] if result.get("notes") else []
+    return "\n".join(lines) + "\n"
+
+
+def load(name: str) -> dict:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        raise SystemExit(f"README block {name!r}: {path} does not exist (run the tool that "
+                         "measures it)")
+    return json.loads(path.read_text())
+
+
+def rendered(text: str) -> str:
+    return _BLOCK.sub(lambda m: m.group(1) + render(load(m.group("name"))) + m.group(4), text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    args = parser.parse_args(argv)
+    text = README.read_text()
+    new = rendered(text)
+    names = [m.group("name") for m in _BLOCK.finditer(text)]
+    if args.check:
+        stale = [n for n in names if _BLOCK.search(text) and render(load(n)) not in text]
+        if new != text:
+            print(f"README.md is stale: {', '.join(stale) or 'a marked block'} differ(s) from "
+                  "results/*.json; run python -m tools.readme", file=sys.stderr)
+            return 1
+        print(f"README.md: {len(names)} marked tables match their results files")
+        return 0
+    README.write_text(new)
+    print(f"README.md: rendered {len(names)} tables ({', '.join(names)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
