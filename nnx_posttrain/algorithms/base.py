@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import data, model
+from nnx_posttrain.algorithms import reference as reference_lib
 
 
 # ----------------------------------------------------------------------------- the protocols
@@ -121,9 +122,7 @@ class AlgorithmBase:
         self.logprob_chunk = logprob_chunk
 
     def setup(self, module) -> None:
-        from nnx_posttrain.algorithms import reference
-
-        self.reference_mode = reference.resolve_mode(getattr(self.cfg, "reference", None), module)
+        self.reference_mode = reference_lib.resolve_mode(getattr(self.cfg, "reference", None), module)
 
     def policy_view(self, graphdef, params, frozen_model):
         return graphdef, (params, frozen_model)
@@ -143,14 +142,10 @@ class AlgorithmBase:
 
     def reference(self, module, reference_module, forward):
         """``forward(m)`` evaluated as the reference model, without gradient."""
-        from nnx_posttrain.algorithms import reference
-
-        return reference.forward(self.reference_mode, module, reference_module, forward)
+        return reference_lib.forward(self.reference_mode, module, reference_module, forward)
 
     def inputs(self, run: RunContext, params) -> Inputs:
-        from nnx_posttrain.algorithms import reference
-
-        cache = (reference.precomputed(run, self, params)
+        cache = (reference_lib.precomputed(run, self, params)
                  if self.reference_mode == "precompute" else {"train": None, "eval": None})
         return Inputs(DatasetBatches(self, run, cache["train"]),
                       eval_loss_batches(self, run, cache["eval"]))
