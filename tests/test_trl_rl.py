@@ -17,6 +17,8 @@ from nnx_posttrain.losses import rl
 
 RNG = np.random.default_rng(3)
 B, T = 6, 7
+# row 4 carries no loss: a truncated completion under mask_truncated_completions (TRL zeroes its
+# completion mask; it still counts as a sequence for grpo / luspo / dr_grpo)
 MASK = np.array([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0, 0],
                  [1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0]], np.float32)
 LOGPS = RNG.normal(-1.5, 0.5, (B, T)).astype(np.float32)

@@ -26,7 +26,8 @@ loss              per-sequence log-probs
 ================  ==========================================================================
 ``dpo``           summed (TRL's DPOTrainer); ``ipo`` and ``sigmoid_norm`` divide by the
                   completion lengths given in ``chosen_lengths`` / ``rejected_lengths``
-``cpo``           summed for ``sigmoid`` / ``hinge``, averaged for ``ipo`` (TRL's CPOTrainer)
+``cpo``           summed for ``sigmoid`` / ``hinge``, averaged for ``ipo`` (and ``simpo``:
+                  :func:`simpo`), as TRL's CPOTrainer
 ``simpo``         averaged
 ``orpo``          averaged
 ``kto``           summed
