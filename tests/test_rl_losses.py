@@ -38,6 +38,8 @@ def test_leave_one_out():
     # k = 3: baseline of the first = (2 + 4) / 2 = 3 -> 1 - 3 = -2
     np.testing.assert_allclose(rl.leave_one_out_advantages([1.0, 2.0, 4.0], 3),
                                [1 - 3, 2 - 2.5, 4 - 1.5])
+    # an unscorable (NaN) completion: left out of its siblings' baselines, advantage 0
+    np.testing.assert_allclose(rl.leave_one_out_advantages([1.0, np.nan, 3.0], 3), [-2.0, 0, 2.0])
     with pytest.raises(ValueError):
         rl.leave_one_out_advantages([1.0, 2.0], 1)
 
@@ -56,9 +58,11 @@ def _np_clipped(logps, old, adv, mask, eps_low, eps_high, beta, ref, loss_type, 
     return (per * m).sum() / (m.shape[0] * max_len)
 
 
-@pytest.mark.parametrize("loss_type", rl.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_clipped_policy_loss_matches_numpy(loss_type, beta):
+    """The four classic aggregations with the plain k3 KL (``use_bias_correction_kl=False``; TRL's
+    default, the corrected KL, and every other loss type: tests/test_trl_rl.py)."""
     rng = np.random.default_rng(0)
     B, T = 4, 6
     logps = rng.normal(-2, 0.5, (B, T)).astype(np.float32)
@@ -69,7 +73,7 @@ def test_clipped_policy_loss_matches_numpy(loss_type, beta):
                      [0, 0, 1, 1, 0, 0]], np.float32)
     total, weight, metrics = rl.clipped_policy_loss(
         logps, old, adv, mask, epsilon=0.2, epsilon_high=0.28, beta=beta, ref_logps=ref,
-        loss_type=loss_type, max_completion_length=4)
+        loss_type=loss_type, max_completion_length=4, use_bias_correction_kl=False)
     want = _np_clipped(logps, old, adv, mask, 0.2, 0.28, beta, ref, loss_type, 4)
     np.testing.assert_allclose(float(total / weight), want, rtol=1e-5)
     s, c = metrics["loss"]
@@ -121,7 +125,8 @@ def test_policy_gradient_with_one_iteration_is_reinforce():
     np.testing.assert_allclose(grad, -np.array([[1.0, 1.0], [-2.0, -2.0]]) / 4)
 
 
-def test_extreme_ratios_and_zero_masks_stay_finite():
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_extreme_ratios_and_zero_masks_stay_finite(level):
     logps = jnp.array([[-1e-3, -80.0, 0.0]])
     old = jnp.array([[-60.0, -1e-3, 0.0]])
     for loss_type in rl.LOSS_TYPES:
@@ -129,10 +134,18 @@ def test_extreme_ratios_and_zero_masks_stay_finite():
             def f(lp):
                 t, w, _ = rl.clipped_policy_loss(lp, old, jnp.array([1.5]), mask, beta=0.1,
                                                  ref_logps=old, loss_type=loss_type,
-                                                 max_completion_length=3)
+                                                 max_completion_length=3, delta=2.0,
+                                                 importance_sampling_level=level,
+                                                 top_entropy_quantile=0.5,
+                                                 entropies=jnp.ones((1, 3)))
                 return t / jnp.maximum(w, 1e-9)  # as the training step divides
             value, grad = jax.value_and_grad(f)(logps)
-            assert np.isfinite(value) and np.isfinite(np.asarray(grad)).all()
+            assert np.isfinite(value) and np.isfinite(np.asarray(grad)).all(), loss_type
+    # RLOO's sequence ratio of a 3-token sum of +-80 log-ratios
+    for mask in (jnp.ones((1, 3)), jnp.zeros((1, 3))):
+        value, grad = jax.value_and_grad(
+            lambda lp: rl.rloo_loss(lp, old, jnp.array([1.5]), mask)[0])(logps)
+        assert np.isfinite(value) and np.isfinite(np.asarray(grad)).all()
 
 
 def test_k3_is_nonnegative_and_zero_at_equality():

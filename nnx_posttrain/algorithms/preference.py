@@ -14,12 +14,17 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain import model
 from nnx_posttrain.algorithms.base import AlgorithmBase
+from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequence_logps: re-exported)
+    PairAlgorithm,
+    nll_terms,
+    pair_logps,
+    sequence_logps,
+)
 from nnx_posttrain.algorithms.reference import Reference
 from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses import preference as pl
-from nnx_posttrain.losses.dpo import dpo
+from nnx_posttrain.losses.dpo import dpo, ld_split, wpo_weights
 
 
 def _floats(text: str | None) -> list[float] | None:
@@ -36,16 +41,27 @@ def _names(text: str) -> list[str] | str:
 
 @dataclasses.dataclass
 class DPOConfig:
-    """Direct Preference Optimization and its TRL variants."""
+    """Direct Preference Optimization and its TRL 1.16 variants."""
 
     beta: float = 0.1
     """Inverse temperature of the implicit reward (deviation from the reference)."""
     loss_type: str = "sigmoid"
-    """sigmoid, hinge, ipo, robust, bco_pair, sppo_hard, nca_pair, apo_zero, apo_down, sigmoid_norm, sft; comma-separated for a weighted combination (MPO: sigmoid,bco_pair,sft)."""
+    """sigmoid, cdpo, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm; comma-separated for a weighted combination (MPO: sigmoid,bco_pair,sft)."""
     loss_weights: str | None = None
     """Comma-separated weights of a combination (default: all 1)."""
     label_smoothing: float = 0.0
-    """Assumed label noise (cDPO / robust)."""
+    """Label noise of cdpo / robust / aot, EXO's epsilon (exo_pair); sigmoid ignores it, as TRL."""
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence",
+                               "alpha_divergence"] = "reverse_kl"
+    """f-DPO's divergence to the reference (for the terms built on the chosen - rejected difference)."""
+    f_alpha_divergence_coef: float = 0.5
+    """alpha of alpha_divergence."""
+    use_weighting: bool = False
+    """WPO: weight each pair by the policy's length-normalised (aligned) probabilities of both answers."""
+    ld_alpha: float | None = None
+    """LD-DPO: weight of the log-probs past the shorter answer's length (1 = DPO, 0 = cut)."""
+    discopop_tau: float = 0.05
+    """DiscoPOP's temperature."""
     reference: Reference = "auto"
     """lora_base (LoRA on), copy (full fine-tuning), or precompute; auto picks the first two."""
 
@@ -61,8 +77,10 @@ class SimPOConfig:
     gamma_beta_ratio: float | None = None
     """Target margin as the SimPO paper's ratio gamma/beta; default 0.25 when neither is set."""
     nll_weight: float = 0.0
-    """Weight of the chosen NLL term: > 0 gives CPO-SimPO."""
+    """Weight of the chosen NLL term (token mean over the batch): > 0 gives CPO-SimPO."""
     label_smoothing: float = 0.0
+    alpha: float = 0.0
+    """AlphaPO's reward shape (1 - p^-alpha) / alpha; 0 = SimPO."""
 
 
 @dataclasses.dataclass
@@ -70,10 +88,15 @@ class CPOConfig:
     """Contrastive Preference Optimization: reference-free preference loss + NLL on chosen."""
 
     beta: float = 0.1
-    loss_type: Literal["sigmoid", "hinge", "ipo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "hinge", "ipo", "simpo", "alphapo"] = "sigmoid"
+    """sigmoid, hinge, ipo; simpo (SimPO's margin loss on averaged log-probs); alphapo (simpo with nll-weight 0, TRL's shorthand)."""
     label_smoothing: float = 0.0
     nll_weight: float = 1.0
-    """TRL's cpo_alpha."""
+    """TRL's cpo_alpha: weight of the chosen NLL (token mean over the batch)."""
+    simpo_gamma: float = 0.5
+    """Target reward margin of loss-type simpo / alphapo."""
+    alpha: float = 0.0
+    """AlphaPO's reward shape (1 - p^-alpha) / alpha for every loss type; 0 = log p."""
 
 
 @dataclasses.dataclass
@@ -82,6 +105,8 @@ class ORPOConfig:
 
     beta: float = 0.1
     """TRL's beta (the paper's lambda)."""
+    nll_tokens: Literal["prompt_and_completion", "completion"] = "prompt_and_completion"
+    """Tokens of the chosen NLL term: TRL's (every token of prompt and answer) or the answer's."""
 
 
 @dataclasses.dataclass
@@ -89,6 +114,8 @@ class KTOConfig:
     """Kahneman-Tversky Optimization on unpaired desirable / undesirable examples."""
 
     beta: float = 0.1
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """kto, or apo_zero_unpaired (APO-zero on unpaired data: no KL reference point)."""
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     reference: Reference = "auto"
@@ -102,79 +129,97 @@ class RewardConfig:
     """Weight of the reward-centering term (mean squared reward); none by default."""
 
 
-# ----------------------------------------------------------------------------- shared machinery
+# ----------------------------------------------------------------------------- pairwise
 
 
-def sequence_logps(module, ids, attention, loss_mask, chunk, positions=None):
-    """(summed, averaged, lengths) completion log-probs of each row, float32 [rows];
-    ``positions`` as in ``model.token_logprobs``."""
-    token = model.token_logprobs(module, ids, attention, chunk, positions=positions)
-    mask = loss_mask.astype(jnp.float32)
-    summed = jnp.sum(token * mask, axis=-1)
-    lengths = jnp.sum(mask, axis=-1)
-    return summed, summed / jnp.maximum(lengths, 1.0), lengths
+class _CacheKey:
+    """``algorithm`` as ``reference.precomputed`` sees it, under another name: LD-DPO's cached
+    reference log-probs carry the tails, so they must not share a cache with plain DPO's."""
 
+    def __init__(self, algorithm, name):
+        self._algorithm, self.name = algorithm, name
 
-def pair_logps(module, batch, chunk, concatenated: bool = True):
-    """Chosen and rejected log-probs: dict of [batch] arrays. ``concatenated`` runs both through
-    the model in ONE forward (the default); False runs two (a benchmark variant)."""
-    if not concatenated:
-        out = {}
-        for name in ("chosen", "rejected"):
-            s, a, n = sequence_logps(module, batch[f"{name}_input_ids"],
-                                     batch[f"{name}_attention_mask"], batch[f"{name}_loss_mask"],
-                                     chunk, batch.get(f"{name}_positions"))
-            out.update({name: s, f"{name}_avg": a, f"{name}_len": n})
-        return out
-    cat = lambda k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=0)
-    summed, avg, lengths = sequence_logps(
-        module, cat("input_ids"), cat("attention_mask"), cat("loss_mask"), chunk,
-        cat("positions") if "chosen_positions" in batch else None)
-    n = batch["chosen_input_ids"].shape[0]
-    return {
-        "chosen": summed[:n], "rejected": summed[n:],
-        "chosen_avg": avg[:n], "rejected_avg": avg[n:],
-        "chosen_len": lengths[:n], "rejected_len": lengths[n:],
-    }
-
-
-class PairAlgorithm(AlgorithmBase):
-    """Trains on chosen / rejected pairs; ``pair_forward`` "separate" is a benchmark variant."""
-
-    pair_forward = "concatenated"
-
-    def pair_logps(self, module, batch):
-        return pair_logps(module, batch, self.logprob_chunk, self.pair_forward == "concatenated")
-
-    def reference_pair(self, module, reference_module, batch):
-        if self.reference_mode == "precompute":
-            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        ref = self.reference(module, reference_module, lambda m: self.pair_logps(m, batch))
-        return ref["chosen"], ref["rejected"]
-
-
-def _chosen_nll(lp):
-    return -lp["chosen_avg"]
+    def __getattr__(self, key):
+        return getattr(self._algorithm, key)
 
 
 @register
 class DPO(PairAlgorithm):
+    """DPO and TRL 1.16's variants (``losses.dpo``). LD-DPO (``ld_alpha``) splits each side's
+    per-token log-probs at the pair's shared length; WPO (``use_weighting``) also asks the policy
+    forward for log sum_v p_v^2 per position; both come from the one concatenated forward."""
+
     name = "dpo"
     Config = DPOConfig
 
+    def setup(self, module):
+        super().setup(module)
+        c = self.cfg
+        self.with_log_sum_sq = c.use_weighting
+        if c.ld_alpha is not None and not 0.0 <= c.ld_alpha <= 1.0:
+            raise SystemExit(f"--algo.ld-alpha must be in [0, 1], got {c.ld_alpha}")
+        try:  # the loss's own argument checks, before any data is read
+            one = jnp.ones(1)
+            dpo(one, one, one, one, **self._options(one, one, one, one))
+        except ValueError as e:
+            raise SystemExit(f"dpo: {e} (--algo.loss-type / --algo.*)") from None
+
+    def _options(self, chosen_nll, chosen_lengths, rejected_lengths, pair_weights):
+        c = self.cfg
+        return dict(
+            beta=c.beta, loss_type=_names(c.loss_type), label_smoothing=c.label_smoothing,
+            loss_weights=_floats(c.loss_weights), chosen_nll=chosen_nll,
+            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
+            f_divergence_type=c.f_divergence_type,
+            f_alpha_divergence_coef=c.f_alpha_divergence_coef, discopop_tau=c.discopop_tau,
+            pair_weights=pair_weights if c.use_weighting else None)
+
+    def _ld(self, lp):
+        """(chosen, rejected) summed log-probs, LD-DPO's shared + ld_alpha * tail when set."""
+        a = self.cfg.ld_alpha
+        if a is None:
+            return lp["chosen"], lp["rejected"]
+        cs, ct, rs, rt = ld_split(lp["chosen_tokens"], lp["rejected_tokens"], lp["chosen_mask"],
+                                  lp["rejected_mask"])
+        return cs + a * ct, rs + a * rt
+
     def loss(self, module, batch, reference=None):
+        c = self.cfg
         lp = self.pair_logps(module, batch)
-        ref_c, ref_r = self.reference_pair(module, reference, batch)
-        return dpo(
-            lp["chosen"], lp["rejected"], ref_c, ref_r, beta=self.cfg.beta,
-            loss_type=_names(self.cfg.loss_type), label_smoothing=self.cfg.label_smoothing,
-            loss_weights=_floats(self.cfg.loss_weights), chosen_nll=_chosen_nll(lp),
-            chosen_lengths=lp["chosen_len"], rejected_lengths=lp["rejected_len"],
-        )
+        chosen, rejected = self._ld(lp)
+        if self.reference_mode == "precompute":
+            ref_c, ref_r = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+            if c.ld_alpha is not None:  # cached: the whole sums and the tails
+                ref_c = ref_c - (1.0 - c.ld_alpha) * batch["ref_chosen_tail_logps"]
+                ref_r = ref_r - (1.0 - c.ld_alpha) * batch["ref_rejected_tail_logps"]
+        else:
+            ref_c, ref_r = self._ld(self.reference_pair(module, reference, batch))
+        weights = None
+        if c.use_weighting:
+            weights = (wpo_weights(lp["chosen_tokens"], lp["chosen_lss"], lp["chosen_mask"])
+                       * wpo_weights(lp["rejected_tokens"], lp["rejected_lss"],
+                                     lp["rejected_mask"]))
+        return dpo(chosen, rejected, ref_c, ref_r, **self._options(
+            self.chosen_nll(batch, lp), lp["chosen_len"], lp["rejected_len"], weights))
+
+    def inputs(self, run, params):
+        if self.reference_mode != "precompute" or self.cfg.ld_alpha is None:
+            return super().inputs(run, params)
+        from nnx_posttrain.algorithms import reference
+        from nnx_posttrain.algorithms.base import DatasetBatches, Inputs, eval_loss_batches
+
+        cache = reference.precomputed(run, _CacheKey(self, "dpo_ld"), params)
+        return Inputs(DatasetBatches(self, run, cache["train"]),
+                      eval_loss_batches(self, run, cache["eval"]))
 
     def reference_logps(self, module, batch):
-        lp = self.pair_logps(module, batch)
-        return {"ref_chosen_logps": lp["chosen"], "ref_rejected_logps": lp["rejected"]}
+        lp = self.pair_logps(module, batch, with_log_sum_sq=False)
+        out = {"ref_chosen_logps": lp["chosen"], "ref_rejected_logps": lp["rejected"]}
+        if self.cfg.ld_alpha is not None:
+            _, ct, _, rt = ld_split(lp["chosen_tokens"], lp["rejected_tokens"],
+                                    lp["chosen_mask"], lp["rejected_mask"])
+            out.update(ref_chosen_tail_logps=ct, ref_rejected_tail_logps=rt)
+        return out
 
 
 @register
@@ -188,40 +233,75 @@ class SimPO(PairAlgorithm):
         return pl.simpo(
             lp["chosen_avg"], lp["rejected_avg"], beta=c.beta, gamma=c.gamma,
             gamma_beta_ratio=c.gamma_beta_ratio, nll_weight=c.nll_weight,
-            chosen_nll=_chosen_nll(lp) if c.nll_weight else None, label_smoothing=c.label_smoothing,
+            chosen_nll=self.chosen_nll(batch, lp) if c.nll_weight else None,
+            label_smoothing=c.label_smoothing, alpha=c.alpha,
         )
 
 
 @register
 class CPO(PairAlgorithm):
+    """TRL's CPOTrainer: summed log-probs for sigmoid / hinge, averaged for ipo and simpo;
+    ``alphapo`` is simpo with nll_weight 0 (TRL's shorthand)."""
+
     name = "cpo"
     Config = CPOConfig
 
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
         c = self.cfg
+        if c.loss_type in ("simpo", "alphapo"):
+            nll_weight = 0.0 if c.loss_type == "alphapo" else c.nll_weight
+            return pl.simpo(
+                lp["chosen_avg"], lp["rejected_avg"], beta=c.beta, gamma=c.simpo_gamma,
+                nll_weight=nll_weight, chosen_nll=self.chosen_nll(batch, lp) if nll_weight else None,
+                label_smoothing=c.label_smoothing, alpha=c.alpha)
         key = "_avg" if c.loss_type == "ipo" else ""
         return pl.cpo(
             lp["chosen" + key], lp["rejected" + key], beta=c.beta, loss_type=c.loss_type,
-            label_smoothing=c.label_smoothing, chosen_nll=_chosen_nll(lp), nll_weight=c.nll_weight,
+            label_smoothing=c.label_smoothing, chosen_nll=self.chosen_nll(batch, lp),
+            nll_weight=c.nll_weight, alpha=c.alpha,
         )
 
 
 @register
 class ORPO(PairAlgorithm):
+    """TRL's ORPOTrainer takes the chosen NLL over every attended token of the chosen row (prompt
+    and answer; ``nll_tokens``), so those positions go through the vocabulary projection too."""
+
     name = "orpo"
     Config = ORPOConfig
 
+    def nll_mask(self, batch):
+        if self.cfg.nll_tokens == "completion":
+            return batch["chosen_loss_mask"]
+        mask = np.array(batch["chosen_attention_mask"], copy=True)
+        mask[:, 0] = 0  # the first token has no prediction
+        return mask
+
+    def prepare(self, batch):
+        if self.cfg.nll_tokens == "completion" or "chosen_loss_mask" not in batch:
+            return super().prepare(batch)
+        nll = self.nll_mask(batch)
+        # project the vocabulary at the NLL tokens; the loss masks stay the completions'
+        prepared = super().prepare(dict(batch, chosen_loss_mask=nll))
+        return dict(prepared, chosen_loss_mask=batch["chosen_loss_mask"], chosen_nll_mask=nll)
+
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
-        return pl.orpo(lp["chosen_avg"], lp["rejected_avg"], _chosen_nll(lp), beta=self.cfg.beta)
+        if self.cfg.nll_tokens == "completion":
+            nll = self.chosen_nll(batch, lp)
+        else:
+            mask = batch["chosen_nll_mask"].astype(jnp.float32)
+            nll = nll_terms(batch, -jnp.sum(lp["chosen_tokens"] * mask, axis=-1), mask.sum(-1))
+        return pl.orpo(lp["chosen_avg"], lp["rejected_avg"], nll, beta=self.cfg.beta)
 
 
 @register
 class KTO(AlgorithmBase):
     """KTO's KL reference point uses mismatched completions: each prompt of the batch with the
     next example's completion (as TRL), built on the host by ``prepare``. Those pairs depend on
-    the shuffled batch, so their reference log-probs cannot be precomputed."""
+    the shuffled batch, so their reference log-probs cannot be precomputed (apo_zero_unpaired
+    has no KL rows: it can)."""
 
     name = "kto"
     Config = KTOConfig
@@ -229,11 +309,19 @@ class KTO(AlgorithmBase):
 
     def setup(self, module):
         super().setup(module)
-        if self.reference_mode == "precompute":
+        if self.reference_mode == "precompute" and self.calculate_kl:
             raise SystemExit("kto: --algo.reference precompute is not supported (the KL pairs are "
-                             "formed within each shuffled batch); use lora_base or copy")
+                             "formed within each shuffled batch); use lora_base or copy, or "
+                             "--algo.loss-type apo_zero_unpaired (no KL pairs)")
+
+    @property
+    def calculate_kl(self) -> bool:
+        """TRL's ``calculate_KL``: apo_zero_unpaired needs no KL rows (z0 = 0)."""
+        return self.cfg.loss_type == "kto"
 
     def prepare(self, batch):
+        if not self.calculate_kl:
+            return super().prepare(batch)
         ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         n, width = ids.shape
         kl_ids = np.zeros_like(ids)
@@ -254,6 +342,11 @@ class KTO(AlgorithmBase):
                                     kl_loss_mask=kl_mask))
 
     def _forward(self, m, batch):
+        if not self.calculate_kl:
+            summed, _, _ = sequence_logps(m, batch["input_ids"], batch["attention_mask"],
+                                          batch["loss_mask"], self.logprob_chunk,
+                                          batch.get("positions"))
+            return summed, None
         cat = lambda k: jnp.concatenate([batch[k], batch[f"kl_{k}"]], axis=0)
         summed, _, _ = sequence_logps(m, cat("input_ids"), cat("attention_mask"),
                                       cat("loss_mask"), self.logprob_chunk,
@@ -264,17 +357,18 @@ class KTO(AlgorithmBase):
     def loss(self, module, batch, reference=None):
         policy, kl_policy = self._forward(module, batch)
         if self.reference_mode == "precompute":
-            ref, kl_ref = batch["ref_logps"], batch["ref_kl_logps"]
+            ref, kl_ref = batch["ref_logps"], batch.get("ref_kl_logps")
         else:
             ref, kl_ref = self.reference(module, reference, lambda m: self._forward(m, batch))
         return pl.kto(
             policy, ref, batch["label"], kl_policy, kl_ref, beta=self.cfg.beta,
             desirable_weight=self.cfg.desirable_weight, undesirable_weight=self.cfg.undesirable_weight,
+            loss_type=self.cfg.loss_type,
         )
 
     def reference_logps(self, module, batch):
         ref, kl_ref = self._forward(module, batch)
-        return {"ref_logps": ref, "ref_kl_logps": kl_ref}
+        return {"ref_logps": ref} if kl_ref is None else {"ref_logps": ref, "ref_kl_logps": kl_ref}
 
 
 @register

@@ -1,11 +1,13 @@
 """Losses: pure functions of arrays. No model, no I/O; imports jax only, nothing of nnx_posttrain.
 
 - :mod:`.sft`: ``sft``, the next-token NLL on the loss tokens;
-- :mod:`.dpo`: ``dpo``, DPO and its family (sigmoid, hinge, ipo, robust, bco_pair, sppo_hard,
-  nca_pair, apo_zero, apo_down, sigmoid_norm, sft and weighted combinations), a table of terms;
+- :mod:`.dpo`: ``dpo``, DPO and its family (every ``loss_type`` of TRL 1.16's DPOTrainer and
+  weighted combinations), f-divergences, WPO's weights, LD-DPO's split; the table of per-pair
+  terms is :mod:`.dpo_terms`;
 - :mod:`.preference`: the reference-free and unpaired preference losses (``simpo``, ``cpo``,
-  ``orpo``, ``kto``) and the Bradley-Terry reward-model loss ``reward_bt``;
-- :mod:`.rl`: online RL advantages and losses (GRPO loss types, RLOO, GAE, PPO);
+  ``orpo``, ``kto``, AlphaPO's rewards) and the Bradley-Terry reward-model loss ``reward_bt``;
+- :mod:`.rl`: online RL advantages (group, GDPO, leave-one-out), whitening, GAE, PPO's rewards
+  and loss; :mod:`.grpo`: GRPO's policy losses (every TRL 1.16 ``loss_type``) and RLOO's;
 - :mod:`.common`: the shared conventions and helpers.
 
 Every loss returns ``(total, weight, metrics)``: ``total`` the loss *summed* over its unit
@@ -18,6 +20,6 @@ import rl``): their functions are not re-exported here, since ``sft`` and ``dpo`
 names of their modules.
 """
 
-from nnx_posttrain.losses import common, dpo, preference, rl, sft
+from nnx_posttrain.losses import common, dpo, dpo_terms, grpo, preference, rl, sft
 
-__all__ = ["common", "dpo", "preference", "rl", "sft"]
+__all__ = ["common", "dpo", "dpo_terms", "grpo", "preference", "rl", "sft"]

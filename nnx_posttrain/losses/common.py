@@ -26,11 +26,20 @@ loss              per-sequence log-probs
 ================  ==========================================================================
 ``dpo``           summed (TRL's DPOTrainer); ``ipo`` and ``sigmoid_norm`` divide by the
                   completion lengths given in ``chosen_lengths`` / ``rejected_lengths``
-``cpo``           summed for ``sigmoid`` / ``hinge``, averaged for ``ipo`` (TRL's CPOTrainer)
+``cpo``           summed for ``sigmoid`` / ``hinge``, averaged for ``ipo`` (and ``simpo``:
+                  :func:`simpo`), as TRL's CPOTrainer
 ``simpo``         averaged
 ``orpo``          averaged
 ``kto``           summed
 ================  ==========================================================================
+
+NLL terms (DPO's ``sft``, CPO's and CPO-SimPO's ``nll_weight``, ORPO's) are TRL's: the token mean
+of the cross-entropy over all the NLL tokens of the batch, -sum_i sum_t logp_it / sum_i T_i, not
+a mean of per-example averages. The losses take it as a per-pair array ``chosen_nll`` whose mean
+over the pairs is the term: :func:`token_mean_terms` turns per-example NLL sums into it, scaled
+by pairs / tokens *of the whole accumulated batch* (computed on the host before the batch is
+split into micro-batches), so the micro-batches' sums still add up to the large-batch token mean
+exactly.
 
 Numerics: everything is computed in float32 with ``log_sigmoid`` / ``softplus`` / ``log1mexp``
 forms, so equal log-probs, huge margins (|x| ~ 1e4) and very negative log-probs give finite
@@ -75,6 +84,22 @@ def _is_python_number(x) -> bool:
 def _lengths(x) -> jax.Array:
     # TRL clamps completion lengths to at least 1 (``mask.sum(dim=1).clamp(min=1.0)``).
     return jnp.maximum(_f32(x), 1.0)
+
+
+def token_mean_terms(nll_sums, nll_tokens=None, scale=None) -> jax.Array:
+    """Per-example NLL sums -> per-pair terms whose mean over the pairs is the token-mean NLL.
+
+        term_i = nll_sum_i * scale,   scale = pairs / tokens of the (whole, accumulated) batch
+
+    so that mean_i term_i = sum_i nll_sum_i / sum_i T_i (TRL's cross-entropy over all the batch's
+    NLL tokens). ``scale`` None: this batch's own, ``len(nll_sums) / sum(nll_tokens)``; pass the
+    whole batch's when ``nll_sums`` is one micro-batch of it (the algorithms compute it on the
+    host: ``nll_scale``), which keeps the accumulated loss exact.
+    """
+    nll_sums = _f32(nll_sums)
+    if scale is None:
+        scale = nll_sums.shape[0] / jnp.maximum(jnp.sum(_f32(nll_tokens)), 1.0)
+    return nll_sums * _f32(scale)
 
 
 def log1mexp(x) -> jax.Array:

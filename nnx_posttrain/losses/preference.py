@@ -4,10 +4,13 @@ Bradley-Terry. Pure JAX functions of arrays; no model, no I/O (DPO and its famil
 Conventions (``(total, weight, metrics)``, which losses take summed and which averaged
 log-probs, numerics): see :mod:`nnx_posttrain.losses.common`.
 
-The definitions were checked against TRL's trainers (DPOTrainer ``loss_type`` branches,
-CPOTrainer ``cpo_loss``, ORPOTrainer ``odds_ratio_loss``, KTOTrainer ``kto_loss``,
-RewardTrainer ``compute_loss``). Where TRL versions differ, the docstring says which one is
-followed and how to get the other.
+The definitions follow TRL 1.16.0: ``trl/experimental/cpo/cpo_trainer.py`` (``CPOTrainer.cpo_loss``,
+``get_batch_loss_metrics``), ``trl/experimental/orpo/orpo_trainer.py`` (``odds_ratio_loss``,
+``concatenated_forward``), ``trl/trainer/kto_trainer.py`` (the ``loss_type`` branches of
+``KTOTrainer._compute_loss``), ``trl/trainer/reward_trainer.py`` (``compute_loss``). Where TRL
+versions differ, the docstring says which one is followed and how to get the other. The NLL
+terms (``chosen_nll``) are per-pair arrays whose mean is the term: TRL's token mean over the
+batch is :func:`nnx_posttrain.losses.common.token_mean_terms` of the per-example NLL sums.
 """
 
 from __future__ import annotations
@@ -27,6 +30,20 @@ from nnx_posttrain.losses.common import (
 )
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+_EXP_MAX = 80.0
+
+
+def alphapo_rewards(logps, alpha) -> jax.Array:
+    """AlphaPO's reward shape ("AlphaPO: Reward Shape Matters for LLM Alignment", Gupta et al.,
+    arXiv:2501.03884): r = (1 - p^(-alpha)) / alpha = -expm1(-alpha log p) / alpha, which tends
+    to log p as alpha -> 0 (returned as is for alpha == 0, TRL's CPOTrainer default). The
+    exponent is capped at 80 so very negative summed log-probs stay finite (TRL overflows)."""
+    logps = _f32(logps)
+    if _is_python_number(alpha) and alpha == 0:
+        return logps
+    alpha = _f32(alpha)
+    return -jnp.expm1(jnp.minimum(-alpha * logps, _EXP_MAX)) / alpha
 
 
 # ----------------------------------------------------------------------------------------------
@@ -34,12 +51,12 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 # ----------------------------------------------------------------------------------------------
 
 
-def _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll):
+def _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll, rc, rr):
     """The common end of SimPO and CPO: the optional NLL term, TRL's metrics (rewards are beta
-    times the policy log-probs), the (sum, weight, metrics) triple."""
+    times the (AlphaPO-shaped) policy log-probs ``rc``, ``rr``), the (sum, weight, metrics)."""
     if uses_nll:
         per_pair = per_pair + _f32(nll_weight) * _f32(chosen_nll)
-    metrics = _pair_metrics(beta * chosen, beta * rejected, chosen, rejected, per_pair)
+    metrics = _pair_metrics(beta * rc, beta * rr, chosen, rejected, per_pair)
     if chosen_nll is not None:
         metrics["nll_loss"] = _mean_metric(jnp.broadcast_to(_f32(chosen_nll), chosen.shape))
     return jnp.sum(per_pair), _count(chosen), metrics
@@ -55,17 +72,21 @@ def simpo(
     nll_weight: float = 0.0,
     chosen_nll=None,
     label_smoothing: float = 0.0,
+    alpha: float = 0.0,
 ):
     r"""SimPO: reference-free, length-normalised logistic loss with a target reward margin.
 
         loss = -(1-eps) log s(z) - eps log s(-z) + nll_weight * chosen_nll,
-        z = beta * (avg log pi(y_c|x) - avg log pi(y_r|x)) - gamma
+        z = beta * (R(y_c) - R(y_r)) - gamma,   R(y) = avg log pi(y|x)
 
     "SimPO: Simple Preference Optimization with a Reference-Free Reward" (Meng, Xia, Chen,
     arXiv:2405.14734), eq. 6. Inputs are *length-averaged* log-probs of the completions. Pure SimPO
     by default (``nll_weight=0``); ``nll_weight > 0`` adds the chosen NLL, which is CPO-SimPO
     (TRL's CPOTrainer with ``loss_type="simpo"`` and ``cpo_alpha > 0``). ``label_smoothing`` is
-    TRL's / the SimPO repo's conservative variant (0 in the paper).
+    TRL's / the SimPO repo's conservative variant (0 in the paper). ``alpha`` != 0 is AlphaPO
+    (:func:`alphapo_rewards`: R = (1 - p^(-alpha)) / alpha of the averaged log-prob; TRL's
+    CPOTrainer ``alpha`` with ``loss_type="simpo"``, or ``"alphapo"``, which also sets
+    ``cpo_alpha=0``).
 
     The margin comes in two parameterisations; give exactly one (both raises ``ValueError``):
 
@@ -95,10 +116,12 @@ def simpo(
         raise ValueError("nll_weight != 0 (CPO-SimPO) needs chosen_nll")
 
     chosen, rejected = _f32(policy_chosen_avg), _f32(policy_rejected_avg)
+    rc, rr = alphapo_rewards(chosen, alpha), alphapo_rewards(rejected, alpha)
     beta = _f32(beta)
-    logits = beta * (chosen - rejected) - _f32(gamma)
+    logits = beta * (rc - rr) - _f32(gamma)
     per_pair = _smoothed_sigmoid(logits, label_smoothing)
-    return _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll)
+    return _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll,
+                           rc, rr)
 
 
 def cpo(
@@ -110,10 +133,11 @@ def cpo(
     label_smoothing: float = 0.0,
     chosen_nll=None,
     nll_weight: float = 1.0,
+    alpha: float = 0.0,
 ):
     r"""CPO: a reference-free DPO-style preference loss plus the NLL of the chosen completion.
 
-        d = log pi(y_c|x) - log pi(y_r|x),   b = beta
+        d = R(y_c) - R(y_r),  R(y) = log pi(y|x) (AlphaPO: (1 - pi^(-alpha)) / alpha),  b = beta
         sigmoid: -(1-eps) log s(b d) - eps log s(-b d)
         hinge:   max(0, 1 - b d)
         ipo:     (d - 1/(2 b))^2
@@ -126,11 +150,12 @@ def cpo(
     ``ipo`` takes *length-averaged* ones (TRL averages for ``ipo`` and ``simpo``). For TRL's
     ``loss_type="simpo"`` use :func:`simpo` with ``nll_weight=cpo_alpha``.
 
-    ``chosen_nll`` is the per-example NLL of the chosen completion (needed unless
-    ``nll_weight == 0``). TRL uses the token-mean cross-entropy over all chosen tokens of the batch;
-    per-example length-averaged NLLs match it when chosen lengths are equal.
+    ``chosen_nll``: the per-pair NLL term of the chosen completion (needed unless ``nll_weight
+    == 0``); TRL's is the token-mean cross-entropy over all chosen completion tokens of the
+    batch: pass :func:`nnx_posttrain.losses.common.token_mean_terms` of the per-example NLL sums.
+    ``alpha`` != 0 reshapes the rewards as AlphaPO (:func:`alphapo_rewards`), as TRL's ``alpha``.
 
-    Metrics as TRL's CPOTrainer: ``rewards/chosen`` = b log pi(y_c|x) (policy only, no reference),
+    Metrics as TRL's CPOTrainer: ``rewards/chosen`` = b R(y_c) (policy only, no reference),
     ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``,
     ``logps/rejected``, ``nll_loss`` (when ``chosen_nll`` is given), ``loss``.
     """
@@ -144,15 +169,17 @@ def cpo(
         raise ValueError("cpo needs chosen_nll unless nll_weight == 0")
 
     chosen, rejected = _f32(policy_chosen), _f32(policy_rejected)
+    rc, rr = alphapo_rewards(chosen, alpha), alphapo_rewards(rejected, alpha)
     beta = _f32(beta)
-    delta = chosen - rejected
+    delta = rc - rr
     if loss_type == "sigmoid":
         per_pair = _smoothed_sigmoid(beta * delta, label_smoothing)
     elif loss_type == "hinge":
         per_pair = jax.nn.relu(1.0 - beta * delta)
     else:  # ipo
         per_pair = jnp.square(delta - 1.0 / (2.0 * beta))
-    return _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll)
+    return _reference_free(per_pair, chosen, rejected, beta, chosen_nll, nll_weight, uses_nll,
+                           rc, rr)
 
 
 def orpo(policy_chosen_avg, policy_rejected_avg, chosen_nll, *, beta: float = 0.1):
@@ -165,12 +192,15 @@ def orpo(policy_chosen_avg, policy_rejected_avg, chosen_nll, *, beta: float = 0.
     "ORPO: Monolithic Preference Optimization without Reference Model" (Hong, Lee, Thorne,
     arXiv:2403.07691), eqs. 4-7 (beta is the paper's lambda). Inputs are *length-averaged*
     log-probs (TRL's ORPOTrainer averages), which are < 0; log(1 - exp(l)) is :func:`log1mexp`,
-    exact near 0 and for very negative l (TRL writes log1p(-exp(l)), which loses precision near 0
-    and gives inf at 0; here an average log-prob of exactly 0 is treated as -1e-12).
+    the same branch at -log 2 as TRL 1.16's ``log1mexp`` (exact near 0 and for very negative l),
+    with one difference: an average log-prob of exactly 0 is treated as -1e-12 (finite, where
+    TRL's gives -inf).
 
-    ``chosen_nll`` is the per-example NLL of the chosen completion; TRL uses the token-mean
-    cross-entropy over the batch's chosen tokens (equal to the mean of per-example averaged NLLs
-    when the chosen lengths are equal).
+    ``chosen_nll``: the per-pair NLL term. TRL's ORPOTrainer takes the token-mean cross-entropy
+    of the chosen rows over *the prompt and the completion* (every attended token, "orpo chosen
+    nll loss is computed over the full prompt and response"): pass
+    :func:`nnx_posttrain.losses.common.token_mean_terms` of the per-example sums over those
+    tokens (the ORPO algorithm does; ``nll_tokens="completion"`` restricts it to the completion).
 
     Metrics as TRL's ORPOTrainer: ``nll_loss``; ``log_odds_ratio`` = mean log s(z) (TRL logs the
     log-sigmoid of the log odds ratio under this name); ``log_odds_chosen`` = mean z;
@@ -206,6 +236,7 @@ def kto(
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
     kl=None,
+    loss_type: str = "kto",
 ):
     r"""KTO: unpaired desirable / undesirable examples against a KL reference point.
 
@@ -231,6 +262,11 @@ def kto(
 
     The paper recommends weights with lambda_D n_D / (lambda_U n_U) in [1, 4/3].
 
+    ``loss_type="apo_zero_unpaired"`` (TRL's KTOTrainer): the unpaired APO-zero loss of "Anchored
+    Preference Optimization and Contrastive Revisions" (arXiv:2408.06266, eq. 7), without a
+    reference point: desirable lambda_D (1 - s(beta rho)), undesirable lambda_U s(beta rho); no
+    KL rows are needed (TRL's ``calculate_KL=False``), z0 is 0.
+
     Metrics: ``kl`` = (z0, 1) per call (TRL logs the per-batch z0 and averages the logged
     values); ``rewards/chosen`` = beta rho over desirable examples, ``rewards/rejected`` over
     undesirable ones, ``logps/chosen``, ``logps/rejected`` likewise (so counts differ: the number
@@ -238,9 +274,13 @@ def kto(
     a count may be 0); ``loss`` over all examples. TRL's ``rewards/margins`` is the difference of
     the two reward means, computed when logging.
     """
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}; expected one of {KTO_LOSS_TYPES}")
     policy, ref = _f32(policy_logps), _f32(ref_logps)
     desirable = (jnp.asarray(labels) > 0).astype(jnp.float32)
     beta = _f32(beta)
+    if loss_type == "apo_zero_unpaired":
+        kl = 0.0
     if kl is None:
         if kl_policy_logps is None and kl_ref_logps is None:
             kl = jnp.zeros((), jnp.float32)
@@ -250,6 +290,8 @@ def kto(
 
     logratios = policy - ref
     # 1 - s(x) = s(-x): no cancellation when s(x) is close to 1.
+    # (1 - s(beta (rho - z0))) and (1 - s(beta (z0 - rho))); apo_zero_unpaired has z0 = 0, the
+    # same expressions as TRL's 1 - s(beta rho) and s(beta rho)
     desirable_loss = jax.nn.sigmoid(-beta * (logratios - kl))
     undesirable_loss = jax.nn.sigmoid(-beta * (kl - logratios))
     per_example = jnp.where(

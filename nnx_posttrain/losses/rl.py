@@ -1,13 +1,19 @@
-"""Online RL losses and advantages: pure functions of arrays. No model, no I/O.
+"""Online RL advantages, whitening, GAE and the PPO loss: pure functions of arrays. No model, no
+I/O. The GRPO-family and RLOO policy losses are in :mod:`.grpo` (re-exported here).
 
 Shapes: ``B`` completions (``num_generations`` consecutive rows per prompt), ``T`` positions.
 Per-token arrays (``logps``, ``old_logps``, ``ref_logps``, ``mask``) are aligned as
 ``model.token_logprobs`` returns them (position t holds log p(x_t | x_<t)); ``mask`` is 1 on the
 completion tokens that carry loss. Losses return ``(total, weight, metrics)`` as every loss of
-:mod:`nnx_posttrain.losses` (see :mod:`nnx_posttrain.losses.common`): summing ``total`` and
-``weight`` over micro-batches before dividing gives the large-batch loss exactly.
+:mod:`nnx_posttrain.losses` (see :mod:`nnx_posttrain.losses.common`).
 
-Definitions follow TRL's GRPOTrainer / RLOOTrainer / PPOTrainer, so metrics are comparable.
+Definitions follow TRL 1.16's GRPOTrainer / RLOOTrainer (``trl/trainer/grpo_trainer.py``,
+``rloo_trainer.py``) and TRL's last PPOTrainer (``trl/experimental/ppo/ppo_trainer.py``, TRL
+0.2x; TRL 1.16 ships no PPO trainer), so metrics are comparable.
+
+Rewards may be NaN: a completion that every reward function declined to score (TRL's
+"unscorable" rows, all functions returned None). NaN rewards are left out of the group
+statistics and get advantage 0, as TRL.
 """
 
 from __future__ import annotations
@@ -15,48 +21,140 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from nnx_posttrain.losses.grpo import (  # noqa: F401  (re-exported: the RL losses in one place)
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    clipped_policy_loss,
+    high_entropy_mask,
+    k3_kl,
+    rloo_loss,
+)
+
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+# ----------------------------------------------------------------------------- NaN-aware stats
+
+
+def _nanmean(x, axis=None, keepdims=False):
+    finite = ~jnp.isnan(x)
+    n = finite.sum(axis=axis, keepdims=keepdims)
+    return jnp.where(finite, x, 0.0).sum(axis=axis, keepdims=keepdims) / jnp.where(n > 0, n, 1)
+
+
+def _nanstd(x, axis=None, keepdims=False):
+    """Unbiased standard deviation ignoring NaNs; NaN with fewer than 2 values (TRL's ``nanstd``,
+    ``trl/trainer/utils.py``)."""
+    finite = ~jnp.isnan(x)
+    n = finite.sum(axis=axis, keepdims=True).astype(jnp.float32)
+    mean = _nanmean(x, axis=axis, keepdims=True)
+    sq = jnp.where(finite, (x - mean) ** 2, 0.0).sum(axis=axis, keepdims=True)
+    std = jnp.where(n > 1, jnp.sqrt(sq / jnp.maximum(n - 1.0, 1.0)), jnp.nan)
+    return std if keepdims else (std.reshape(()) if axis is None else std.squeeze(axis))
+
+
+def _shifted(r, axis=None):
+    """``r`` minus one of its own (finite) values, per ``axis``: the statistics below are computed
+    on the shifted values, so a group of equal rewards is exactly 0 before any mean is taken (a
+    float32 mean of 8 copies of 1000.1 is not 1000.1, and dividing the residue by a std of ~0
+    turned it into advantages of up to 0.5). Shifting changes neither the centred values nor
+    the standard deviation."""
+    shift = jnp.nanmin(r, axis=axis, keepdims=True)
+    return r - jnp.where(jnp.isnan(shift), 0.0, shift)
 
 
 # ----------------------------------------------------------------------------- advantages
 
 
 def group_advantages(rewards, group_size: int, scale_rewards: str = "group", eps: float = 1e-4):
-    """GRPO (Shao et al. 2024, DeepSeekMath) group-relative advantages.
+    """GRPO group-relative advantages (Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3).
 
         A_i = (r_i - mean(r_group)) / (std + eps)
 
     ``scale_rewards``: 'group' divides by the group's standard deviation, 'batch' by the whole
-    batch's, 'none' does not divide (Dr. GRPO, Liu et al. 2025). Standard deviations are unbiased
-    (n - 1), as torch's. A group whose rewards are all equal gets advantage 0 (never NaN).
+    batch's (PPO Lite, arXiv:2508.08221), 'none' does not divide (Dr. GRPO, Liu et al.,
+    arXiv:2503.20783). Standard deviations are unbiased (n - 1), as torch's; eps = 1e-4 as TRL
+    (``GRPOTrainer._generate_and_score_completions``, ``multi_objective_aggregation=
+    "sum_then_normalize"``). A group whose rewards are all equal gets advantage exactly 0, for
+    any values and group sizes (see ``_shifted``); NaN rewards (unscorable completions) are left
+    out of the mean and std and get 0.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     r = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
-    centred = r - r.mean(axis=1, keepdims=True)
+    d = _shifted(r, axis=1)
+    centred = d - _nanmean(d, axis=1, keepdims=True)
     if scale_rewards == "group":
-        centred = centred / (_std(r, axis=1, keepdims=True) + eps)
+        centred = centred / (_nanstd(d, axis=1, keepdims=True) + eps)
     elif scale_rewards == "batch":
-        centred = centred / (_std(r) + eps)
-    return centred.reshape(-1)
+        centred = centred / (_nanstd(_shifted(r)) + eps)
+    # an equal group is exactly 0 above; a group with a single scored completion has NaN std
+    return jnp.nan_to_num(centred.reshape(-1), nan=0.0)
 
 
-def leave_one_out_advantages(rewards, group_size: int):
-    """RLOO (Ahmadian et al. 2024): each completion's baseline is the mean reward of the *other*
-    completions of its prompt.
+def normalize_then_sum_advantages(rewards_per_func, weights, group_size: int, eps: float = 1e-4):
+    """GDPO's multi-reward advantages (TRL's ``multi_objective_aggregation="normalize_then_sum"``;
+    "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL
+    Optimization", arXiv:2601.05242):
+
+        z_ik = (r_ik - mean_group(r_k)) / (std_group(r_k) + eps)      per reward function k
+        s_i  = sum_k w_k z_ik                                           (NaN-ignoring)
+        A_i  = (s_i - mean_batch(s)) / (std_batch(s) + eps)
+
+    ``rewards_per_func`` [B, K] (NaN where a function returned None), ``weights`` [K]. A row that
+    every function left unscored gets advantage 0 (TRL's ``unscorable_mask``).
+    """
+    r = jnp.asarray(rewards_per_func, jnp.float32)
+    k = r.shape[1]
+    grouped = r.reshape(-1, group_size, k)
+    d = _shifted(grouped, axis=1)
+    std = (_nanstd(d, axis=1, keepdims=True) if group_size > 1
+           else jnp.zeros_like(d[:, :1]))
+    z = ((d - _nanmean(d, axis=1, keepdims=True)) / (std + eps)).reshape(-1, k)
+    w = jnp.asarray(weights, jnp.float32)[None, :]
+    s = jnp.where(jnp.isnan(z), 0.0, z * w).sum(axis=1)
+    s = jnp.where(jnp.isnan(r).all(axis=1), jnp.nan, s)
+    ds = _shifted(s)
+    adv = (ds - _nanmean(ds)) / (_nanstd(ds) + eps)
+    return jnp.nan_to_num(adv, nan=0.0)
+
+
+def leave_one_out_advantages(rewards, group_size: int, nan_to_zero: bool = True):
+    """RLOO ("Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+    Feedback in LLMs", Ahmadian et al., arXiv:2402.14740, eq. 6; Kool et al. 2019): each
+    completion's baseline is the mean reward of the *other* completions of its prompt.
 
         A_i = r_i - (sum_j r_j - r_i) / (k - 1)
+
+    As TRL 1.16 (``RLOOTrainer._generate_and_score_completions``): NaN rewards (unscorable) are
+    left out of the sums and the count k, and get advantage 0, as does a completion without a
+    scored sibling (``nan_to_zero=False`` leaves those NaN, for :func:`normalize_advantages`).
     """
     if group_size < 2:
         raise ValueError("RLOO needs at least 2 generations per prompt")
     r = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
-    baseline = (r.sum(axis=1, keepdims=True) - r) / (group_size - 1)
-    return (r - baseline).reshape(-1)
+    scored = (~jnp.isnan(r)).sum(axis=1, keepdims=True).astype(jnp.float32)
+    d = _shifted(r, axis=1)  # equal rewards give exactly 0, as for GRPO
+    total = jnp.where(jnp.isnan(d), 0.0, d).sum(axis=1, keepdims=True)
+    baseline = (total - d) / (scored - 1.0)
+    adv = jnp.where(jnp.isfinite(baseline), d - baseline, jnp.nan).reshape(-1)
+    return jnp.nan_to_num(adv, nan=0.0) if nan_to_zero else adv
+
+
+def normalize_advantages(advantages, eps: float = 1e-4):
+    """RLOO's ``normalize_advantages``: (A - mean) / (std + 1e-4) over the batch (unbiased std,
+    NaN-ignoring), as TRL 1.16's RLOOTrainer."""
+    a = jnp.asarray(advantages, jnp.float32)
+    d = _shifted(a)
+    return jnp.nan_to_num((d - _nanmean(d)) / (_nanstd(d) + eps), nan=0.0)
 
 
 def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
-    """(x - mean) / std over the entries where ``mask`` is 1 (all when None); unbiased variance."""
+    """(x - mean) * rsqrt(var + eps) over the entries where ``mask`` is 1 (all when None);
+    unbiased variance. ``shift_mean=False`` adds the mean back (only the scale changes). TRL's
+    ``masked_whiten`` (PPO: advantages, and rewards with ``whiten_rewards``)."""
     x = jnp.asarray(values, jnp.float32)
     m = jnp.ones_like(x) if mask is None else mask.astype(jnp.float32)
     n = jnp.maximum(m.sum(), 1.0)
@@ -66,8 +164,44 @@ def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
     return out if shift_mean else out + mean
 
 
+def kl_penalty(logps, ref_logps, estimator: str = "k1"):
+    """Per-token KL(pi || ref) estimate of PPO's reward penalty (Schulman, "Approximating KL
+    Divergence", http://joschu.net/blog/kl-approx.html), as TRL's PPOTrainer ``kl_estimator``:
+
+        k1 = log pi - log pi_ref                       unbiased, can be negative
+        k3 = (r - 1) - log r,  r = pi_ref / pi         unbiased, >= 0, lower variance
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    logr = ref_logps - logps
+    return -logr if estimator == "k1" else jnp.expm1(logr) - logr
+
+
+def ppo_rewards(scores, logps, ref_logps, mask, *, kl_coef: float = 0.05,
+                kl_estimator: str = "k1"):
+    """PPO's per-token rewards (Ziegler et al., arXiv:1909.08593; TRL's ``PPOTrainer.train``,
+    "4. compute rewards"): -kl_coef * kl_t on every completion token, plus the sequence's score on
+    its last completion token (TRL puts it one position later, on the first padding position,
+    which ``whiten_rewards`` then also covers; here the score sits on the last token the policy
+    produced and whitening covers the completion tokens). ``ref_logps`` None: no KL. Returns
+    (rewards [B, T], kl [B, T] masked)."""
+    m = jnp.asarray(mask, jnp.float32)
+    if ref_logps is None:
+        kl = jnp.zeros_like(m)
+    else:
+        kl = kl_penalty(jnp.asarray(logps, jnp.float32), jnp.asarray(ref_logps, jnp.float32),
+                        kl_estimator) * m
+    rewards = -kl_coef * kl
+    width = m.shape[1]
+    last = jnp.maximum(width - 1 - jnp.argmax(m[:, ::-1], axis=1), 0)
+    score = jnp.asarray(scores, jnp.float32) * (m.sum(axis=1) > 0)
+    rewards = rewards.at[jnp.arange(m.shape[0]), last].add(score)
+    return rewards, kl
+
+
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
-    """Generalised advantage estimation (Schulman et al. 2016) over the masked positions.
+    """Generalised advantage estimation (Schulman et al., arXiv:1506.02438) over the masked
+    positions.
 
         delta_t = r_t + gamma * V_{t+1} - V_t;   A_t = delta_t + gamma * lam * A_{t+1}
 
@@ -89,79 +223,14 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
     return adv, adv + v
 
 
-# ----------------------------------------------------------------------------- losses
-
-
-def k3_kl(logps, ref_logps):
-    """Per-token KL(pi || ref) estimate of Schulman (k3): exp(ref - logp) - (ref - logp) - 1 >= 0."""
-    d = ref_logps - logps
-    return jnp.exp(d) - d - 1.0
-
-
-def clipped_policy_loss(logps, old_logps, advantages, mask, *, epsilon: float = 0.2,
-                        epsilon_high: float | None = None, beta: float = 0.0, ref_logps=None,
-                        loss_type: str = "grpo", max_completion_length: int | None = None,
-                        entropies=None):
-    """GRPO's clipped surrogate with an optional KL penalty (and RLOO's, with its advantages).
-
-        ratio_t = exp(logp_t - old_logp_t)
-        l_t = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3_t
-
-    ``loss_type`` chooses the aggregation over tokens (TRL's names):
-    - 'grpo': each sequence's token mean, then the mean over sequences (Shao et al. 2024);
-    - 'bnpo': the token mean of each micro-batch, averaged over micro-batches;
-    - 'dr_grpo': the token sum divided by (sequences x ``max_completion_length``) (Liu et al. 2025);
-    - 'dapo': the token mean over the whole (accumulated) batch (Yu et al. 2025).
-    With one optimisation iteration per generation, pass ``old_logps = stop_gradient(logps)``:
-    the ratio is 1 and the gradient is the plain policy gradient.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    eps_low = epsilon
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    m = mask.astype(jnp.float32)
-    adv = advantages[:, None].astype(jnp.float32)
-    ratio = jnp.exp(logps - old_logps)
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = -jnp.minimum(ratio * adv, clipped * adv)
-    tokens = m.sum()
-    metrics = {}
-    if beta:
-        kl = k3_kl(logps, ref_logps)
-        per_token = per_token + beta * kl
-        metrics["kl"] = ((kl * m).sum(), tokens)
-    elif ref_logps is not None:
-        metrics["kl"] = ((k3_kl(logps, ref_logps) * m).sum(), tokens)
-    masked = per_token * m
-    rows = jnp.asarray(m.shape[0], jnp.float32)
-    if loss_type == "grpo":
-        total, weight = (masked.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum(), rows
-    elif loss_type == "bnpo":
-        total, weight = masked.sum() / jnp.maximum(tokens, 1.0), jnp.ones((), jnp.float32)
-    elif loss_type == "dr_grpo":
-        if not max_completion_length:
-            raise ValueError("dr_grpo needs max_completion_length")
-        total, weight = masked.sum(), rows * max_completion_length
-    else:  # dapo
-        total, weight = masked.sum(), tokens
-    low = ((ratio < 1.0 - eps_low) & (adv < 0)).astype(jnp.float32) * m
-    high = ((ratio > 1.0 + eps_high) & (adv > 0)).astype(jnp.float32) * m
-    metrics.update({
-        "loss": (total, weight),
-        "clip_ratio/low_mean": (low.sum(), tokens),
-        "clip_ratio/high_mean": (high.sum(), tokens),
-        "clip_ratio/region_mean": ((low + high).sum(), tokens),
-    })
-    if entropies is not None:
-        metrics["entropy"] = ((entropies * m).sum(), tokens)
-    return total, weight, metrics
+# ----------------------------------------------------------------------------- PPO
 
 
 def ppo_loss(logps, old_logps, advantages, returns, values, old_values, mask, *,
              cliprange: float = 0.2, cliprange_value: float = 0.2, vf_coef: float = 0.1,
              entropies=None):
-    """PPO (Schulman et al. 2017) with a clipped value loss, as in TRL's PPOTrainer; token means
-    over the (accumulated) batch.
+    """PPO (Schulman et al., arXiv:1707.06347) with a clipped value loss, as TRL's PPOTrainer
+    (``PPOTrainer.train``); token means over the (accumulated) batch.
 
         pg_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - c, 1 + c))
         vf_t = 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old - c_v, V_old + c_v) - R_t)^2)
@@ -192,10 +261,3 @@ def ppo_loss(logps, old_logps, advantages, returns, values, old_values, mask, *,
     if entropies is not None:
         metrics["policy/entropy_avg"] = ((entropies * m).sum(), tokens)
     return total, tokens, metrics
-
-
-def _std(x, axis=None, keepdims=False):
-    n = x.size if axis is None else x.shape[axis]
-    mean = x.mean(axis=axis, keepdims=True)
-    var = ((x - mean) ** 2).sum(axis=axis, keepdims=keepdims) / max(n - 1, 1)
-    return jnp.sqrt(var)

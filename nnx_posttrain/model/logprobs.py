@@ -31,7 +31,8 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None):
 
 
 def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_entropy=False,
-                   segment_ids=None, temperature: float = 1.0, positions=None):
+                   segment_ids=None, temperature: float = 1.0, positions=None,
+                   with_log_sum_sq=False):
     """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length].
 
     Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
@@ -46,10 +47,13 @@ def token_logprobs(module, token_ids, padding_mask, chunk_size: int = 128, with_
     those positions, the ones that carry loss: the others come back as 0. The projection is the
     largest matmul of a small model; a preference pair's prompt needs none (TRL's fused LM head
     does the same).
+
+    ``with_log_sum_sq`` also returns log sum_v p(v | x_<t)^2 per position, without gradient (WPO's
+    weights; TRL's fused LM head output ``log_sum_sq_probs``), last in the returned tuple.
     """
     h = hidden_states(module, token_ids, padding_mask, segment_ids)
     return logprobs_from_hidden(module, h, token_ids, chunk_size, with_entropy, temperature,
-                                positions)
+                                positions, with_log_sum_sq)
 
 
 def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
@@ -74,7 +78,7 @@ def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
 
 
 def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entropy=False,
-                         temperature: float = 1.0, positions=None):
+                         temperature: float = 1.0, positions=None, with_log_sum_sq=False):
     """``token_logprobs`` from the final hidden states ``h`` [batch, length, width] (for models
     that read the hidden states twice, e.g. a policy with a value head)."""
     batch, full_length = token_ids.shape
@@ -102,15 +106,18 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entro
         log_z = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
         logp = picked - log_z
+        zeros = jnp.zeros_like(logp)
+        lss = (jax.lax.stop_gradient(jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * log_z)
+               if with_log_sum_sq else zeros)
         if not with_entropy:
-            return logp, jnp.zeros_like(logp)
+            return logp, zeros, lss
         probs = jax.nn.softmax(logits, axis=-1)
         entropy = log_z - jnp.sum(probs * logits, axis=-1)
-        return logp, entropy
+        return logp, entropy, lss
 
     if chunk_size > 0:  # recomputed in the backward pass: one chunk of logits alive at a time
         one_chunk = jax.checkpoint(one_chunk)
-    logp, entropy = jax.lax.map(one_chunk, (h, targets))
+    logp, entropy, lss = jax.lax.map(one_chunk, (h, targets))
 
     def unchunk(x):
         x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
@@ -119,9 +126,9 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entro
         rows = jnp.arange(batch)[:, None]
         return jnp.zeros((batch, full_length), x.dtype).at[rows, positions].set(x, mode="drop")
 
-    if with_entropy:
-        return unchunk(logp), unchunk(entropy)
-    return unchunk(logp)
+    out = (unchunk(logp),) + ((unchunk(entropy),) if with_entropy else ())
+    out += (unchunk(lss),) if with_log_sum_sq else ()
+    return out if len(out) > 1 else out[0]
 
 
 def full_logits(module, token_ids, padding_mask):

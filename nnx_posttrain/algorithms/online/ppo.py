@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,10 @@ class PPOConfig(SamplingConfig):
     vf_coef: float = 0.1
     kl_coef: float = 0.05
     """Per-token KL penalty in the reward."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """Per-token KL estimate in the reward: k1 = log pi - log pi_ref, k3 = (r - 1) - log r (r = pi_ref / pi; >= 0, lower variance)."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards (scale only, the mean kept) over the completion tokens before GAE."""
     whiten_advantages: bool = True
     missing_eos_penalty: float | None = None
     """Subtracted from the score of a completion with no stop token."""
@@ -65,17 +70,18 @@ class PPO(OnlineAlgorithm):
         scores = scores.astype(np.float32)
         if c.missing_eos_penalty is not None:
             scores = scores - c.missing_eos_penalty * (~finished)
-        per_token = np.zeros_like(mask)
         metrics = {"objective/scores": float(scores.mean())}
-        if self.reference_mode is not None:
-            ref = rollouts.logps(batch, state, False, True)["ref_logps"]
-            kl = (old_logps - ref) * mask
-            per_token -= c.kl_coef * kl
+        ref = (rollouts.logps(batch, state, False, True)["ref_logps"]
+               if self.reference_mode is not None else None)
+        per_token, kl = (np.asarray(x) for x in rl.ppo_rewards(
+            scores, old_logps, ref, mask, kl_coef=c.kl_coef, kl_estimator=c.kl_estimator))
+        if ref is not None:
             metrics["objective/kl"] = float(kl.sum(axis=1).mean())
-            metrics["objective/non_score_reward"] = float(per_token.sum(axis=1).mean())
-        last = np.maximum(mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
-        per_token[np.arange(len(scores)), last] += scores * (mask.sum(axis=1) > 0)
+            metrics["objective/non_score_reward"] = float(-c.kl_coef * kl.sum(axis=1).mean())
         metrics["objective/rlhf_reward"] = float(per_token.sum(axis=1).mean())
+        if c.whiten_rewards:  # TRL's masked_whiten(rewards, shift_mean=False)
+            per_token = np.asarray(rl.whiten(jnp.asarray(per_token), jnp.asarray(mask),
+                                             shift_mean=False)) * mask
         adv, returns = rl.gae(jnp.asarray(per_token), jnp.asarray(old_values), jnp.asarray(mask),
                               c.gamma, c.lam)
         if c.whiten_advantages:

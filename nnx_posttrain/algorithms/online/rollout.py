@@ -140,6 +140,7 @@ class Rollouts:
                                           algorithm.prompts_per_step(b.batch_size), cfg.seed,
                                           b.shuffle, b.num_workers)
         self.current, self.since_log, self.truncated = None, [], 0
+        self.rewards_per_func = None  # of the latest rollout (for make_batch)
 
     # -- the batch source
 
@@ -246,6 +247,7 @@ class Rollouts:
             applies = per_fn[:, j][np.isfinite(per_fn[:, j])]
             metrics[f"rewards/{name}/mean"] = float(applies.mean()) if len(applies) else np.nan
             metrics[f"rewards/{name}/std"] = float(applies.std()) if len(applies) else np.nan
+        self.rewards_per_func = per_fn  # [B, functions], NaN where a function returned None
         total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
         groups = total.reshape(-1, self.algorithm.cfg.num_generations)
         metrics["reward"] = float(total.mean())
