@@ -26,6 +26,9 @@ class Absent:  # every finder answers 'not found' for TensorFlow, as where it is
 sys.meta_path[:] = [Absent(f) for f in sys.meta_path]
 import importlib.util
 assert importlib.util.find_spec("tensorflow") is None
+"""
+
+TRAIN = ABSENT + """
 sys.argv = ["experiments.sft", *sys.argv[1:]]
 import runpy
 try:
@@ -40,13 +43,38 @@ def test_trains_without_tensorflow(tmp_path):
     run_dir = tmp_path / "run"
     # NNX_POSTTRAIN_TENSORFLOW=1 lifts the package's own guard: only real absence is left
     env = dict(os.environ, PYTHONPATH=str(ROOT), NNX_POSTTRAIN_TENSORFLOW="1")
-    out = subprocess.run([sys.executable, "-c", ABSENT, *MICRO, "--run-dir", str(run_dir),
+    out = subprocess.run([sys.executable, "-c", TRAIN, *MICRO, "--run-dir", str(run_dir),
                           "--steps", "2", "--batching.batch-size", "4", "--eval.batches", "1",
                           "--eval.exact-match", "4", "--eval.every", "0", "--log-every", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TENSORFLOW MODULES []" in out.stdout
     assert [r["step"] for r in records(run_dir)] == [1, 2]
+
+
+BPE = ABSENT + """
+import nnx_posttrain, keras_hub
+from nnx_posttrain.model.load import Tokenizer
+vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3, "\u0120": 4, "\u0120a": 5, "<|im_end|>": 6,
+         "<|begin_of_text|>": 7, "<|end_of_text|>": 8, "<|start_header_id|>": 9,
+         "<|end_header_id|>": 10, "<|eot_id|>": 11}
+merges = ["a b", "\u0120 a"]
+for cls in (keras_hub.models.QwenTokenizer, keras_hub.models.Llama3Tokenizer):
+    tok = Tokenizer(cls(vocabulary=vocab, merges=merges))
+    assert tok.encode("ab a") == [3, 5], tok.encode("ab a")
+    assert tok.decode([3, 5]) == "ab a", repr(tok.decode([3, 5]))
+print("BPE OK", sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+"""
+
+
+def test_bpe_tokenizers_without_tensorflow():
+    """Llama 3 and Qwen's byte-pair tokenizers (KerasHub's, no SentencePiece fast path) encode
+    and decode without TensorFlow (KerasHub then returns str, not a tensor of bytes)."""
+    out = subprocess.run([sys.executable, "-c", BPE], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), NNX_POSTTRAIN_TENSORFLOW="1"),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "BPE OK []" in out.stdout
 
 
 def test_the_package_does_not_import_tensorflow():
