@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -50,9 +51,10 @@ def measure(name: str, command: str, venv: Path) -> dict:
     env.pop("PYTHONPATH", None)
     subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "--upgrade", "pip"], env=env,
                    check=True)  # as .ci/run does, not timed
-    start = time.perf_counter()
+    cpu = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))
+    start, cpu_start = time.perf_counter(), cpu()
     out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, cpu() - cpu_start
     if out.returncode:
         raise SystemExit(f"{name}: {command} failed:\n{out.stderr[-3000:]}")
     probe = json.loads(subprocess.run([str(venv / "bin" / "python"), "-c", PROBE], env=env,
@@ -61,6 +63,7 @@ def measure(name: str, command: str, venv: Path) -> dict:
         [str(venv / "bin" / "pip"), "list", "--format", "json"], env=env, capture_output=True,
         text=True, check=True).stdout))
     return {"variant": name, "command": command, "seconds": round(seconds, 1),
+            "cpu_seconds": round(cpu_seconds, 1), "load_before": os.getloadavg()[0],
             "bytes": _size(venv), "packages": packages, **probe}
 
 
@@ -78,13 +81,16 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(venv, ignore_errors=True)
     rows = [[r["variant"], f"`{r['command']}`", f"{r['bytes'] / 1e9:.2f} GB", str(r["packages"]),
-             f"{r['seconds']:.0f} s", "yes" if r["tensorflow"] else "no"] for r in results]
+             f"{r['seconds']:.0f} s", f"{r['cpu_seconds']:.0f} s",
+             "yes" if r["tensorflow"] else "no"] for r in results]
     readme.record("install", "python -m tools.install_size",
                   ["install", "command (in a fresh venv)", "environment size", "packages",
-                   "install time", "TensorFlow installed"], rows,
+                   "install time (wall)", "install CPU time", "TensorFlow installed"], rows,
                   notes=["One measurement each, pip's cache off (every wheel downloaded or read "
-                         "from the local package mirror again), on a shared machine: the times "
-                         "are indicative, the sizes exact."],
+                         "from the local package mirror again), one after the other on a machine "
+                         "shared with other jobs: the sizes are exact, the times indicative (the "
+                         "CPU time, pip's own work, is less sensitive to the load than the wall "
+                         "time)."],
                   data={"results": results})
     return 0
 
