@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import tyro
+
+from nnx_posttrain import config_files
 
 
 @dataclasses.dataclass
@@ -144,9 +147,9 @@ class Config:
     model: str = "gemma_tiny"
     """Model: built-in config (gemma_tiny, gemma2_tiny, gemma_micro), short name (gemma_2b, llama3_8b, ...), KerasHub preset or kaggle:// / hf:// handle, or a local preset / Hugging Face directory."""
     data: str = "builtin"
-    """Training data: 'builtin' (the arithmetic task) or a .jsonl file."""
+    """Training data: 'builtin' (the arithmetic task); a .jsonl, .parquet or .arrow file; a glob of them ('data/train-*.parquet'); a Hugging Face datasets directory (save_to_disk) or a downloaded Hub dataset folder of Parquet shards; hf://ORG/NAME[:SPLIT] (a Hub dataset, through the local Hub cache); several, comma-separated, concatenated (a,b) or mixed with weights (a:0.7,b:0.3)."""
     eval_data: str | None = None
-    """Held-out data (.jsonl); default: the built-in task's eval split when --data builtin, else none."""
+    """Held-out data, any source --data takes (a directory or hf:// dataset gives its eval / validation / test split); default: the built-in task's eval split when --data builtin, else none."""
     init_from: str | None = None
     """Start from the weights of this run directory's latest checkpoint (e.g. runs/sft) instead of the model's own."""
     run_dir: str = ""
@@ -165,6 +168,10 @@ class Config:
     """Log training metrics every this many steps."""
     logprob_chunk: int = 128
     """Sequence positions per chunk when computing log-probs (bounds the logits in memory); 0: the whole sequence at once, no recomputation."""
+    report_to: str = "tensorboard,jsonl"
+    """Where metrics go, comma-separated: tensorboard (runs/<name>/tb), jsonl (metrics.jsonl, completions.jsonl), wandb (Weights & Biases: WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline), or none."""
+    config: str | None = None
+    """YAML or JSON file of option values (configs/*.yaml, or a run's config.json); options on the command line override it."""
     remat: Literal["none", "blocks"] = "none"
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -201,14 +208,32 @@ class Config:
         if self.log_every <= 0:
             problems.append("--log-every must be positive")
         problems.extend(self.mesh.problems())
+        problems.extend(report_problems(self.report_to))
         if problems:
             raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
         return self
 
 
-def parse(default: Config, args: list[str] | None = None, description: str | None = None) -> Config:
-    """Command line -> Config, starting from an experiment's defaults."""
-    cfg = tyro.cli(type(default), default=default, args=args, description=description)
+REPORT_TO = ("tensorboard", "jsonl", "wandb", "none")
+
+
+def report_problems(report_to: str) -> list[str]:
+    names = [x.strip() for x in report_to.split(",") if x.strip()]
+    bad = [x for x in names if x not in REPORT_TO]
+    if bad or not names or ("none" in names and len(names) > 1):
+        return [f"--report-to must be a comma-separated list of {', '.join(REPORT_TO[:3])} (or "
+                f"none alone), got {report_to!r}"]
+    return []
+
+
+def parse(default: Config, args: list[str] | None = None, description: str | None = None,
+          prog: str | None = None) -> Config:
+    """Command line -> Config, starting from an experiment's defaults; ``--config FILE`` replaces
+    those defaults by the file's values first (``config_files``), so flags override the file."""
+    path, args = config_files.split_arg(sys.argv[1:] if args is None else list(args))
+    if path is not None:
+        default = dataclasses.replace(config_files.apply(default, path), config=path)
+    cfg = tyro.cli(type(default), default=default, args=args, description=description, prog=prog)
     return cfg.validate()
 
 

@@ -50,12 +50,15 @@ def config_for(algorithm, **overrides) -> config_lib.Config:
     return base
 
 
-def main(name: str, algorithm, default: config_lib.Config, doc: str | None = None, args=None):
+def main(name: str, algorithm, default: config_lib.Config, doc: str | None = None, args=None,
+         prog: str | None = None):
     """Parse the command line and run. Errors in the user's input (data, model, checkpoint) end
-    the program with their message, not a traceback."""
+    the program with their message, not a traceback. ``prog``: the command shown by ``--help``
+    (default ``python -m experiments.<name>``)."""
     from nnx_posttrain import checkpoint, data, model
 
-    cfg = config_lib.parse(default, args=args, description=doc)
+    cfg = config_lib.parse(default, args=args, description=doc,
+                           prog=prog or f"python -m experiments.{name}")
     try:
         return train.run(cfg, algorithm(cfg.algo, cfg.logprob_chunk), experiment=name)
     except (data.DataError, model.ModelLoadError, checkpoint.CheckpointMismatchError) as exc:

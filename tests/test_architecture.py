@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nnx_posttrain"
 # own layer and below; the shared modules (config, chat, sharding, checkpoint, metrics_log) are
 # below everything; tasks (the built-in task) and runs sit above algorithms, below train.
 LAYERS = [
-    {"config", "chat", "metrics_log"},
+    {"config", "config_files", "chat", "metrics_log"},
     {"sharding"},
     {"model"},
     {"checkpoint"},

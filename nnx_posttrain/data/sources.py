@@ -5,7 +5,7 @@
 - a Hugging Face ``datasets`` directory (what ``Dataset.save_to_disk`` writes: ``state.json`` and
   Arrow IPC stream files ``data-*.arrow``), memory-mapped with pyarrow (no ``datasets`` needed);
   a ``DatasetDict`` directory gives the split asked for;
-- ``builtin``: the built-in task, whatever ``register_builtin`` registered.
+- ``builtin``: the built-in task (``register_builtin``); hf://, Parquet folders, globs: ``hub``.
 
 ``--data a.jsonl,b.parquet`` concatenates files; ``--data a.jsonl:0.7,b.jsonl:0.3`` mixes them with
 these weights (deterministically, with ``grain.MapDataset.mix``). Every record carries ``_where``
@@ -23,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from nnx_posttrain.data import hub
 from nnx_posttrain.data.errors import DataError
 
 # Names tried, in order, for a split of a Hugging Face DatasetDict directory.
@@ -385,6 +386,9 @@ def _weighted(part: str) -> tuple[str, float | None]:
 def _one_source(spec: str, split: str, builtin: str = "sft"):
     if spec == "builtin":
         return ListSource(_builtin_provider()(builtin, split), f"builtin:{builtin}:{split}")
+    if (found := hub.files(spec, split)) is not None:  # hf://, a folder of Parquet shards, a glob
+        parts = [_one_source(str(f), split, builtin) for f in found]
+        return parts[0] if len(parts) == 1 else Concat(parts)
     path = Path(spec)
     if path.is_dir():
         return ArrowSource(_dataset_dir(path, split))
@@ -397,8 +401,8 @@ def _one_source(spec: str, split: str, builtin: str = "sft"):
     if not path.suffix and not path.exists():
         raise DataError(f"{spec}: no such data file or directory")
     raise DataError(
-        f"{spec}: unsupported data file (expected 'builtin', a .jsonl, .parquet or .arrow file, or a "
-        "Hugging Face datasets directory)"
+        f"{spec}: unsupported data file (expected 'builtin', a .jsonl, .parquet or .arrow file, a "
+        "Hugging Face datasets directory or Parquet folder, a glob, or hf://ORG/NAME)"
     )
 
 

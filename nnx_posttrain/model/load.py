@@ -104,7 +104,10 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         if self._sp is not None:
             return self._sp.decode(ids)
-        return str(keras.ops.convert_to_numpy(self.keras_tokenizer.detokenize(ids)).item().decode())
+        out = self.keras_tokenizer.detokenize(ids)  # a str without TensorFlow, else a tensor
+        if not isinstance(out, str):
+            out = keras.ops.convert_to_numpy(out).item()
+        return out.decode() if isinstance(out, bytes) else str(out)
 
     def token_id(self, piece: str) -> int | None:
         """Id of a single special piece (e.g. '<end_of_turn>'), or None if it is not one token."""

@@ -1,14 +1,22 @@
-"""Evaluation during a run: the algorithm's loss on held-out batches, and exact match of greedy
-answers to held-out prompts (for algorithms whose module is a language model)."""
+"""Evaluation during a run: the algorithm's loss on held-out batches, exact match of greedy
+answers to held-out prompts (for algorithms whose module is a language model), and for online
+methods the held-out **reward** (the run's reward functions applied to the greedy completions of
+the held-out prompts).
+
+Every evaluation keeps its completions (``Evaluator.completions``: prompt, greedy completion,
+reference answer, score; and the rewards for online methods), which the loop logs to
+``completions.jsonl`` and TensorBoard text, as TRL's ``log_completions``.
+"""
 
 from __future__ import annotations
 
 import math
 
 import jax
+import numpy as np
 
-from nnx_posttrain import data
-from nnx_posttrain.sampling import generate
+from nnx_posttrain import chat, data
+from nnx_posttrain.sampling import generate, sampler
 from nnx_posttrain.train.mesh import shard_batch
 from nnx_posttrain.train.step import _sum_tree, metric_means
 
@@ -16,23 +24,30 @@ from nnx_posttrain.train.step import _sum_tree, metric_means
 class Evaluator:
     """``evaluator(params, frozen) -> {metric: value}`` ({} when there is no eval data)."""
 
-    def __init__(self, run, algorithm, loss_batches: list[dict], eval_step, mesh, states):
+    def __init__(self, run, algorithm, loss_batches: list[dict], eval_step, mesh, states,
+                 source=None):
         """``loss_batches``: prepared held-out batches (``Inputs.eval``); ``eval_step``: the
         jitted ``step.make_eval_step``; ``states``: (params, frozen model) to build the greedy
-        decoder's graph from."""
+        decoder's graph from; ``source``: the training batch source, whose ``score`` (the
+        rollout engine's reward functions, online methods) gives the held-out reward."""
         self.run, self.algorithm, self.eval_step, self.mesh = run, algorithm, eval_step, mesh
         self.batches = loss_batches
         self.enabled = run.eval_src is not None
         cfg = run.cfg
-        self.pairs, self.greedy = [], None
+        self.pairs, self.greedy, self.completions = [], None, []
+        self.scorer = getattr(source, "score", None) if algorithm.generates else None
         if self.enabled and algorithm.generates and cfg.eval.exact_match:
-            self.pairs = data.prompts_and_answers(run.eval_src, run.lm.chat_format,
-                                                  cfg.eval.exact_match)
+            if self.scorer is not None:  # every held-out prompt, answered or not: (segs, ref, index)
+                self.pairs = held_out_prompts(run.eval_src, run.lm.chat_format, cfg.eval.exact_match)
+            else:
+                self.pairs = [(segs, ref, None) for segs, ref in data.prompts_and_answers(
+                    run.eval_src, run.lm.chat_format, cfg.eval.exact_match)]
             graphdef = algorithm.policy_view(run.graphdef, *states)[0]
             self.greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
         self.is_nll = algorithm.data_kind == "sft"  # SFT's loss is the mean NLL per token
 
     def __call__(self, params, frozen) -> dict:
+        self.completions = []
         if not self.enabled:
             return {}
         sums = None
@@ -46,9 +61,80 @@ class Evaluator:
             result = {k: float(v) for k, v in metric_means(metrics).items()}
         if self.pairs:
             states = self.algorithm.policy_view(self.run.graphdef, params, frozen["model"])[1]
-            accuracy, _ = generate.exact_match(self.run.lm, self.greedy, states, self.pairs,
-                                               self.run.cfg.eval.max_new_tokens)
-            result["exact_match"] = accuracy
+            result.update(self._generate(states))
         if self.is_nll and math.isfinite(result["loss"]):
             result["perplexity"] = math.exp(min(result["loss"], 50.0))
         return result
+
+    def _generate(self, states) -> dict:
+        """Greedy answers to the held-out prompts: exact match, the held-out reward (online
+        methods), and the completion rows to log."""
+        lm, max_new = self.run.lm, self.run.cfg.eval.max_new_tokens
+        prompts = [generate.encode_prompt(lm, segs) for segs, _, _ in self.pairs]
+        rows = [{"prompt": "".join(text for text, _ in segs), "reference": ref}
+                for segs, ref, _ in self.pairs]
+        out = {}
+        if self.scorer is None:
+            accuracy, texts = generate.exact_match(lm, self.greedy, states,
+                                                   [(s, r) for s, r, _ in self.pairs], max_new)
+            out["exact_match"] = accuracy
+        else:
+            texts, ids = _greedy_with_ids(lm, self.greedy, states, prompts)
+            index = np.asarray([i for _, _, i in self.pairs])
+            total, per_fn = self.scorer(self.run.eval_src, index, *ids, texts)
+            for j, row in enumerate(rows):
+                row["reward"] = float(total[j])
+                row.update({f"rewards/{name}": float(v[j]) for name, v in per_fn.items()})
+            out["reward"] = float(np.mean(total))
+            for name, values in per_fn.items():
+                applies = values[np.isfinite(values)]
+                out[f"rewards/{name}/mean"] = float(applies.mean()) if len(applies) else math.nan
+            answered = [c.strip() == r.strip() for c, (_, r, _) in zip(texts, self.pairs)
+                        if isinstance(r, str)]
+            if answered:
+                out["exact_match"] = float(np.mean(answered))
+        for row, text in zip(rows, texts):
+            row["completion"] = text
+            if isinstance(row["reference"], str):
+                row["score"] = float(text.strip() == row["reference"].strip())
+        self.completions = rows
+        return out
+
+
+def held_out_prompts(src, chat_format: str, limit: int) -> list[tuple[list, str | None, int]]:
+    """(prompt segments, reference answer or None, record index) of the first ``limit`` held-out
+    records that have a ``prompt`` (a string or a conversation); the reference is the ``answer``
+    column, as exact match reads it for prompt-only data."""
+    out = []
+    for i in range(len(src)):
+        if len(out) >= limit:
+            break
+        record = src[i]
+        prompt = record.get("prompt")
+        if prompt is None:
+            continue
+        segs = (chat.render(prompt, chat_format, add_generation_prompt=True)
+                if isinstance(prompt, list) else [(prompt, False)])
+        answer = record.get("answer")
+        out.append((segs, answer if isinstance(answer, str) else None, i))
+    return out
+
+
+def _greedy_with_ids(lm, greedy, states, prompts: list[list[int]], batch_size: int = 64):
+    """Greedy completions (text) and (prompt ids, prompt mask, completion ids, completion mask),
+    batched as ``sampler.sample_ids`` does (one prompt width, fixed batch shape)."""
+    stops = np.asarray(sampler.stop_ids(lm), np.int32)
+    batch_size = min(batch_size, len(prompts))
+    width = -(-max(len(p) for p in prompts) // 16) * 16
+    texts, parts = [], []
+    for b, start in enumerate(range(0, len(prompts), batch_size)):
+        chunk = prompts[start:start + batch_size]
+        count = len(chunk)
+        ids, mask = sampler.pad_prompts(chunk + [chunk[-1]] * (batch_size - count),
+                                        lm.tokenizer.pad_id, bucket=width)
+        result = jax.device_get(greedy(tuple(states), ids, mask,
+                                       jax.random.fold_in(jax.random.key(0), b), 0.0, 1.0, stops))
+        texts += sampler.decode_completions(lm, result, stops)[:count]
+        parts.append((ids[:count], mask[:count], np.asarray(result["completion_ids"])[:count],
+                      np.asarray(result["completion_mask"]).astype(np.int32)[:count]))
+    return texts, tuple(np.concatenate(arrays) for arrays in zip(*parts))

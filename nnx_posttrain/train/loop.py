@@ -88,9 +88,10 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     )
     evaluator = Evaluator(ctx, algorithm, inputs.eval,
                           jax.jit(step_lib.make_eval_step(graphdef, algorithm.loss)), mesh,
-                          (state["params"], frozen["model"]))
+                          (state["params"], frozen["model"]), source=source)
     log = (MetricsLog(run_dir, keep_until=start if resume_step is not None else None,
-                      echo=lambda s: tqdm.write(s) if echo else None)
+                      echo=lambda s: tqdm.write(s) if echo else None, report_to=cfg.report_to,
+                      config=config_lib.to_dict(cfg))
            if jax.process_index() == 0 else SecondaryLog())  # process 0 writes the metrics
     result = RunResult(run_dir, [], [], state, lm, graphdef, frozen, algorithm=algorithm,
                        source=source)
@@ -99,6 +100,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
         metrics = evaluator(state["params"], frozen)
         if metrics:
             result.eval.append(log.log(step, "eval", metrics))
+            log.completions(step, "eval", evaluator.completions)
         return metrics
 
     try:
@@ -147,6 +149,7 @@ def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evalua
         metrics.update(throughput.read())
         metrics.update(source.host_metrics())
         result.train.append(log.log(info.step, "train", metrics, echo=False))
+        log.completions(info.step, "train", getattr(source, "logged_completions", list)())
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}")
 
     def evaluate_now(info):

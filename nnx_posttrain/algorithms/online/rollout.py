@@ -55,6 +55,8 @@ class SamplingConfig:
     """Completions cut at max_completion_length (no stop token) carry no loss."""
     reference: Reference = "auto"
     """Reference for the KL term: lora_base (LoRA on), copy (full fine-tuning), auto picks."""
+    log_completions: int = 8
+    """Completions of the latest rollout logged (completions.jsonl, TensorBoard text, W&B) with their rewards at every logged step, as TRL's log_completions; 0: none."""
 
 
 class OnlineAlgorithm(AlgorithmBase):
@@ -139,7 +141,7 @@ class Rollouts:
         self.prompts = data.train_batches(run.train_src, data.Indexed(run.transform),
                                           algorithm.prompts_per_step(b.batch_size), cfg.seed,
                                           b.shuffle, b.num_workers)
-        self.current, self.since_log, self.truncated = None, [], 0
+        self.current, self.since_log, self.truncated, self.sample = None, [], 0, []
         self.rewards_per_func = None  # of the latest rollout (for make_batch)
 
     # -- the batch source
@@ -165,6 +167,12 @@ class Rollouts:
         out = {"truncated": float(self.truncated)}
         out.update(_means(self.since_log or [self.current[1]]))
         self.since_log, self.truncated = [], 0
+        return out
+
+    def logged_completions(self) -> list[dict]:
+        """A sample of the latest rollout (``--algo.log-completions`` rows: prompt, completion,
+        rewards, advantage), once per rollout."""
+        out, self.sample = self.sample, []
         return out
 
     def checkpoint_ok(self, step):
@@ -207,8 +215,8 @@ class Rollouts:
         completion_mask = np.asarray(out["completion_mask"]).astype(np.int32)
         finished = np.asarray(out["finished"]).astype(bool)
         texts = self._texts(completion_ids, completion_mask)
-        scores, metrics = self._rewards(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                        texts, index)
+        scores, metrics, per_fn = self._rewards(prompt_ids, prompt_mask, completion_ids,
+                                                completion_mask, texts, index)
         loss_mask = completion_mask * (finished[:, None] if c.mask_truncated_completions else 1)
         width = prompt_ids.shape[1]
         batch = {
@@ -222,7 +230,21 @@ class Rollouts:
         metrics.update(_completion_metrics(completion_mask, finished))
         batch, extra = algo.make_batch(batch, scores, finished, self, state)
         metrics.update(extra)
+        self.sample = self._sample_rows(prompt_ids, prompt_mask, texts, scores, per_fn,
+                                        batch.get("advantages"))
         return batch, metrics
+
+    def _sample_rows(self, prompt_ids, prompt_mask, texts, scores, per_fn, advantages):
+        rows = []
+        for i in range(min(self.algorithm.cfg.log_completions, len(texts))):
+            row = {"prompt": self.lm.tokenizer.decode([int(t) for t, m in
+                                                       zip(prompt_ids[i], prompt_mask[i]) if m]),
+                   "completion": texts[i], "reward": float(scores[i])}
+            row.update({f"rewards/{name}": float(v[i]) for name, v in per_fn.items()})
+            if advantages is not None and np.ndim(advantages) == 1:
+                row["advantage"] = float(advantages[i])
+            rows.append(row)
+        return rows
 
     def _texts(self, ids, mask) -> list[str]:
         stops = set(np.asarray(self.stop_ids).tolist())
@@ -230,13 +252,14 @@ class Rollouts:
         return [decode([int(t) for t, m in zip(row, mrow) if m and int(t) not in stops])
                 for row, mrow in zip(ids, mask)]
 
-    def _rewards(self, prompt_ids, prompt_mask, completion_ids, completion_mask, texts, index):
-        """[B] weighted reward sum (NaN-ignoring, as TRL) and the per-function metrics."""
-        records = data.extra_columns(self.train_src, index, exclude=())
+    def score(self, src, index, prompt_ids, prompt_mask, completion_ids, completion_mask, texts):
+        """Completions of the records of ``src`` at ``index`` -> ([B] weighted reward sum,
+        NaN-ignoring as TRL; {function name: [B] rewards, NaN where it does not apply}). Rollouts
+        score with it, and evaluation scores greedy answers to held-out prompts."""
+        records = data.extra_columns(src, index, exclude=())
         columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
         prompts = columns.pop("prompt", [None] * len(texts))
         per_fn = np.zeros((len(texts), len(self.reward_fns)), np.float32)
-        metrics = {}
         for j, (name, fn) in enumerate(self.reward_fns):
             if getattr(fn, "needs_tokens", False):
                 values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
@@ -244,17 +267,26 @@ class Rollouts:
             else:
                 values = fn(prompts=prompts, completions=texts, **columns)
             per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
-            applies = per_fn[:, j][np.isfinite(per_fn[:, j])]
+        total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
+        return total, {name: per_fn[:, j] for j, (name, _) in enumerate(self.reward_fns)}
+
+    def _rewards(self, prompt_ids, prompt_mask, completion_ids, completion_mask, texts, index):
+        """[B] weighted reward sum, the per-function metrics, the per-function rewards."""
+        total, per_fn = self.score(self.train_src, index, prompt_ids, prompt_mask, completion_ids,
+                                   completion_mask, texts)
+        metrics = {}
+        for name, values in per_fn.items():
+            applies = values[np.isfinite(values)]
             metrics[f"rewards/{name}/mean"] = float(applies.mean()) if len(applies) else np.nan
             metrics[f"rewards/{name}/std"] = float(applies.std()) if len(applies) else np.nan
-        self.rewards_per_func = per_fn  # [B, functions], NaN where a function returned None
-        total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
+        # [B, functions], NaN where a function returned None
+        self.rewards_per_func = np.stack([per_fn[name] for name, _ in self.reward_fns], axis=1)
         groups = total.reshape(-1, self.algorithm.cfg.num_generations)
         metrics["reward"] = float(total.mean())
         metrics["reward_std"] = (float(groups.std(axis=1, ddof=1).mean()) if groups.shape[1] > 1
                                  else 0.0)
         metrics["frac_reward_zero_std"] = float((groups.std(axis=1) == 0).mean())
-        return total, metrics
+        return total, metrics, per_fn
 
     def _rollout_logps(self, params, frozen, ids, att, positions, with_old: bool, with_ref: bool):
         """Per-token log-probs of the rollout under the current policy (``old_logps``) and the

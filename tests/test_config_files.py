@@ -1,0 +1,181 @@
+"""--config FILE.yaml|json (config_files.py): the file's values become the defaults, flags override
+them, a run's config.json repeats the run, bad keys and types are refused with file, key and
+type; every shipped configs/*.yaml is valid for its experiment; the command-line entry points."""
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nnx_posttrain  # noqa: F401
+from nnx_posttrain import algorithms, config, experiment
+from nnx_posttrain.algorithms import DPO, SFT, SimPO
+from nnx_posttrain.data import hub
+model_load = importlib.import_module("nnx_posttrain.model.load")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def simpo():
+    return importlib.import_module("experiments.simpo").DEFAULT
+
+
+def _write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_sets_defaults_and_flags_override(tmp_path, simpo):
+    path = _write(tmp_path, "model: gemma_micro\nsteps: 12\noptim:\n  learning-rate: 2e-5\n"
+                            "  warmup_steps: 3\nlora: {rank: 8}\nalgo:\n  beta: 2.5\n")
+    cfg = config.parse(simpo, ["--config", path, "--steps", "3", "--optim.warmup-steps", "1"])
+    assert cfg.model == "gemma_micro" and cfg.lora.rank == 8 and cfg.algo.beta == 2.5
+    assert cfg.optim.learning_rate == 2e-5  # YAML 1.1 reads 2e-5 as a string: accepted as a float
+    assert (cfg.steps, cfg.optim.warmup_steps) == (3, 1)  # flags win, before or after --config
+    assert cfg.batching == simpo.batching  # untouched keys keep the experiment's defaults
+    assert cfg.config == path
+    assert config.parse(simpo, [f"--config={path}"]).steps == 12
+    assert config.parse(simpo, ["--steps", "5", "--config", path]).steps == 5
+
+
+def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
+    cfg = config.parse(simpo, ["--steps", "9", "--lora.rank", "4", "--algo.gamma", "0.7",
+                               "--batching.max-prompt-length", "12", "--dtype", "bfloat16"])
+    config.save(cfg, tmp_path / "config.json")
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["algo_name"] == "SimPOConfig"  # bookkeeping keys are accepted
+    again = config.parse(simpo, ["--config", str(tmp_path / "config.json"), "--seed", "2"])
+    assert dataclasses.replace(again, seed=cfg.seed, config=None) == cfg
+    assert again.seed == 2
+    # written by another algorithm: refused by name rather than half applied
+    with pytest.raises(SystemExit) as info:
+        config.parse(experiment.config_for(DPO), ["--config", str(tmp_path / "config.json")])
+    assert "algo_name SimPOConfig" in str(info.value.code) and "DPOConfig" in str(info.value.code)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("stepz: 3\n", ["c.yaml", "unknown key 'stepz'", "did you mean 'steps'"]),
+    ("optim:\n  lr: 0.1\n", ["unknown key 'optim.lr'", "keys under 'optim' are: learning_rate"]),
+    ("steps: ten\n", ["c.yaml", "key 'steps': expected int, got str 'ten'"]),
+    ("steps: 2.5\n", ["key 'steps': expected int, got float 2.5"]),
+    ("optim:\n  learning_rate: fast\n", ["key 'optim.learning_rate': expected float"]),
+    ("dtype: float16\n", ["key 'dtype': expected one of 'float32', 'bfloat16', 'bfloat16-params'"]),
+    ("batching:\n  shuffle: 1\n", ["key 'batching.shuffle': expected bool, got int 1"]),
+    ("lora: 8\n", ["key 'lora': expected a mapping of LoraConfig fields, got int 8"]),
+    ("eval_data: 3\n", ["key 'eval_data': expected str or null"]),
+    ("algo:\n  betta: 2\n", ["unknown key 'algo.betta'", "did you mean 'algo.beta'"]),
+    ("[1, 2]\n", ["expected a mapping of option names to values, got list"]),
+    ("steps: [1\n", ["malformed YAML"]),
+])
+def test_bad_files_name_the_file_the_key_and_the_type(tmp_path, simpo, text, expected):
+    path = _write(tmp_path, text)
+    with pytest.raises(SystemExit) as info:
+        config.parse(simpo, ["--config", path])
+    msg = str(info.value.code)
+    assert msg.startswith(f"error: {path}: "), msg
+    for part in expected:
+        assert part in msg, (part, msg)
+
+
+def test_missing_file_and_bad_json(tmp_path, simpo):
+    with pytest.raises(SystemExit, match="no such config file"):
+        config.parse(simpo, ["--config", str(tmp_path / "nope.yaml")])
+    with pytest.raises(SystemExit, match=r"c.json: line 1: malformed JSON"):
+        config.parse(simpo, ["--config", _write(tmp_path, "{steps: 1}", "c.json")])
+    with pytest.raises(SystemExit, match="--config needs a file"):
+        config.parse(simpo, ["--config"])
+
+
+def test_report_to_is_checked(simpo):
+    assert config.parse(simpo, ["--report-to", "jsonl,wandb"]).report_to == "jsonl,wandb"
+    with pytest.raises(SystemExit, match="--report-to must be"):
+        config.parse(simpo, ["--report-to", "tensorbored"])
+
+
+def _algorithm_of(stem: str) -> str:
+    names = [n for n in algorithms.names() if f"_{n}_" in f"_{stem}_"]
+    assert names, f"configs/{stem}.yaml: name it <model>_<algorithm>[_...].yaml"
+    return max(names, key=len)
+
+
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_the_shipped_configs_cover_the_issue():
+    stems = {p.stem for p in SHIPPED}
+    assert {"gemma_2b_sft_lora", "gemma_2b_simpo", "gemma_2b_grpo", "llama3.2_1b_dpo",
+            "qwen2.5_0.5b_grpo"} <= stems
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_config_is_valid_for_its_experiment(path):
+    """Loaded and validated as its experiment would (no model or data is downloaded): a real
+    model's short name, Hub datasets that parse, commented."""
+    name = _algorithm_of(path.stem)
+    default = importlib.import_module(f"experiments.{name}").DEFAULT
+    cfg = config.parse(default, ["--config", str(path)])
+    assert cfg.model in model_load.PRESETS, cfg.model
+    for spec in filter(None, [cfg.data, cfg.eval_data]):
+        if spec.startswith("hf://"):
+            hub.parse_handle(spec)
+    if name in ("grpo", "rloo", "ppo", "online_dpo"):
+        algo = algorithms.get(name)(cfg.algo, cfg.logprob_chunk)
+        assert algo.prompts_per_step(cfg.batching.batch_size) >= 1
+    assert cfg.batching.batch_size % cfg.batching.grad_accum == 0
+    assert sum(line.lstrip().startswith("#") or " # " in line
+               for line in path.read_text().splitlines()) >= 5, "comment the file"
+
+
+def test_the_shipped_reward_function():
+    from configs.rewards import boxed_answer
+
+    assert boxed_answer(None, ["so \\boxed{42}.", "\\boxed{4} then \\boxed{\\frac{1}{2}}", "42"],
+                        solution=["42", "\\frac{1}{2}", "42"]) == [1.0, 1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _run(args, **kw):
+    env = dict(os.environ, COLUMNS="100", NO_COLOR="1", PYTHONPATH=str(REPO))
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_experiments_help_exits_0_and_lists_each_algorithm():
+    out = _run([sys.executable, "-m", "experiments", "--help"])
+    assert out.returncode == 0, out.stderr
+    for name in algorithms.names():
+        line = next(l for l in out.stdout.splitlines() if l.strip().startswith(name + " "))
+        assert len(line.split(None, 1)[1]) > 10, line  # a one-line description
+    bad = _run([sys.executable, "-m", "experiments", "nosuch"])
+    assert bad.returncode != 0 and "unknown algorithm 'nosuch'" in bad.stderr
+
+
+def test_usage_line_names_the_module_not_a_file():
+    out = _run([sys.executable, "-m", "experiments.simpo", "--help"])
+    assert out.returncode == 0
+    assert out.stdout.startswith("usage: python -m experiments.simpo [-h]"), out.stdout[:200]
+    assert "--config" in out.stdout and "--report-to" in out.stdout
+    assert "hf://ORG/NAME" in out.stdout  # --data lists the sources it takes
+    out = _run([sys.executable, "-m", "experiments", "dpo", "--help"])
+    assert out.stdout.startswith("usage: python -m experiments dpo [-h]"), out.stdout[:200]
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["nnx-posttrain"] == "experiments.__main__:console"
+    assert set(project["optional-dependencies"]) >= {"cuda", "tpu", "test"}
+    from experiments import __main__ as entry
+
+    with pytest.raises(SystemExit) as info:
+        entry.main(["nosuch"], prog="nnx-posttrain")
+    assert "usage: nnx-posttrain ALGORITHM" in str(info.value.code)
