@@ -167,6 +167,8 @@ class Config:
     """Sequence positions per chunk when computing log-probs (bounds the logits in memory); 0: the whole sequence at once, no recomputation."""
     remat: Literal["none", "blocks"] = "none"
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    attention: Literal["auto", "keras", "xla", "cudnn", "splash"] = "auto"
+    """Attention kernel of the training forward: auto = splash on TPU, cuDNN on GPU, the exact XLA formulation otherwise; keras = KerasHub's own. A kernel that cannot do a layer's feature falls back to keras; the run prints the path it took."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     batching: DataConfig = dataclasses.field(default_factory=DataConfig)
