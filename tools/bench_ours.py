@@ -142,16 +142,17 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         out_shardings=(sharding.tree_shardings(state, mesh), NamedSharding(mesh, P())),
     )
     rss_before = rss_now_mb()
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for i in range(total):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         state, metrics = step_fn(state, frozen, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if i == 0:
             losses.append(float(metrics["loss"]))
     losses.append(float(metrics["loss"]))
-    out = summarize(times, warmup)
+    out = summarize(times, warmup, cpu)
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,

@@ -59,17 +59,19 @@ def measure(spec: dict, case: str, hf_dir: str, steps: int, warmup: int, device:
     load = dict(dtype=torch.float32)
     model = GemmaForCausalLM.from_pretrained(hf_dir, **load)
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if not use_cpu:
                 torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             if not use_cpu:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
+            cpu.append(time.process_time() - self.c0)
 
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="trl_bench_"), per_device_train_batch_size=spec["batch"],
@@ -112,7 +114,7 @@ def measure(spec: dict, case: str, hf_dir: str, steps: int, warmup: int, device:
     train_out = trainer.train()
     if len(times) != total:
         raise RuntimeError(f"timed {len(times)} steps, expected {total}")
-    out = summarize(times, warmup)
+    out = summarize(times, warmup, cpu)
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,

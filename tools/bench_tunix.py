@@ -100,6 +100,7 @@ class _Feed:
 
         self.batches = list(batches)
         self.stamps: list[float] = []
+        self.cpu: list[float] = []  # process CPU seconds (less sensitive to a shared machine)
         outer = self
 
         class Feed(hooks.DataHooks):
@@ -109,6 +110,7 @@ class _Feed:
 
                 jax.block_until_ready(nnx.state(trainer.model))
                 outer.stamps.append(time.perf_counter())
+                outer.cpu.append(time.process_time())
                 i = len(outer.stamps) - 1
                 return outer.batches[i] if i < len(outer.batches) else None
 
@@ -119,6 +121,9 @@ class _Feed:
 
     def times(self) -> list[float]:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+    def cpu_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.cpu, self.cpu[1:])]
 
 
 def _sft_inputs(batches):
@@ -188,7 +193,7 @@ def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, 
         losses = [float(v) for v in next(iter(history.values()))["loss"]]
     except Exception:  # noqa: BLE001 - the loss history is informative only
         losses = []
-    out = summarize(times, warmup)
+    out = summarize(times, warmup, feed.cpu_times())
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,

@@ -18,8 +18,9 @@ took, with the reason of any fallback):
 
 - ``keras``: KerasHub's own code, untouched (the materialised mask);
 - ``xla``: exact attention as plain XLA operations, the formulation measured fastest on CPU:
-  ``[batch, T, kv heads, groups, S]`` scores (no head transposes; keys that KerasHub's Llama /
-  Qwen / Mistral layers repeated per group are un-repeated), soft cap, float32 softmax. Sequences
+  ``[batch, T, kv heads, groups, S]`` scores without head transposes (with one kv head, every
+  query head is a row of one batched matmul; keys that KerasHub's Llama / Qwen / Mistral layers
+  repeated per group are un-repeated), soft cap, float32 softmax. Sequences
   longer than ``chunk`` run one query chunk at a time under ``jax.checkpoint``, each against only
   the keys it can see (causal, window), so memory holds one chunk of scores, never ``T x T``;
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN flash attention, GPU,
@@ -49,7 +50,7 @@ from nnx_posttrain.model.blocks import _MASK_METHODS, decoder_blocks, override_b
 
 IMPLEMENTATIONS = ("auto", "keras", "xla", "cudnn", "splash")
 _ATTRIBUTE = "_nnx_posttrain_attention"
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked score (finite: no NaN in any row)
+_NEG = -1e30  # masked score: finite (no NaN), exp(_NEG - max) = 0 in float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,16 +190,23 @@ def _allowed(seg_q, seg_k, pos_q, pos_k, window):
 
 def _xla_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
     """q [B, C, K, G, H], k / v [B, S, K, H] -> [B, C, K, G, H]."""
+    b, c, kv, g, h = q.shape
     if not spec.scale_scores:
         q = q * jnp.asarray(spec.scale, q.dtype)
-    s = jnp.einsum("bckgh,bskh->bckgs", q, k)
+    if kv == 1:  # one kv head: every (query, head) is a row of one batched matmul, no transpose
+        s = jnp.einsum("bqh,bsh->bqs", q.reshape(b, c * g, h), k[:, :, 0]).reshape(b, c, 1, g, -1)
+    else:
+        s = jnp.einsum("bckgh,bskh->bckgs", q, k)
     if spec.scale_scores:
         s = s * jnp.asarray(spec.scale, s.dtype)
     if spec.soft_cap is not None:
         s = jnp.tanh(s / spec.soft_cap) * spec.soft_cap
-    ok = _allowed(seg_q, seg_k, pos_q, pos_k, spec.window)[:, :, None, None, :]
-    p = jax.nn.softmax(jnp.where(ok, s.astype(jnp.float32), _NEG), axis=-1)
-    return jnp.einsum("bckgs,bskh->bckgh", p.astype(v.dtype), v)
+    # an additive bias [B, C, 1, 1, S] (one per batch row, not per head; no select in the backward)
+    bias = jnp.where(_allowed(seg_q, seg_k, pos_q, pos_k, spec.window), 0.0, _NEG)
+    p = jax.nn.softmax(s.astype(jnp.float32) + bias[:, :, None, None, :], axis=-1).astype(v.dtype)
+    if kv == 1:
+        return jnp.einsum("bqs,bsh->bqh", p.reshape(b, c * g, -1), v[:, :, 0]).reshape(q.shape)
+    return jnp.einsum("bckgs,bskh->bckgh", p, v)
 
 
 def _cudnn_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
