@@ -206,6 +206,63 @@ def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, 
     return out
 
 
+class _IdTokenizer:
+    """Prompts as text of space-separated token ids, so that Tunix's string-in sampler sees
+    exactly the benchmark's ids (its tokenizer adapter accepts any object with these methods)."""
+
+    def __init__(self, bos: int = 2, eos: int = 1, pad: int = 0):
+        self._ids = (bos, eos, pad)
+
+    def encode(self, text, **kwargs):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **kwargs):
+        return " ".join(str(int(i)) for i in ids)
+
+    def bos_id(self):
+        return self._ids[0]
+
+    def eos_id(self):
+        return self._ids[1]
+
+    def pad_id(self):
+        return self._ids[2]
+
+
+def sample(spec: dict, hf_dir: str, prompts_file: str, new_tokens: int, repeats: int,
+           temperature: float) -> dict:
+    """Tunix's sampler (``tunix.generate.sampler.Sampler``, KV cache) on the prompts of
+    ``tools.bench_sampler``: median seconds of a call after a warm-up call, and the tokens."""
+    import statistics
+
+    import jax
+    import numpy as np
+    from tunix.generate import sampler as tunix_sampler
+
+    model, same_weights, note = build_model(spec, hf_dir, 0)
+    prompts = np.load(prompts_file)
+    width = prompts.shape[1]
+    cache = tunix_sampler.CacheConfig(cache_size=width + new_tokens, num_layers=spec["num_layers"],
+                                      num_kv_heads=spec["num_key_value_heads"],
+                                      head_dim=spec["head_dim"])
+    sampler = tunix_sampler.Sampler(model, _IdTokenizer(), cache)
+    texts = [" ".join(map(str, row)) for row in prompts.tolist()]
+    kwargs = dict(max_generation_steps=new_tokens, max_prompt_length=width, eos_tokens=[-1],
+                  temperature=temperature, seed=0, pad_output=True)
+    if temperature > 0:
+        kwargs["top_p"] = 1.0  # Tunix samples only with top_p (else greedy)
+    out = sampler(texts, **kwargs)  # warm-up: compilation
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = sampler(texts, **kwargs)
+        jax.block_until_ready(out.tokens)
+        seconds.append(time.perf_counter() - t0)
+    tokens = np.asarray([np.asarray(t)[:new_tokens] for t in out.tokens])
+    return {"seconds": statistics.median(seconds), "completion_ids": tokens.tolist(),
+            "same_weights": same_weights, "weights_note": note, "peak_rss_mb": peak_rss_mb()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True)
@@ -216,10 +273,19 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample", default=None, metavar="PROMPTS.npy",
+                   help="time Tunix's sampler on these prompts instead (tools.bench_sampler)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
     if args.dtype != "float32":
         raise SystemExit("tools.bench_tunix measures float32 only")
     os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.device == "gpu" else "cpu")
+    if args.sample:
+        emit(sample(json.loads(args.spec), args.hf_dir, args.sample, args.new_tokens, args.repeats,
+                    args.temperature))
+        return
     emit(measure(json.loads(args.spec), args.case, args.hf_dir, args.steps, args.warmup, args.seed))
 
 
