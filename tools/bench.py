@@ -1,34 +1,41 @@
-"""Benchmark our training step against the PyTorch stack (TRL), same model, data and batch.
+"""Benchmark our training step against the PyTorch stack (TRL) and the JAX peer (Tunix), same
+model, weights, data and batch.
 
     pip install -e ".[bench]"                    # CPU torch 2.13, transformers, trl
-    python -m tools.bench                        # tiny and medium, SFT and DPO, a Markdown table
-    python -m tools.bench --sizes tiny --steps 10 --json runs/bench.json
+    python -m venv /work/venvs/tunix && /work/venvs/tunix/bin/pip install -e ".[bench-tunix]"
+    python -m tools.bench --tunix-python /work/venvs/tunix/bin/python    # tiny and medium, a table
+    python -m tools.bench --sizes tiny --steps 10 --json runs/bench.json --record bench
+    python -m tools.bench --sizes long_2k,long_8k --cases sft_packed --sides ours,trl
     python -m tools.bench --device gpu --sizes medium,gemma_2b --dtype bfloat16   # see tools/bench_gpu.sh
     python -m tools.bench --parity               # TRL parity: tokenisation, logits and DPO metrics
 
 Every measurement runs in its own subprocess (``tools.bench_ours`` for our JAX step,
-``tools.bench_trl`` for TRL's trainers), so each peak resident memory is that side's own. Both
-sides build the same Gemma architecture with the same weights (ours exported to Hugging Face
-safetensors with KerasHub's exporter), train on the same random token ids with the same batch,
-sequence lengths and AdamW (constant learning rate, clipping at 1.0, float32, no gradient
-checkpointing). Cases:
+``tools.bench_trl`` for TRL's trainers, ``tools.bench_tunix`` for Tunix's, with the Tunix
+environment's own interpreter, ``--tunix-python``; without it that side is skipped with a note),
+so each peak resident memory is that side's own. Every side builds the same Gemma architecture
+with the same weights (ours exported to Hugging Face safetensors with KerasHub's exporter, which
+TRL and Tunix load), trains on the same random token ids with the same batch, sequence lengths and
+AdamW (constant learning rate, clipping at 1.0, float32, no gradient checkpointing). Cases:
 
-- ``sft``: our ``SFT`` step vs TRL's ``SFTTrainer`` (loss on every token);
-- ``dpo``: our ``DPO`` with ``--algo.reference copy`` vs ``DPOTrainer`` with a reference model:
-  full fine-tuning, a reference forward every step on both sides;
-- ``dpo_precompute``: reference log-probs computed before training, both sides
-  (``precompute_ref_log_probs=True`` in TRL); the precomputation is reported, not timed per step;
-- ``dpo_lora``: ours only, LoRA rank 8 on attention with the reference as the LoRA base view.
+- ``sft``: our ``SFT`` step vs TRL's ``SFTTrainer`` vs Tunix's ``PeftTrainer`` (loss on every token);
+- ``dpo``: our ``DPO`` with ``--algo.reference copy`` vs ``DPOTrainer`` (TRL's, Tunix's) with a
+  reference model: full fine-tuning, a reference forward every step on every side;
+- ``dpo_precompute``: reference log-probs computed before training, ours and TRL
+  (``precompute_ref_log_probs=True``); the precomputation is reported, not timed per step;
+- ``dpo_lora``: ours only, LoRA rank 8 on attention with the reference as the LoRA base view;
+- ``sft_packed``: rows of 8 packed examples (ours: ``segment_ids``; TRL: ``packing=True``, best-fit
+  decreasing, padding-free), for the long-context sizes ``long_2k`` / ``long_8k``.
 
 Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
-shardings) with ``jax.block_until_ready``; TRL's between ``on_step_begin`` and ``on_step_end``
-(forward, backward, clipping, optimizer step; the batch is already collated). Reported: median
-ms/step over the measured steps, tokens/s (sequences x length processed by the policy per step /
-median), peak RSS of the process, RSS once imports are done, and compile time (ours: first step
-minus the median; TRL: first step minus the median, i.e. its own warm-up), and the matmul bound: the
-step's model FLOPs divided by the best float32 matmul throughput this machine reaches on the size's
-own large shapes (measured first, in its own process), the time of a step whose every FLOP ran as
-fast as the best matmul: what no implementation of the step, ours or TRL's, can beat.
+shardings, ``--attention auto``) with ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
+``on_step_end`` (forward, backward, clipping, optimizer step; the batch is already collated);
+Tunix's over its own loop (see ``tools.bench_tunix``). Reported: median ms/step over the measured
+steps, the median process CPU time per step (all threads: less sensitive to other processes on a
+shared machine), tokens/s (sequences x length processed by the policy per step / median), peak RSS
+of the process, RSS once imports are done, compile time (first step minus the median), and the
+matmul bound: the step's model FLOPs divided by the best float32 matmul throughput this machine
+reaches on the size's own large shapes (measured first, in its own process), the time of a step
+whose every FLOP ran as fast as the best matmul: what no implementation of the step can beat.
 """
 
 from __future__ import annotations
@@ -354,6 +361,7 @@ def main(argv=None) -> list[dict]:
     command = "python -m tools.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"# {command}", flush=True)
     notes = list(args.note)
+    load_start = os.getloadavg()[0]
     if "tunix" in sides:
         args.tunix_python, note = tunix_python(args.tunix_python)
         print(note, flush=True)
@@ -406,6 +414,10 @@ def main(argv=None) -> list[dict]:
     if args.record:
         from tools import readme
 
+        notes.append(f"Machine load (1-minute load average, {os.cpu_count()} cores) at the start "
+                     f"{load_start:.1f}, at the end {os.getloadavg()[0]:.1f}: above the core "
+                     "count, other processes shared the CPU and wall times are inflated (CPU "
+                     "times less so).")
         for r in merged:
             if "attention" in r and r["side"] == "ours":
                 notes.append(f"ours, {r['size']} {r['case']}: {r['attention']}")

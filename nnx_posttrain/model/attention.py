@@ -193,20 +193,44 @@ def _xla_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
     b, c, kv, g, h = q.shape
     if not spec.scale_scores:
         q = q * jnp.asarray(spec.scale, q.dtype)
+    # an additive bias, one per batch row and (query, key) (not per head; no select backward)
+    bias = jnp.where(_allowed(seg_q, seg_k, pos_q, pos_k, spec.window), 0.0, _NEG)
     if kv == 1:  # one kv head: every (query, head) is a row of one batched matmul, no transpose
-        s = jnp.einsum("bqh,bsh->bqs", q.reshape(b, c * g, h), k[:, :, 0]).reshape(b, c, 1, g, -1)
+        s = jnp.einsum("bqh,bsh->bqs", q.reshape(b, c * g, h), k[:, :, 0]).reshape(b, c, g, -1)
+        bias = bias[:, :, None, :]
     else:
         s = jnp.einsum("bckgh,bskh->bckgs", q, k)
+        bias = bias[:, :, None, None, :]
     if spec.scale_scores:
         s = s * jnp.asarray(spec.scale, s.dtype)
     if spec.soft_cap is not None:
         s = jnp.tanh(s / spec.soft_cap) * spec.soft_cap
-    # an additive bias [B, C, 1, 1, S] (one per batch row, not per head; no select in the backward)
-    bias = jnp.where(_allowed(seg_q, seg_k, pos_q, pos_k, spec.window), 0.0, _NEG)
-    p = jax.nn.softmax(s.astype(jnp.float32) + bias[:, :, None, None, :], axis=-1).astype(v.dtype)
+    p = _softmax(s.astype(jnp.float32) + bias).astype(v.dtype)
     if kv == 1:
         return jnp.einsum("bqs,bsh->bqh", p.reshape(b, c * g, -1), v[:, :, 0]).reshape(q.shape)
     return jnp.einsum("bckgs,bskh->bckgh", p, v)
+
+
+@jax.custom_vjp
+def _softmax(x):
+    """softmax over the last axis; its backward ``p * (g - sum(g * p))`` as one row reduction
+    of a plain product (XLA:CPU emits jax.nn.softmax's transposed JVP as a slow, broadcasting
+    reduction at long sequences)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - jax.lax.stop_gradient(m))
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _softmax_fwd(x):
+    p = _softmax(x)
+    return p, p
+
+
+def _softmax_bwd(p, g):
+    return (p * (g - jnp.sum(g * p, axis=-1, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def _cudnn_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
