@@ -19,7 +19,7 @@ SEQ = 24  # long enough for the sliding windows below (8) to cut
 def _families():
     """Tiny random backbones of every supported family, each with the feature its kernels must get
     right: soft caps and a sliding window (Gemma 2), one kv head (Gemma), grouped heads, Qwen's
-    q/k/v biases, Qwen 3's q/k norms, Mistral's banded mask."""
+    q/k/v biases, Qwen 3's q/k norms, Mistral's banded mask, Gemma 3's local / global layers."""
     common = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
                   intermediate_dim=48, dtype="float32")
     gemma = dict(common, head_dim=8)
@@ -37,6 +37,9 @@ def _families():
                                                         **common),
         "mistral": lambda: keras_hub.models.MistralBackbone(num_key_value_heads=2,
                                                             sliding_window=8, **common),
+        "gemma3": lambda: keras_hub.models.Gemma3Backbone(
+            image_size=None, num_key_value_heads=1, use_sliding_window_attention=True,
+            sliding_window_size=8, **gemma),  # q/k norms, local and global layers
     }
 
 

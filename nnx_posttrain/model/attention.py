@@ -33,7 +33,7 @@ took, with the reason of any fallback):
 - ``auto``: ``splash`` on TPU, ``cudnn`` on GPU, where the layer and dtype allow; else ``xla``.
 
 A requested kernel that cannot do a layer's feature (or an unknown attention layer, dropout,
-Gemma 3's bidirectional mode) falls back to ``keras``. The sampler's cached decoding keeps
+Gemma 3's bidirectional mode or vision encoder) falls back to ``keras``. The sampler's cached decoding keeps
 KerasHub's attention (one query against a KV cache: ``sampling/sampler.py``).
 """
 
@@ -139,6 +139,8 @@ def resolve(module, implementation: str = "auto", platform: str | None = None,
     unknown = next((s for s in specs if isinstance(s, str)), None)
     if unknown:
         return "keras", unknown
+    if getattr(module, "vision_encoder", None) is not None:
+        return "keras", "image tokens attend bidirectionally (a vision encoder)"
     if not any(hasattr(type(blocks[0]), n) for n in _MASK_METHODS):
         return "keras", f"{type(blocks[0]).__name__} has no known mask method"
     layer = attention_layer(blocks[0])
