@@ -174,6 +174,8 @@ class Config:
     """YAML or JSON file of option values (configs/*.yaml, or a run's config.json); options on the command line override it."""
     remat: Literal["none", "blocks"] = "none"
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    attention: Literal["auto", "keras", "xla", "cudnn", "splash"] = "auto"
+    """Attention kernel of the training forward: auto = splash on TPU, cuDNN on GPU, the exact XLA formulation otherwise; keras = KerasHub's own. A kernel that cannot do a layer's feature falls back to keras; the run prints the path it took."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     batching: DataConfig = dataclasses.field(default_factory=DataConfig)

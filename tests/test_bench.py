@@ -32,7 +32,30 @@ def test_summary_and_table():
             dict(size="micro", case="sft", side="trl", ms_per_step=40.0, tokens_per_s=25.0,
                  peak_rss_mb=2.0, compile_s=0.1)]
     text = bench.table(bench._median_over_repeats(rows))
-    assert "| micro | sft | 10.0 | 40.0 | 4.00x |" in text
+    assert "| micro | sft | 10.0 | 40.0 | n/a | 4.00x (TRL) |" in text
+    # with Tunix: the ratio is to the faster of the two peers
+    rows.append(dict(size="micro", case="sft", side="tunix", ms_per_step=25.0, tokens_per_s=40.0,
+                     peak_rss_mb=1.5, compile_s=0.2))
+    text = bench.table(bench._median_over_repeats(rows))
+    assert "| micro | sft | 10.0 | 40.0 | 25.0 | 2.50x (Tunix) |" in text
+
+
+def test_packed_batches_mark_each_example_and_its_first_token():
+    spec = bench.spec_of("micro")
+    batch = bench.make_batches(spec, "sft_packed", 1)[0]
+    seg, mask = batch["segment_ids"], batch["loss_mask"]
+    assert seg.shape == (spec["batch"], spec["seq"]) and set(np.unique(seg)) == set(range(1, bench.PACK + 1))
+    first = np.concatenate([[True], seg[0, 1:] != seg[0, :-1]])
+    assert mask[0, first].sum() == 0 and mask[0, ~first].all()
+    # packed rows: attention FLOPs within each example only
+    assert bench.model_flops(spec, "sft_packed") < bench.model_flops(spec, "sft")
+
+
+def test_tunix_side_is_skipped_with_a_note_without_its_python(tmp_path):
+    python, note = bench.tunix_python(None)
+    assert python is None and "--tunix-python" in note
+    python, note = bench.tunix_python(str(tmp_path / "nope" / "python"))
+    assert python is None and "does not exist" in note
 
 
 def test_end_to_end_micro(tmp_path):
@@ -64,3 +87,23 @@ def test_profile_breakdown_attributes_the_step_to_model_components():
     for part in ("attention fwd", "attention bwd", "ffw fwd", "ffw bwd", "token_embedding bwd"):
         assert parts.get(part, 0) > 0, parts
     assert parts.get("other fwd", 0) + parts.get("other bwd", 0) < 0.5 * profile["ops_ms_per_step"]
+
+
+TUNIX_PYTHON = "/work/venvs/tunix/bin/python"
+
+
+def test_tunix_side_end_to_end_micro(tmp_path):
+    """Tunix's trainers on the same weights: its step-0 SFT loss equals ours (skipped where no
+    Tunix environment exists)."""
+    import os
+
+    if not os.path.exists(TUNIX_PYTHON):
+        pytest.skip(f"no Tunix environment at {TUNIX_PYTHON}")
+    results = bench.main(["--sizes", "micro", "--cases", "sft,dpo", "--steps", "2", "--warmup",
+                          "1", "--sides", "ours,tunix", "--tunix-python", TUNIX_PYTHON])
+    by = {(r["case"], r["side"]): r for r in results}
+    for case in ("sft", "dpo"):
+        r = by[(case, "tunix")]
+        assert "error" not in r, r
+        assert r["same_weights"] and r["params"] == by[(case, "ours")]["params"]
+        assert r["loss_first"] == pytest.approx(by[(case, "ours")]["loss_first"], rel=1e-5)

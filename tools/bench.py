@@ -1,34 +1,41 @@
-"""Benchmark our training step against the PyTorch stack (TRL), same model, data and batch.
+"""Benchmark our training step against the PyTorch stack (TRL) and the JAX peer (Tunix), same
+model, weights, data and batch.
 
     pip install -e ".[bench]"                    # CPU torch 2.13, transformers, trl
-    python -m tools.bench                        # tiny and medium, SFT and DPO, a Markdown table
-    python -m tools.bench --sizes tiny --steps 10 --json runs/bench.json
+    python -m venv /work/venvs/tunix && /work/venvs/tunix/bin/pip install -e ".[bench-tunix]"
+    python -m tools.bench --tunix-python /work/venvs/tunix/bin/python    # tiny and medium, a table
+    python -m tools.bench --sizes tiny --steps 10 --json runs/bench.json --record bench
+    python -m tools.bench --sizes long_2k,long_8k --cases sft_packed --sides ours,trl
     python -m tools.bench --device gpu --sizes medium,gemma_2b --dtype bfloat16   # see tools/bench_gpu.sh
     python -m tools.bench --parity               # TRL parity: tokenisation, logits and DPO metrics
 
 Every measurement runs in its own subprocess (``tools.bench_ours`` for our JAX step,
-``tools.bench_trl`` for TRL's trainers), so each peak resident memory is that side's own. Both
-sides build the same Gemma architecture with the same weights (ours exported to Hugging Face
-safetensors with KerasHub's exporter), train on the same random token ids with the same batch,
-sequence lengths and AdamW (constant learning rate, clipping at 1.0, float32, no gradient
-checkpointing). Cases:
+``tools.bench_trl`` for TRL's trainers, ``tools.bench_tunix`` for Tunix's, with the Tunix
+environment's own interpreter, ``--tunix-python``; without it that side is skipped with a note),
+so each peak resident memory is that side's own. Every side builds the same Gemma architecture
+with the same weights (ours exported to Hugging Face safetensors with KerasHub's exporter, which
+TRL and Tunix load), trains on the same random token ids with the same batch, sequence lengths and
+AdamW (constant learning rate, clipping at 1.0, float32, no gradient checkpointing). Cases:
 
-- ``sft``: our ``SFT`` step vs TRL's ``SFTTrainer`` (loss on every token);
-- ``dpo``: our ``DPO`` with ``--algo.reference copy`` vs ``DPOTrainer`` with a reference model:
-  full fine-tuning, a reference forward every step on both sides;
-- ``dpo_precompute``: reference log-probs computed before training, both sides
-  (``precompute_ref_log_probs=True`` in TRL); the precomputation is reported, not timed per step;
-- ``dpo_lora``: ours only, LoRA rank 8 on attention with the reference as the LoRA base view.
+- ``sft``: our ``SFT`` step vs TRL's ``SFTTrainer`` vs Tunix's ``PeftTrainer`` (loss on every token);
+- ``dpo``: our ``DPO`` with ``--algo.reference copy`` vs ``DPOTrainer`` (TRL's, Tunix's) with a
+  reference model: full fine-tuning, a reference forward every step on every side;
+- ``dpo_precompute``: reference log-probs computed before training, ours and TRL
+  (``precompute_ref_log_probs=True``); the precomputation is reported, not timed per step;
+- ``dpo_lora``: ours only, LoRA rank 8 on attention with the reference as the LoRA base view;
+- ``sft_packed``: rows of 8 packed examples (ours: ``segment_ids``; TRL: ``packing=True``, best-fit
+  decreasing, padding-free), for the long-context sizes ``long_2k`` / ``long_8k``.
 
 Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
-shardings) with ``jax.block_until_ready``; TRL's between ``on_step_begin`` and ``on_step_end``
-(forward, backward, clipping, optimizer step; the batch is already collated). Reported: median
-ms/step over the measured steps, tokens/s (sequences x length processed by the policy per step /
-median), peak RSS of the process, RSS once imports are done, and compile time (ours: first step
-minus the median; TRL: first step minus the median, i.e. its own warm-up), and the matmul bound: the
-step's model FLOPs divided by the best float32 matmul throughput this machine reaches on the size's
-own large shapes (measured first, in its own process), the time of a step whose every FLOP ran as
-fast as the best matmul: what no implementation of the step, ours or TRL's, can beat.
+shardings, ``--attention auto``) with ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
+``on_step_end`` (forward, backward, clipping, optimizer step; the batch is already collated);
+Tunix's over its own loop (see ``tools.bench_tunix``). Reported: median ms/step over the measured
+steps, the median process CPU time per step (all threads: less sensitive to other processes on a
+shared machine), tokens/s (sequences x length processed by the policy per step / median), peak RSS
+of the process, RSS once imports are done, compile time (first step minus the median), and the
+matmul bound: the step's model FLOPs divided by the best float32 matmul throughput this machine
+reaches on the size's own large shapes (measured first, in its own process), the time of a step
+whose every FLOP ran as fast as the best matmul: what no implementation of the step can beat.
 """
 
 from __future__ import annotations
@@ -52,13 +59,24 @@ SIZES = {
     "medium": dict(vocab=32000, hidden_dim=512, num_layers=8, num_query_heads=8,
                    num_key_value_heads=1, head_dim=64, intermediate_dim=2048, seq=256, prompt=128,
                    batch=4),
+    # long context (python -m tools.bench --sizes long_2k,long_8k --cases sft_packed): the tiny
+    # model, one row of 2,048 / 8,192 tokens packing 8 examples
+    "long_2k": dict(vocab=512, hidden_dim=128, num_layers=4, num_query_heads=4,
+                    num_key_value_heads=1, head_dim=32, intermediate_dim=512, seq=2048, prompt=1024,
+                    batch=1),
+    "long_8k": dict(vocab=512, hidden_dim=128, num_layers=4, num_query_heads=4,
+                    num_key_value_heads=1, head_dim=32, intermediate_dim=512, seq=8192, prompt=4096,
+                    batch=1),
     # gemma_2b's dimensions (GPU only)
     "gemma_2b": dict(vocab=256000, hidden_dim=2048, num_layers=18, num_query_heads=8,
                      num_key_value_heads=1, head_dim=256, intermediate_dim=32768, seq=512,
                      prompt=256, batch=4),
 }
-CASES = ("sft", "dpo", "dpo_precompute", "dpo_lora")
-TRL_CASES = ("sft", "dpo", "dpo_precompute")
+CASES = ("sft", "dpo", "dpo_precompute", "dpo_lora", "sft_packed")
+TRL_CASES = ("sft", "dpo", "dpo_precompute", "sft_packed")
+TUNIX_CASES = ("sft", "dpo")  # Tunix's PeftTrainer does not pack sequences
+SIDES = ("ours", "trl", "tunix")
+PACK = 8  # examples per row of the sft_packed case
 BACKBONE_KEYS = ("hidden_dim", "num_layers", "num_query_heads", "num_key_value_heads", "head_dim",
                  "intermediate_dim")
 LEARNING_RATE = 1e-5
@@ -75,10 +93,11 @@ def spec_of(size: str, batch: int | None = None, seq: int | None = None) -> dict
 
 
 def make_batches(spec: dict, kind: str, n: int, seed: int = 0) -> list[dict]:
-    """``n`` batches of random token ids (numpy), the same on both sides. ``kind`` 'sft': rows of
-    ``seq`` tokens, loss on every predicted token; 'dpo': a shared prompt of ``prompt`` tokens and
-    two different completions filling ``seq``, loss on the completions. Ids avoid 0-3 (pad, eos,
-    bos, unk)."""
+    """``n`` batches of random token ids (numpy), the same on every side. ``kind`` 'sft': rows of
+    ``seq`` tokens, loss on every predicted token; 'sft_packed': rows of ``PACK`` examples of
+    ``seq / PACK`` tokens (``segment_ids`` 1..PACK), loss on every token but each example's first;
+    'dpo': a shared prompt of ``prompt`` tokens and two different completions filling ``seq``,
+    loss on the completions. Ids avoid 0-3 (pad, eos, bos, unk)."""
     import numpy as np
 
     rng = np.random.RandomState(seed)
@@ -91,6 +110,14 @@ def make_batches(spec: dict, kind: str, n: int, seed: int = 0) -> list[dict]:
             mask[:, 0] = 0  # position 0 has no prediction
             out.append({"input_ids": ids, "attention_mask": np.ones((b, t), np.int32),
                         "loss_mask": mask})
+        elif kind == "sft_packed":
+            ids = rng.randint(4, v, size=(b, t)).astype(np.int32)
+            seg = np.repeat(np.arange(1, PACK + 1), -(-t // PACK))[:t][None].repeat(b, 0)
+            mask = np.ones((b, t), np.float32)
+            mask[:, 1:][seg[:, 1:] != seg[:, :-1]] = 0  # each example's first token
+            mask[:, 0] = 0
+            out.append({"input_ids": ids, "attention_mask": np.ones((b, t), np.int32),
+                        "loss_mask": mask, "segment_ids": seg.astype(np.int32)})
         else:
             prompt = rng.randint(4, v, size=(b, p)).astype(np.int32)
             batch = {}
@@ -106,7 +133,7 @@ def make_batches(spec: dict, kind: str, n: int, seed: int = 0) -> list[dict]:
 
 
 def tokens_per_step(spec: dict, case: str) -> int:
-    rows = spec["batch"] * (1 if case == "sft" else 2)  # DPO: chosen and rejected
+    rows = spec["batch"] * (1 if case.startswith("sft") else 2)  # DPO: chosen and rejected
     return rows * spec["seq"]
 
 
@@ -121,8 +148,11 @@ def model_flops(spec: dict, case: str) -> float:
     ff = spec["intermediate_dim"] // 2  # KerasHub's intermediate_dim is twice each MLP branch
     per_layer = 2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ff
     tokens = tokens_per_step(spec, case)
-    head_tokens = tokens if case == "sft" else tokens // spec["seq"] * (spec["seq"] - spec["prompt"])
-    attention = 12 * layers * spec["seq"] * heads * hd * tokens
+    sft = case.startswith("sft")
+    head_tokens = tokens if sft else tokens // spec["seq"] * (spec["seq"] - spec["prompt"])
+    # packed rows: each example attends within itself only
+    seen = spec["seq"] / PACK if case == "sft_packed" else spec["seq"]
+    attention = 12 * layers * seen * heads * hd * tokens
     per_param = 6 + (2 if case in ("dpo", "dpo_lora") else 0)
     if case == "dpo_lora":  # LoRA: no weight gradients of the frozen base (4 instead of 6)
         per_param = 4 + 2
@@ -145,15 +175,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def summarize(times: list[float], warmup: int) -> dict:
-    """median ms of the steps after the first ``1 + warmup``; compile = first step - median."""
+def summarize(times: list[float], warmup: int, cpu_times: list[float] | None = None) -> dict:
+    """median ms of the steps after the first ``1 + warmup``; compile = first step - median.
+    ``cpu_times`` (process CPU seconds per step, all threads) gives ``cpu_ms_per_step``: less
+    sensitive than wall time to other processes on a shared machine."""
     import statistics
 
     measured = times[1 + warmup:]
     med = statistics.median(measured)
-    return {"ms_per_step": 1000 * med, "compile_s": max(times[0] - med, 0.0),
-            "first_step_s": times[0], "steps_measured": len(measured),
-            "ms_min": 1000 * min(measured), "ms_max": 1000 * max(measured)}
+    out = {"ms_per_step": 1000 * med, "compile_s": max(times[0] - med, 0.0),
+           "first_step_s": times[0], "steps_measured": len(measured),
+           "ms_min": 1000 * min(measured), "ms_max": 1000 * max(measured)}
+    if cpu_times:
+        out["cpu_ms_per_step"] = 1000 * statistics.median(cpu_times[1 + warmup:])
+    return out
 
 
 def emit(result: dict) -> None:
@@ -164,10 +199,21 @@ def emit(result: dict) -> None:
 # ----------------------------------------------------------------------------- the driver
 
 
-def _run_worker(module: str, args: list[str], timeout: float) -> dict:
-    cmd = [sys.executable, "-m", module, *args]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_worker(module: str, args: list[str], timeout: float, python: str | None = None) -> dict:
+    """Run ``python -m module args`` (this interpreter by default) from the repository root and
+    read its ``BENCH_RESULT`` line."""
+    cmd = [python or sys.executable, "-m", module, *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"{module} ran past --timeout {timeout:.0f} s"}
     wall = time.perf_counter() - t0
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
@@ -193,60 +239,100 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str) -> dict:
               "--warmup", str(args.warmup), "--device", args.device, "--dtype", args.dtype,
               "--seed", str(args.seed)]
     if side == "ours":
-        extra = ["--logprob-chunk", str(args.logprob_chunk)]
+        extra = ["--logprob-chunk", str(args.logprob_chunk), "--attention", args.attention]
         if args.ours_flags:
             extra += ["--flags", args.ours_flags]
         return _run_worker("tools.bench_ours", common + extra, args.timeout)
+    if side == "tunix":
+        return _run_worker("tools.bench_tunix", common + ["--hf-dir", hf_dir], args.timeout,
+                           python=args.tunix_python)
     return _run_worker("tools.bench_trl", common + ["--hf-dir", hf_dir], args.timeout)
+
+
+def tunix_python(path: str | None) -> tuple[str | None, str]:
+    """(interpreter, note): the Tunix environment's Python, or None and why the side is skipped."""
+    if not path:
+        return None, ("Tunix side skipped: no --tunix-python (e.g. /work/venvs/tunix/bin/python, "
+                      "a venv with pip install -e '.[bench-tunix]')")
+    if not Path(path).exists():
+        return None, f"Tunix side skipped: --tunix-python {path} does not exist"
+    probe = subprocess.run([path, "-c", "import tunix, jax, flax; print(jax.__version__, "
+                                        "flax.__version__)"], capture_output=True, text=True)
+    if probe.returncode:
+        return None, f"Tunix side skipped: {path} cannot import tunix ({probe.stderr.strip()[-200:]})"
+    return path, f"Tunix side: {path} (jax, flax {probe.stdout.strip()})"
 
 
 def _fmt(x, spec="{:.1f}"):
     return "n/a" if x is None else spec.format(x)
 
 
-def table(results: list[dict]) -> str:
-    """Markdown: one row per (size, case), ours and TRL side by side."""
+COLUMNS = ["size", "case", "ours ms/step", "TRL ms/step", "Tunix ms/step",
+           "speed-up vs the faster peer", "ours tokens/s", "ours % of matmul bound",
+           "matmul bound ms", "ours peak RSS MB", "TRL peak RSS MB", "Tunix peak RSS MB",
+           "ours compile s"]
+
+
+def rows_of(results: list[dict]) -> list[list[str]]:
+    """One row per (size, case): every side's ms/step and peak RSS, ours against the faster of the
+    peers that ran (``dpo_lora``: against their full ``dpo``)."""
     rows = {}
     for r in results:
         rows.setdefault((r["size"], r["case"]), {})[r["side"]] = r
-    lines = [
-        "| size | case | ours ms/step | TRL ms/step | speed-up (TRL / ours) | ours tokens/s | TRL tokens/s "
-        "| ours peak RSS MB | TRL peak RSS MB | ours compile s | TRL first-step overhead s "
-        "| matmul bound ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    out = []
     for (size, case), sides in rows.items():
-        ours, trl = sides.get("ours", {}), sides.get("trl", {})
-        ratio = (trl["ms_per_step"] / ours["ms_per_step"]
-                 if "ms_per_step" in ours and "ms_per_step" in trl else None)
-        if case == "dpo_lora" and "ms_per_step" in ours and (size, "dpo") in rows:
-            base = rows[(size, "dpo")].get("trl", {})
-            ratio = base["ms_per_step"] / ours["ms_per_step"] if "ms_per_step" in base else None
-        lines.append("| " + " | ".join([
-            size, case + (" (vs TRL dpo)" if case == "dpo_lora" else ""),
+        ours, trl, tunix = (sides.get(s, {}) for s in SIDES)
+        peers = rows.get((size, "dpo"), {}) if case == "dpo_lora" else sides
+        peer_ms = [peers[s]["ms_per_step"] for s in ("trl", "tunix")
+                   if "ms_per_step" in peers.get(s, {})]
+        ratio = (min(peer_ms) / ours["ms_per_step"]
+                 if peer_ms and "ms_per_step" in ours else None)
+        faster = None
+        if peer_ms:
+            faster = min((s for s in ("trl", "tunix") if "ms_per_step" in peers.get(s, {})),
+                         key=lambda s: peers[s]["ms_per_step"])
+        bound = (100 * ours["bound_ms"] / ours["ms_per_step"]
+                 if "bound_ms" in ours and "ms_per_step" in ours else None)
+        out.append([
+            size, case + (" (vs their dpo)" if case == "dpo_lora" else ""),
             _fmt(ours.get("ms_per_step")), _fmt(trl.get("ms_per_step")),
-            _fmt(ratio, "{:.2f}x"), _fmt(ours.get("tokens_per_s"), "{:,.0f}"),
-            _fmt(trl.get("tokens_per_s"), "{:,.0f}"), _fmt(ours.get("peak_rss_mb"), "{:,.0f}"),
-            _fmt(trl.get("peak_rss_mb"), "{:,.0f}"), _fmt(ours.get("compile_s"), "{:.2f}"),
-            _fmt(trl.get("compile_s"), "{:.2f}"), _fmt(ours.get("bound_ms")),
-        ]) + " |")
-    return "\n".join(lines)
+            _fmt(tunix.get("ms_per_step")),
+            "n/a" if ratio is None else f"{ratio:.2f}x ({'TRL' if faster == 'trl' else 'Tunix'})",
+            _fmt(ours.get("tokens_per_s"), "{:,.0f}"), _fmt(bound, "{:.0f}%"),
+            _fmt(ours.get("bound_ms")), _fmt(ours.get("peak_rss_mb"), "{:,.0f}"),
+            _fmt(trl.get("peak_rss_mb"), "{:,.0f}"), _fmt(tunix.get("peak_rss_mb"), "{:,.0f}"),
+            _fmt(ours.get("compile_s"), "{:.2f}"),
+        ])
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: one row per (size, case), every side side by side."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows_of(results)])
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,medium", help=f"comma-separated, of {', '.join(SIZES)}")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    parser.add_argument("--sides", default="ours,trl")
+    parser.add_argument("--cases", default="sft,dpo,dpo_precompute,dpo_lora",
+                        help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help="comma-separated, of ours, trl, tunix (tunix needs --tunix-python)")
+    parser.add_argument("--tunix-python", default=None,
+                        help="the Python of an environment with Tunix (pip install -e "
+                             "'.[bench-tunix]' in its own venv); without it the Tunix side is "
+                             "skipped with a note")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
     parser.add_argument("--warmup", type=int, default=2, help="steps after the first not measured")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="measure each case this many times, alternating ours / TRL (ABAB)")
+                        help="measure each case this many times, alternating the sides' order")
     parser.add_argument("--batch", type=int, default=None, help="override the size's batch")
     parser.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--logprob-chunk", type=int, default=128)
+    parser.add_argument("--attention", default="auto", help="our --attention (model.set_attention)")
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak (e.g. 989 for an H100/H200 in dense bfloat16): "
@@ -254,6 +340,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--record", default=None, metavar="NAME",
+                        help="write the table to results/NAME.json for the README "
+                             "(tools.readme.record)")
+    parser.add_argument("--note", action="append", default=[],
+                        help="a note recorded under the table (with --record)")
     parser.add_argument("--parity", action="store_true", help="run the TRL parity check instead")
     args = parser.parse_args(argv)
     if args.parity:
@@ -263,11 +354,21 @@ def main(argv=None) -> list[dict]:
     sizes = [s for s in args.sizes.split(",") if s]
     cases = [c for c in args.cases.split(",") if c]
     sides = [s for s in args.sides.split(",") if s]
-    for name, allowed in ((sizes, SIZES), (cases, CASES), (sides, ("ours", "trl"))):
+    for name, allowed in ((sizes, SIZES), (cases, CASES), (sides, SIDES)):
         bad = [x for x in name if x not in allowed]
         if bad:
             raise SystemExit(f"unknown {bad}; expected {', '.join(allowed)}")
-    print(f"# python -m tools.bench {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
+    command = "python -m tools.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"# {command}", flush=True)
+    notes = list(args.note)
+    load_start = os.getloadavg()[0]
+    if "tunix" in sides:
+        args.tunix_python, note = tunix_python(args.tunix_python)
+        print(note, flush=True)
+        if args.tunix_python is None:
+            sides.remove("tunix")
+            notes.append(note)
+    allowed = {"ours": CASES, "trl": TRL_CASES, "tunix": TUNIX_CASES}
     results, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
         for size in sizes:
@@ -276,18 +377,19 @@ def main(argv=None) -> list[dict]:
             peaks[size] = matmul_peak(spec, args)
             print(f"{size:8s} matmul peak {peaks[size].get('peak_gflops', 0):.1f} GFLOP/s "
                   f"{peaks[size].get('matmul_gflops', peaks[size])}", flush=True)
-            if "trl" in sides:
+            if "trl" in sides or "tunix" in sides:  # the same weights on every side
                 exported = export_weights(spec, hf_dir, args.seed)
                 if "error" in exported:
                     raise SystemExit(f"export failed: {exported}")
             for case in cases:
-                order = [s for s in ("ours", "trl") if s in sides and (s == "ours" or case in TRL_CASES)]
+                order = [s for s in SIDES if s in sides and case in allowed[s]]
                 for rep in range(args.repeats):
                     for side in (order if rep % 2 == 0 else order[::-1]):
                         r = measure(side, spec, case, args, hf_dir)
                         r.update(size=size, case=case, side=side, repeat=rep)
                         results.append(r)
-                        msg = (f"{r['ms_per_step']:.1f} ms/step, peak RSS {r['peak_rss_mb']:.0f} MB"
+                        msg = (f"{r['ms_per_step']:.1f} ms/step (CPU {r.get('cpu_ms_per_step', 0):.1f} ms), "
+                               f"peak RSS {r['peak_rss_mb']:.0f} MB"
                                if "ms_per_step" in r else r.get("error", "?") + "\n" + r.get("log_tail", ""))
                         print(f"{size:8s} {case:15s} {side:5s} {msg}", flush=True)
     for r in results:
@@ -304,10 +406,24 @@ def main(argv=None) -> list[dict]:
     merged = _median_over_repeats(results)
     print()
     print(table(merged))
+    raw = {"argv": argv if argv is not None else sys.argv[1:], "matmul_peak": peaks,
+           "results": results}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:],
-                                               "matmul_peak": peaks, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    if args.record:
+        from tools import readme
+
+        notes.append(f"Machine load (1-minute load average, {os.cpu_count()} cores) at the start "
+                     f"{load_start:.1f}, at the end {os.getloadavg()[0]:.1f}: above the core "
+                     "count, other processes shared the CPU and wall times are inflated (CPU "
+                     "times less so).")
+        for r in merged:
+            if "attention" in r and r["side"] == "ours":
+                notes.append(f"ours, {r['size']} {r['case']}: {r['attention']}")
+                break
+        path = readme.record(args.record, command, COLUMNS, rows_of(merged), notes, raw)
+        print(f"recorded {path}")
     return merged
 
 

@@ -86,7 +86,8 @@ def _apply_flags(flags: list[str], algorithm) -> None:
 
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
-            logprob_chunk: int, flags: list[str], profile_steps: int = 0) -> dict:
+            logprob_chunk: int, flags: list[str], profile_steps: int = 0,
+            attention: str = "auto") -> dict:
     import nnx_posttrain  # noqa: F401
     import jax
     import jax.numpy as jnp
@@ -99,7 +100,8 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     rss_imports = rss_now_mb()
     task = build_task(spec, dtype, seed)
     module = task.backbone
-    if case == "sft":
+    attention_line = model.set_attention(module, attention)  # as train.run does (--attention)
+    if case in ("sft", "sft_packed"):
         algorithm = SFT(SFTConfig(), logprob_chunk)
     else:
         reference = {"dpo": "copy", "dpo_precompute": "precompute", "dpo_lora": "lora_base"}[case]
@@ -122,7 +124,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         frozen["reference"] = train.place(jax.tree.map(jnp.copy, params), mesh)
     state = train.place(train.init_state(params, tx, seed), mesh)
 
-    kind = "sft" if case == "sft" else "dpo"
+    kind = {"sft": "sft", "sft_packed": "sft_packed"}.get(case, "dpo")
     host = [algorithm.prepare(b) for b in make_batches(spec, kind, min(total, 4), seed)]
     precompute_s = None
     if algorithm.reference_mode == "precompute":
@@ -140,16 +142,17 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         out_shardings=(sharding.tree_shardings(state, mesh), NamedSharding(mesh, P())),
     )
     rss_before = rss_now_mb()
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for i in range(total):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         state, metrics = step_fn(state, frozen, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if i == 0:
             losses.append(float(metrics["loss"]))
     losses.append(float(metrics["loss"]))
-    out = summarize(times, warmup)
+    out = summarize(times, warmup, cpu)
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,
@@ -157,7 +160,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         params=model.count_params(nnx_posttrain_params(graphdef, params, frozen_model)),
         trainable_params=model.count_params(params), loss_first=losses[0], loss_last=losses[-1],
         device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
-        flags=flags, logprob_chunk=logprob_chunk, times_s=times,
+        flags=flags, logprob_chunk=logprob_chunk, times_s=times, attention=attention_line,
     )
     if profile_steps:
         import tempfile
@@ -224,6 +227,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logprob-chunk", type=int, default=128)
     p.add_argument("--flags", default="")
+    p.add_argument("--attention", default="auto", help="--attention of the run (model.set_attention)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after measuring, trace N steps and print where the time goes")
     args = p.parse_args(argv)
@@ -236,7 +240,8 @@ def main(argv=None):
         emit(matmul_peak(spec, args.dtype))
         return
     result = measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
-                     args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile)
+                     args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile,
+                     args.attention)
     if "profile" in result:
         from tools import profile_breakdown
 

@@ -8,14 +8,27 @@ process after a warm-up call (median of ``--repeats``):
 - ``sampler``: ``nnx_posttrain.sampling.sampler.make_sampler`` (compiled loop, KV cache);
 - ``kerashub``: KerasHub's own ``CausalLM.generate`` (greedy sampler, its KV cache);
 - ``no-cache``: a plain compiled argmax loop that runs the whole buffer through the model for
-  every new token (the evaluation decoder before the sampler).
+  every new token (the evaluation decoder before the sampler);
+- ``tunix`` (with ``--tunix-python``, in its own process and environment): Tunix's
+  ``tunix.generate.sampler.Sampler`` (KV cache) on ``tunix.models.gemma`` with the same dimensions
+  and weights (exported with KerasHub's Hugging Face exporter, read by Tunix's loader), prompts
+  passed as text of the same token ids; its call includes that trivial tokenisation and the
+  detokenisation of its output, as its API does.
+
+``--temperature T`` (> 0) samples instead of greedy decoding (Tunix: ``top_p=1.0``, the only way
+it samples), as a GRPO rollout does (``--batch 64``); the agreement column is then not compared.
+``--record NAME`` writes the table to ``results/NAME.json`` (``tools.readme``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
 import jax
@@ -79,7 +92,14 @@ def main(argv=None) -> dict[str, float]:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip", action="append", default=[], choices=["kerashub", "no-cache"])
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--tunix-python", default=None,
+                        help="the Python of an environment with Tunix: adds Tunix's sampler")
+    parser.add_argument("--record", default=None, metavar="NAME",
+                        help="write the table to results/NAME.json (tools.readme)")
+    parser.add_argument("--note", action="append", default=[])
     args = parser.parse_args(argv)
+    greedy = args.temperature == 0
 
     lm = model.load(args.model)
     batch, width, n = args.batch, args.prompt_len, args.new_tokens
@@ -98,13 +118,13 @@ def main(argv=None) -> dict[str, float]:
 
     def ours():
         nonlocal ours_ids
-        out = sample(states, d_ids, d_mask, key, 0.0, 1.0, no_stop)
+        out = sample(states, d_ids, d_mask, key, args.temperature, 1.0, no_stop)
         ours_ids = out["completion_ids"]
         return out
 
     fns = {"sampler": ours}
 
-    if "kerashub" not in args.skip:
+    if "kerashub" not in args.skip and greedy:
         task = lm.task
         task.sampler = keras_hub.samplers.GreedySampler()
         task.generate_function = None
@@ -119,7 +139,7 @@ def main(argv=None) -> dict[str, float]:
 
         fns["kerashub"] = kerashub
 
-    if "no-cache" not in args.skip:
+    if "no-cache" not in args.skip and greedy:
         greedy = make_no_cache_greedy(graphdef, n)
         nc = {}
 
@@ -130,7 +150,18 @@ def main(argv=None) -> dict[str, float]:
         fns["no-cache"] = no_cache
 
     seconds = _time_all(fns, args.repeats)
+    notes = list(args.note)
+    tunix = _tunix(lm, ids, n, args) if args.tunix_python else None
+    if tunix is not None and "seconds" in tunix:
+        seconds["tunix"] = tunix["seconds"]
+        if not tunix.get("same_weights"):
+            notes.append("Tunix: " + tunix.get("weights_note", "weights differ"))
+    elif tunix is not None:
+        notes.append(f"Tunix side failed: {tunix.get('error')}")
+        print(tunix.get("log_tail", ""))
     agree = {}
+    if tunix is not None and "completion_ids" in tunix and greedy:
+        agree["tunix"] = float(np.mean(np.asarray(tunix["completion_ids"]) == np.asarray(ours_ids)))
     if "kerashub" in fns:
         task.preprocessor = preprocessor
         agree["kerashub"] = float(np.mean(np.asarray(kh_out["ids"])[:, width:] == np.asarray(ours_ids)))
@@ -138,16 +169,46 @@ def main(argv=None) -> dict[str, float]:
         agree["no-cache"] = float(np.mean(np.asarray(nc["ids"]) == np.asarray(ours_ids)))
 
     tokens = batch * n
+    mode = "greedy" if greedy else f"temperature {args.temperature:g}"
     print(f"{args.model} on {jax.devices()[0].platform}: batch {batch}, prompt {width}, "
-          f"{n} new tokens, greedy, median of {args.repeats}")
+          f"{n} new tokens, {mode}, median of {args.repeats}")
     print(f"{'decoder':<10} {'seconds':>9} {'tokens/s':>10} {'time/sampler':>13} {'same tokens':>12}")
-    rates = {}
+    rates, rows = {}, []
     for name, sec in seconds.items():
         rates[name] = tokens / sec
         same = f"{agree[name]:.1%}" if name in agree else "-"
-        print(f"{name:<10} {sec:>9.4f} {rates[name]:>10.0f} {seconds[name] / seconds['sampler']:>12.2f}x "
-              f"{same:>12}")
+        ratio = seconds[name] / seconds["sampler"]
+        print(f"{name:<10} {sec:>9.4f} {rates[name]:>10.0f} {ratio:>12.2f}x {same:>12}")
+        rows.append([args.model, str(batch), mode, name, f"{sec:.4f}", f"{rates[name]:,.0f}",
+                     f"{ratio:.2f}x", same])
+    if args.record:
+        from tools import readme
+
+        command = "python -m tools.bench_sampler " + " ".join(argv if argv is not None else sys.argv[1:])
+        readme.record(args.record, command,
+                      ["model", "batch", "decoding", "decoder", "seconds", "tokens/s",
+                       "time / ours", "same tokens as ours"], rows, notes,
+                      {"seconds": seconds, "prompt": width, "new_tokens": n})
     return rates
+
+
+def _tunix(lm, ids, new_tokens: int, args) -> dict:
+    """Tunix's sampler on the same prompts and weights, in its own process (tools.bench_tunix)."""
+    from tools import bench
+
+    bb = lm.module
+    spec = dict(vocab=bb.vocabulary_size, hidden_dim=bb.hidden_dim, num_layers=bb.num_layers,
+                num_query_heads=bb.num_query_heads, num_key_value_heads=bb.num_key_value_heads,
+                head_dim=bb.head_dim, intermediate_dim=bb.intermediate_dim)
+    with tempfile.TemporaryDirectory(prefix="bench_sampler_") as tmp:
+        lm.task.export_to_transformers(str(Path(tmp) / "hf"))
+        np.save(Path(tmp) / "prompts.npy", ids)
+        return bench._run_worker(
+            "tools.bench_tunix",
+            ["--spec", json.dumps(spec), "--hf-dir", str(Path(tmp) / "hf"), "--sample",
+             str(Path(tmp) / "prompts.npy"), "--new-tokens", str(new_tokens), "--repeats",
+             str(args.repeats), "--temperature", str(args.temperature)], 1800,
+            python=args.tunix_python)
 
 
 if __name__ == "__main__":

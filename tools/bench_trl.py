@@ -23,6 +23,7 @@ from tools.bench import (LEARNING_RATE, emit, make_batches, peak_rss_mb, rss_now
 
 def _datasets(spec: dict, kind: str, n_batches: int, seed: int):
     """The benchmark's batches as a TRL dataset, one row per example, in batch order."""
+    import numpy as np
     from datasets import Dataset
 
     batches = make_batches(spec, kind, n_batches, seed)
@@ -31,6 +32,10 @@ def _datasets(spec: dict, kind: str, n_batches: int, seed: int):
     for b in batches:
         if kind == "sft":
             rows.setdefault("input_ids", []).extend(b["input_ids"].tolist())
+        elif kind == "sft_packed":  # the packed examples, one dataset row each (TRL packs them)
+            for ids, seg in zip(b["input_ids"], b["segment_ids"]):
+                for i in np.unique(seg):
+                    rows.setdefault("input_ids", []).append(ids[seg == i].tolist())
         else:
             rows.setdefault("prompt_ids", []).extend(b["chosen_input_ids"][:, :p].tolist())
             rows.setdefault("chosen_ids", []).extend(b["chosen_input_ids"][:, p:].tolist())
@@ -54,17 +59,19 @@ def measure(spec: dict, case: str, hf_dir: str, steps: int, warmup: int, device:
     load = dict(dtype=torch.float32)
     model = GemmaForCausalLM.from_pretrained(hf_dir, **load)
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if not use_cpu:
                 torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             if not use_cpu:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
+            cpu.append(time.process_time() - self.c0)
 
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="trl_bench_"), per_device_train_batch_size=spec["batch"],
@@ -74,10 +81,14 @@ def measure(spec: dict, case: str, hf_dir: str, steps: int, warmup: int, device:
         eval_strategy="no", report_to=[], disable_tqdm=True, seed=seed, dataloader_num_workers=0,
         max_length=spec["seq"], remove_unused_columns=True,
     )
-    kind = "sft" if case == "sft" else "dpo"
+    kind = {"sft": "sft", "sft_packed": "sft_packed"}.get(case, "dpo")
     dataset = _datasets(spec, kind, total, seed)
     precompute_s = None
-    if kind == "sft":
+    if kind == "sft_packed":  # best-fit decreasing packing, padding-free rows (position_ids)
+        args = trl.SFTConfig(**common, packing=True, packing_strategy="bfd", padding_free=True)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset,
+                                 processing_class=tokenizer, callbacks=[Timer()])
+    elif kind == "sft":
         args = trl.SFTConfig(**common, packing=False, padding_free=False)
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset,
                                  processing_class=tokenizer, callbacks=[Timer()])
@@ -103,7 +114,7 @@ def measure(spec: dict, case: str, hf_dir: str, steps: int, warmup: int, device:
     train_out = trainer.train()
     if len(times) != total:
         raise RuntimeError(f"timed {len(times)} steps, expected {total}")
-    out = summarize(times, warmup)
+    out = summarize(times, warmup, cpu)
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,

@@ -69,16 +69,27 @@ def breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict:
     events = [e for e in json.load(gzip.open(path))["traceEvents"]
               if e.get("ph") == "X" and not _RUNTIME.search(e["name"])]
     op_names = _op_names(hlo_text)
-    by_kind, by_component = collections.Counter(), collections.Counter()
+    by_kind, by_component, by_op = (collections.Counter() for _ in range(3))
     for e in events:
         ms = e["dur"] / 1000 / steps
         by_kind[re.sub(r"\.\d+$", "", e["name"])] += ms
         op = op_names.get(e["name"], "")
         by_component[f"{_component(op)} {'bwd' if 'transpose(' in op else 'fwd'}"] += ms
+        by_op[_short(op) or re.sub(r"\.\d+$", "", e["name"])] += ms
     total = sum(by_kind.values())
     return {"ops_ms_per_step": total,
             "by_kind_ms": dict(by_kind.most_common(12)),
-            "by_component_ms": dict(by_component.most_common())}
+            "by_component_ms": dict(by_component.most_common()),
+            "by_op_ms": dict(by_op.most_common(20))}
+
+
+def _short(op_name: str) -> str:
+    """An op_name without the jit / scan prefixes and the block number: every block's
+    ``decoder_block_N/attention/query/...`` counts as one ``attention/query/...``."""
+    op = re.sub(r"decoder_block_\d+/", "", op_name)
+    op = re.sub(r"^jit\([^)]*\)/", "", op)
+    op = re.sub(r"(while/body/|closed_call/|checkpoint/|remat/|jvp\(|transpose\()", "", op)
+    return op.replace(")", "")[-90:]
 
 
 def trace_steps(run_step, steps: int, trace_dir: str) -> None:
@@ -93,7 +104,8 @@ def print_breakdown(result: dict) -> None:
     total = result["ops_ms_per_step"]
     print(f"XLA operations: {total:.1f} ms per step")
     for title, key in (("by kind of operation", "by_kind_ms"),
-                       ("by model component", "by_component_ms")):
+                       ("by model component", "by_component_ms"),
+                       ("by operation (every block together)", "by_op_ms")):
         print(f"  {title}:")
-        for name, ms in result[key].items():
+        for name, ms in result.get(key, {}).items():
             print(f"    {ms:9.1f} ms  {100 * ms / total:5.1f}%  {name}")

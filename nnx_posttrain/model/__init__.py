@@ -10,6 +10,8 @@ its chat template. Around it:
 - ``lora``: the trainable-variable filter, ``split``, LoRA and its off switch (the reference model);
 - ``blocks``: overriding a method of every decoder block for one call (``override_blocks``): the
   packed-row attention mask, remat, the sampler's key-padding mask;
+- ``attention``: one attention path for every family and accelerator (``set_attention``:
+  ``keras``, ``xla``, ``cudnn``, ``splash``, ``auto``), segment ids compared inside the kernel;
 - ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
 - ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``).
 
@@ -17,6 +19,8 @@ It may import only config-level modules (``config``, ``chat``, ``sharding``, ``c
 ``metrics_log``) and third-party libraries: never data, losses, algorithms, train or tasks.
 """
 
+from nnx_posttrain.model.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from nnx_posttrain.model.attention import attention_of, set_attention
 from nnx_posttrain.model.blocks import (
     decoder_blocks,
     override_blocks,
@@ -64,6 +68,8 @@ __all__ = [
     # lora
     "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_disabled", "merge",
     "named_variables", "split", "trainable_filter",
+    # attention
+    "ATTENTION_IMPLEMENTATIONS", "attention_of", "set_attention",
     # blocks
     "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat",
     # logprobs

@@ -25,21 +25,25 @@ def decoder_blocks(module) -> list:
 
 
 @contextlib.contextmanager
-def override_blocks(module, name: str, make: Callable[[Any, Any], Any]) -> Iterator[list]:
+def override_blocks(module, name: str, make: Callable[[Any, Any], Any], *,
+                    part: Callable[[Any], Any] | None = None) -> Iterator[list]:
     """Within the block, every decoder block's attribute ``name`` (a method, e.g. ``call``) is
     ``make(block, original)``, where ``original`` is what ``getattr(block, name)`` gave before
     (a bound method). The override is set on the instances and removed on exit, also on error.
-    Yields the blocks (``decoder_blocks(module)``)."""
+    Yields the blocks (``decoder_blocks(module)``). With ``part`` (block -> one of its sublayers,
+    e.g. its attention layer), the attribute of ``part(block)`` is overridden instead, and
+    ``make`` receives that sublayer."""
     blocks = decoder_blocks(module)
     patched = []
     try:
         for block in blocks:
-            object.__setattr__(block, name, make(block, getattr(block, name)))
-            patched.append(block)
+            target = part(block) if part is not None else block
+            object.__setattr__(target, name, make(target, getattr(target, name)))
+            patched.append(target)
         yield blocks
     finally:
-        for block in patched:
-            object.__delattr__(block, name)
+        for target in patched:
+            object.__delattr__(target, name)
 
 
 # ----------------------------------------------------------------------------- packed rows

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_posttrain.model import attention
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _remat_scope,
@@ -22,9 +23,12 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None):
     """Final hidden states. With ``segment_ids`` (packed rows), attention stays within each
     example. Positions are not restarted per example: every supported family uses rotary
     embeddings, whose attention scores depend only on relative positions within an example."""
-    with _remat_scope(module):
+    with _remat_scope(module), attention.scope(module, padding_mask, segment_ids) as own:
         if segment_ids is None:
             return module({"token_ids": token_ids, "padding_mask": padding_mask})
+        if own:  # the attention path compares the segment ids itself (model.set_attention)
+            return module({"token_ids": token_ids,
+                           "padding_mask": (segment_ids != 0).astype(jnp.int32)})
         with _attention_mask_override(module, segment_attention_mask(segment_ids)):
             return module({"token_ids": token_ids,
                            "padding_mask": (segment_ids != 0).astype(jnp.int32)})

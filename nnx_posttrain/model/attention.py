@@ -1,0 +1,336 @@
+"""One attention path for every family and accelerator (``--attention auto|keras|xla|cudnn|splash``).
+
+KerasHub's attention layers compute ``softmax(q k^T * scale + mask) v`` from a ``[batch, T, T]``
+mask that the decoder block builds (causal + padding, or the block-diagonal mask of packed rows),
+with an einsum over grouped heads in ``[batch, kv heads, groups, T, S]`` layout. For the training
+forward (``hidden_states``), this module replaces, on every decoder block for the duration of the
+call (``blocks.override_blocks``), two methods:
+
+- the block's mask method, by a ``[batch, T, 1]`` placeholder of ones (no ``T x T`` mask is built);
+- the attention layer's ``_compute_attention(q, k, v, mask, ...)`` — the seam every family shares,
+  after the projections (Qwen's biases, Qwen 3 / Gemma 3 q/k norms) and the rotary embedding — by
+  :func:`attend`, which compares **segment ids** (packed rows; else the padding mask, 1 = token)
+  inside the kernel or one query chunk at a time: a query sees a key iff both carry the same
+  segment id, the key is not later, and (sliding window ``W``) at most ``W - 1`` positions earlier.
+
+Implementations (``set_attention`` resolves ``auto`` per platform and layer and says which path it
+took, with the reason of any fallback):
+
+- ``keras``: KerasHub's own code, untouched (the materialised mask);
+- ``xla``: exact attention as plain XLA operations, the formulation measured fastest on CPU:
+  ``[batch, T, kv heads, groups, S]`` scores without head transposes (with one kv head, every
+  query head is a row of one batched matmul; keys that KerasHub's Llama / Qwen / Mistral layers
+  repeated per group are un-repeated), soft cap, float32 softmax. Sequences
+  longer than ``chunk`` run one query chunk at a time under ``jax.checkpoint``, each against only
+  the keys it can see (causal, window), so memory holds one chunk of scores, never ``T x T``;
+- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN flash attention, GPU,
+  bfloat16 / float16, head dim a multiple of 8 up to 128, 256 on Hopper; no soft cap), the mask of
+  one query chunk at a time built from segment ids;
+- ``splash``: Pallas splash attention (TPU; ``jax.experimental.pallas.ops.tpu.splash_attention``):
+  causal or local mask, segment ids and the soft cap inside the kernel; head dim a multiple of 128
+  (any in interpret mode, which the tests use on CPU); a sequence that is not a multiple of 128
+  takes the ``xla`` formulation;
+- ``auto``: ``splash`` on TPU, ``cudnn`` on GPU, where the layer and dtype allow; else ``xla``.
+
+A requested kernel that cannot do a layer's feature (or an unknown attention layer, dropout,
+Gemma 3's bidirectional mode or vision encoder) falls back to ``keras``. The sampler's cached decoding keeps
+KerasHub's attention (one query against a KV cache: ``sampling/sampler.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from nnx_posttrain.model.blocks import _MASK_METHODS, decoder_blocks, override_blocks
+
+IMPLEMENTATIONS = ("auto", "keras", "xla", "cudnn", "splash")
+_ATTRIBUTE = "_nnx_posttrain_attention"
+_NEG = -1e30  # masked score: finite (no NaN), exp(_NEG - max) = 0 in float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The resolved path, kept on the module (a plain attribute: ``nnx.split`` / ``merge`` keep it)."""
+    implementation: str = "keras"  # keras | xla | cudnn | splash
+    chunk: int = 512  # query positions per chunk past this length (xla, cudnn)
+    interpret: bool = False  # Pallas kernels in interpret mode (CPU tests)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What :func:`attend` needs to know of one KerasHub attention layer."""
+    scale: float
+    soft_cap: float | None = None
+    window: int | None = None  # a query sees keys at most window - 1 positions earlier
+    repeated: int = 1  # keys / values arrive repeated this many times per kv head (Llama family)
+    scale_scores: bool = False  # scale the scores (Llama family) rather than the queries (Gemma)
+
+
+def attention_layer(block):
+    """The attention sublayer of a KerasHub decoder block."""
+    for name in ("attention", "_self_attention_layer"):
+        layer = getattr(block, name, None)
+        if layer is not None and hasattr(layer, "_compute_attention"):
+            return layer
+    return None
+
+
+def layer_spec(block) -> LayerSpec | str:
+    """The block's attention as a ``LayerSpec``, or the reason it stays with KerasHub's code."""
+    layer = attention_layer(block)
+    if layer is None:
+        return f"{type(block).__name__} has no known attention layer"
+    kind = type(layer).__name__
+    if getattr(layer, "dropout", 0) or getattr(layer, "_dropout", 0):
+        return f"{kind} has attention dropout"
+    if getattr(layer, "use_bidirectional_attention", False):
+        return f"{kind} is bidirectional"
+    if hasattr(layer, "query_head_dim_normalize"):  # Gemma 1 / 2 / 3
+        dim = layer.head_dim if layer.query_head_dim_normalize else (
+            layer.hidden_dim // layer.num_query_heads)
+        window = layer.sliding_window_size if layer.use_sliding_window_attention else None
+        return LayerSpec(1 / math.sqrt(dim), layer.logit_soft_cap or None, window)
+    if hasattr(layer, "_inv_norm_factor"):  # Llama 3, Mistral, Qwen 2, Qwen 3
+        if hasattr(layer, "_sliding_window"):  # Mistral: the decoder's banded mask
+            window = layer._sliding_window
+        elif hasattr(layer, "use_sliding_window_attention"):  # Qwen 2
+            window = layer.sliding_window_size if layer.use_sliding_window_attention else None
+        else:  # Qwen 3 (sliding_window_size None when off), Llama (none)
+            window = getattr(layer, "sliding_window_size", None)
+        return LayerSpec(float(layer._inv_norm_factor), None, window or None,
+                         repeated=int(getattr(layer, "num_key_value_groups", 1)), scale_scores=True)
+    return f"{kind} is not a known attention layer"
+
+
+def _cudnn_problem(spec: LayerSpec, head_dim: int, dtype) -> str | None:
+    if spec.soft_cap is not None:
+        return "cuDNN has no logit soft cap"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cuDNN flash attention needs bfloat16 / float16, not {jnp.dtype(dtype).name}"
+    cap = getattr(jax.devices()[0], "compute_capability", "0")
+    limit = 256 if float(cap or 0) >= 9.0 else 128
+    if head_dim % 8 or head_dim > limit:
+        return f"cuDNN needs a head dim that is a multiple of 8 up to {limit}, not {head_dim}"
+    return None
+
+
+def _splash_problem(spec: LayerSpec, head_dim: int, interpret: bool) -> str | None:
+    if not interpret and head_dim % 128:
+        return f"splash attention needs a head dim that is a multiple of 128, not {head_dim}"
+    return None
+
+
+def resolve(module, implementation: str = "auto", platform: str | None = None,
+            interpret: bool = False) -> tuple[str, str]:
+    """(implementation, reason): the path ``module``'s attention takes on ``platform``."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"--attention must be one of {', '.join(IMPLEMENTATIONS)}, "
+                         f"not {implementation!r}")
+    if implementation == "keras":
+        return "keras", "requested"
+    platform = platform or jax.default_backend()
+    blocks = decoder_blocks(module)
+    specs = [layer_spec(block) for block in blocks]
+    unknown = next((s for s in specs if isinstance(s, str)), None)
+    if unknown:
+        return "keras", unknown
+    if getattr(module, "vision_encoder", None) is not None:
+        return "keras", "image tokens attend bidirectionally (a vision encoder)"
+    if not any(hasattr(type(blocks[0]), n) for n in _MASK_METHODS):
+        return "keras", f"{type(blocks[0]).__name__} has no known mask method"
+    layer = attention_layer(blocks[0])
+    head_dim = int(getattr(layer, "head_dim", 0) or getattr(layer, "_head_dim", 0))
+    dtype = module.dtype_policy.compute_dtype
+    problems = {"cudnn": lambda s: _cudnn_problem(s, head_dim, dtype),
+                "splash": lambda s: _splash_problem(s, head_dim, interpret)}
+    if implementation == "auto":
+        preferred = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform)
+        if preferred:
+            why = next((p for p in map(problems[preferred], specs) if p), None)
+            if why is None:
+                return preferred, f"auto on {platform}"
+            return "xla", f"auto on {platform}; {preferred} not used: {why}"
+        return "xla", f"auto on {platform}"
+    if implementation == "cudnn" and platform not in ("gpu", "cuda"):
+        return "keras", f"cudnn needs a GPU, this is {platform}"
+    if implementation == "splash" and platform != "tpu" and not interpret:
+        return "keras", f"splash needs a TPU (or interpret mode), this is {platform}"
+    why = next((p for p in map(problems.get(implementation, lambda s: None), specs) if p), None)
+    if why:
+        return "keras", f"{implementation} not used: {why}"
+    return implementation, "requested"
+
+
+def set_attention(module, implementation: str = "auto", *, platform: str | None = None,
+                  interpret: bool = False, chunk: int = 512) -> str:
+    """Choose ``module``'s attention path (``--attention``) and return a line saying which one it
+    took and why."""
+    resolved, reason = resolve(module, implementation, platform, interpret)
+    object.__setattr__(module, _ATTRIBUTE, Choice(resolved, chunk, interpret))
+    return f"attention: {resolved} ({reason})"
+
+
+def attention_of(module) -> Choice:
+    return getattr(module, _ATTRIBUTE, Choice())
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+def _allowed(seg_q, seg_k, pos_q, pos_k, window):
+    """[batch, Tq, S] bool: same segment, key not later, within the window."""
+    ok = (seg_q[:, :, None] == seg_k[:, None, :]) & (pos_k[None, None, :] <= pos_q[None, :, None])
+    if window:
+        ok &= pos_q[None, :, None] - pos_k[None, None, :] < window
+    return ok
+
+
+def _xla_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
+    """q [B, C, K, G, H], k / v [B, S, K, H] -> [B, C, K, G, H]."""
+    b, c, kv, g, h = q.shape
+    if not spec.scale_scores:
+        q = q * jnp.asarray(spec.scale, q.dtype)
+    # an additive bias, one per batch row and (query, key) (not per head; no select backward)
+    bias = jnp.where(_allowed(seg_q, seg_k, pos_q, pos_k, spec.window), 0.0, _NEG)
+    if kv == 1:  # one kv head: every (query, head) is a row of one batched matmul, no transpose
+        s = jnp.einsum("bqh,bsh->bqs", q.reshape(b, c * g, h), k[:, :, 0]).reshape(b, c, g, -1)
+        bias = bias[:, :, None, :]
+    else:
+        s = jnp.einsum("bckgh,bskh->bckgs", q, k)
+        bias = bias[:, :, None, None, :]
+    if spec.scale_scores:
+        s = s * jnp.asarray(spec.scale, s.dtype)
+    if spec.soft_cap is not None:
+        s = jnp.tanh(s / spec.soft_cap) * spec.soft_cap
+    p = _softmax(s.astype(jnp.float32) + bias).astype(v.dtype)
+    if kv == 1:
+        return jnp.einsum("bqs,bsh->bqh", p.reshape(b, c * g, -1), v[:, :, 0]).reshape(q.shape)
+    return jnp.einsum("bckgs,bskh->bckgh", p, v)
+
+
+@jax.custom_vjp
+def _softmax(x):
+    """softmax over the last axis; its backward ``p * (g - sum(g * p))`` as one row reduction
+    of a plain product (XLA:CPU emits jax.nn.softmax's transposed JVP as a slow, broadcasting
+    reduction at long sequences)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - jax.lax.stop_gradient(m))
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _softmax_fwd(x):
+    p = _softmax(x)
+    return p, p
+
+
+def _softmax_bwd(p, g):
+    return (p * (g - jnp.sum(g * p, axis=-1, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def _cudnn_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
+    b, c, kv, g, h = q.shape
+    ok = _allowed(seg_q, seg_k, pos_q, pos_k, spec.window)[:, None]
+    out = jax.nn.dot_product_attention(q.reshape(b, c, kv * g, h), k, v, mask=ok,
+                                       scale=spec.scale, implementation="cudnn")
+    return out.reshape(b, c, kv, g, h)
+
+
+def _chunked(kernel, q, k, v, segment_ids, spec: LayerSpec, chunk: int):
+    """Query chunks of ``chunk`` positions, each against the keys it can see, recomputed in the
+    backward pass when there is more than one chunk."""
+    t = q.shape[1]
+    pos = jnp.arange(t)
+    if t <= chunk:
+        return kernel(q, k, v, segment_ids, segment_ids, pos, pos, spec)
+    one = jax.checkpoint(lambda q, k, v, sq, sk, pq, pk: kernel(q, k, v, sq, sk, pq, pk, spec))
+    outs = []
+    for lo in range(0, t, chunk):
+        hi = min(lo + chunk, t)
+        first = max(0, lo - spec.window + 1) if spec.window else 0
+        outs.append(one(q[:, lo:hi], k[:, first:hi], v[:, first:hi], segment_ids[:, lo:hi],
+                        segment_ids[:, first:hi], pos[lo:hi], pos[first:hi]))
+    return jnp.concatenate(outs, axis=1)
+
+
+def _splash(q, k, v, segment_ids, spec: LayerSpec, interpret: bool):
+    """q [B, T, K, G, H], k / v [B, T, K, H] through splash attention's MQA kernel per batch row
+    and kv head."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, t, kv, g, h = q.shape
+    if spec.window:
+        one = sm.LocalMask((t, t), window_size=(spec.window - 1, 0), offset=0)
+    else:
+        one = sm.CausalMask((t, t))
+    block = min(512, t)
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                          block_q_dq=block, block_kv_dq=block)
+    kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * g), block_sizes=sizes,
+                                              attn_logits_soft_cap=spec.soft_cap,
+                                              interpret=interpret)
+    qh = jnp.transpose(q * jnp.asarray(spec.scale, q.dtype), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
+    kh, vh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))  # [B, K, T, H]
+    seg = sk.SegmentIds(q=segment_ids, kv=segment_ids)
+    per_head = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), in_axes=(0, 0, 0, None))
+    out = jax.vmap(per_head)(qh, kh, vh, seg)  # [B, K, G, T, H]
+    return jnp.transpose(out, (0, 3, 1, 2, 4))
+
+
+def attend(q, k, v, segment_ids, spec: LayerSpec, choice: Choice):
+    """Attention output [B, T, N, H] of rotated queries q [B, T, N, H] and keys / values
+    [B, S, K * spec.repeated, H] (S = T), with ``segment_ids`` [B, T] (0: padding)."""
+    if spec.repeated > 1:  # Llama / Qwen / Mistral repeated each kv head; the copies are equal
+        k, v = k[:, :, ::spec.repeated], v[:, :, ::spec.repeated]
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    q5 = q.reshape(b, t, kv, n // kv, h)
+    segment_ids = segment_ids.astype(jnp.int32)
+    impl = choice.implementation
+    if impl == "splash" and t % 128 == 0 and k.shape[1] == t:
+        out = _splash(q5, k, v, segment_ids, spec, choice.interpret)
+    elif impl == "cudnn":
+        out = _chunked(_cudnn_chunk, q5, k, v, segment_ids, spec, choice.chunk)
+    else:  # xla, and splash at a sequence length it cannot tile
+        out = _chunked(_xla_chunk, q5, k, v, segment_ids, spec, choice.chunk)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- the override
+
+
+@contextlib.contextmanager
+def scope(module, padding_mask, segment_ids=None):
+    """While active, ``module``'s forward pass uses its chosen attention path (``set_attention``)
+    with ``segment_ids`` (packed rows) or the padding mask as segments. Yields whether the path is
+    active (False: ``keras``, and KerasHub builds its masks as usual)."""
+    choice = attention_of(module)
+    if choice.implementation == "keras":
+        yield False
+        return
+    blocks = decoder_blocks(module)
+    segments = padding_mask if segment_ids is None else segment_ids
+    segments = jnp.asarray(segments).astype(jnp.int32)
+    placeholder = jnp.ones(segments.shape + (1,), jnp.int32)
+    mask_method = next(n for n in _MASK_METHODS if hasattr(type(blocks[0]), n))
+    specs = {id(attention_layer(block)): layer_spec(block) for block in blocks}
+
+    def make_compute(layer, original):
+        spec = specs[id(layer)]
+
+        def compute(q, k, v, *args, **kwargs):
+            return attend(q, k, v, segments, spec, choice)
+        return compute
+
+    with override_blocks(module, mask_method, lambda block, original: lambda *a, **kw: placeholder), \
+            override_blocks(module, "_compute_attention", make_compute, part=attention_layer):
+        yield True

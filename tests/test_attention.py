@@ -1,0 +1,220 @@
+"""The attention paths (model/attention.py) equal KerasHub's attention, per family, packed and not."""
+
+import contextlib
+
+import keras_hub
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax
+import jax.numpy as jnp
+
+from nnx_posttrain import model
+from nnx_posttrain.model import attention, blocks
+
+SEQ = 24  # long enough for the sliding windows below (8) to cut
+
+
+def _families():
+    """Tiny random backbones of every supported family, each with the feature its kernels must get
+    right: soft caps and a sliding window (Gemma 2), one kv head (Gemma), grouped heads, Qwen's
+    q/k/v biases, Qwen 3's q/k norms, Mistral's banded mask, Gemma 3's local / global layers."""
+    common = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
+                  intermediate_dim=48, dtype="float32")
+    gemma = dict(common, head_dim=8)
+    return {
+        "gemma": lambda: keras_hub.models.GemmaBackbone(num_key_value_heads=1, **gemma),
+        "gemma2": lambda: keras_hub.models.GemmaBackbone(
+            num_key_value_heads=2, query_head_dim_normalize=False, use_post_ffw_norm=True,
+            use_post_attention_norm=True, attention_logit_soft_cap=5.0, final_logit_soft_cap=30.0,
+            use_sliding_window_attention=True, sliding_window_size=8, **gemma),
+        "llama3": lambda: keras_hub.models.Llama3Backbone(num_key_value_heads=2, **common),
+        "qwen2": lambda: keras_hub.models.QwenBackbone(
+            num_key_value_heads=2, use_sliding_window_attention=True, sliding_window_size=8,
+            **common),
+        "qwen3": lambda: keras_hub.models.Qwen3Backbone(num_key_value_heads=1, head_dim=8,
+                                                        **common),
+        "mistral": lambda: keras_hub.models.MistralBackbone(num_key_value_heads=2,
+                                                            sliding_window=8, **common),
+        "gemma3": lambda: keras_hub.models.Gemma3Backbone(
+            image_size=None, num_key_value_heads=1, use_sliding_window_attention=True,
+            sliding_window_size=8, **gemma),  # q/k norms, local and global layers
+    }
+
+
+FAMILIES = _families()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def backbone(request):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    bb = FAMILIES[request.param]()
+    # random norms and biases (they start at 0 / 1), so every weight matters
+    for v in bb.weights:
+        if "norm" in v.path or "bias" in v.path:
+            v.assign(np.random.default_rng(1).normal(size=v.shape).astype("float32") * 0.5)
+    return bb
+
+
+def _inputs(packed: bool, length: int = SEQ):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, size=(2, length)).astype(np.int32)
+    if packed:  # row 0: three examples and padding; row 1: two examples
+        pos = np.arange(length) * 24 // length  # the same layout at any length
+        seg = np.stack([np.select([pos < 7, pos < 16, pos < 21], [1, 2, 3], 0),
+                        np.where(pos < 13, 1, 2)]).astype(np.int32)
+        return ids, (seg != 0).astype(np.int32), seg
+    mask = np.ones((2, length), np.int32)
+    mask[1, :5] = 0  # a left-padded row
+    mask[0, -4:] = 0  # a right-padded row
+    return ids, mask, None
+
+
+@contextlib.contextmanager
+def _kerashub_as_written():
+    """KerasHub's Qwen 2 / 3 layers apply their sliding window only in their einsum branch, which
+    they skip on JAX (``fused_attention_op_available()`` is True there, and the fused branch drops
+    the window): the reference is the branch that applies it."""
+    from keras_hub.src.models.qwen import qwen_attention
+    from keras_hub.src.models.qwen3 import qwen3_attention
+
+    saved = [(m, m.fused_attention_op_available) for m in (qwen_attention, qwen3_attention)]
+    try:
+        for m, _ in saved:
+            m.fused_attention_op_available = lambda: False
+        yield
+    finally:
+        for m, f in saved:
+            m.fused_attention_op_available = f
+
+
+def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
+    ids, mask, seg = _inputs(packed, length)
+    model.set_attention(bb, implementation, platform="cpu", interpret=interpret)
+    try:
+        window = getattr(model.decoder_blocks(bb)[0], "sliding_window", None)
+        if implementation == "keras" and seg is not None and window:
+            # Mistral's window lives in the block's mask method, which KerasHub's packed-row mask
+            # (blocks.segment_attention_mask) replaces: the reference applies both
+            pos = np.arange(length)
+            band = (pos[:, None] - pos[None, :] < window)[None]
+            packed_mask = model.segment_attention_mask(jnp.asarray(seg)) * band
+            with blocks._attention_mask_override(bb, packed_mask):
+                h = bb({"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)})
+        else:
+            with _kerashub_as_written() if implementation == "keras" else contextlib.nullcontext():
+                h = model.hidden_states(bb, jnp.asarray(ids), jnp.asarray(mask),
+                                        None if seg is None else jnp.asarray(seg))
+    finally:
+        model.set_attention(bb, "keras")
+    real = (seg if seg is not None else mask) != 0
+    return np.asarray(h)[real]  # padding positions carry no loss and may differ
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_xla_path_equals_kerashub_attention(backbone, packed):
+    """float32, 1e-5: the hidden states at every real position."""
+    want = _hidden(backbone, "keras", packed)
+    np.testing.assert_allclose(_hidden(backbone, "xla", packed), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_splash_kernel_equals_kerashub_attention(backbone, packed):
+    """Pallas splash attention in interpret mode (its blocks need 128 positions)."""
+    want = _hidden(backbone, "keras", packed, length=128)
+    got = _hidden(backbone, "splash", packed, interpret=True, length=128)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_equal_kerashub_attention(backbone):
+    """The backward pass too (packed rows, the chunked path with chunks of 8 positions)."""
+    ids, mask, seg = _inputs(packed=True)
+    graphdef, params, rest = nnx.split(backbone, nnx.Param, ...)
+
+    def loss(params, implementation, chunk):
+        module = nnx.merge(graphdef, params, rest)
+        model.set_attention(module, implementation, platform="cpu")
+        object.__setattr__(module, attention._ATTRIBUTE,
+                           attention.Choice(attention.attention_of(module).implementation, chunk))
+        h = model.hidden_states(module, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(seg))
+        return jnp.sum(jnp.where(jnp.asarray(seg)[..., None] != 0, h, 0.0) ** 2)
+
+    with _kerashub_as_written():
+        want = jax.grad(loss)(params, "keras", 512)
+    for chunk in (512, 8):
+        got = jax.grad(loss)(params, "xla", chunk)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
+
+
+def test_chunked_queries_equal_one_chunk():
+    """Long sequences run a query chunk at a time, each against the keys it can see."""
+    rng = np.random.default_rng(0)
+    b, t, kv, g, h = 2, 40, 1, 3, 8
+    q = jnp.asarray(rng.normal(size=(b, t, kv * g, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kv, h)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.repeat([[1, 2, 3, 3]], b, 0).repeat(10, 1))
+    for spec in (attention.LayerSpec(0.3), attention.LayerSpec(0.3, soft_cap=2.0, window=7)):
+        one = attention.attend(q, k, v, seg, spec, attention.Choice("xla", chunk=64))
+        for chunk in (8, 16, 13):
+            many = attention.attend(q, k, v, seg, spec, attention.Choice("xla", chunk=chunk))
+            np.testing.assert_allclose(many, one, atol=1e-6)
+
+
+def test_auto_resolves_per_platform_and_falls_back_by_rule():
+    gemma2 = FAMILIES["gemma2"]()
+    gemma = FAMILIES["gemma"]()
+    assert attention.resolve(gemma, "auto", "cpu") == ("xla", "auto on cpu")
+    assert attention.resolve(gemma, "keras", "cpu")[0] == "keras"
+    # a kernel the platform does not have, or a feature the kernel cannot do: KerasHub's code
+    impl, why = attention.resolve(gemma, "cudnn", "cpu")
+    assert impl == "keras" and "needs a GPU" in why
+    impl, why = attention.resolve(gemma2, "cudnn", "gpu")
+    assert impl == "keras" and "soft cap" in why
+    impl, why = attention.resolve(gemma, "cudnn", "gpu")  # float32
+    assert impl == "keras" and "bfloat16" in why
+    impl, why = attention.resolve(gemma, "splash", "tpu")  # head dim 8
+    assert impl == "keras" and "multiple of 128" in why
+    # auto takes the platform's kernel where it can, else the exact XLA formulation
+    impl, why = attention.resolve(gemma2, "auto", "gpu")
+    assert impl == "xla" and "soft cap" in why
+    assert "attention: xla (auto on cpu)" == model.set_attention(gemma, "auto", platform="cpu")
+    with pytest.raises(ValueError, match="--attention must be one of"):
+        attention.resolve(gemma, "flash", "cpu")
+
+
+def test_unknown_attention_layers_keep_kerashub():
+    bb = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                       intermediate_dim=32, max_sequence_length=32, dropout=0.0)
+    impl, why = attention.resolve(bb, "auto", "cpu")
+    assert impl == "keras" and "not a known attention layer" in why
+    assert model.set_attention(bb, "xla") == f"attention: keras ({why})"
+
+
+def test_no_t_by_t_mask_in_the_packed_forward():
+    """Packed rows: no [T, T]-sized array (neither KerasHub's mask nor a bias) is built at a
+    length past one chunk: the largest intermediate holds one chunk of scores."""
+    bb = FAMILIES["gemma"]()
+    t, chunk = 256, 32
+    ids = jnp.ones((1, t), jnp.int32)
+    seg = jnp.asarray(np.repeat(np.arange(1, 5), t // 4)[None], jnp.int32)
+    model.set_attention(bb, "xla", platform="cpu", chunk=chunk)
+    graphdef, state = nnx.split(bb)
+
+    def fwd(state):
+        return model.hidden_states(nnx.merge(graphdef, state), ids, seg != 0, seg)
+
+    jaxpr = jax.make_jaxpr(fwd)(state)
+    sizes = [int(np.prod(v.aval.shape)) for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars
+             if hasattr(v.aval, "shape")]
+    sub = [e for e in jaxpr.jaxpr.eqns if e.params.get("jaxpr") is not None]
+    for e in sub:  # inside the checkpointed chunks
+        inner = e.params["jaxpr"]
+        inner = getattr(inner, "jaxpr", inner)
+        sizes += [int(np.prod(v.aval.shape)) for q in inner.eqns for v in q.outvars
+                  if hasattr(v.aval, "shape")]
+    assert max(sizes) < t * t, max(sizes)  # 4 heads x 32 queries x 256 keys = 32768 < 65536
+    model.set_attention(bb, "keras")
