@@ -17,7 +17,11 @@ that name) and the next older one is used.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -152,12 +156,14 @@ class Checkpointer:
         (``restore_weights``), the data state is None."""
         while (step := self.latest_intact_step(echo)) is not None:
             try:
-                saved = self.read_record(step)
-                if check is not None:
-                    check(saved)
-                if weights_only:
-                    return step, self.restore_weights(step, abstract_state, current_record), None, saved
-                return (step, *self.restore(step, abstract_state, current_record))
+                with _quiet_coroutines():
+                    saved = self.read_record(step)
+                    if check is not None:
+                        check(saved)
+                    if weights_only:
+                        return (step, self.restore_weights(step, abstract_state, current_record),
+                                None, saved)
+                    return (step, *self.restore(step, abstract_state, current_record))
             except CheckpointMismatchError:
                 raise
             except Exception as exc:  # noqa: BLE001  (Orbax and TensorStore raise many kinds)
@@ -165,7 +171,7 @@ class Checkpointer:
                     raise  # out of memory is not damage
                 if not _readable_error(exc):
                     raise
-                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                first = (str(exc).strip().splitlines() or [""])[0].split(" See full")[0][:200]
                 self.set_aside(step, f"{type(exc).__name__}: {first}", echo)
         return None
 
@@ -214,6 +220,26 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+@contextlib.contextmanager
+def _quiet_coroutines():
+    """A failed TensorStore read leaves Orbax's reading coroutines to be finalised with their
+    exception, which Python prints as "Exception ignored in <coroutine>" and a traceback: the
+    failure itself is reported (``set_aside``), so those are dropped; other unraisable
+    exceptions still reach the usual hook."""
+    old = sys.unraisablehook
+
+    def hook(unraisable):
+        if not inspect.iscoroutine(unraisable.object):
+            old(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = old
 
 
 def _readable_error(exc: Exception) -> bool:

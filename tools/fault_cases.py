@@ -40,7 +40,7 @@ class Case:
         self.root, self.work = root, work
         self.outs: list[subprocess.CompletedProcess] = []
 
-    def run(self, algo, run_dir, *args, fast=True, timeout=300, env=None):
+    def run(self, algo, run_dir, *args, fast=True, timeout=900, env=None):
         cmd = [sys.executable, "-m", f"experiments.{algo}", *MICRO, "--run-dir", str(run_dir),
                *(FAST if fast else []), *args]
         if algo != "sft" and "--init-from" not in args:
@@ -63,7 +63,7 @@ class Case:
 
     def python(self, code: str):
         out = subprocess.run([sys.executable, "-c", code], cwd=self.root, capture_output=True,
-                             text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(self.root)))
+                             text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(self.root)))
         self.outs.append(out)
         return out
 
@@ -370,7 +370,7 @@ def sigterm_then_resume(c):
     proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "0")
     _wait_metrics(run, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    out_, err = proc.communicate(timeout=120)
+    out_, err = proc.communicate(timeout=600)
     if "Traceback" in err:
         return "traceback"
     ok = proc.returncode == 143 and bool(steps_of(run))
@@ -401,7 +401,7 @@ def ctrl_c_twice(c):
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=600)
     if "Traceback" in err:
         return "traceback"
     code = (f"from nnx_posttrain import runs\nfrom pathlib import Path\nd={str(run)!r}\n"
@@ -412,7 +412,7 @@ def ctrl_c_twice(c):
     return "ok" if proc.returncode in (130, 1) else "unclear"
 
 
-def _wait_metrics(run, step, proc, timeout=240):
+def _wait_metrics(run, step, proc, timeout=900):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if any(r.get("step", 0) >= step and r.get("split") == "train" for r in metrics(run)):
@@ -579,7 +579,7 @@ def metrics_deleted_mid_run(c):
     _wait_metrics(run, 3, proc)
     (run / "metrics.jsonl").unlink()
     try:
-        out_, err = proc.communicate(timeout=240)
+        out_, err = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
         proc.kill()
         out_, err = proc.communicate()
