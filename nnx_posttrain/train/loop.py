@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
@@ -117,6 +118,9 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
             state, data_state = restored[1], restored[2]
             if data_state and not cfg.eval_only:
                 source.set_state(data_state)
+            if cfg.eval_only:  # the module holds the weights scored: the starting ones are freed
+                nnx.update(module, state["params"])
+                del params
         if restored is not None and not cfg.eval_only:
             echo(f"resumed from {ckpt.directory / str(restored[0])} (step {restored[0]})"
                  + "".join(f"\n  changed: {k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
