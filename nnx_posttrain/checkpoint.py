@@ -49,11 +49,16 @@ def shapes(tree) -> dict[str, list]:
     }
 
 
+def model_settings(config: dict) -> dict:
+    """The settings that make a model, from a run's config (as ``config_lib.to_dict`` gives it)."""
+    lora = config["lora"]
+    return {"model": config["model"], "dtype": config["dtype"],
+            "lora": {"rank": lora["rank"], "alpha": lora["alpha"], "targets": lora["targets"]}}
+
+
 def model_record(cfg: config_lib.Config, state) -> dict:
     return {
-        "model": cfg.model,
-        "dtype": cfg.dtype,
-        "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": cfg.lora.targets},
+        **model_settings(config_lib.to_dict(cfg)),
         "variables": {
             name: [*map(int, v.shape), str(v.dtype)]
             for name, v in model.named_variables(state["params"]).items()
@@ -61,11 +66,20 @@ def model_record(cfg: config_lib.Config, state) -> dict:
     }
 
 
+def model_problems(saved: dict, current: dict) -> list[str]:
+    """The differences of model, dtype and LoRA between two model records."""
+    return [f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
+            for key in ("model", "dtype", "lora") if saved.get(key) != current.get(key)]
+
+
+def mismatch(where: str, problems: list[str]) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"checkpoint {where} was written for a different model configuration:\n  "
+        + "\n  ".join(problems))
+
+
 def check_compatible(saved: dict, current: dict, where: str) -> None:
-    problems = []
-    for key in ("model", "dtype", "lora"):
-        if saved.get(key) != current.get(key):
-            problems.append(f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}")
+    problems = model_problems(saved, current)
     old, new = saved.get("variables", {}), current.get("variables", {})
     missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
     if missing:
@@ -78,10 +92,7 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
             if len(problems) > 8:
                 break
     if problems:
-        raise CheckpointMismatchError(
-            f"checkpoint {where} was written for a different model configuration:\n  "
-            + "\n  ".join(problems)
-        )
+        raise mismatch(where, problems)
 
 
 class Checkpointer:

@@ -137,7 +137,7 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
             echo(f"{run_dir} is already complete at step {start} (--steps {cfg.steps}); nothing to "
                  "do. Raise --steps to continue training, or choose another --run-dir.")
             return result
-        if not cfg.eval_only:  # the run is known to start: its settings and history
+        if not cfg.eval_only and jax.process_index() == 0:  # known to start: settings, history
             config_lib.save(cfg, run_dir / "config.json")
             rundir.append_history(run_dir, "resume" if restored else "start", start, changes)
         log = (MetricsLog(run_dir, keep_until=None if cfg.eval_only else

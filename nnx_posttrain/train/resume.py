@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 
+from nnx_posttrain import checkpoint
 from nnx_posttrain import config as config_lib
 from nnx_posttrain import data
 from nnx_posttrain.checkpoint import CheckpointMismatchError
@@ -146,6 +147,11 @@ def check(saved: dict, current: dict, allowed: set[str], where: str, run_dir) ->
     """The accepted changes ({setting: [before, after]}) of a resume from the checkpoint whose
     record is ``saved`` (announced and named ones); ``CheckpointMismatchError`` listing every
     difference if one is refused or not named in ``--resume-changed``."""
+    if "model_record" in saved and saved.get("algorithm") in (None, current["algorithm"]):
+        problems = checkpoint.model_problems(saved["model_record"],
+                                             checkpoint.model_settings(_plain(current["config"])))
+        if problems:  # another model: what matters first (the other settings follow from it)
+            raise checkpoint.mismatch(where, problems)
     changes = differences(saved, current)
     lines, accepted = [], {}
     for key, (old, new) in changes.items():
