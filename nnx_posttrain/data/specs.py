@@ -100,7 +100,7 @@ def extra_columns(src, indices, exclude=("prompt",)) -> list[dict]:
 def signature(spec: str | None) -> list | None:
     """What a run's record keeps of its data, to refuse a resume on other data: per part of a
     ``--data`` value, its file name (not the directory: a moved file is the same data), weight,
-    size and a SHA-256 of its first and last MiB (every file of a directory); the built-in
+    size and a SHA-256 of its first and last 64 KiB (every file of a directory); the built-in
     task's fingerprint for ``builtin``. A change inside a file that keeps its size and both ends
     is not seen (hashing whole data sets at every start would cost minutes)."""
     if not spec:
@@ -118,7 +118,7 @@ def signature(spec: str | None) -> list | None:
     return out
 
 
-def _file_signature(path: Path, span: int = 1 << 20) -> list:
+def _file_signature(path: Path, span: int = 1 << 16) -> list:
     if not path.is_file():
         return [None, None]
     size = path.stat().st_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import signal
 import threading
 import time
@@ -107,7 +108,9 @@ class NonFiniteGuard:
             self.in_a_row = 0
             return
         loss, grad_norm = (float(jax.device_get(metrics[k])) for k in ("loss", "grad_norm"))
-        what = f"loss {loss}, gradient norm {grad_norm}"
+        bad = " and ".join(name for name, v in (("loss", loss), ("gradient norm", grad_norm))
+                           if not math.isfinite(v))
+        what = f"{bad or 'loss'} (loss {loss:.6g}, gradient norm {grad_norm:.6g})"
         self.skipped += 1
         self.in_a_row += 1
         if self.mode == "stop":

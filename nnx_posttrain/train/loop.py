@@ -54,8 +54,8 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     Resumes from the latest complete checkpoint of the run directory when there is one (its
     settings must match: ``resume``); holds the directory's lock throughout (``rundir``)."""
     initialize_distributed(cfg.mesh)  # before anything touches the devices
-    run_dir = rundir.prepare(Path(cfg.run_dir or f"runs/{experiment}"))
     allowed = resume.allowed_keys(cfg.resume_changed)
+    run_dir = rundir.prepare(Path(cfg.run_dir or f"runs/{experiment}"))
     try:
         with rundir.sigterm_exits(), rundir.RunLock(run_dir, echo, jax.process_index() == 0):
             return _run(cfg, algorithm, experiment, echo, run_dir, allowed)
