@@ -601,3 +601,16 @@ def test_eval_only_holds_the_weights_without_optimizer_state_or_reference_copy(t
     assert train["live"] > evaluated["live"] + 1.9 * w  # AdamW's two moments, at least
     assert evaluated["live"] < 1.2 * w and dpo_eval["live"] < 1.2 * w  # the weights, once
     assert evaluated["peak_rss"] < train["peak_rss"]
+
+
+def test_sigterm_while_the_model_loads_releases_the_lock(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")
+    try:
+        _wait_for(lambda: (run / "run.lock").exists(), proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
+    assert not (run / "run.lock").exists()

@@ -87,10 +87,13 @@ def check_evaluation(cfg, algorithm, evaluator, params, frozen) -> None:
         if not evaluator.enabled:
             raise SystemExit("error: --eval-only: no eval data; pass --eval-data FILE (with "
                              "--data builtin the built-in task's eval split is used)")
+        why = ("--eval.exact-match is 0; pass a number of prompts, e.g. --eval.exact-match 200"
+               if not cfg.eval.exact_match else
+               "the eval data hold no answers to compare with (an 'answer' column with the "
+               "prompts, a completion, or the chosen side of a pair)")
         raise SystemExit(
             f"error: --eval-only: nothing to evaluate: {algorithm.name} is evaluated by "
-            "generation (exact match of greedy answers to the eval prompts), and "
-            "--eval.exact-match is 0; pass a number of prompts, e.g. --eval.exact-match 200")
+            f"generation (exact match of greedy answers to the eval prompts), and {why}")
     best = cfg.checkpoint.keep_best
     if best and not cfg.eval_only:
         names = evaluator.metric_names(params, frozen) if evaluator.enabled else set()
