@@ -99,7 +99,7 @@ def trim(path: Path, keep_until: int, echo=print) -> None:
                  "are not in it)")
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept, dropped = [], 0
+    kept, dropped, later = [], 0, 0
     for n, line in enumerate(lines):
         try:
             record = json.loads(line)
@@ -113,7 +113,10 @@ def trim(path: Path, keep_until: int, echo=print) -> None:
         if record.get("eval_only") or record.get("step", 0) <= keep_until:
             kept.append(line if line.endswith("\n") else line + "\n")
         else:
-            dropped += 1
+            dropped, later = dropped + 1, later + 1
+    if later:
+        echo(f"{path}: removed {later} records of steps after {max(keep_until, 0)} (this run "
+             "logs those steps again)")
     if dropped:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))

@@ -289,7 +289,7 @@ def test_metrics_log_trim_keeps_earlier_steps_eval_only_records_and_drops_a_part
     said = []
     metrics_log.trim(path, 1, said.append)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [rows[0], rows[2]]
-    assert "partial last line" in said[0]
+    assert "partial last line" in said[0] and "removed 2 records of steps after 1" in said[1]
     assert not list(tmp_path.glob("*.tmp"))
     path.unlink()
     metrics_log.trim(path, 3, said.append)

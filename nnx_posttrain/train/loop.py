@@ -142,7 +142,7 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
             rundir.append_history(run_dir, "resume" if restored else "start", start, changes)
         log = (MetricsLog(run_dir, keep_until=None if cfg.eval_only else
                           (start if restored is not None else -1),
-                          echo=lambda s: tqdm.write(s) if echo else None)
+                          echo=_console(echo))
                if jax.process_index() == 0 else SecondaryLog())  # process 0 writes the metrics
         closing.append(log.close)
 
@@ -178,9 +178,9 @@ def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, f
         evaluate(0, state)
     bar = tqdm(total=cfg.steps, initial=start, desc=experiment, unit="step", dynamic_ncols=True)
     throughput = Throughput()
-    guard = NonFiniteGuard(cfg.optim.on_nonfinite, lambda s: tqdm.write(s) if echo else None)
+    guard = NonFiniteGuard(cfg.optim.on_nonfinite, _console(echo))
     try:
-        with StopSignals(lambda s: tqdm.write(s) if echo else None) as stop:
+        with StopSignals(_console(echo)) as stop:
             hooks = _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop,
                            evaluate, echo, guard)
             for step in range(start + 1, cfg.steps + 1):
@@ -213,6 +213,11 @@ def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, f
     echo(f"done: {cfg.steps} steps; run directory {run_dir}"
          + (f"; {skipped} bad records were skipped (--batching.skip-bad)" if skipped else "")
          + (f"; {guard.skipped} non-finite steps were skipped" if guard.skipped else ""))
+
+
+def _console(echo):
+    """Lines printed while the progress bar runs (nothing when ``echo`` is None)."""
+    return lambda line: tqdm.write(line) if echo else None
 
 
 def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evaluate, echo,
