@@ -383,6 +383,9 @@ def sigkill_then_resume(c):
     run = c.work / "run"
     proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "5")
     _wait_metrics(run, 8, proc)
+    deadline = time.time() + 600
+    while not steps_of(run) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # the checkpoint at step 5 is written in the background
     proc.kill()
     proc.communicate(timeout=60)
     last = max(steps_of(run) or [0])
