@@ -525,17 +525,21 @@ def test_a_max_length_that_cannot_fit_is_refused_with_the_estimate(tmp_path):
     assert not (tmp_path / "run" / "checkpoints" / "2").exists()
 
 
-def test_second_ctrl_c_while_the_final_checkpoint_is_written_waits_for_it():
+def test_ctrl_c_while_a_checkpoint_is_written_waits_for_it():
     said = []
     with hooks.StopSignals(said.append) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.received == signal.SIGINT
         with stop.saving():
             os.kill(os.getpid(), signal.SIGINT)  # mid-save: says so, does not abort
-            assert "the checkpoint is being written" in said[0]
+            assert "a checkpoint is being written" in said[0]
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), signal.SIGINT)  # a third one aborts
                 time.sleep(1)
+    said.clear()
+    with hooks.StopSignals(said.append) as stop, stop.saving():
+        os.kill(os.getpid(), signal.SIGINT)  # a first one during a save: wait, then stop
+        assert stop.received == signal.SIGINT and "a checkpoint is being written" in said[0]
 
 
 def test_ctrl_c_twice_in_a_real_run_exits_cleanly_and_every_checkpoint_restores(tmp_path):
@@ -600,7 +604,6 @@ def test_eval_only_holds_the_weights_without_optimizer_state_or_reference_copy(t
           f" DPO eval-only {dpo_eval['peak_rss'] / 2**20:.0f} MiB")
     assert train["live"] > evaluated["live"] + 1.9 * w  # AdamW's two moments, at least
     assert evaluated["live"] < 1.2 * w and dpo_eval["live"] < 1.2 * w  # the weights, once
-    assert evaluated["peak_rss"] < train["peak_rss"]
 
 
 def test_sigterm_while_the_model_loads_releases_the_lock(tmp_path):

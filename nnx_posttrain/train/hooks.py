@@ -125,15 +125,17 @@ class NonFiniteGuard:
 
 class StopSignals:
     """SIGTERM (TPU VM preemption) and SIGINT: finish the current step, checkpoint, exit.
-    A second SIGINT aborts at once (``KeyboardInterrupt``), except while the final checkpoint is
-    written (``saving()``): then it says so and the save completes; a third aborts. Orbax writes a
-    checkpoint to a temporary directory and renames it when complete, so even an abort leaves
-    the previous checkpoints intact."""
+
+    A second SIGINT aborts at once (``KeyboardInterrupt``), except while a checkpoint is being
+    written (inside ``saving()``): there a Ctrl-C says so and the save completes (a first one also
+    asks the run to stop after it); only the next one aborts. Orbax writes a checkpoint to a
+    temporary directory and renames it when complete, so even an abort leaves the previous
+    checkpoints intact."""
 
     def __init__(self, echo=print):
         self.received = None
         self.echo = echo
-        self._saving = False
+        self._saving, self._warned = False, False
 
     def __enter__(self):
         self._old = {}
@@ -143,18 +145,20 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
-        if self.received == signal.SIGINT and signum == signal.SIGINT:
-            if self._saving:
-                self._saving = False  # the next one aborts
-                self.echo("SIGINT: the checkpoint is being written; waiting for it to finish "
+        if signum == signal.SIGINT and self._saving and not self._warned:
+            self._warned = True  # the next one aborts
+            self.received = self.received or signum
+            if self.echo is not None:
+                self.echo("SIGINT: a checkpoint is being written; waiting for it to finish "
                           "(Ctrl-C again aborts; the previous checkpoints stay intact)")
-                return
+            return
+        if signum == signal.SIGINT and (self.received == signal.SIGINT or self._saving):
             raise KeyboardInterrupt
         self.received = signum
 
     @contextlib.contextmanager
     def saving(self):
-        """A second Ctrl-C inside this block waits for the checkpoint instead of aborting."""
+        """A Ctrl-C inside this block waits for the checkpoint instead of aborting."""
         self._saving = True
         try:
             yield

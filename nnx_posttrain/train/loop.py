@@ -167,9 +167,10 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
                        out_shardings=(sharding.tree_shardings(state, mesh),
                                       NamedSharding(mesh, P()))))
         return result
-    finally:
-        for close in reversed(closing):
-            close()
+    finally:  # waits for the checkpoint being written: a Ctrl-C meanwhile says so, waits
+        with StopSignals(_console(echo)) as signals, signals.saving():
+            for close in reversed(closing):
+                close()
 
 
 def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, frozen, log, ckpt,
@@ -244,7 +245,8 @@ def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evalua
     def save(info):
         guard.flush()  # never a checkpoint after an unchecked step
         saved = {**record, "step": info.step}
-        ckpt.save(info.step, info.state, source.get_state(), saved, metrics=info.eval or None)
+        with stop.saving():  # (Orbax may wait here for the previous checkpoint)
+            ckpt.save(info.step, info.state, source.get_state(), saved, metrics=info.eval or None)
 
     def stop_now(info):
         name = signal.Signals(stop.received).name
