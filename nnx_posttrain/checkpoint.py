@@ -9,11 +9,20 @@ A checkpoint ``runs/<name>/checkpoints/<step>/`` holds, as Orbax items:
   shape of every saved variable), used to refuse a checkpoint of a different model clearly.
 
 Orbax writes a checkpoint to a temporary directory and renames it only when complete, so a save
-interrupted by a crash is never picked up: the last complete one is.
+interrupted by a crash is never picked up: the last complete one is. A complete checkpoint damaged
+later (a truncated or deleted file, an emptied metadata file) is found when it is read
+(``restore_latest``), reported by name, moved aside to ``<step>.damaged-<time>`` (Orbax ignores
+that name) and the next older one is used.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
+import json
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -40,11 +49,16 @@ def shapes(tree) -> dict[str, list]:
     }
 
 
+def model_settings(config: dict) -> dict:
+    """The settings that make a model, from a run's config (as ``config_lib.to_dict`` gives it)."""
+    lora = config["lora"]
+    return {"model": config["model"], "dtype": config["dtype"],
+            "lora": {"rank": lora["rank"], "alpha": lora["alpha"], "targets": lora["targets"]}}
+
+
 def model_record(cfg: config_lib.Config, state) -> dict:
     return {
-        "model": cfg.model,
-        "dtype": cfg.dtype,
-        "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": cfg.lora.targets},
+        **model_settings(config_lib.to_dict(cfg)),
         "variables": {
             name: [*map(int, v.shape), str(v.dtype)]
             for name, v in model.named_variables(state["params"]).items()
@@ -52,11 +66,20 @@ def model_record(cfg: config_lib.Config, state) -> dict:
     }
 
 
+def model_problems(saved: dict, current: dict) -> list[str]:
+    """The differences of model, dtype and LoRA between two model records."""
+    return [f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
+            for key in ("model", "dtype", "lora") if saved.get(key) != current.get(key)]
+
+
+def mismatch(where: str, problems: list[str]) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"checkpoint {where} was written for a different model configuration:\n  "
+        + "\n  ".join(problems))
+
+
 def check_compatible(saved: dict, current: dict, where: str) -> None:
-    problems = []
-    for key in ("model", "dtype", "lora"):
-        if saved.get(key) != current.get(key):
-            problems.append(f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}")
+    problems = model_problems(saved, current)
     old, new = saved.get("variables", {}), current.get("variables", {})
     missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
     if missing:
@@ -69,10 +92,7 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
             if len(problems) > 8:
                 break
     if problems:
-        raise CheckpointMismatchError(
-            f"checkpoint {where} was written for a different model configuration:\n  "
-            + "\n  ".join(problems)
-        )
+        raise mismatch(where, problems)
 
 
 class Checkpointer:
@@ -100,6 +120,71 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def problem(self, step: int) -> str | None:
+        """What is visibly wrong with checkpoint ``step``'s files (a missing item directory or
+        metadata file, metadata that is not JSON), without reading its arrays; None if nothing
+        is. (A truncated array file shows only when it is read: see ``restore_latest``.)"""
+        root = self.directory / str(step)
+        for name in ("record/metadata", "data/metadata", "state/_METADATA", "state/manifest.ocdbt"):
+            path = root / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.suffix != ".ocdbt":
+                try:
+                    json.loads(path.read_text())
+                except (ValueError, OSError) as exc:
+                    return f"{name} is not readable JSON ({exc})"
+            elif path.stat().st_size == 0:
+                return f"{name} is empty"
+        return None
+
+    def set_aside(self, step: int, why: str, echo=print) -> Path:
+        """Move damaged checkpoint ``step`` out of the way (kept for inspection), say so."""
+        target = self.directory / f"{step}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        echo(f"checkpoint {self.directory / str(step)} is damaged ({why}); moved it to {target}")
+        return target
+
+    def latest_intact_step(self, echo=print) -> int | None:
+        """The newest checkpoint whose files look complete (``problem``); the damaged ones
+        newer than it set aside."""
+        while (step := self.latest_step()) is not None:
+            why = self.problem(step)
+            if why is None:
+                return step
+            self.set_aside(step, why, echo)
+        return None
+
+    def restore_latest(self, abstract_state, current_record: dict, check=None, echo=print,
+                       weights_only: bool = False):
+        """(step, state, data state, record) of the newest checkpoint that restores, or None
+        when there is none. ``check(saved_record)`` may refuse one (an exception, passed on,
+        as is ``CheckpointMismatchError``); a checkpoint that fails to read is set aside and the
+        next older one tried. ``weights_only``: only what ``abstract_state`` names
+        (``restore_weights``), the data state is None."""
+        while (step := self.latest_intact_step(echo)) is not None:
+            try:
+                with _quiet_coroutines():
+                    saved = self.read_record(step)
+                    if check is not None:
+                        check(saved)
+                    if weights_only:
+                        return (step, self.restore_weights(step, abstract_state, current_record),
+                                None, saved)
+                    return (step, *self.restore(step, abstract_state, current_record))
+            except CheckpointMismatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (Orbax and TensorStore raise many kinds)
+                if isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc):
+                    raise  # out of memory is not damage
+                if not _readable_error(exc):
+                    raise
+                first = (str(exc).strip().splitlines() or [""])[0].split(" See full")[0][:200]
+                self.set_aside(step, f"{type(exc).__name__}: {first}", echo)
+        return None
 
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
@@ -146,6 +231,31 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+@contextlib.contextmanager
+def _quiet_coroutines():
+    """A failed TensorStore read leaves Orbax's reading coroutines to be finalised with their
+    exception, which Python prints as "Exception ignored in <coroutine>" and a traceback: the
+    failure itself is reported (``set_aside``), so those are dropped; other unraisable
+    exceptions still reach the usual hook."""
+    old = sys.unraisablehook
+
+    def hook(unraisable):
+        if not inspect.iscoroutine(unraisable.object):
+            old(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = old
+
+
+def _readable_error(exc: Exception) -> bool:
+    """Whether ``exc`` is what reading damaged files raises (not a bug of the caller's)."""
+    return isinstance(exc, (OSError, ValueError, KeyError)) or type(exc) is Exception
 
 
 def abstract(tree, sharding=None):

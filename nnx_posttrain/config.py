@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +48,8 @@ class OptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is NaN or infinite is never applied; 'stop' ends the run there (exit 1, the kept checkpoints are the last good ones), 'skip' goes on without it (10 such steps in a row stop the run)."""
 
 
 @dataclasses.dataclass
@@ -91,7 +94,7 @@ class CheckpointConfig:
     every: int = 200
     """Save a checkpoint every this many steps (and always at the end); 0 saves only at the end."""
     keep: int = 3
-    """Keep the latest this many checkpoints."""
+    """Keep the latest this many checkpoints (>= 1)."""
     keep_best: str | None = None
     """Also keep the best checkpoint by this eval metric (e.g. 'loss', 'exact_match')."""
     best_mode: Literal["min", "max"] = "min"
@@ -162,6 +165,10 @@ class Config:
     """Continue from the latest checkpoint in --run-dir (also automatic when it has checkpoints); fails if there is none."""
     eval_only: bool = False
     """Evaluate the model on the eval data without training; print the metrics as JSON."""
+    resume_changed: str = ""
+    """Settings a resume may change, comma-separated (e.g. 'steps,optim.learning_rate'); any other difference from the checkpoint's settings is refused (README: Checkpoints and exact resume)."""
+    memory_check: bool = True
+    """Refuse to start when the estimated memory of a step exceeds the memory available."""
     dtype: Literal["float32", "bfloat16", "bfloat16-params"] = "float32"
     """float32; bfloat16 = bfloat16 compute with float32 weights; bfloat16-params = both bfloat16."""
     log_every: int = 10
@@ -186,7 +193,9 @@ class Config:
     """Algorithm settings (a dataclass per algorithm)."""
 
     def validate(self) -> "Config":
-        problems = []
+        """Every problem of the settings at once, as one SystemExit ('invalid configuration')."""
+        problems = [f"{option} must be a finite number, got {value}"
+                    for option, value in _floats(self) if not math.isfinite(value)]
         if self.steps < 0:
             problems.append(f"--steps must be >= 0, got {self.steps}")
         b = self.batching
@@ -203,12 +212,37 @@ class Config:
             problems.append(f"--batching.max-prompt-length must be >= 1, got {b.max_prompt_length}")
         if self.lora.rank < 0:
             problems.append(f"--lora.rank must be >= 0, got {self.lora.rank}")
-        if self.optim.learning_rate < 0:
+        o = self.optim
+        if o.learning_rate < 0:
             problems.append("--optim.learning-rate must be >= 0")
+        for option, value, low, high in (
+            ("--optim.warmup-steps", o.warmup_steps, 0, None),
+            ("--optim.weight-decay", o.weight_decay, 0, None),
+            ("--optim.max-grad-norm", o.max_grad_norm, 0, None),
+            ("--optim.eps", o.eps, 0, None),
+            ("--optim.min-lr-ratio", o.min_lr_ratio, 0, 1),
+            ("--eval.every", self.eval.every, 0, None),
+            ("--eval.batches", self.eval.batches, 0, None),
+            ("--eval.exact-match", self.eval.exact_match, 0, None),
+            ("--eval.max-new-tokens", self.eval.max_new_tokens, 1, None),
+            ("--checkpoint.every", self.checkpoint.every, 0, None),
+            ("--checkpoint.keep", self.checkpoint.keep, 1, None),
+        ):
+            if value < low or (high is not None and value > high):
+                problems.append(f"{option} must be "
+                                + (f">= {low}" if high is None else f"in [{low}, {high}]")
+                                + f", got {value}")
+        for option, value in (("--optim.b1", o.b1), ("--optim.b2", o.b2)):
+            if not 0 <= value < 1:
+                problems.append(f"{option} must be in [0, 1), got {value}")
         if self.logprob_chunk < 0:
             problems.append(f"--logprob-chunk must be >= 0 (0: no chunking), got {self.logprob_chunk}")
         if self.log_every <= 0:
             problems.append("--log-every must be positive")
+        c = self.checkpoint
+        if c.keep_best == "exact_match" and self.eval.exact_match == 0:
+            problems.append("--checkpoint.keep-best exact_match needs exact-match evaluation, but "
+                            "--eval.exact-match is 0")
         problems.extend(self.mesh.problems())
         problems.extend(report_problems(self.report_to))
         if problems:
@@ -226,6 +260,17 @@ def report_problems(report_to: str) -> list[str]:
         return [f"--report-to must be a comma-separated list of {', '.join(REPORT_TO[:3])} (or "
                 f"none alone), got {report_to!r}"]
     return []
+
+
+def _floats(cfg, prefix="--"):
+    """(option name, value) of every float setting of ``cfg``, nested groups included."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        option = prefix + f.name.replace("_", "-")
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, option + ".")
+        elif isinstance(value, float):
+            yield option, value
 
 
 def parse(default: Config, args: list[str] | None = None, description: str | None = None,
@@ -246,4 +291,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 def save(cfg: Config, path: Path) -> None:
-    path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    """Write ``path`` atomically (a temporary file renamed over it): a reader never sees half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)

@@ -7,7 +7,15 @@
 - ``wandb``: Weights & Biases (imported only when asked; ``WANDB_PROJECT``, ``WANDB_ENTITY``,
   ``WANDB_MODE=offline`` as usual; the run's config is the W&B config; completions as a table).
 
-A writer has ``scalars(record)``, ``completions(step, split, rows)`` and ``close()``.
+A writer has ``scalars(record, metrics)`` (the JSON record; its metrics alone),
+``completions(step, split, rows)`` and ``close()``.
+
+The JSONL files are append-only: a resumed run removes only the records of steps after the
+checkpoint it restarts from (which it logs again), rewriting the file atomically (a temporary
+file renamed over it); a partial last line (a process killed mid-write) is dropped with a
+message; a log that is missing, or removed while the run writes it, is created again, with a
+message. ``--eval-only`` records are never removed (they carry ``"eval_only"``: which checkpoint
+they scored).
 """
 
 from __future__ import annotations
@@ -51,30 +59,59 @@ def _json_value(value):
     return str(value)
 
 
-class JsonlWriter:
-    """``metrics.jsonl`` and ``completions.jsonl``. With ``keep_until`` (resuming), each is cut
-    after that step, so steps redone after a crash are not logged twice."""
+class _AppendFile:
+    """A JSONL file opened for appending, created again (with a message) when it is removed or
+    replaced while the run writes it."""
 
-    def __init__(self, run_dir: Path, keep_until: int | None = None):
-        self.path = run_dir / "metrics.jsonl"
-        self.completions_path = run_dir / "completions.jsonl"
-        self._file = _reopen(self.path, keep_until)
-        self._keep_until = keep_until
-        # opened at the first completion; an old run's file is cut (or emptied) now
-        self._completions = (_reopen(self.completions_path, keep_until)
-                             if self.completions_path.exists() else None)
+    def __init__(self, path: Path, say):
+        self.path, self._say = path, say
+        self._file = path.open("a")
 
-    def scalars(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+    def write(self, lines: list[str], step: int) -> None:
+        try:
+            replaced = os.stat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:
+            self._file.close()
+            self._file = self.path.open("a")
+            self._say(f"{self.path} was removed during the run; writing a new one from step "
+                      f"{step} (earlier records are not in it)")
+        self._file.writelines(lines)
         self._file.flush()
 
+    def close(self) -> None:
+        self._file.close()
+
+
+class JsonlWriter:
+    """``metrics.jsonl`` and ``completions.jsonl``. ``keep_until``: a training run starting from
+    that step (-1 from scratch) first removes the records of later steps (``trim``); None
+    (``--eval-only``) removes nothing."""
+
+    def __init__(self, run_dir: Path, keep_until: int | None = None, say=print):
+        self.path = run_dir / "metrics.jsonl"
+        self.completions_path = run_dir / "completions.jsonl"
+        self._say = say
+        if keep_until is not None:
+            trim(self.path, keep_until, say)
+            if self.completions_path.exists():
+                trim(self.completions_path, keep_until, say, missing_ok=True)
+        self._file = _AppendFile(self.path, say)
+        self._completions = None  # opened at the first completion
+
+    def scalars(self, record: dict, metrics: dict) -> None:
+        self._file.write([json.dumps(record) + "\n"], record["step"])
+
     def completions(self, step: int, split: str, rows: list[dict]) -> None:
+        if not rows:
+            return
         if self._completions is None:
-            self._completions = _reopen(self.completions_path, self._keep_until)
-        self._completions.writelines(
-            json.dumps({"step": int(step), "split": split,
-                        **{k: _json_value(v) for k, v in row.items()}}) + "\n" for row in rows)
-        self._completions.flush()
+            self._completions = _AppendFile(self.completions_path, self._say)
+        self._completions.write(
+            [json.dumps({"step": int(step), "split": split,
+                         **{k: _json_value(v) for k, v in row.items()}}) + "\n" for row in rows],
+            step)
 
     def close(self) -> None:
         for f in (self._file, self._completions):
@@ -82,26 +119,47 @@ class JsonlWriter:
                 f.close()
 
 
-def _reopen(path: Path, keep_until: int | None):
-    """``path`` opened for appending: emptied for a fresh run; for a resumed one, cut after step
-    ``keep_until``."""
-    kept = []
-    if keep_until is not None and path.exists():
-        kept = [r for r in _read_jsonl(path) if r["step"] <= keep_until]
-    with path.open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    return path.open("a")
+def trim(path: Path, keep_until: int, echo=print, missing_ok: bool = False) -> None:
+    """Remove the records of steps after ``keep_until`` from the log at ``path`` (but not the
+    ``--eval-only`` ones, nor lines that are not JSON in the middle of the file), atomically;
+    a partial last line is dropped; a missing log is reported."""
+    if not path.exists():
+        if keep_until > 0 and not missing_ok:
+            echo(f"{path} is missing; starting a new one (the records up to step {keep_until} "
+                 "are not in it)")
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept, dropped, later = [], 0, 0
+    for n, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if n == len(lines) - 1:
+                echo(f"{path}: dropped a partial last line (a process stopped while writing it)")
+                dropped += 1
+            else:
+                kept.append(line)
+            continue
+        if record.get("eval_only") or record.get("step", 0) <= keep_until:
+            kept.append(line if line.endswith("\n") else line + "\n")
+        else:
+            dropped, later = dropped + 1, later + 1
+    if later:
+        echo(f"{path}: removed {later} records of steps after {max(keep_until, 0)} (this run "
+             "logs those steps again)")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
 
 
 class TensorBoardWriter:
     def __init__(self, run_dir: Path):
         self._tb = _summary_writer()(str(run_dir / "tb"))
 
-    def scalars(self, record: dict) -> None:
-        step, split = record["step"], record["split"]
-        for name, value in record.items():
-            if name not in ("step", "split"):
-                self._tb.add_scalar(f"{split}/{name}", float(value), step)
+    def scalars(self, record: dict, metrics: dict) -> None:
+        for name, value in metrics.items():
+            self._tb.add_scalar(f"{record['split']}/{name}", float(value), record["step"])
 
     def completions(self, step: int, split: str, rows: list[dict]) -> None:
         if rows:
@@ -139,10 +197,9 @@ class WandbWriter:
                                id=run_id, resume="allow" if run_id else None)
         id_file.write_text(self._run.id)
 
-    def scalars(self, record: dict) -> None:
-        step, split = record["step"], record["split"]
-        self._run.log({f"{split}/{k}": float(v) for k, v in record.items()
-                       if k not in ("step", "split")}, step=step)
+    def scalars(self, record: dict, metrics: dict) -> None:
+        self._run.log({f"{record['split']}/{k}": float(v) for k, v in metrics.items()},
+                      step=record["step"])
 
     def completions(self, step: int, split: str, rows: list[dict]) -> None:
         if rows:
@@ -155,16 +212,17 @@ class WandbWriter:
         self._run.finish()
 
 
-def writers(report_to: str, run_dir: Path, keep_until: int | None, config: dict | None) -> list:
+def writers(report_to: str, run_dir: Path, keep_until: int | None, config: dict | None,
+            say=print) -> list:
     names = [x.strip() for x in report_to.split(",") if x.strip() and x.strip() != "none"]
     out = []
     for name in dict.fromkeys(names):
         if name == "jsonl":
-            out.append(JsonlWriter(run_dir, keep_until))
+            out.append(JsonlWriter(run_dir, keep_until, say))
         elif name == "tensorboard":
             out.append(TensorBoardWriter(run_dir))
         elif name == "wandb":
-            out.append(WandbWriter(run_dir, config, resuming=keep_until is not None))
+            out.append(WandbWriter(run_dir, config, resuming=keep_until != -1))
         else:
             raise SystemExit(f"error: --report-to: unknown destination {name!r} "
                              "(tensorboard, jsonl, wandb or none)")
@@ -174,16 +232,26 @@ def writers(report_to: str, run_dir: Path, keep_until: int | None, config: dict 
 class MetricsLog:
     def __init__(self, run_dir: Path, keep_until: int | None = None, echo=print,
                  report_to: str = "tensorboard,jsonl", config: dict | None = None):
-        """Writers for ``report_to`` (``--report-to``): a fresh log, or with ``keep_until``
-        (resuming) the old one cut after that step. ``config``: the run's (for W&B)."""
+        """Writers for ``report_to`` (``--report-to``), appending. ``keep_until``: a training run
+        starting from that step (-1 from scratch) first removes the records of later steps,
+        except ``--eval-only`` ones; None (``--eval-only``): nothing is removed. ``config``: the
+        run's (for W&B)."""
+        run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
-        self._writers = writers(report_to, run_dir, keep_until, config)
         self._echo = echo
+        self._writers = writers(report_to, run_dir, keep_until, config, self._say)
 
-    def log(self, step: int, split: str, metrics: dict, echo: bool = True) -> dict:
+    def _say(self, text: str) -> None:
+        if self._echo is not None:
+            self._echo(text)
+
+    def log(self, step: int, split: str, metrics: dict, echo: bool = True,
+            fields: dict | None = None) -> dict:
+        """Append one record; ``fields``: non-metric entries of the JSON record only."""
         record = {"step": int(step), "split": split, **{k: _clean(v) for k, v in metrics.items()}}
+        record.update(fields or {})
         for writer in self._writers:
-            writer.scalars(record)
+            writer.scalars(record, metrics)
         if echo and self._echo is not None:
             shown = "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
             self._echo(f"[{split} step {step}] {shown}")
@@ -209,10 +277,20 @@ def _fmt(v) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a JSONL log (a partial last line, of a process killed mid-write, left out)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for n, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if n < len(lines) - 1:
+                raise
+    return out
 
 
 def read(run_dir: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
     return _read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
@@ -225,8 +303,9 @@ def read_completions(run_dir: str | Path) -> list[dict]:
 class SecondaryLog:
     """Metrics of processes other than 0 of a multi-process run: returned, never written."""
 
-    def log(self, step, split, metrics, echo=True):
-        return {"step": int(step), "split": split, **{k: float(v) for k, v in metrics.items()}}
+    def log(self, step, split, metrics, echo=True, fields=None):
+        return {"step": int(step), "split": split, **{k: float(v) for k, v in metrics.items()},
+                **(fields or {})}
 
     def completions(self, step, split, rows):
         pass

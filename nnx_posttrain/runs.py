@@ -37,7 +37,10 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
     if init_from:
         echo(init_weights(lm.module, init_from))
     if lora.rank:
-        model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets)
+        try:
+            model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets)
+        except ValueError as exc:  # e.g. targets that name no layer of this model
+            raise SystemExit(f"error: --lora.targets {lora.targets}: {exc}") from None
     model.set_remat(lm.module, remat)
     return lm, heads.wrap(head, lm.module)
 

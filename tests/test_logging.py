@@ -115,8 +115,8 @@ def test_jsonl_writer_cuts_completions_on_resume(tmp_path):
     rows = metrics_log.read_completions(tmp_path)
     assert [(r["step"], r["completion"]) for r in rows] == [(1, "c1"), (2, "c2"), (3, "again")]
     assert not (tmp_path / "tb").exists()  # tensorboard not asked for
-    # a fresh run in the same directory starts both files anew
-    metrics_log.MetricsLog(tmp_path, echo=None, report_to="jsonl").close()
+    # a fresh run (keep_until -1) in the same directory starts both files anew
+    metrics_log.MetricsLog(tmp_path, keep_until=-1, echo=None, report_to="jsonl").close()
     assert metrics_log.read_completions(tmp_path) == [] and metrics_log.read(tmp_path) == []
 
 

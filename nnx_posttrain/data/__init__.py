@@ -3,8 +3,10 @@
 One job per module:
 
 - ``sources``: random-access sources (JSONL, Parquet, Hugging Face Arrow directories, in-memory
-  lists, concatenations, weighted mixtures, subsets), ``source()`` for a ``--data`` value, the
-  built-in task's registry (``register_builtin``), ``extra_columns``;
+  lists, concatenations, weighted mixtures, subsets), the built-in task's registry
+  (``register_builtin``);
+- ``specs``: ``source()`` for a ``--data`` value, ``extra_columns``, ``signature`` (what a run
+  records of its data);
 - ``formats``: record formats (TRL's column conventions), their detection, the checks of a
   record's fields, the split of a record into prompt and completion segments;
 - ``tokenize``: the transforms from a record to fixed-length numpy arrays (``make_transform``);
@@ -46,11 +48,10 @@ from nnx_posttrain.data.sources import (
     Mixture,
     ParquetSource,
     Subset,
-    extra_columns,
     builtin_fingerprint,
     register_builtin,
-    source,
 )
+from nnx_posttrain.data.specs import extra_columns, signature, source
 from nnx_posttrain.data.tokenize import (
     Tokenize,
     TokenizePreference,
@@ -77,6 +78,7 @@ __all__ = [
     "extra_columns",
     "builtin_fingerprint",
     "register_builtin",
+    "signature",
     "source",
     # errors
     "DataError",

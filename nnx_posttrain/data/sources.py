@@ -7,8 +7,9 @@
   a ``DatasetDict`` directory gives the split asked for;
 - ``builtin``: the built-in task (``register_builtin``); hf://, Parquet folders, globs: ``hub``.
 
-``--data a.jsonl,b.parquet`` concatenates files; ``--data a.jsonl:0.7,b.jsonl:0.3`` mixes them with
-these weights (deterministically, with ``grain.MapDataset.mix``). Every record carries ``_where``
+``Concat`` reads files one after the other, ``Mixture`` mixes them with weights (deterministically,
+with ``grain.MapDataset.mix``); ``specs.source`` builds them from a ``--data`` value. Every record
+carries ``_where``
 ("path:line" for JSONL, "path:row N" with N counted from 0 for Parquet and Arrow) so that an error
 names the file and the line or row.
 """
@@ -23,7 +24,6 @@ from typing import Callable
 
 import numpy as np
 
-from nnx_posttrain.data import hub
 from nnx_posttrain.data.errors import DataError
 
 # Names tried, in order, for a split of a Hugging Face DatasetDict directory.
@@ -59,7 +59,12 @@ class JsonlSource:
             raw = f.read(int(self._lengths[index]))
         where = f"{self.path}:{int(self._numbers[index])}"
         try:
-            record = json.loads(raw.rstrip(b"\r\n"))  # an error's column is then on this line
+            text = raw.rstrip(b"\r\n").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                            f"{exc.start + 1})") from None
+        try:
+            record = json.loads(text)  # an error's column is then on this line
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(record, dict):
@@ -293,6 +298,10 @@ class Mixture(Concat):
         bad = [w for w in self.weights if not (math.isfinite(w) and w > 0)]
         if bad:
             raise DataError(f"mixture weights must be positive numbers, got {self.weights}")
+        for part in self.sources:
+            if not len(part):
+                raise DataError(f"{getattr(part, 'path', part)}: no records (a part of a mixture "
+                                "must have some)")
 
 
 class Subset:
@@ -339,82 +348,3 @@ def _builtin_provider() -> Callable[[str, str], list[dict]]:
         raise DataError("builtin: no built-in task is registered (the module that provides it, "
                         "e.g. nnx_posttrain.tasks, calls nnx_posttrain.data.register_builtin)")
     return _builtin_records
-
-
-# ============================================================================= --data specs
-
-
-def source(spec: str, split: str = "train", builtin: str = "sft"):
-    """A source from a ``--data`` value.
-
-    ``spec`` is 'builtin' (the built-in task, see ``register_builtin``, in the format ``builtin``
-    names: 'sft', 'preference', 'unpaired_preference' or 'prompt_only'), a path (``.jsonl``,
-    ``.parquet``, ``.arrow``, or a Hugging Face ``datasets`` directory; for a ``DatasetDict``
-    directory, ``split`` picks the split: 'eval' tries eval, validation, valid, test), or several
-    of them separated by commas: concatenated (``Concat``), or, when every one has a weight
-    (``a.jsonl:0.7,b.jsonl:0.3``), mixed in training with these weights (``Mixture``).
-    """
-    parts = [p.strip() for p in spec.split(",")]
-    if not all(parts):
-        raise DataError(f"{spec!r}: empty entry in the list of data files")
-    named = [_weighted(p) for p in parts]
-    weights = [w for _, w in named]
-    sources = [_one_source(name, split, builtin) for name, _ in named]
-    if all(w is None for w in weights):
-        return sources[0] if len(sources) == 1 else Concat(sources)
-    if any(w is None for w in weights):
-        raise DataError(
-            f"{spec}: give every file a weight (a.jsonl:0.7,b.jsonl:0.3) to mix them, or none to "
-            "concatenate them"
-        )
-    return Mixture(sources, weights)
-
-
-def _weighted(part: str) -> tuple[str, float | None]:
-    head, sep, tail = part.rpartition(":")
-    if not sep or not head:
-        return part, None
-    try:
-        weight = float(tail)
-    except ValueError:
-        return part, None
-    if not (math.isfinite(weight) and weight > 0):
-        raise DataError(f"{part}: the mixture weight must be a positive number, got {tail!r}")
-    return head, weight
-
-
-def _one_source(spec: str, split: str, builtin: str = "sft"):
-    if spec == "builtin":
-        return ListSource(_builtin_provider()(builtin, split), f"builtin:{builtin}:{split}")
-    if (found := hub.files(spec, split)) is not None:  # hf://, a folder of Parquet shards, a glob
-        parts = [_one_source(str(f), split, builtin) for f in found]
-        return parts[0] if len(parts) == 1 else Concat(parts)
-    path = Path(spec)
-    if path.is_dir():
-        return ArrowSource(_dataset_dir(path, split))
-    if spec.endswith(".jsonl"):
-        return JsonlSource(path)
-    if spec.endswith(".parquet"):
-        return ParquetSource(path)
-    if spec.endswith(".arrow"):
-        return ArrowSource(path)
-    if not path.suffix and not path.exists():
-        raise DataError(f"{spec}: no such data file or directory")
-    raise DataError(
-        f"{spec}: unsupported data file (expected 'builtin', a .jsonl, .parquet or .arrow file, a "
-        "Hugging Face datasets directory or Parquet folder, a glob, or hf://ORG/NAME)"
-    )
-
-
-def extra_columns(src, indices, exclude=("prompt",)) -> list[dict]:
-    """The raw columns of the records at ``indices`` (e.g. a prompt-only batch's ``index``), minus
-    ``exclude`` and the private ``_where``; index -1 (a padding row) gives ``{}``. For RL: reward
-    functions get the extra columns of a dataset (an ``answer``, a test case, ...) this way."""
-    out = []
-    for i in np.asarray(indices).reshape(-1):
-        if int(i) < 0:
-            out.append({})
-            continue
-        record = src[int(i)]
-        out.append({k: v for k, v in record.items() if k not in exclude and not k.startswith("_")})
-    return out

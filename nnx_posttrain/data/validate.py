@@ -26,6 +26,11 @@ class ValidationReport:
     """Good records cut to fit ``max_length`` / ``max_prompt_length``."""
     no_loss_tokens: int = 0
     """Good records left with no token to learn from (a loss mask of zeros)."""
+    no_loss_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Their indices (``only_good(..., drop_no_loss=True)`` leaves them out)."""
+    identical_pairs: int = 0
+    """Preference pairs whose chosen and rejected sides tokenize to the same sequence (no
+    preference to learn)."""
 
     def __getitem__(self, key):
         return getattr(self, key)
@@ -42,8 +47,8 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
     n = len(src)
     if n == 0:
         raise DataError(f"{_name(src)}: no records")
-    good = np.zeros(n, bool)
-    bad, examples, truncated, no_loss = 0, [], 0, 0
+    good, no_loss = np.zeros(n, bool), np.zeros(n, bool)
+    bad, examples, truncated, identical = 0, [], 0, 0
     for i in range(n):
         try:
             ex = transform(src[i])
@@ -56,20 +61,27 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
             continue
         good[i] = True
         truncated += int(ex["truncated"])
-        no_loss += int(any(v.sum() == 0 for k, v in ex.items() if k.endswith("loss_mask")))
+        no_loss[i] = any(v.sum() == 0 for k, v in ex.items() if k.endswith("loss_mask"))
+        if "chosen_input_ids" in ex:
+            identical += int(np.array_equal(ex["chosen_input_ids"], ex["rejected_input_ids"])
+                             and np.array_equal(ex["chosen_loss_mask"], ex["rejected_loss_mask"]))
     if bad == n:
         raise DataError(f"{_name(src)}: all {n} records are bad; the first: {examples[0]}")
-    return ValidationReport(n, np.flatnonzero(good), bad, examples, truncated, no_loss)
+    return ValidationReport(n, np.flatnonzero(good), bad, examples, truncated,
+                            int(no_loss.sum()), np.flatnonzero(no_loss), identical)
 
 
 def _name(src) -> str:
     return str(getattr(src, "path", getattr(src, "name", src)))
 
 
-def only_good(src, report: ValidationReport):
-    """``src`` restricted to the records ``validate`` found good: ``src`` itself when all are,
-    else a ``Subset`` (a ``Mixture`` of ``Subset``s for a mixture, its weights kept)."""
+def only_good(src, report: ValidationReport, drop_no_loss: bool = False):
+    """``src`` restricted to the records ``validate`` found good (and, with ``drop_no_loss``,
+    with a token to learn from): ``src`` itself when all are, else a ``Subset`` (a ``Mixture`` of
+    ``Subset``s for a mixture, its weights kept)."""
     indices = report.good_indices
+    if drop_no_loss and len(report.no_loss_indices):
+        indices = np.setdiff1d(indices, report.no_loss_indices)
     if len(indices) == len(src):
         return src
     if not isinstance(src, Mixture):
@@ -79,6 +91,7 @@ def only_good(src, report: ValidationReport):
         lo, hi = int(src._offsets[k]), int(src._offsets[k + 1])
         mine = indices[(indices >= lo) & (indices < hi)] - lo
         if not len(mine):
-            raise DataError(f"{_name(part)}: no good records left in this part of the mixture")
+            raise DataError(f"{_name(part)}: no good records left in this part of the mixture"
+                            + (" (bad, or with no loss token left)" if drop_no_loss else ""))
         parts.append(part if len(mine) == len(part) else Subset(part, mine))
     return Mixture(parts, src.weights)

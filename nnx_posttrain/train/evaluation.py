@@ -46,6 +46,16 @@ class Evaluator:
             self.greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
         self.is_nll = algorithm.data_kind == "sft"  # SFT's loss is the mean NLL per token
 
+    def metric_names(self, params, frozen) -> set[str]:
+        """The names of the metrics a call returns (the loss's traced, not computed)."""
+        names = {"exact_match"} if self.pairs else set()
+        if self.enabled and self.batches:
+            sharded = jax.tree.map(lambda x: x[0], shard_batch(self.batches[0], self.mesh, 1))
+            names |= set(jax.eval_shape(self.eval_step, params, frozen, sharded)[2])
+            if self.is_nll:
+                names.add("perplexity")
+        return names
+
     def __call__(self, params, frozen) -> dict:
         self.completions = []
         if not self.enabled:

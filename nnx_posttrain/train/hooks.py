@@ -1,12 +1,17 @@
-"""What runs between optimizer steps: metric logging, evaluation, checkpoints, the stop signal.
+"""What runs between optimizer steps: metric logging, evaluation, checkpoints, the stop signal,
+and the guard against non-finite steps.
 
 A hook is ``fn(info)`` with a condition; ``Hooks.after(info)`` runs the ones due after a step, in
-the order they were added (logging, evaluation, checkpoint, stop), Levanter's ``add_hook`` style.
+the order they were added (logging, the non-finite check, evaluation, checkpoint, stop),
+Levanter's ``add_hook`` style.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import math
 import signal
 import threading
 import time
@@ -70,25 +75,105 @@ class Throughput:
         self.t_last = time.perf_counter()
 
 
+class NonFiniteStep(Exception):
+    """A step's loss or gradient norm was NaN or infinite and the run must stop (the message
+    names the step and the values)."""
+
+
+class NonFiniteGuard:
+    """Watches each step's ``nonfinite`` flag (the jitted step has already refused to apply such
+    a step: weights and AdamW moments stay as they were).
+
+    ``--optim.on-nonfinite stop`` raises ``NonFiniteStep``; ``skip`` counts the step and goes on,
+    until ``patience`` non-finite steps in a row. The flag of step s is read when step s + 1 has
+    been dispatched (``push``), so the host never waits for the device between two steps; a
+    checkpoint, the last step and a stop first read the current step's flag (``flush``), so no
+    checkpoint ever follows an unchecked step."""
+
+    def __init__(self, mode: str, echo, patience: int = 10):
+        self.mode, self.echo, self.patience = mode, echo, patience
+        self.pending, self.skipped, self.in_a_row = None, 0, 0
+
+    def push(self, step: int, metrics: dict) -> None:
+        previous, self.pending = self.pending, (step, metrics)
+        if previous is not None:
+            self._check(*previous)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._check(*pending)
+
+    def _check(self, step: int, metrics: dict) -> None:
+        if not int(metrics["nonfinite"]):
+            self.in_a_row = 0
+            return
+        loss, grad_norm = (float(jax.device_get(metrics[k])) for k in ("loss", "grad_norm"))
+        bad = " and ".join(name for name, v in (("loss", loss), ("gradient norm", grad_norm))
+                           if not math.isfinite(v))
+        what = f"{bad or 'loss'} (loss {loss:.6g}, gradient norm {grad_norm:.6g})"
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.mode == "stop":
+            raise NonFiniteStep(f"step {step}: non-finite {what}")
+        if self.in_a_row >= self.patience:
+            raise NonFiniteStep(f"{self.in_a_row} non-finite steps in a row, the last at step "
+                                f"{step} ({what})")
+        if self.skipped <= 5:
+            self.echo(f"step {step}: non-finite {what}; the step was skipped "
+                      "(--optim.on-nonfinite skip)")
+
+
 class StopSignals:
     """SIGTERM (TPU VM preemption) and SIGINT: finish the current step, checkpoint, exit.
-    A second SIGINT aborts at once."""
 
-    def __init__(self):
+    A second SIGINT aborts at once (``KeyboardInterrupt``), except while a checkpoint is being
+    written (inside ``saving()``): there a Ctrl-C says so and the save completes (a first one also
+    asks the run to stop after it); only the next one aborts. Orbax writes a checkpoint to a
+    temporary directory and renames it when complete, so even an abort leaves the previous
+    checkpoints intact."""
+
+    def __init__(self, echo=print):
         self.received = None
+        self.echo = echo
+        self._saving, self._warned = False, False
 
     def __enter__(self):
         self._old = {}
+        logging.getLogger("absl").addFilter(_drop_interrupt_tracebacks)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        if self.received == signal.SIGINT and signum == signal.SIGINT:
+        if signum == signal.SIGINT and self._saving and not self._warned:
+            self._warned = True  # the next one aborts
+            self.received = self.received or signum
+            if self.echo is not None:
+                self.echo("SIGINT: a checkpoint is being written; waiting for it to finish "
+                          "(Ctrl-C again aborts; the previous checkpoints stay intact)")
+            return
+        if signum == signal.SIGINT and (self.received == signal.SIGINT or self._saving):
             raise KeyboardInterrupt
         self.received = signum
+
+    @contextlib.contextmanager
+    def saving(self):
+        """A Ctrl-C inside this block waits for the checkpoint instead of aborting."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        logging.getLogger("absl").removeFilter(_drop_interrupt_tracebacks)
+
+
+def _drop_interrupt_tracebacks(record: logging.LogRecord) -> bool:
+    """Orbax logs (absl) the traceback of an exception raised while it waits for a save and
+    re-raises it; for the Ctrl-C that aborts a save, the run's own message says it all."""
+    return not (record.exc_info and record.exc_info[0] is KeyboardInterrupt)

@@ -13,20 +13,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from nnx_posttrain import checkpoint, config as config_lib, model, runs, sharding
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
-from nnx_posttrain.train import setup
+from nnx_posttrain.train import memory, resume, rundir, setup
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
-from nnx_posttrain.train.hooks import Hooks, StepInfo, StopSignals, Throughput
+from nnx_posttrain.train.hooks import (Hooks, NonFiniteGuard, NonFiniteStep, StepInfo,
+                                       StopSignals, Throughput)
 from nnx_posttrain.train.mesh import (check_micro_batch, initialize_distributed, make_mesh, place,
                                       shard_batch)
 
@@ -48,104 +51,190 @@ class RunResult:
 def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) -> RunResult:
     """Train (or, with ``eval_only``, evaluate) per ``cfg``; returns what notebooks and tests use.
 
-    Resumes from the latest complete checkpoint of the run directory when there is one."""
+    Resumes from the latest complete checkpoint of the run directory when there is one (its
+    settings must match: ``resume``); holds the directory's lock throughout (``rundir``)."""
     initialize_distributed(cfg.mesh)  # before anything touches the devices
-    run_dir = Path(cfg.run_dir or f"runs/{experiment}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-    resume_step = ckpt.latest_step()
-    if cfg.resume and resume_step is None:
-        raise SystemExit(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-    config_lib.save(cfg, run_dir / "config.json")
-    mesh = make_mesh(cfg.mesh)
-    check_micro_batch(cfg, mesh)
-    lm, module = setup.build_model(cfg, algorithm, echo)
-    train_src, eval_src, transform, skipped = setup.datasets(cfg, lm, algorithm, echo)
-
-    graphdef, params, frozen_model = model.split(module)
-    tx, lr = step_lib.optimizer(cfg.optim, cfg.steps)
-    frozen = place({"model": frozen_model, "reference": None}, mesh)
-    if algorithm.reference_mode == "copy":  # the starting weights, frozen (not donated)
-        frozen["reference"] = place(jax.tree.map(jnp.copy, params), mesh)
-    state = place(step_lib.init_state(params, tx, cfg.seed), mesh)
-    record = checkpoint.model_record(cfg, state)
-    ctx = RunContext(cfg, lm, graphdef, frozen, train_src, eval_src, transform, run_dir, echo,
-                     load_run=runs.load)
-    inputs = algorithm.inputs(ctx, state["params"])
-    source = inputs.train
-    if resume_step is not None:
-        state, data_state, _ = ckpt.restore(resume_step, checkpoint.abstract(state), record)
-        if data_state and not cfg.eval_only:
-            source.set_state(data_state)
-        echo(f"resumed from {ckpt.directory / str(resume_step)} (step {resume_step})")
-    start = int(state["step"])
-
-    train_step = jax.jit(
-        step_lib.make_train_step(graphdef, algorithm.loss, tx, lr),
-        donate_argnums=(0,),
-        # pinned: without it the state's shardings drift after an update
-        out_shardings=(sharding.tree_shardings(state, mesh), NamedSharding(mesh, P())),
-    )
-    evaluator = Evaluator(ctx, algorithm, inputs.eval,
-                          jax.jit(step_lib.make_eval_step(graphdef, algorithm.loss)), mesh,
-                          (state["params"], frozen["model"]), source=source)
-    log = (MetricsLog(run_dir, keep_until=start if resume_step is not None else None,
-                      echo=lambda s: tqdm.write(s) if echo else None, report_to=cfg.report_to,
-                      config=config_lib.to_dict(cfg))
-           if jax.process_index() == 0 else SecondaryLog())  # process 0 writes the metrics
-    result = RunResult(run_dir, [], [], state, lm, graphdef, frozen, algorithm=algorithm,
-                       source=source)
-
-    def evaluate(step, state):
-        metrics = evaluator(state["params"], frozen)
-        if metrics:
-            result.eval.append(log.log(step, "eval", metrics))
-            log.completions(step, "eval", evaluator.completions)
-        return metrics
-
+    allowed = resume.allowed_keys(cfg.resume_changed)
+    run_dir = rundir.prepare(Path(cfg.run_dir or f"runs/{experiment}"))
     try:
-        if cfg.eval_only:
-            print(json.dumps(evaluate(start, state), indent=2))
-            return result
-        if start == 0:
-            evaluate(0, state)
-        elif start >= cfg.steps:
+        with rundir.sigterm_exits(), rundir.RunLock(run_dir, echo, jax.process_index() == 0):
+            return _run(cfg, algorithm, experiment, echo, run_dir, allowed)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C twice): stopped without writing a checkpoint; the run "
+              "resumes from its latest complete one", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+
+
+def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    closing = [ckpt.close]
+    try:
+        record = resume.run_record(cfg, algorithm)
+        changes = {}
+
+        def check_settings(saved):  # of the checkpoint a training run resumes from
+            if not cfg.eval_only:
+                changes.update(resume.check(saved, record, allowed,
+                                            f"{ckpt.directory}/{saved.get('step')}", run_dir))
+
+        latest = ckpt.latest_intact_step(echo)  # damaged ones set aside
+        if cfg.resume and latest is None:
+            raise SystemExit(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+        if latest is not None:  # refuse other settings before the model loads
+            check_settings(ckpt.read_record(latest))
+        mesh = make_mesh(cfg.mesh)
+        check_micro_batch(cfg, mesh)
+        lm, module = setup.build_model(cfg, algorithm, echo)
+        graphdef, params, frozen_model = model.split(module)
+        copy_reference = algorithm.reference_mode == "copy" and not (
+            cfg.eval_only and latest is None)  # scoring the starting weights: they are the reference
+        memory.check(cfg, lm.module, params, setup.sequences_per_example(algorithm),
+                     copy_reference, dict(mesh.shape), echo)
+        train_src, eval_src, transform, skipped = setup.datasets(cfg, lm, algorithm, echo)
+
+        frozen = place({"model": frozen_model, "reference": None}, mesh)
+        if cfg.eval_only:  # the weights alone: no optimizer state
+            tx = lr = None
+            state = place({"params": params, "step": jnp.zeros((), jnp.int32),
+                           "rng": jax.random.key_data(jax.random.key(cfg.seed))}, mesh)
+        else:
+            tx, lr = step_lib.optimizer(cfg.optim, cfg.steps)
+            state = place(step_lib.init_state(params, tx, cfg.seed), mesh)
+        if copy_reference:  # the starting weights, frozen (not donated)
+            frozen["reference"] = place(jax.tree.map(jnp.copy, state["params"]), mesh)
+        elif algorithm.reference_mode == "copy":
+            frozen["reference"] = state["params"]
+        record["model_record"] = checkpoint.model_record(cfg, state)
+        ctx = RunContext(cfg, lm, graphdef, frozen, train_src, eval_src, transform, run_dir, echo,
+                         load_run=runs.load)
+        inputs = algorithm.inputs(ctx, state["params"])
+        source = inputs.train
+        closing.append(source.close)
+        restored = None
+        if latest is not None:
+            restored = ckpt.restore_latest(checkpoint.abstract(state), record["model_record"],
+                                           check_settings, echo, weights_only=cfg.eval_only)
+        if restored is not None:
+            state, data_state = restored[1], restored[2]
+            if data_state and not cfg.eval_only:
+                source.set_state(data_state)
+            if cfg.eval_only:  # the module holds the weights scored: the starting ones are freed
+                nnx.update(module, state["params"])
+                del params
+        if restored is not None and not cfg.eval_only:
+            echo(f"resumed from {ckpt.directory / str(restored[0])} (step {restored[0]})"
+                 + "".join(f"\n  changed: {k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+                 + ("\n  the learning-rate schedule now spans the new --steps" if "steps" in changes
+                    and cfg.optim.schedule != "constant" else ""))
+        start = int(state["step"])
+        evaluator = Evaluator(ctx, algorithm, inputs.eval,
+                              jax.jit(step_lib.make_eval_step(graphdef, algorithm.loss)), mesh,
+                              (state["params"], frozen["model"]), source=source)
+        setup.check_evaluation(cfg, algorithm, evaluator, state["params"], frozen)
+        result = RunResult(run_dir, [], [], state, lm, graphdef, frozen, algorithm=algorithm,
+                           source=source)
+        if not cfg.eval_only and start >= cfg.steps and restored is not None:
             echo(f"{run_dir} is already complete at step {start} (--steps {cfg.steps}); nothing to "
                  "do. Raise --steps to continue training, or choose another --run-dir.")
             return result
-        bar = tqdm(total=cfg.steps, initial=start, desc=experiment, unit="step", dynamic_ncols=True)
-        throughput = Throughput()
-        with StopSignals() as stop:
-            hooks = _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evaluate,
-                           echo)
+        if not cfg.eval_only and jax.process_index() == 0:  # known to start: settings, history
+            config_lib.save(cfg, run_dir / "config.json")
+            rundir.append_history(run_dir, "resume" if restored else "start", start, changes)
+        log = (MetricsLog(run_dir, keep_until=None if cfg.eval_only else
+                          (start if restored is not None else -1),
+                          echo=_console(echo), report_to=cfg.report_to,
+                          config=config_lib.to_dict(cfg))
+               if jax.process_index() == 0 else SecondaryLog())  # process 0 writes the metrics
+        closing.append(log.close)
+
+        def evaluate(step, state, fields=None):
+            metrics = evaluator(state["params"], frozen)
+            if metrics:
+                result.eval.append(log.log(step, "eval", metrics, fields=fields))
+                log.completions(step, "eval", [{**(fields or {}), **row}  # eval-only rows: kept
+                                             for row in evaluator.completions])
+            return metrics
+
+        if cfg.eval_only:
+            scored = (f"checkpoint {restored[0]}" if restored is not None else "initial weights")
+            echo(f"--eval-only: scoring {'the ' * (restored is None)}{scored}"
+                 + (f" ({ckpt.directory / str(restored[0])})" if restored is not None else
+                    f" (no checkpoint in {ckpt.directory})"))
+            print(json.dumps(evaluate(start, state, {"eval_only": scored}), indent=2))
+            return result
+        _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, frozen, log,
+               ckpt, record, evaluate, skipped,
+               jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr),
+                       donate_argnums=(0,),
+                       # pinned: without it the state's shardings drift after an update
+                       out_shardings=(sharding.tree_shardings(state, mesh),
+                                      NamedSharding(mesh, P()))))
+        return result
+    finally:  # waits for the checkpoint being written: a Ctrl-C meanwhile says so, waits
+        with StopSignals(_console(echo)) as signals, signals.saving():
+            for close in reversed(closing):
+                close()
+
+
+def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, frozen, log, ckpt,
+           record, evaluate, skipped, train_step) -> None:
+    if start == 0:
+        evaluate(0, state)
+    bar = tqdm(total=cfg.steps, initial=start, desc=experiment, unit="step", dynamic_ncols=True)
+    throughput = Throughput()
+    guard = NonFiniteGuard(cfg.optim.on_nonfinite, _console(echo))
+    try:
+        with StopSignals(_console(echo)) as stop:
+            hooks = _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop,
+                           evaluate, echo, guard)
             for step in range(start + 1, cfg.steps + 1):
                 host_batch = source.next(step, state)
                 throughput.count(host_batch)
                 batch = shard_batch(source.to_device(host_batch), mesh, cfg.batching.grad_accum)
                 state, metrics = train_step(state, frozen, batch)
                 result.state = state
+                guard.push(step, metrics)  # checks the step before (this one is running)
                 bar.update(1)
                 if step == start + 1:  # the first step compiles: keep it out of the throughput
                     throughput.first_step_done(state)
                 hooks.after(StepInfo(step, state, metrics, last=step == cfg.steps,
                                      stopping=stop.received is not None,
                                      boundary=source.checkpoint_ok(step)))
+            guard.flush()
+    except NonFiniteStep as exc:
         bar.close()
-        echo(f"done: {cfg.steps} steps; run directory {run_dir}"
-             + (f"; {skipped} bad records were skipped (--batching.skip-bad)" if skipped else ""))
-    finally:
-        ckpt.close()
-        log.close()
-        source.close()
-    return result
+        ckpt.wait()
+        kept = ckpt.all_steps()
+        raise SystemExit(
+            f"error: {exc}: the update was not applied and training stopped "
+            f"(--optim.on-nonfinite {cfg.optim.on_nonfinite}). No checkpoint was written after "
+            f"it; kept in {ckpt.directory}: "
+            + (f"steps {', '.join(map(str, kept))}" if kept else "none")
+            + ". Lower --optim.learning-rate, clip gradients (--optim.max-grad-norm), or skip "
+            "such steps (--optim.on-nonfinite skip); resuming with another learning rate needs "
+            "--resume-changed optim.learning_rate.") from None
+    bar.close()
+    echo(f"done: {cfg.steps} steps; run directory {run_dir}"
+         + (f"; {skipped} bad records were skipped (--batching.skip-bad)" if skipped else "")
+         + (f"; {guard.skipped} non-finite steps were skipped" if guard.skipped else ""))
 
 
-def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evaluate, echo) -> Hooks:
+def _console(echo):
+    """Lines printed while the progress bar runs (nothing when ``echo`` is None)."""
+    return lambda line: tqdm.write(line) if echo else None
+
+
+def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evaluate, echo,
+           guard) -> Hooks:
     """Logging every --log-every steps, evaluation every --eval.every, checkpoints every
-    --checkpoint.every (only where the batch source allows one), the stop signal; all at the end."""
+    --checkpoint.every (only where the batch source allows one, and only after the step's
+    non-finite check), the stop signal; all at the end."""
 
     def log_train(info):
         metrics = {k: float(v) for k, v in jax.device_get(info.metrics).items()}
+        nonfinite = metrics.pop("nonfinite")  # this step's flag: not checked by the guard yet
+        if cfg.optim.on_nonfinite == "skip":
+            metrics["skipped_steps"] = float(guard.skipped + nonfinite)
         metrics.update(throughput.read())
         metrics.update(source.host_metrics())
         result.train.append(log.log(info.step, "train", metrics, echo=False))
@@ -153,16 +242,20 @@ def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evalua
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}")
 
     def evaluate_now(info):
+        guard.flush()
         info.eval = evaluate(info.step, info.state)
         throughput.pause_done()
 
     def save(info):
-        saved = {"model_record": record, "config": config_lib.to_dict(cfg), "step": info.step}
-        ckpt.save(info.step, info.state, source.get_state(), saved, metrics=info.eval or None)
+        guard.flush()  # never a checkpoint after an unchecked step
+        saved = {**record, "step": info.step}
+        with stop.saving():  # (Orbax may wait here for the previous checkpoint)
+            ckpt.save(info.step, info.state, source.get_state(), saved, metrics=info.eval or None)
 
     def stop_now(info):
         name = signal.Signals(stop.received).name
-        ckpt.wait()
+        with stop.saving():
+            ckpt.wait()
         bar.close()
         echo(f"{name}: saved checkpoint at step {info.step} in {ckpt.directory}; "
              "run the same command again to resume")

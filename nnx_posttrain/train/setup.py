@@ -1,4 +1,5 @@
-"""What a run builds before its first step: the model and the validated data."""
+"""What a run builds before its first step, the model and the validated data, and the checks
+that need them (records with no loss token, --checkpoint.keep-best, --eval-only)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,63 @@ def datasets(cfg, lm, algorithm, echo):
         report = data.validate(src, transform, skip_bad=b.skip_bad)
         echo(f"{name} data: {report.records} records, {report.bad} bad (skipped), "
              f"{report.truncated} truncated to {b.max_length} tokens, {report.no_loss_tokens} with "
-             "no loss token left" + "".join("\n  skipped: " + m for m in report.bad_examples))
-        sources.append(data.only_good(src, report))
+             "no loss token left" + (" (left out)" if report.no_loss_tokens else "")
+             + (f", {report.identical_pairs} pairs with chosen == rejected (no preference to "
+                "learn)" if report.identical_pairs else "")
+             + "".join("\n  skipped: " + m for m in report.bad_examples))
+        _check_loss_tokens(name, src, report, cfg, echo)
+        sources.append(data.only_good(src, report, drop_no_loss=True))
         skipped += report.bad
     return sources[0], sources[1], transform, skipped
+
+
+def _check_loss_tokens(name, src, report, cfg, echo) -> None:
+    """Records left with no loss token (a prompt longer than the length limits) are left out;
+    none left, or (training, without --batching.skip-bad) more than half of them, is refused:
+    the length settings do not fit the data."""
+    n, empty = len(report.good_indices), report.no_loss_tokens
+    if not empty:
+        return
+    first = src[int(report.no_loss_indices[0])].get("_where", "record 0")
+    fix = (f"raise --batching.max-length ({cfg.batching.max_length})"
+           + (f" or --batching.max-prompt-length ({cfg.batching.max_prompt_length})"
+              if cfg.batching.max_prompt_length else "")
+           + ", or shorten the prompts")
+    if empty == n:
+        raise SystemExit(f"error: {name} data: none of the {n} records has a token to learn "
+                         f"from within the length limits (the first: {first}); {fix}")
+    if name == "train" and 2 * empty > n and not cfg.batching.skip_bad:
+        raise SystemExit(f"error: {name} data: {empty} of {n} records have no token to learn from "
+                         f"within the length limits (the first: {first}); {fix}, or pass "
+                         "--batching.skip-bad to train on the other records")
+    echo(f"  {name} data: {empty} records with no loss token left are left out (the first: "
+         f"{first})")
+
+
+def sequences_per_example(algorithm) -> int:
+    """Sequences one example puts through the model (chosen + rejected, completion + KL pair)."""
+    return 2 if algorithm.data_kind in ("preference", "unpaired_preference") else 1
+
+
+def check_evaluation(cfg, algorithm, evaluator, params, frozen) -> None:
+    """Before anything runs: --checkpoint.keep-best names a metric the run evaluates, and
+    --eval-only has something to evaluate."""
+    if cfg.eval_only and not (evaluator.enabled and (evaluator.batches or evaluator.pairs)):
+        if not evaluator.enabled:
+            raise SystemExit("error: --eval-only: no eval data; pass --eval-data FILE (with "
+                             "--data builtin the built-in task's eval split is used)")
+        why = ("--eval.exact-match is 0; pass a number of prompts, e.g. --eval.exact-match 200"
+               if not cfg.eval.exact_match else
+               "the eval data hold no answers to compare with (an 'answer' column with the "
+               "prompts, a completion, or the chosen side of a pair)")
+        raise SystemExit(
+            f"error: --eval-only: nothing to evaluate: {algorithm.name} is evaluated by "
+            f"generation (exact match of greedy answers to the eval prompts), and {why}")
+    best = cfg.checkpoint.keep_best
+    if best and not cfg.eval_only:
+        names = evaluator.metric_names(params, frozen) if evaluator.enabled else set()
+        if best not in names:
+            raise SystemExit(
+                f"error: --checkpoint.keep-best {best}: the run never evaluates it; "
+                + (f"its eval metrics are {', '.join(sorted(names))}" if names else
+                   "it has no eval data (--eval-data)"))

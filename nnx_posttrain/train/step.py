@@ -6,6 +6,8 @@
 The step compiles once (fixed batch shape), donates the state, accumulates gradients over
 micro-batches with a scan (token-weighted, so the update equals the one large batch), clips,
 and applies AdamW with warm-up and decay. Metrics are fetched from the device only when logged.
+A step whose loss or gradient norm is not finite leaves the weights and the optimizer state as
+they were (its ``nonfinite`` metric is 1; the loop decides whether to stop or go on).
 """
 
 from __future__ import annotations
@@ -93,14 +95,21 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule):
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+        # a NaN / inf loss or gradient never reaches the weights or the AdamW moments
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+
+        def if_finite(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
         new_state = {
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
+            "params": if_finite(optax.apply_updates(params, updates), params),
+            "opt_state": if_finite(opt_state, state["opt_state"]),
             "step": state["step"] + 1,
             "rng": jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]),
         }
         out = metric_means(metrics)
-        out.update(grad_norm=grad_norm, learning_rate=lr_schedule(state["step"]))
+        out.update(grad_norm=grad_norm, learning_rate=lr_schedule(state["step"]),
+                   nonfinite=1 - finite.astype(jnp.int32))
         return new_state, out
 
     return step

@@ -1,0 +1,99 @@
+"""Will a step fit? A rough estimate of what training still has to allocate once the model is
+loaded, compared with the memory available, before anything compiles (``--memory-check``).
+
+Per device, in bytes (``b`` sequences per micro-batch and device — twice the examples for
+preference pairs, chosen and rejected — ``s`` = ``--batching.max-length``, ``L`` layers, ``h``
+hidden size, ``a`` query heads, ``e`` bytes per activation: 4 in float32, 2 in bfloat16):
+
+- gradients and AdamW's two moments: 12 bytes per trainable parameter (float32), sharded over
+  fsdp x tensor; a frozen reference copy (``--algo.reference copy``): the trainable weights again;
+- activations kept for the backward pass (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", per layer ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits,
+  no flash attention): ``L * s * b * (34*h + 5*a*s) * e / 2``; with ``--remat blocks`` each block
+  keeps only its input (``L * s * b * h * e``) plus one block's activations;
+- the vocabulary projection of one ``--logprob-chunk`` (all ``s`` positions when 0): logits,
+  log-softmax and their gradient in float32, ``3 * 4 * b * chunk * vocab``.
+
+``--eval-only`` counts one layer's forward activations and the projection only. The rollout
+sampler's KV cache and XLA's own buffers are not counted: the check refuses only settings that
+clearly cannot fit (a ``max_length`` of a million tokens, say), not borderline ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+GiB = 1 << 30
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def available_bytes() -> int | None:
+    """Free memory of the first local device (an accelerator's own; the host's MemAvailable on
+    CPU); None where it cannot be told."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: bool,
+             mesh_shape: dict) -> dict[str, int]:
+    """{part: bytes per device} still to allocate for a step (see the module docstring)."""
+    b = cfg.batching
+    batch_shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    weight_shards = mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1)
+    seqs = max(b.batch_size // b.grad_accum // batch_shards, 1) * sequences_per_example
+    s = b.max_length
+    layers = int(getattr(backbone, "num_layers", 1))
+    hidden = int(getattr(backbone, "hidden_dim", 0))
+    heads = int(getattr(backbone, "num_query_heads", 1))
+    vocab = int(getattr(backbone, "vocabulary_size", 0))
+    e = 2 if cfg.dtype.startswith("bfloat16") else 4
+    per_layer = s * seqs * (34 * hidden + 5 * heads * s) * e // 2
+    chunk = min(cfg.logprob_chunk or s, s)
+    out = {"vocabulary projection": 3 * 4 * seqs * chunk * vocab}
+    if cfg.eval_only:
+        out["activations"] = per_layer
+        return out
+    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    out["gradients + AdamW moments"] = 12 * trainable // weight_shards
+    if reference_copy:
+        out["reference copy"] = _nbytes(params) // weight_shards
+    out["activations"] = (layers * s * seqs * hidden * e + per_layer if cfg.remat == "blocks"
+                          else layers * per_layer)
+    return out
+
+
+def check(cfg, backbone, params, sequences_per_example: int, reference_copy: bool,
+          mesh_shape: dict, echo=print) -> None:
+    """SystemExit with the estimate when a step clearly cannot fit (``--no-memory-check``: skip)."""
+    if not cfg.memory_check:
+        return
+    free = available_bytes()
+    if free is None:
+        return
+    parts = estimate(cfg, backbone, params, sequences_per_example, reference_copy, mesh_shape)
+    need = sum(parts.values())
+    if need <= free:
+        return
+    shown = ", ".join(f"{k} {v / GiB:,.2f}" for k, v in parts.items())
+    raise SystemExit(
+        f"error: a {'forward' if cfg.eval_only else 'training'} step needs an estimated "
+        f"{need / GiB:,.2f} GiB more per device, and {free / GiB:,.2f} GiB are free on "
+        f"{jax.local_devices()[0].platform} ({shown} GiB; --batching.max-length "
+        f"{cfg.batching.max_length}, micro-batch {cfg.batching.batch_size // cfg.batching.grad_accum}"
+        "). Lower --batching.max-length or --batching.batch-size, raise --batching.grad-accum, "
+        "use --remat blocks, or pass --no-memory-check if the estimate is wrong (see "
+        "nnx_posttrain/train/memory.py).")

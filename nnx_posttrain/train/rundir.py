@@ -1,0 +1,143 @@
+"""The run directory before and around a run: the checks made before anything is written, the
+lock that keeps a second process out, and ``history.jsonl``, the append-only record of every
+start and resume with the settings it changed.
+
+    runs/<name>/run.lock        {"pid", "host", "started"} of the process using the directory
+    runs/<name>/history.jsonl   {"event": "start" | "resume", "step", "time", "host", "pid",
+                                 "argv", "changed": {setting: [before, after]}} per line
+
+The lock is an ``fcntl.flock`` on ``run.lock``: the kernel releases it when its process dies in
+any way (SIGKILL included), so a lock file left behind by a dead process is taken over, with a
+message naming it. It is removed on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+LOCK = "run.lock"
+HISTORY = "history.jsonl"
+
+
+def prepare(run_dir: Path) -> Path:
+    """``run_dir`` created (with its parents) or refused with a message: a file, not writable."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SystemExit(f"error: --run-dir {run_dir} is a file, not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"error: --run-dir {run_dir}: cannot create it ({exc.strerror})") from None
+    return run_dir
+
+
+def _holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, UnicodeDecodeError):
+        return {}
+
+
+def _describe(holder: dict) -> str:
+    if not holder:
+        return "a process that left no details"
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}, started "
+            f"{holder.get('started')}")
+
+
+class RunLock:
+    """``with RunLock(run_dir, echo):`` — this process alone writes ``run_dir`` until the end
+    of the block (``enabled=False``: a no-op, for processes other than 0 of a multi-process
+    run, which share process 0's directory)."""
+
+    def __init__(self, run_dir: Path, echo=print, enabled: bool = True):
+        self.path, self.echo, self.enabled, self.fd = Path(run_dir) / LOCK, echo, enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def acquire(self) -> None:
+        run_dir = self.path.parent
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise SystemExit(f"error: --run-dir {run_dir} is not writable ({exc.strerror})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise SystemExit(
+                    f"error: {run_dir} is in use by another process ({_describe(holder)}); wait "
+                    "for it to finish or stop it, or choose another --run-dir") from None
+            try:  # the previous holder may have removed the file after we opened it: retry
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = _holder(fd)
+        if previous:
+            self.echo(f"{run_dir}: taking over the lock left by a process that is no longer "
+                      f"running ({_describe(previous)})")
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now().isoformat(timespec="seconds")}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise SystemExit(f"error: --run-dir {run_dir} is not writable ({exc.strerror})") from None
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # while still holding it: the next process finds no file
+        os.close(self.fd)
+        self.fd = None
+
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """SIGTERM before training starts (while the model loads, say) ends the process through
+    ``SystemExit(143)``, so that ``finally`` blocks run: the lock is released, nothing is left
+    half-written. (During training ``hooks.StopSignals`` takes over: checkpoint, then exit.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def append_history(run_dir: Path, event: str, step: int, changed: dict | None = None) -> None:
+    """One line in ``history.jsonl``: a start or a resume, and the settings it changed."""
+    entry = {"event": event, "step": int(step),
+             "time": datetime.datetime.now().isoformat(timespec="seconds"),
+             "host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv,
+             "changed": changed or {}}
+    with (run_dir / HISTORY).open("a") as f:
+        f.write(json.dumps(entry) + "\n")

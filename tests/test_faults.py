@@ -1,0 +1,619 @@
+"""Fault injection (issue 18): a run is never lost, two runs never mix, garbage never trains in
+silence. Each case reproduces a fault a user met and checks the fix: non-finite steps, changed
+settings on resume, config.json and metrics.jsonl kept, the run-directory lock, records with no
+loss token, damaged checkpoints, bad data, settings refused up front, Ctrl-C twice, and
+--eval-only without optimizer state. In-process runs where they suffice (micro model, 4 steps),
+real subprocesses where a process must die or compete."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nnx_posttrain  # noqa: F401
+import numpy as np
+import pytest
+
+from nnx_posttrain import checkpoint, config, data, experiment, metrics_log, runs
+from nnx_posttrain.algorithms import DPO, GRPO, SFT, registry
+from nnx_posttrain.train import hooks, resume, rundir
+from support import MICRO, ROOT, records
+
+FAST = [*MICRO, "--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval.batches", "1",
+        "--eval.exact-match", "0", "--batching.batch-size", "4", "--checkpoint.every", "2"]
+
+
+def sft(run_dir, *extra):
+    from experiments.sft import DEFAULT
+
+    return experiment.main("sft", SFT, DEFAULT, args=[*FAST, "--run-dir", str(run_dir), *extra])
+
+
+def dpo(run_dir, *extra):
+    from experiments.dpo import DEFAULT
+
+    return experiment.main("dpo", DPO, DEFAULT, args=[*FAST, "--run-dir", str(run_dir),
+                                                      "--init-from", "", *extra])
+
+
+def refusal(fn, *args) -> str:
+    """The message of the SystemExit that ``fn(*args)`` ends with (it must end with one)."""
+    with pytest.raises(SystemExit) as info:
+        fn(*args)
+    assert not isinstance(info.value.code, int), info.value.code
+    return str(info.value.code)
+
+
+def steps_of(run_dir) -> list[int]:
+    return sorted(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def jsonl(path, rows) -> Path:
+    with open(path, "wb") as f:
+        for row in rows:
+            f.write(row if isinstance(row, bytes) else (json.dumps(row) + "\n").encode())
+    return Path(path)
+
+
+def pc(i):
+    return {"prompt": f"What is {i} + 1?", "completion": str(i + 1)}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 4-step SFT run: checkpoints 2 and 4."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    sft(run)
+    assert steps_of(run) == [2, 4]
+    return run
+
+
+@pytest.fixture
+def copy(finished, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    return run
+
+
+def _files(run):
+    return {name: (run / name).read_text() for name in ("config.json", "metrics.jsonl")}
+
+
+# ----------------------------------------------------------------------------- 1. non-finite
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--optim.learning-rate", "nan"], "--optim.learning-rate"),
+    (["--optim.learning-rate", "inf"], "--optim.learning-rate"),
+    (["--optim.b1", "nan"], "--optim.b1"),
+    (["--lora.alpha", "inf"], "--lora.alpha"),
+    (["--algo.beta", "nan"], "--algo.beta"),
+])
+def test_non_finite_option_values_are_refused_up_front(args, option):
+    with pytest.raises(SystemExit) as info:
+        config.parse(experiment.config_for(DPO), args=args)
+    assert f"{option} must be a finite number" in str(info.value.code)
+
+
+def test_non_finite_training_stops_naming_the_step_and_keeps_only_good_checkpoints(tmp_path, capsys):
+    run = tmp_path / "run"
+    msg = refusal(sft, run, "--optim.learning-rate", "1e30", "--optim.max-grad-norm", "0",
+                  "--optim.schedule", "constant", "--steps", "12")
+    assert "non-finite" in msg and "the update was not applied and training stopped" in msg
+    bad_step = int(msg.split("step ")[1].split(":")[0])
+    kept = steps_of(run)
+    assert all(s < bad_step for s in kept)  # nothing written after the bad step
+    for step in kept:  # and every kept checkpoint is finite
+        leaves = runs.param_leaves(runs.load(run, step=step).state).values()
+        assert all(np.isfinite(np.asarray(v)).all() for v in leaves), step
+    assert f"steps {', '.join(map(str, kept))}" in msg
+
+
+def test_skip_mode_goes_on_but_not_forever(tmp_path):
+    msg = refusal(sft, tmp_path / "run", "--optim.learning-rate", "1e30", "--optim.max-grad-norm",
+                  "0", "--optim.schedule", "constant", "--steps", "20", "--optim.on-nonfinite",
+                  "skip")
+    assert "10 non-finite steps in a row" in msg
+    train = records(tmp_path / "run")
+    assert train[-1]["skipped_steps"] >= 9
+
+
+def test_guard_reads_each_flag_one_step_late_and_skip_counts():
+    said = []
+    guard = hooks.NonFiniteGuard("skip", said.append, patience=3)
+    ok, bad = {"nonfinite": 0}, {"nonfinite": 1, "loss": float("nan"), "grad_norm": 1.0}
+    guard.push(1, ok)
+    guard.push(2, bad)
+    assert guard.skipped == 0  # step 2 is still running: read when step 3 is pushed
+    guard.push(3, ok)
+    assert guard.skipped == 1 and "step 2: non-finite loss (loss nan, gradient norm 1)" in said[0]
+    guard.flush()
+    stop = hooks.NonFiniteGuard("stop", said.append)
+    stop.push(7, bad)
+    with pytest.raises(hooks.NonFiniteStep, match=r"step 7: non-finite loss \(loss nan"):
+        stop.flush()
+
+
+def test_a_non_finite_step_changes_neither_weights_nor_optimizer_state(micro):
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_posttrain import model, train
+
+    graphdef, params, frozen = model.split(micro.module)
+    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2), 10)
+    algo = SFT(SFT.Config(), logprob_chunk=8)
+
+    def loss(module, batch, reference):  # scaled by the batch's "scale": NaN poisons it
+        total, weight, metrics = algo.loss(module, batch, reference)
+        return total * batch["scale"][0], weight, metrics
+
+    step = jax.jit(train.make_train_step(graphdef, loss, tx, lr))
+    ids = jnp.arange(2 * 8, dtype=jnp.int32).reshape(1, 2, 8) % 50 + 3
+    batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids),
+             "loss_mask": jnp.ones(ids.shape, jnp.float32)}
+    state = train.init_state(params, tx, seed=0)
+    state, m = step(state, {"model": frozen, "reference": None}, dict(batch, scale=jnp.ones((1, 2))))
+    assert int(m["nonfinite"]) == 0
+    before = jax.tree.map(np.asarray, state)
+    state, m = step(state, {"model": frozen, "reference": None},
+                    dict(batch, scale=jnp.full((1, 2), jnp.nan)))
+    assert int(m["nonfinite"]) == 1 and int(state["step"]) == 2
+    for a, b in zip(jax.tree.leaves(before["params"]) + jax.tree.leaves(before["opt_state"]),
+                    jax.tree.leaves(state["params"]) + jax.tree.leaves(state["opt_state"])):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- 2, 3. the record
+
+
+def test_every_setting_of_every_algorithm_is_classified_for_resume():
+    for name in registry.names():
+        cfg = experiment.config_type(registry.get(name))()
+        for key in resume.flatten(config.to_dict(cfg)):
+            assert "not classified" not in resume.classify(key)[1], (name, key)
+
+
+def test_another_algorithm_cannot_resume_a_run(copy):
+    before = _files(copy)
+    msg = refusal(dpo, copy, "--steps", "6")
+    assert "algorithm: 'sft' -> 'dpo' (refused" in msg
+    assert _files(copy) == before and steps_of(copy) == [2, 4]
+
+
+def test_changed_settings_are_refused_with_the_list_of_differences(copy):
+    before = _files(copy)
+    msg = refusal(sft, copy, "--steps", "6", "--optim.learning-rate", "1e-2",
+                  "--batching.batch-size", "8", "--seed", "3")
+    assert "optim.learning_rate: 0.003 -> 0.01 (allowed with --resume-changed optim.learning_rate)" in msg
+    assert "batching.batch_size: 4 -> 8 (refused: the saved data position counts batches" in msg
+    assert "seed: 0 -> 3 (refused" in msg
+    assert not any(line.strip().startswith("steps:") for line in msg.splitlines())  # announced
+    assert _files(copy) == before and steps_of(copy) == [2, 4]  # nothing written
+
+
+def test_named_changes_are_accepted_and_recorded(copy, capsys):
+    sft(copy, "--steps", "6", "--optim.learning-rate", "1e-2", "--resume-changed",
+        "optim.learning-rate")
+    out = capsys.readouterr().out
+    assert "changed: optim.learning_rate: 0.003 -> 0.01" in out and "changed: steps: 4 -> 6" in out
+    history = [json.loads(line) for line in (copy / "history.jsonl").read_text().splitlines()]
+    assert [h["event"] for h in history] == ["start", "resume"]
+    assert history[-1]["changed"] == {"optim.learning_rate": [0.003, 0.01], "steps": [4, 6]}
+    assert json.loads((copy / "config.json").read_text())["optim"]["learning_rate"] == 0.01
+    assert steps_of(copy)[-1] == 6 and [r["step"] for r in records(copy)] == list(range(1, 7))
+
+
+def test_resume_changed_names_only_settings_a_resume_may_change():
+    assert resume.allowed_keys("--optim.learning-rate, optim.weight_decay") == {
+        "optim.learning_rate", "optim.weight_decay"}
+    with pytest.raises(SystemExit, match="nonsense: not a setting"):
+        resume.allowed_keys("nonsense")
+    with pytest.raises(SystemExit, match="batching.batch_size: a resume cannot change it"):
+        resume.allowed_keys("batching.batch-size")
+    with pytest.raises(SystemExit, match="algo.beta: a resume cannot change it"):
+        resume.allowed_keys("algo.beta")
+
+
+def test_clipping_switched_on_or_off_is_refused_even_when_named():
+    saved = {"algorithm": "sft", "config": {"optim": {"max_grad_norm": 0.0}},
+             "data_signature": {"train": None, "eval": None}}
+    current = {"algorithm": "sft", "config": {"optim": {"max_grad_norm": 1.0}},
+               "data_signature": {"train": None, "eval": None}}
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="clipping on / off"):
+        resume.check(saved, current, {"optim.max_grad_norm"}, "x", "run")
+
+
+def test_other_data_is_refused_even_under_the_same_file_name(tmp_path):
+    path = jsonl(tmp_path / "a.jsonl", [pc(i) for i in range(8)])
+    run = tmp_path / "run"
+    sft(run, "--data", str(path))
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.move(path, moved / "a.jsonl")  # the same data elsewhere: still the run's data
+    sft(run, "--data", str(moved / "a.jsonl"), "--steps", "5")
+    jsonl(moved / "a.jsonl", [pc(i) for i in range(20, 30)])
+    msg = refusal(sft, run, "--data", str(moved / "a.jsonl"), "--steps", "6")
+    assert "data: " in msg and "(changed since)" in msg and "refused" in msg
+
+
+# ----------------------------------------------------------------------------- 4, 7. files kept
+
+
+def test_refused_and_eval_only_commands_leave_config_and_log_alone(copy, capsys):
+    before = _files(copy)
+    refusal(sft, copy, "--lora.rank", "4")  # another model: refused
+    sft(copy, "--eval-only", "--steps", "100", "--batching.batch-size", "8")
+    out = capsys.readouterr().out
+    assert "--eval-only: scoring checkpoint 4" in out
+    assert (copy / "config.json").read_text() == before["config.json"]
+    log = (copy / "metrics.jsonl").read_text()
+    assert log.startswith(before["metrics.jsonl"])  # appended, not rewritten
+    assert json.loads(log.splitlines()[-1])["eval_only"] == "checkpoint 4"
+    assert runs.load(copy).step == 4  # runs.load (and --init-from, export) still read the run
+
+
+def test_eval_only_without_checkpoint_keeps_the_log_and_says_it_scores_the_initial_weights(
+        tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "split": "train", "loss": 5.0} for s in (1, 2, 3)]
+    jsonl(run / "metrics.jsonl", lines)  # a run killed before its first checkpoint
+    sft(run, "--eval-only")
+    assert "scoring the initial weights (no checkpoint in" in capsys.readouterr().out
+    kept = metrics_log.read(run)
+    assert kept[:3] == lines and kept[3]["eval_only"] == "initial weights"
+    assert not (run / "config.json").exists()
+
+
+def test_eval_only_of_an_online_method_says_how_it_evaluates(tmp_path):
+    from experiments.grpo import DEFAULT
+
+    msg = refusal(experiment.main, "grpo", GRPO, DEFAULT, None, [
+        *FAST, "--run-dir", str(tmp_path / "run"), "--init-from", "", "--eval-only",
+        "--algo.num-generations", "2"])
+    assert "evaluated by generation" in msg and "--eval.exact-match" in msg
+
+
+def test_metrics_log_trim_keeps_earlier_steps_eval_only_records_and_drops_a_partial_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "split": "train"}, {"step": 2, "split": "train"},
+            {"step": 2, "split": "eval", "eval_only": "checkpoint 2"}, {"step": 3, "split": "train"}]
+    jsonl(path, rows)
+    with path.open("a") as f:
+        f.write('{"step": 4, "spl')  # killed mid-write
+    said = []
+    metrics_log.trim(path, 1, said.append)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [rows[0], rows[2]]
+    assert "partial last line" in said[0] and "removed 2 records of steps after 1" in said[1]
+    assert not list(tmp_path.glob("*.tmp"))
+    path.unlink()
+    metrics_log.trim(path, 3, said.append)
+    assert "is missing; starting a new one" in said[-1]
+
+
+def test_metrics_log_removed_mid_run_is_created_again(tmp_path):
+    said = []
+    log = metrics_log.MetricsLog(tmp_path, keep_until=-1, echo=said.append)
+    log.log(1, "train", {"loss": 1.0}, echo=False)
+    (tmp_path / "metrics.jsonl").unlink()
+    log.log(2, "train", {"loss": 2.0}, echo=False)
+    log.log(3, "train", {"loss": 3.0}, echo=False)
+    log.close()
+    assert [r["step"] for r in metrics_log.read(tmp_path)] == [2, 3]
+    assert sum("was removed during the run" in s for s in said) == 1
+
+
+def test_metrics_log_missing_on_resume_is_recreated(copy, capsys):
+    (copy / "metrics.jsonl").unlink()
+    sft(copy, "--steps", "5")
+    assert "metrics.jsonl is missing; starting a new one" in capsys.readouterr().out
+    assert [r["step"] for r in records(copy)] == [5]
+
+
+# ----------------------------------------------------------------------------- 5. the lock
+
+
+def test_a_held_run_directory_is_refused_and_a_dead_holders_lock_taken_over(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    with rundir.RunLock(run):
+        msg = refusal(sft, run)
+    assert f"is in use by another process (pid {os.getpid()} on host" in msg
+    assert not (run / "run.lock").exists() and not (run / "checkpoints").exists()
+    (run / "run.lock").write_text(json.dumps({"pid": 999999, "host": "h", "started": "then"}))
+    sft(run)  # nobody holds the file's lock: its writer is dead
+    assert "taking over the lock left by a process that is no longer running (pid 999999" in (
+        capsys.readouterr().out)
+    assert steps_of(run) == [2, 4] and not (run / "run.lock").exists()
+
+
+def _start(run_dir, *extra):
+    cmd = [sys.executable, "-m", "experiments.sft", *FAST, "--run-dir", str(run_dir), *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for(predicate, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_second_process_refused_log_removed_mid_run_recreated_killed_holder_taken_over(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and len(records(run)) >= 2, proc)
+        second = subprocess.run([sys.executable, "-m", "experiments.sft", *FAST, "--run-dir",
+                                 str(run)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 1 and "Traceback" not in second.stderr
+        assert f"is in use by another process (pid {proc.pid} on host" in second.stderr
+        (run / "metrics.jsonl").unlink()
+        _wait_for(lambda: (run / "metrics.jsonl").exists(), proc)
+    finally:
+        proc.kill()
+    out, _ = proc.communicate(timeout=60)
+    assert "metrics.jsonl was removed during the run; writing a new one from step" in out
+    assert records(run)  # the rest of the run is logged
+    third = subprocess.run([sys.executable, "-m", "experiments.sft", *FAST, "--run-dir", str(run)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert f"taking over the lock left by a process that is no longer running (pid {proc.pid}" in (
+        third.stdout)
+
+
+# ----------------------------------------------------------------------------- 6, 12. data
+
+
+def test_records_with_no_loss_token_are_refused_when_none_or_most_and_left_out_otherwise(
+        tmp_path, capsys):
+    long = {"prompt": "word " * 40, "completion": "1"}
+    msg = refusal(sft, tmp_path / "a", "--data", str(jsonl(tmp_path / "a.jsonl", [long] * 8)))
+    assert "none of the 8 records has a token to learn from" in msg and "--batching.max-length" in msg
+    assert not steps_of(tmp_path / "a") and not (tmp_path / "a" / "config.json").exists()
+    msg = refusal(sft, tmp_path / "b", "--data",
+                  str(jsonl(tmp_path / "b.jsonl", [long] * 5 + [pc(i) for i in range(3)])))
+    assert "5 of 8 records have no token" in msg and "--batching.skip-bad" in msg
+    sft(tmp_path / "c", "--data", str(jsonl(tmp_path / "c.jsonl", [long] * 2 + [pc(i) for i in range(6)])))
+    assert "2 records with no loss token left are left out (the first: " in capsys.readouterr().out
+    assert all(np.isfinite(r["loss"]) for r in records(tmp_path / "c"))
+
+
+def test_identical_preference_pairs_are_counted(tmp_path, capsys):
+    rows = [{"prompt": f"q{i}", "chosen": "same" if i < 3 else "a", "rejected": "same" if i < 3 else "b"}
+            for i in range(8)]
+    dpo(tmp_path / "run", "--data", str(jsonl(tmp_path / "p.jsonl", rows)), "--steps", "1")
+    assert "3 pairs with chosen == rejected (no preference to learn)" in capsys.readouterr().out
+
+
+def test_invalid_utf8_names_the_line_and_skip_bad_skips_it(tmp_path, micro):
+    path = jsonl(tmp_path / "d.jsonl", [pc(0), b'{"prompt": "\xff\xfe", "completion": "1"}\n', pc(2)])
+    src = data.source(str(path))
+    with pytest.raises(data.DataError, match=rf"^{path}:2: not valid UTF-8 \(byte 0xff at column 13\)$"):
+        src[1]
+    t = data.Tokenize(micro.tokenizer, "gemma", 24)
+    report = data.validate(src, t, skip_bad=True)
+    assert report.bad == 1 and report.good_indices.tolist() == [0, 2]
+
+
+def test_mixture_parts_and_weights_are_checked_by_name(tmp_path):
+    a, empty = jsonl(tmp_path / "a.jsonl", [pc(0)]), jsonl(tmp_path / "b.jsonl", [])
+    with pytest.raises(data.DataError, match=rf"^{empty}: no records \(a part of a mixture"):
+        data.source(f"{a}:0.5,{empty}:0.5")
+    with pytest.raises(data.DataError, match=rf"^{a}:x: bad weight 'x'"):
+        data.source(f"{a}:x")
+
+
+# ----------------------------------------------------------------------------- 8. damage
+
+
+def _damage(ck: Path, kind: str) -> None:
+    if kind == "truncated array file":
+        f = max((ck / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+        with f.open("r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+    elif kind == "no manifest":
+        (ck / "state" / "manifest.ocdbt").unlink()
+    elif kind == "no _METADATA":
+        (ck / "state" / "_METADATA").unlink()
+    elif kind == "empty record":
+        (ck / "record" / "metadata").write_text("")
+    elif kind == "no state":
+        shutil.rmtree(ck / "state")
+
+
+KINDS = ["truncated array file", "no manifest", "no _METADATA", "empty record", "no state"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_restored(tmp_path, kind):
+    cfg = config.CheckpointConfig(async_save=False)
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", cfg)
+    state = {"params": {"w": np.arange(4096, dtype=np.float32)}, "step": np.int32(0)}
+    record = {"model_record": {"variables": checkpoint.shapes(state)}}
+    for step in (1, 2, 3):
+        ckpt.save(step, {**state, "step": np.int32(step)}, {"i": step}, record)
+    ckpt.wait()
+    _damage(tmp_path / "ckpt" / "3", kind)
+    said = []
+    abstract = checkpoint.abstract({"params": {"w": np.zeros(4096, np.float32)},
+                                    "step": np.zeros((), np.int32)})
+    step, restored, data_state, _ = ckpt.restore_latest(abstract, record["model_record"],
+                                                        echo=said.append)
+    ckpt.close()
+    assert step == 2 and int(restored["step"]) == 2 and data_state == {"i": 2}
+    assert len(said) == 1 and f"checkpoint {tmp_path / 'ckpt' / '3'} is damaged (" in said[0]
+    (aside,) = (tmp_path / "ckpt").glob("3.damaged-*")
+    assert aside.name in said[0]
+
+
+def test_a_damaged_checkpoint_end_to_end_resumes_from_the_one_before(copy, capsys):
+    _damage(copy / "checkpoints" / "4", "truncated array file")
+    sft(copy, "--steps", "6")
+    out = capsys.readouterr().out
+    assert "checkpoints/4 is damaged" in out and "resumed from" in out and "(step 2)" in out
+    assert steps_of(copy) == [2, 4, 6] and len(list((copy / "checkpoints").glob("4.damaged-*"))) == 1
+    assert [r["step"] for r in records(copy)] == list(range(1, 7))
+
+
+def test_every_checkpoint_damaged_and_resume_asked_is_refused(copy):
+    for step in (2, 4):
+        _damage(copy / "checkpoints" / str(step), "no state")
+    assert "--resume: no complete checkpoint" in refusal(sft, copy, "--resume")
+
+
+# ----------------------------------------------------------------------------- 10, 11. up front
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--eval.batches", "-1"], "--eval.batches must be >= 0"),
+    (["--eval.every", "-1"], "--eval.every must be >= 0"),
+    (["--checkpoint.every", "-1"], "--checkpoint.every must be >= 0"),
+    (["--checkpoint.keep", "0"], "--checkpoint.keep must be >= 1"),
+    (["--logprob-chunk", "-1"], "--logprob-chunk must be >= 0"),
+    (["--eval.max-new-tokens", "0"], "--eval.max-new-tokens must be >= 1"),
+    (["--optim.min-lr-ratio", "2"], "--optim.min-lr-ratio must be in [0, 1]"),
+    (["--checkpoint.keep-best", "exact_match", "--eval.exact-match", "0"], "needs exact-match"),
+])
+def test_bad_counts_are_refused_up_front(args, text):
+    with pytest.raises(SystemExit) as info:
+        config.parse(experiment.config_for(SFT), args=args)
+    assert text in str(info.value.code)
+
+
+def test_keep_best_metric_the_run_never_evaluates_is_refused_before_training(tmp_path):
+    msg = refusal(sft, tmp_path / "run", "--checkpoint.keep-best", "exact_mtch")
+    assert "--checkpoint.keep-best exact_mtch: the run never evaluates it" in msg
+    assert "loss, perplexity" in msg
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_run_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    assert f"--run-dir {path} is a file" in refusal(sft, path)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "+i", str(ro)],
+                                                     capture_output=True).returncode == 0
+    if not immutable:
+        ro.chmod(0o555)  # enough for a user other than root
+    try:
+        if os.access(ro, os.W_OK) and not immutable:
+            pytest.skip("cannot make a directory read-only here (root without chattr)")
+        assert f"--run-dir {ro} is not writable" in refusal(sft, ro)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(ro)])
+        ro.chmod(0o755)
+
+
+def test_a_max_length_that_cannot_fit_is_refused_with_the_estimate(tmp_path):
+    msg = refusal(sft, tmp_path / "run", "--batching.max-length", "2000000")
+    assert "a training step needs an estimated" in msg and "activations" in msg
+    assert "--no-memory-check" in msg
+    assert not (tmp_path / "run" / "checkpoints" / "2").exists()
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_waits_for_it():
+    said = []
+    with hooks.StopSignals(said.append) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGINT
+        with stop.saving():
+            os.kill(os.getpid(), signal.SIGINT)  # mid-save: says so, does not abort
+            assert "a checkpoint is being written" in said[0]
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)  # a third one aborts
+                time.sleep(1)
+    said.clear()
+    with hooks.StopSignals(said.append) as stop, stop.saving():
+        os.kill(os.getpid(), signal.SIGINT)  # a first one during a save: wait, then stop
+        assert stop.received == signal.SIGINT and "a checkpoint is being written" in said[0]
+
+
+def test_ctrl_c_twice_in_a_real_run_exits_cleanly_and_every_checkpoint_restores(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "--steps", "100000", "--checkpoint.every", "3")
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and len(records(run)) >= 4, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    for step in steps_of(run):
+        assert runs.load(run, step=step).step == step
+    assert not (run / "run.lock").exists()
+
+
+# ----------------------------------------------------------------------------- --eval-only memory
+
+MID = dict(num_layers=4, num_query_heads=4, num_key_value_heads=4, hidden_dim=256,
+           intermediate_dim=2048, head_dim=64)
+_MEASURE = f"""
+import json, resource, sys
+import nnx_posttrain, jax
+from nnx_posttrain import experiment, model
+from nnx_posttrain.algorithms import registry
+from nnx_posttrain.tasks import tokenizer
+model.register_builtin("gemma_mid", {MID!r}, tokenizer.builtin_proto)
+name = sys.argv[1]
+default = __import__(f"experiments.{{name}}", fromlist=["DEFAULT"]).DEFAULT
+result = experiment.main(name, registry.get(name), default, args=sys.argv[2:])
+print("MEASURE " + json.dumps({{
+    "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "live": sum({{x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays()}}.values()),
+    "weights": sum(x.nbytes for x in jax.tree.leaves(result.state["params"]))}}))
+"""
+
+
+def _measure(algorithm, run_dir, *extra) -> dict:
+    args = ["--model", "gemma_mid", "--batching.max-length", "32", "--batching.batch-size", "4",
+            "--steps", "1", "--eval.every", "0", "--eval.batches", "1", "--eval.exact-match", "0",
+            "--checkpoint.every", "0", "--init-from", "", "--run-dir", str(run_dir), *extra]
+    out = subprocess.run([sys.executable, "-c", _MEASURE, algorithm, *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("MEASURE ")[-1])
+
+
+def test_eval_only_holds_the_weights_without_optimizer_state_or_reference_copy(tmp_path):
+    """Issue 19: --eval-only built the AdamW state (and a reference copy) it never used. Live
+    bytes are counted once per device buffer (an array placed on the mesh aliases the model's)."""
+    train = _measure("sft", tmp_path / "train")
+    evaluated = _measure("sft", tmp_path / "train", "--eval-only")  # scores the checkpoint
+    dpo_eval = _measure("dpo", tmp_path / "dpo", "--eval-only")  # reference = the weights scored
+    w = train["weights"]
+    print(f"weights {w / 2**20:.1f} MiB; live arrays: train {train['live'] / 2**20:.1f}, eval-only "
+          f"{evaluated['live'] / 2**20:.1f}, DPO eval-only {dpo_eval['live'] / 2**20:.1f} MiB; peak "
+          f"RSS: train {train['peak_rss'] / 2**20:.0f}, eval-only {evaluated['peak_rss'] / 2**20:.0f},"
+          f" DPO eval-only {dpo_eval['peak_rss'] / 2**20:.0f} MiB")
+    assert train["live"] > evaluated["live"] + 1.9 * w  # AdamW's two moments, at least
+    assert evaluated["live"] < 1.2 * w and dpo_eval["live"] < 1.2 * w  # the weights, once
+
+
+def test_sigterm_while_the_model_loads_releases_the_lock(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")
+    try:
+        _wait_for(lambda: (run / "run.lock").exists(), proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
+    assert not (run / "run.lock").exists()

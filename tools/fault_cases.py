@@ -1,0 +1,742 @@
+"""Fault cases, tried as a new user would: each runs real commands on the micro model (a few
+steps) and classifies what happened.
+
+    ok         it did what it should (trained, resumed, fell back, skipped, warned)
+    message    it refused, with a message and no traceback, as it should
+    traceback  it ended in a Python traceback
+    data loss  it lost or damaged data, or gave a silently wrong result (NaN checkpoints kept,
+               config.json or metrics.jsonl overwritten, another run's state trained on)
+    unclear    it ran on without saying what it should have said (a refusal expected)
+
+    python -m tools.fault_cases --json out.json [--root DIR] [--only NAME]   # run the cases
+    python -m tools.fault_cases --table before.json after.json               # results/fault_cases.json
+
+``--root`` runs another checkout's code (e.g. the commit before a fix) with this file's cases.
+Each case runs one to three processes of ~10 s: all of them take about 30 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = ["--model", "gemma_micro", "--batching.max-length", "24"]
+FAST = ["--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval.batches", "1",
+        "--eval.exact-match", "0", "--batching.batch-size", "4", "--checkpoint.every", "2"]
+CLASSES = ["ok", "message", "traceback", "data loss", "unclear"]
+
+
+class Case:
+    def __init__(self, root: Path, work: Path):
+        self.root, self.work = root, work
+        self.outs: list[subprocess.CompletedProcess] = []
+
+    def run(self, algo, run_dir, *args, fast=True, timeout=900, env=None):
+        cmd = [sys.executable, "-m", f"experiments.{algo}", *MICRO, "--run-dir", str(run_dir),
+               *(FAST if fast else []), *args]
+        if algo != "sft" and "--init-from" not in args:
+            cmd += ["--init-from", ""]
+        full_env = dict(os.environ, PYTHONPATH=str(self.root), **(env or {}))
+        try:
+            out = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True,
+                                 timeout=timeout, env=full_env)
+        except subprocess.TimeoutExpired as exc:
+            out = subprocess.CompletedProcess(cmd, 124, exc.stdout or "", exc.stderr or "")
+        self.outs.append(out)
+        return out
+
+    def start(self, algo, run_dir, *args):
+        cmd = [sys.executable, "-m", f"experiments.{algo}", *MICRO, "--run-dir", str(run_dir),
+               *FAST, *args]
+        return subprocess.Popen(cmd, cwd=self.root, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(self.root)))
+
+    def python(self, code: str):
+        out = subprocess.run([sys.executable, "-c", code], cwd=self.root, capture_output=True,
+                             text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(self.root)))
+        self.outs.append(out)
+        return out
+
+    def file(self, name: str, lines) -> Path:
+        path = self.work / name
+        with path.open("wb") as f:
+            for line in lines:
+                f.write(line if isinstance(line, bytes) else (json.dumps(line) + "\n").encode())
+        return path
+
+
+# ----------------------------------------------------------------------------- judging
+
+
+def traceback(out) -> bool:
+    return "Traceback (most recent call last)" in (out.stderr + out.stdout)
+
+
+def refused(out, *words) -> str:
+    """A refusal expected: 'message' (non-zero, no traceback; naming ``words`` if given)."""
+    if traceback(out):
+        return "traceback"
+    if out.returncode == 0:
+        return "unclear"
+    text = out.stdout + out.stderr
+    return "message" if all(w.lower() in text.lower() for w in words) else "unclear"
+
+
+def works(out, ok: bool = True, *words) -> str:
+    if traceback(out):
+        return "traceback"
+    text = out.stdout + out.stderr
+    if out.returncode == 0 and ok and all(w.lower() in text.lower() for w in words):
+        return "ok"
+    return "unclear"
+
+
+def metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def steps_of(run_dir) -> list[int]:
+    d = Path(run_dir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def checkpoints_finite(case, run_dir) -> bool:
+    code = (
+        "import sys, numpy as np\n"
+        "from nnx_posttrain import runs\n"
+        f"d = {str(run_dir)!r}\n"
+        "from pathlib import Path\n"
+        "bad = []\n"
+        "for s in sorted(int(p.name) for p in (Path(d)/'checkpoints').iterdir() if p.name.isdigit()):\n"
+        "    r = runs.load(d, step=s)\n"
+        "    if not all(np.isfinite(np.asarray(v)).all() for v in runs.param_leaves(r.state).values()):\n"
+        "        bad.append(s)\n"
+        "print('NONFINITE', bad)\n")
+    out = case.python(code)
+    return out.returncode == 0 and "NONFINITE []" in out.stdout
+
+
+# ----------------------------------------------------------------------------- the cases
+
+CASES = []
+
+
+def case(category):
+    def register(fn):
+        CASES.append((fn.__name__, category, fn))
+        return fn
+    return register
+
+
+def _option_case(name, args, words=(), algo="sft"):
+    def fn(c):
+        return refused(c.run(algo, c.work / "run", *args), *words)
+    fn.__name__ = name
+    CASES.append((name, "options", fn))
+
+
+for _name, _args, _words in [
+    ("lr_nan", ["--optim.learning-rate", "nan"], ["learning-rate"]),
+    ("lr_inf", ["--optim.learning-rate", "inf"], ["learning-rate"]),
+    ("lr_negative", ["--optim.learning-rate", "-1"], ["learning-rate"]),
+    ("weight_decay_nan", ["--optim.weight-decay", "nan"], ["weight-decay"]),
+    ("b1_nan", ["--optim.b1", "nan"], ["b1"]),
+    ("b2_one", ["--optim.b2", "1.5"], ["b2"]),
+    ("max_grad_norm_negative", ["--optim.max-grad-norm", "-1"], ["max-grad-norm"]),
+    ("warmup_negative", ["--optim.warmup-steps", "-1"], ["warmup"]),
+    ("min_lr_ratio_2", ["--optim.min-lr-ratio", "2"], ["min-lr-ratio"]),
+    ("steps_negative", ["--steps", "-1"], ["--steps"]),
+    ("batch_size_zero", ["--batching.batch-size", "0"], ["batch-size"]),
+    ("batch_not_multiple", ["--batching.batch-size", "3", "--batching.grad-accum", "2"], ["grad-accum"]),
+    ("max_length_one", ["--batching.max-length", "1"], ["max-length"]),
+    ("max_length_huge", ["--batching.max-length", "2000000"], ["memory"]),
+    ("logprob_chunk_negative", ["--logprob-chunk", "-1"], ["logprob-chunk"]),
+    ("eval_batches_negative", ["--eval.batches", "-1"], ["eval.batches"]),
+    ("eval_every_negative", ["--eval.every", "-1"], ["eval.every"]),
+    ("exact_match_negative", ["--eval.exact-match", "-1"], ["exact-match"]),
+    ("max_new_tokens_zero", ["--eval.max-new-tokens", "0"], ["max-new-tokens"]),
+    ("checkpoint_every_negative", ["--checkpoint.every", "-1"], ["checkpoint.every"]),
+    ("checkpoint_keep_zero", ["--checkpoint.keep", "0"], ["checkpoint.keep"]),
+    ("keep_best_typo", ["--checkpoint.keep-best", "exact_mtch"], ["exact_mtch"]),
+    ("keep_best_without_exact_match", ["--checkpoint.keep-best", "exact_match"], ["exact"]),
+    ("log_every_zero", ["--log-every", "0"], ["log-every"]),
+    ("lora_rank_negative", ["--lora.rank", "-1"], ["lora.rank"]),
+    ("lora_targets_unknown", ["--lora.rank", "2", "--lora.targets", "nonsense"], ["nonsense"]),
+    ("mesh_too_many_devices", ["--mesh.data", "3"], ["mesh"]),
+    ("model_unknown", ["--model", "no_such_model"], ["no_such_model"]),
+    ("dtype_invalid", ["--dtype", "float16"], ["dtype"]),
+    ("option_unknown", ["--no-such-option", "1"], ["no-such-option"]),
+    ("steps_not_a_number", ["--steps", "abc"], ["steps"]),
+    ("resume_changed_unknown", ["--resume-changed", "nonsense"], ["nonsense"]),
+]:
+    _option_case(_name, _args, _words)
+_option_case("dpo_beta_nan", ["--algo.beta", "nan"], ["beta"], algo="dpo")
+
+
+@case("run dir")
+def run_dir_is_a_file(c):
+    path = c.work / "file"
+    path.write_text("x")
+    return refused(c.run("sft", path), str(path))
+
+
+@case("run dir")
+def run_dir_read_only(c):
+    path = c.work / "ro"
+    path.mkdir()
+    locked = subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    if not locked:
+        path.chmod(0o555)
+    try:
+        return refused(c.run("sft", path), str(path))
+    finally:
+        if locked:
+            subprocess.run(["chattr", "-i", str(path)])
+        path.chmod(0o755)
+
+
+@case("run dir")
+def run_dir_new_parents(c):
+    out = c.run("sft", c.work / "a" / "b" / "run")
+    return works(out, (c.work / "a" / "b" / "run" / "checkpoints" / "4").is_dir())
+
+
+@case("run dir")
+def resume_flag_without_checkpoint(c):
+    return refused(c.run("sft", c.work / "run", "--resume"), "no complete checkpoint")
+
+
+@case("run dir")
+def resume_flag_with_checkpoint(c):
+    c.run("sft", c.work / "run")
+    out = c.run("sft", c.work / "run", "--resume", "--steps", "6")
+    return works(out, 6 in steps_of(c.work / "run"), "resumed")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _pc(i):
+    return {"prompt": f"What is {i} + 1?", "completion": str(i + 1)}
+
+
+def _data_case(name, lines, words=(), extra=(), expect="refuse", algo="sft", silent="unclear"):
+    """``silent``: the outcome when a refusal was expected and it trained (rc 0)."""
+    def fn(c):
+        path = c.file("data.jsonl", lines)
+        out = c.run(algo, c.work / "run", "--data", str(path), *extra)
+        if expect == "refuse":
+            return silent if out.returncode == 0 else refused(out, *words)
+        return works(out, (c.work / "run" / "checkpoints").is_dir(), *words)
+    fn.__name__ = name
+    CASES.append((name, "data", fn))
+
+
+_GOOD = [_pc(i) for i in range(8)]
+_data_case("data_malformed_json", [*_GOOD, b'{"prompt": "x", \n'], ["data.jsonl:9"])
+_data_case("data_invalid_utf8", [*_GOOD, b'{"prompt": "\xff\xfe", "completion": "1"}\n'],
+           ["data.jsonl:9", "utf-8"])
+_data_case("data_invalid_utf8_skip_bad", [*_GOOD, b'{"prompt": "\xff\xfe", "completion": "1"}\n'],
+           ["1 bad"], ["--batching.skip-bad"], expect="work")
+_data_case("data_missing_column", [*_GOOD, {"prompt": "x"}], ["data.jsonl:9"])
+_data_case("data_wrong_type", [*_GOOD, {"prompt": "x", "completion": 3}], ["data.jsonl:9"])
+_data_case("data_empty_completion", [*_GOOD, {"prompt": "x", "completion": ""}], ["data.jsonl:9"])
+_data_case("data_blank_only", [b"\n", b"\n"], ["no records"])
+_data_case("data_all_bad_skip_bad", [{"x": 1}, {"y": 2}], ["data.jsonl:1"],
+           ["--batching.skip-bad"])
+_data_case("data_no_loss_token", [{"prompt": "word " * 40, "completion": "1"}] * 8,
+           ["max-length"], silent="data loss")  # trains on nothing: loss NaN
+_data_case("dpo_no_loss_token", [{"prompt": "word " * 40, "chosen": "1", "rejected": "2"}] * 8,
+           ["max-length"], algo="dpo", silent="data loss")
+_data_case("dpo_chosen_equals_rejected",
+           [{"prompt": f"q{i}", "chosen": "same", "rejected": "same"} for i in range(8)],
+           ["chosen == rejected"], expect="work", algo="dpo")
+_data_case("data_wrong_kind_for_dpo", _GOOD, ["preference"], algo="dpo")
+_data_case("data_packing_with_dpo",
+           [{"prompt": f"q{i}", "chosen": "a", "rejected": "b"} for i in range(8)], ["packing"],
+           ["--batching.packing"], algo="dpo")
+
+
+@case("data")
+def data_missing_file(c):
+    return refused(c.run("sft", c.work / "run", "--data", str(c.work / "nope.jsonl")), "nope.jsonl")
+
+
+@case("data")
+def data_empty_file(c):
+    path = c.file("empty.jsonl", [])
+    return refused(c.run("sft", c.work / "run", "--data", str(path)), "no records")
+
+
+@case("data")
+def data_unsupported_suffix(c):
+    path = c.work / "data.txt"
+    path.write_text("hello\n")
+    return refused(c.run("sft", c.work / "run", "--data", str(path)), "unsupported")
+
+
+@case("data")
+def data_directory_not_a_dataset(c):
+    (c.work / "dir").mkdir()
+    return refused(c.run("sft", c.work / "run", "--data", str(c.work / "dir")), "datasets")
+
+
+@case("data")
+def data_corrupt_parquet(c):
+    path = c.work / "data.parquet"
+    path.write_bytes(b"PAR1 not really")
+    return refused(c.run("sft", c.work / "run", "--data", str(path)), "parquet")
+
+
+@case("data")
+def mixture_with_an_empty_part(c):
+    a, b = c.file("a.jsonl", _GOOD), c.file("b.jsonl", [])
+    return refused(c.run("sft", c.work / "run", "--data", f"{a}:0.5,{b}:0.5"), "b.jsonl")
+
+
+@case("data")
+def mixture_bad_weight(c):
+    a = c.file("a.jsonl", _GOOD)
+    return refused(c.run("sft", c.work / "run", "--data", f"{a}:x"), "weight")
+
+
+@case("data")
+def mixture_zero_weight(c):
+    a, b = c.file("a.jsonl", _GOOD), c.file("b.jsonl", _GOOD)
+    return refused(c.run("sft", c.work / "run", "--data", f"{a}:0,{b}:1"), "weight")
+
+
+@case("data")
+def mixture_weight_missing_on_one(c):
+    a, b = c.file("a.jsonl", _GOOD), c.file("b.jsonl", _GOOD)
+    return refused(c.run("sft", c.work / "run", "--data", f"{a}:0.5,{b}"), "weight")
+
+
+@case("data")
+def eval_data_missing_file(c):
+    a = c.file("a.jsonl", _GOOD)
+    return refused(c.run("sft", c.work / "run", "--data", str(a), "--eval-data",
+                         str(c.work / "nope.jsonl")), "nope.jsonl")
+
+
+# ----------------------------------------------------------------------------- training faults
+
+
+@case("training")
+def nonfinite_stop(c):
+    run = c.work / "run"
+    out = c.run("sft", run, "--optim.learning-rate", "1e30", "--optim.max-grad-norm", "0",
+                "--steps", "12", "--checkpoint.every", "2", "--optim.schedule", "constant")
+    if steps_of(run) and not checkpoints_finite(c, run):
+        return "data loss"
+    if out.returncode == 0:
+        return "data loss"  # trained on NaN and said done
+    return refused(out, "non-finite", "step")
+
+
+@case("training")
+def nonfinite_skip(c):
+    run = c.work / "run"
+    out = c.run("sft", run, "--optim.learning-rate", "1e30", "--optim.max-grad-norm", "0",
+                "--steps", "16", "--optim.schedule", "constant", "--optim.on-nonfinite", "skip")
+    if steps_of(run) and not checkpoints_finite(c, run):
+        return "data loss"
+    if out.returncode == 0:
+        return "data loss"
+    return refused(out, "in a row")
+
+
+@case("training")
+def sigterm_then_resume(c):
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "0")
+    _wait_metrics(run, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out_, err = proc.communicate(timeout=600)
+    if "Traceback" in err:
+        return "traceback"
+    ok = proc.returncode == 143 and bool(steps_of(run))
+    out = c.run("sft", run, "--steps", str(max(steps_of(run) or [0]) + 2))
+    return works(out, ok, "resumed")
+
+
+@case("training")
+def sigkill_then_resume(c):
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "5")
+    _wait_metrics(run, 8, proc)
+    deadline = time.time() + 600
+    while not steps_of(run) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # the checkpoint at step 5 is written in the background
+    proc.kill()
+    proc.communicate(timeout=60)
+    last = max(steps_of(run) or [0])
+    out = c.run("sft", run, "--steps", str(last + 2))
+    logged = [r["step"] for r in metrics(run) if r["split"] == "train"]
+    if len(logged) != len(set(logged)):
+        return "data loss"
+    return works(out, last > 0, "resumed")
+
+
+@case("training")
+def ctrl_c_twice(c):
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "3")
+    _wait_metrics(run, 4, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    if "Traceback" in err:
+        return "traceback"
+    code = (f"from nnx_posttrain import runs\nfrom pathlib import Path\nd={str(run)!r}\n"
+            "for s in sorted(int(p.name) for p in (Path(d)/'checkpoints').iterdir() if p.name.isdigit()):\n"
+            "    runs.load(d, step=s)\nprint('ALL RESTORE')\n")
+    if steps_of(run) and "ALL RESTORE" not in c.python(code).stdout:
+        return "data loss"
+    return "ok" if proc.returncode in (130, 1) else "unclear"
+
+
+def _wait_metrics(run, step, proc, timeout=900):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r.get("step", 0) >= step and r.get("split") == "train" for r in metrics(run)):
+            return
+        if proc.poll() is not None:
+            return
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- runs and resume
+
+
+def _finished(c, *args) -> Path:
+    run = c.work / "run"
+    c.run("sft", run, *args)
+    return run
+
+
+@case("resume")
+def other_algorithm_resumes(c):
+    run = _finished(c)
+    out = c.run("dpo", run, "--steps", "6")
+    if out.returncode == 0:
+        return "data loss"  # trained DPO on SFT's optimizer state and data position
+    return refused(out, "algorithm")
+
+
+for _name, _args, _word in [
+    ("changed_learning_rate", ["--optim.learning-rate", "1e-2"], "learning_rate"),
+    ("changed_batch_size", ["--batching.batch-size", "8"], "batch_size"),
+    ("changed_seed", ["--seed", "3"], "seed"),
+    ("changed_max_length", ["--batching.max-length", "32"], "max_length"),
+    ("changed_lora", ["--lora.rank", "2"], "lora"),
+    ("changed_dtype", ["--dtype", "bfloat16"], "dtype"),
+    ("changed_schedule", ["--optim.schedule", "linear"], "schedule"),
+]:
+    def _changed(c, _args=_args, _word=_word):
+        run = _finished(c)
+        out = c.run("sft", run, "--steps", "6", *_args)
+        if out.returncode == 0:
+            return "data loss"  # mixed in silently
+        return refused(out, _word)
+    _changed.__name__ = _name
+    CASES.append((_name, "resume", _changed))
+
+
+@case("resume")
+def changed_data_file(c):
+    a, b = c.file("a.jsonl", _GOOD), c.file("b.jsonl", [_pc(i) for i in range(20, 40)])
+    run = _finished(c, "--data", str(a))
+    out = c.run("sft", run, "--steps", "6", "--data", str(b))
+    return "data loss" if out.returncode == 0 else refused(out, "data")
+
+
+@case("resume")
+def changed_data_content(c):
+    a = c.file("a.jsonl", _GOOD)
+    run = _finished(c, "--data", str(a))
+    c.file("a.jsonl", [_pc(i) for i in range(20, 40)])
+    out = c.run("sft", run, "--steps", "6", "--data", str(a))
+    return "data loss" if out.returncode == 0 else refused(out, "data")
+
+
+@case("resume")
+def changed_learning_rate_allowed(c):
+    run = _finished(c)
+    out = c.run("sft", run, "--steps", "6", "--optim.learning-rate", "1e-2", "--resume-changed",
+                "optim.learning_rate")
+    history = (run / "history.jsonl").read_text() if (run / "history.jsonl").exists() else ""
+    return works(out, "learning_rate" in history and 6 in steps_of(run))
+
+
+@case("resume")
+def raised_steps(c):
+    run = _finished(c)
+    out = c.run("sft", run, "--steps", "6")
+    return works(out, 6 in steps_of(run), "resumed")
+
+
+@case("resume")
+def same_command_twice(c):
+    run = _finished(c)
+    out = c.run("sft", run)
+    return works(out, True, "already complete")
+
+
+@case("resume")
+def refused_command_keeps_config(c):
+    run = _finished(c)
+    before = (run / "config.json").read_text()
+    c.run("sft", run, "--steps", "6", "--lora.rank", "4")
+    if (run / "config.json").read_text() != before:
+        return "data loss"
+    out = c.python(f"from nnx_posttrain import runs; print(runs.load({str(run)!r}).step)")
+    return "ok" if out.returncode == 0 else "data loss"
+
+
+@case("resume")
+def eval_only_keeps_config(c):
+    run = _finished(c)
+    before = (run / "config.json").read_text()
+    out = c.run("sft", run, "--eval-only", "--steps", "100", "--batching.batch-size", "8")
+    if (run / "config.json").read_text() != before:
+        return "data loss"
+    return works(out, True, "loss")
+
+
+@case("resume")
+def eval_only_keeps_metrics(c):
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "0")
+    _wait_metrics(run, 5, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    before = len(metrics(run))
+    out = c.run("sft", run, "--eval-only")
+    if len(metrics(run)) < before:
+        return "data loss"
+    return works(out, True, "initial weights")
+
+
+@case("resume")
+def eval_only_online_nothing_to_evaluate(c):
+    prompts = c.file("prompts.jsonl", [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)}
+                                       for i in range(8)])
+    out = c.run("grpo", c.work / "run", "--eval-only", "--data", str(prompts), "--eval-data",
+                str(prompts), "--algo.num-generations", "2")
+    if out.returncode == 0 and out.stdout.strip().endswith("{}"):
+        return "unclear"
+    return refused(out, "exact-match")
+
+
+@case("resume")
+def eval_only_without_checkpoint_says_so(c):
+    return works(c.run("sft", c.work / "run", "--eval-only"), True, "initial weights")
+
+
+@case("resume")
+def two_processes_one_run_dir(c):
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "0")
+    _wait_metrics(run, 2, proc)
+    out = c.run("sft", run, "--steps", "3", "--checkpoint.every", "1")
+    alive = proc.poll() is None
+    proc.kill()
+    proc.communicate(timeout=60)
+    if out.returncode == 0:
+        return "data loss"  # two writers on one directory
+    return refused(out, "in use") if alive else "unclear"
+
+
+@case("resume")
+def stale_lock_taken_over(c):
+    run = c.work / "run"
+    run.mkdir()
+    (run / "run.lock").write_text(json.dumps({"pid": 999999, "host": "x", "started": "then"}))
+    return works(c.run("sft", run), (run / "checkpoints" / "4").is_dir())
+
+
+@case("resume")
+def metrics_deleted_mid_run(c):
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "3000", "--checkpoint.every", "0")
+    _wait_metrics(run, 3, proc)
+    (run / "metrics.jsonl").unlink()
+    try:
+        out_, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out_, err = proc.communicate()
+    if "Traceback" in err:
+        return "traceback"
+    if not (run / "metrics.jsonl").exists() or not metrics(run):
+        return "data loss"
+    return "ok" if "removed" in (out_ + err) else "unclear"
+
+
+@case("resume")
+def metrics_partial_last_line(c):
+    run = _finished(c)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "split": "tr')
+    out = c.run("sft", run, "--steps", "6")
+    try:
+        [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    except ValueError:
+        return "data loss"
+    return works(out, 6 in steps_of(run))
+
+
+@case("resume")
+def metrics_missing_on_resume(c):
+    run = _finished(c)
+    (run / "metrics.jsonl").unlink()
+    out = c.run("sft", run, "--steps", "6")
+    return works(out, (run / "metrics.jsonl").exists(), "missing")
+
+
+def _damage_case(name, damage):
+    def fn(c):
+        run = _finished(c)
+        damage(run / "checkpoints" / "4")
+        out = c.run("sft", run, "--steps", "6")
+        return works(out, 6 in steps_of(run), "damaged", "resumed from")
+    fn.__name__ = name
+    CASES.append((name, "checkpoints", fn))
+
+
+def _truncate(ck):
+    files = sorted((ck / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    with files[-1].open("r+b") as f:
+        f.truncate(files[-1].stat().st_size // 2)
+
+
+_damage_case("damaged_truncated_data_file", _truncate)
+_damage_case("damaged_missing_manifest", lambda ck: (ck / "state" / "manifest.ocdbt").unlink())
+_damage_case("damaged_missing_metadata", lambda ck: (ck / "state" / "_METADATA").unlink())
+_damage_case("damaged_empty_record", lambda ck: (ck / "record" / "metadata").write_text(""))
+_damage_case("damaged_deleted_state", lambda ck: shutil.rmtree(ck / "state"))
+
+
+@case("checkpoints")
+def damaged_every_checkpoint(c):
+    run = _finished(c)
+    for ck in (run / "checkpoints").iterdir():
+        if ck.name.isdigit():
+            shutil.rmtree(ck / "state")
+    out = c.run("sft", run, "--resume")
+    return refused(out, "no complete checkpoint")
+
+
+@case("checkpoints")
+def interrupted_checkpoint_ignored(c):
+    run = _finished(c)
+    partial = run / "checkpoints" / "6.orbax-checkpoint-tmp-1795960000000000"
+    shutil.copytree(run / "checkpoints" / "4", partial)
+    out = c.run("sft", run, "--steps", "6")
+    return works(out, 6 in steps_of(run), "resumed from")
+
+
+@case("checkpoints")
+def keep_best_of_exact_match(c):
+    out = c.run("sft", c.work / "run", "--checkpoint.keep-best", "exact_match",
+                "--checkpoint.best-mode", "max", "--eval.exact-match", "8", "--eval.every", "2",
+                "--checkpoint.keep", "1")
+    return works(out, bool(steps_of(c.work / "run")))
+
+
+@case("checkpoints")
+def load_for_inspection(c):
+    run = _finished(c)
+    out = c.python(f"from nnx_posttrain import runs; print('STEP', runs.load({str(run)!r}).step)")
+    return "ok" if "STEP 4" in out.stdout else ("traceback" if traceback(out) else "unclear")
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_cases(root: Path, only: str | None) -> list[dict]:
+    results = []
+    for name, category, fn in CASES:
+        if only and only not in name:
+            continue
+        work = Path(tempfile.mkdtemp(prefix=f"fault_{name}_"))
+        c = Case(root, work)
+        t0 = time.perf_counter()
+        try:
+            outcome = fn(c)
+        except Exception as exc:  # noqa: BLE001  (a case that breaks is reported, not fatal)
+            outcome, c.note = "unclear", f"case failed: {exc!r}"
+        seconds = time.perf_counter() - t0
+        tail = c.outs[-1].stderr.strip().splitlines()[-1:] if c.outs else []
+        results.append({"case": name, "category": category, "outcome": outcome,
+                        "seconds": round(seconds, 1), "last_line": tail[0][:300] if tail else "",
+                        "note": getattr(c, "note", "")})
+        print(f"{outcome:10s} {name:42s} {seconds:6.1f}s  {results[-1]['last_line'][:100]}",
+              flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def counts(results) -> dict:
+    return {k: sum(r["outcome"] == k for r in results) for k in CLASSES}
+
+
+def table(before_path: str, after_path: str) -> None:
+    from tools.readme import record
+
+    before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
+    b, a = counts(before["results"]), counts(after["results"])
+    rows = [[k, b[k], a[k]] for k in CLASSES] + [["all", len(before["results"]),
+                                                  len(after["results"])]]
+    changed = [f"{r['case']}: {x['outcome']} -> {r['outcome']}"
+               for r, x in zip(after["results"], before["results"]) if r["outcome"] != x["outcome"]]
+    left = [f"{r['case']} ({r['outcome']})" for r in after["results"]
+            if r["outcome"] in ("traceback", "data loss", "unclear")]
+    record("fault_cases", "python -m tools.fault_cases --json FILE [--root DIR]; --table",
+           ["outcome", f"before ({before['commit']})", f"after ({after['commit']})"], rows,
+           notes=["Not fine after: " + (", ".join(left) or "none")],
+           data={"before": before, "after": after, "changed": changed})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=str(ROOT), help="checkout whose code runs the cases")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--only", help="run the cases whose name contains this")
+    parser.add_argument("--table", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="record results/fault_cases.json from two --json files")
+    args = parser.parse_args(argv)
+    if args.table:
+        return table(*args.table)
+    root = Path(args.root).resolve()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                            capture_output=True, text=True).stdout.strip()
+    results = run_cases(root, args.only)
+    print(json.dumps(counts(results)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"root": str(root), "commit": commit,
+                                               "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
