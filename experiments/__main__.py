@@ -27,7 +27,8 @@ def main(argv=None):
         given = f"unknown algorithm {argv[0]!r}\n" if argv and not argv[0].startswith("-") else ""
         raise SystemExit(given + usage())
     module = importlib.import_module(f"experiments.{argv[0]}")
-    return experiment.main(argv[0], module.ALGORITHM, module.DEFAULT, module.__doc__, args=argv[1:])
+    return experiment.main(argv[0], module.ALGORITHM, module.DEFAULT, module.__doc__, args=argv[1:],
+                           builtin=module.BUILTIN)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +35,9 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up, down to min_lr_ratio * learning_rate at the last step."""
     warmup_steps: int = 0
-    """Linear warm-up steps from 0 to the peak learning rate."""
+    """Linear warm-up steps from 0 to the peak learning rate (when > 0, wins over --optim.warmup-ratio)."""
+    warmup_ratio: float = 0.0
+    """Linear warm-up over this fraction of --steps (TRL's warmup_ratio), rounded up; used when --optim.warmup-steps is 0."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
     weight_decay: float = 0.0
@@ -44,6 +47,13 @@ class OptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def warmup(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: warmup_steps if set, else
+        ceil(warmup_ratio * total_steps)."""
+        if self.warmup_steps > 0:
+            return self.warmup_steps
+        return math.ceil(max(self.warmup_ratio, 0.0) * total_steps)
 
 
 @dataclasses.dataclass
@@ -148,7 +158,9 @@ class Config:
     eval_data: str | None = None
     """Held-out data (.jsonl); default: the built-in task's eval split when --data builtin, else none."""
     init_from: str | None = None
-    """Start from the weights of this run directory's latest checkpoint (e.g. runs/sft) instead of the model's own."""
+    """Start from the weights of this run directory's latest checkpoint (e.g. runs/sft) instead of the model's own; '' or None: the model's own."""
+    chat_format: str | None = None
+    """Chat template of conversational data: default the model family's (gemma, llama3, llama3.1, qwen2.5, qwen3, mistral); another family needs one named here (e.g. chatml)."""
     run_dir: str = ""
     """Run directory; default runs/<experiment>."""
     steps: int = 600
