@@ -95,6 +95,14 @@ def gemma_proto(vocab_size: int = 256_000) -> bytes:
     """A SentencePiece BPE model of exactly ``vocab_size`` pieces in Gemma's layout: pad 0,
     eos 1, bos 2, unk 3, the chat turn markers at 106 / 107 (user-defined, so they are single
     tokens in text), newlines kept verbatim, byte fallback (any text encodes), no dummy prefix."""
+    return sentencepiece_proto(vocab_size, "gemma")
+
+
+@functools.cache
+def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
+    """A SentencePiece BPE model of exactly ``vocab_size`` pieces: ``gemma``'s layout (see
+    ``gemma_proto``) or ``llama``'s (Llama 2 / Mistral: unk 0, <s> 1, </s> 2, SentencePiece's
+    dummy prefix on), byte fallback, generated merges."""
     from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
     P = spm_pb2.ModelProto.SentencePiece
@@ -102,19 +110,27 @@ def gemma_proto(vocab_size: int = 256_000) -> bytes:
     t = proto.trainer_spec
     t.model_type = spm_pb2.TrainerSpec.BPE
     t.vocab_size, t.byte_fallback = vocab_size, True
-    t.pad_id, t.eos_id, t.bos_id, t.unk_id = 0, 1, 2, 3
-    t.pad_piece, t.eos_piece, t.bos_piece, t.unk_piece = "<pad>", "<eos>", "<bos>", "<unk>"
     n = proto.normalizer_spec
-    n.name, n.add_dummy_prefix, n.remove_extra_whitespaces, n.escape_whitespaces = (
-        "identity", False, False, True)
+    n.name, n.remove_extra_whitespaces, n.escape_whitespaces = "identity", False, True
     pieces: list[tuple[str, int]] = []
-    special = dict(GEMMA_SPECIAL)
-    special_type = {"<pad>": P.CONTROL, "<eos>": P.CONTROL, "<bos>": P.CONTROL,
-                    "<unk>": P.UNKNOWN}
-    for i in range(max(special) + 1):
-        name = special.get(i, f"<unused{i}>")
-        pieces.append((name, special_type.get(name, P.USER_DEFINED if i in special else P.CONTROL)))
-    pieces += [("\n", P.USER_DEFINED), ("\n\n", P.USER_DEFINED)]
+    if layout == "gemma":
+        t.pad_id, t.eos_id, t.bos_id, t.unk_id = 0, 1, 2, 3
+        t.pad_piece, t.eos_piece, t.bos_piece, t.unk_piece = "<pad>", "<eos>", "<bos>", "<unk>"
+        n.add_dummy_prefix = False
+        special_type = {"<pad>": P.CONTROL, "<eos>": P.CONTROL, "<bos>": P.CONTROL,
+                        "<unk>": P.UNKNOWN}
+        for i in range(max(GEMMA_SPECIAL) + 1):
+            name = GEMMA_SPECIAL.get(i, f"<unused{i}>")
+            kind = special_type.get(name, P.USER_DEFINED if i in GEMMA_SPECIAL else P.CONTROL)
+            pieces.append((name, kind))
+        pieces += [("\n", P.USER_DEFINED), ("\n\n", P.USER_DEFINED)]
+    elif layout == "llama":
+        t.unk_id, t.bos_id, t.eos_id, t.pad_id = 0, 1, 2, -1
+        t.unk_piece, t.bos_piece, t.eos_piece = "<unk>", "<s>", "</s>"
+        n.add_dummy_prefix = True
+        pieces += [("<unk>", P.UNKNOWN), ("<s>", P.CONTROL), ("</s>", P.CONTROL)]
+    else:
+        raise ValueError(f"layout must be 'gemma' or 'llama', got {layout!r}")
     pieces += [(f"<0x{b:02X}>", P.BYTE) for b in range(256)]
     symbols = [c if c != " " else "\u2581" for c in _ALPHABET if c not in "\n"]
     pieces += [(s, P.NORMAL) for s in symbols]
