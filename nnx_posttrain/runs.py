@@ -46,7 +46,9 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
         echo(init_weights(lm.module, init_from))
     if lora.rank:
         model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets)
-    model.set_remat(lm.module, remat)
+    # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local
+    model.set_remat(lm.module, remat, lazy_frozen=dtype != "float32"
+                    and jax.default_backend() == "cpu")
     return lm, heads.wrap(head, lm.module)
 
 

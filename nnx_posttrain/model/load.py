@@ -9,6 +9,7 @@ KerasHub tasks and warms the backbone up eagerly once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -265,8 +266,45 @@ def _tokenizer_of(task, name):
     return task.preprocessor.tokenizer
 
 
+def _reads_keras_weights(handle: str) -> bool:
+    """Whether loading ``handle`` reads a KerasHub preset's weight file (every variable), rather
+    than converting a Hugging Face checkpoint (which KerasHub ports tensor by tensor)."""
+    if is_local_model(handle):
+        return (Path(handle) / "model.weights.h5").is_file()
+    return handle in keras_hub.models.CausalLM.presets or handle.startswith("kaggle://")
+
+
+@contextlib.contextmanager
+def _no_initializers():
+    """Variables created within the block skip their initializer and keep the zeros NNX
+    variables are created with (in their own dtype): a preset's weights are read over them at
+    once, so random initialisation would only cost time (a compilation per shape) and memory (a
+    float32 sample of each tensor). Seed-generator states keep theirs (they are not weights)."""
+    from keras.src.backend.jax import core
+
+    cls = getattr(core, "NnxVariable", None)
+    original = getattr(cls, "_initialize_with_initializer", None)
+    if original is None:
+        yield
+        return
+
+    def keep_zeros(self, initializer):
+        if "seed" in (self.name or ""):
+            return original(self, initializer)
+        self._initialize(self.raw_value)
+
+    cls._initialize_with_initializer = keep_zeros
+    try:
+        yield
+    finally:
+        cls._initialize_with_initializer = original
+
+
 def _from_preset(name: str, handle: str, policy: str):
     try:
+        if _reads_keras_weights(handle):
+            with _no_initializers():
+                return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
         return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
