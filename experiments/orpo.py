@@ -14,7 +14,7 @@ BUILTIN = dict(
     init_from="runs/sft",
     steps=200,
     remat="none",
-    optim=dict(learning_rate=1e-4, warmup_steps=10, warmup_ratio=0.0, min_lr_ratio=0.1),
+    optim=dict(learning_rate=1e-4, warmup_steps=10, min_lr_ratio=0.1),
     batching=dict(batch_size=32, grad_accum=1, max_length=32),
     eval=dict(every=50, exact_match=500, max_new_tokens=8),
     algo=dict(beta=1.0),

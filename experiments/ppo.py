@@ -17,7 +17,7 @@ BUILTIN = dict(
     init_from="runs/sft",
     steps=200,
     remat="none",
-    optim=dict(learning_rate=3e-4, warmup_steps=5, warmup_ratio=0.0, min_lr_ratio=0.1),
+    optim=dict(learning_rate=3e-4, warmup_steps=5, min_lr_ratio=0.1),
     batching=dict(batch_size=128, grad_accum=1, max_length=32),
     eval=dict(every=50, exact_match=500, max_new_tokens=8),
     algo=dict(rewards="exact_match", max_completion_length=8),

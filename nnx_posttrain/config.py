@@ -34,10 +34,10 @@ class OptimConfig:
     """Peak learning rate of AdamW."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up, down to min_lr_ratio * learning_rate at the last step."""
-    warmup_steps: int = 0
-    """Linear warm-up steps from 0 to the peak learning rate (when > 0, wins over --optim.warmup-ratio)."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps from 0 to the peak learning rate; when given (0 included) it wins over --optim.warmup-ratio."""
     warmup_ratio: float = 0.0
-    """Linear warm-up over this fraction of --steps (TRL's warmup_ratio), rounded up; used when --optim.warmup-steps is 0."""
+    """Linear warm-up over this fraction of --steps (TRL's warmup_ratio), rounded up; used when --optim.warmup-steps is not given."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
     weight_decay: float = 0.0
@@ -49,10 +49,10 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def warmup(self, total_steps: int) -> int:
-        """Warm-up steps of a run of ``total_steps``: warmup_steps if set, else
+        """Warm-up steps of a run of ``total_steps``: warmup_steps if given, else
         ceil(warmup_ratio * total_steps)."""
-        if self.warmup_steps > 0:
-            return self.warmup_steps
+        if self.warmup_steps is not None:
+            return max(self.warmup_steps, 0)
         return math.ceil(max(self.warmup_ratio, 0.0) * total_steps)
 
 

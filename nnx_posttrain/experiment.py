@@ -26,12 +26,12 @@ from nnx_posttrain import train
 
 # Shared parts of the user-data defaults (TRL's conventions; the learning rate is per trainer).
 # Exact match is evaluated only where the eval data has an 'answer' column (see main).
-# Preference methods: a pair is two sequences, so micro-batches of 2 pairs.
+# Micro-batches of 4 examples (a preference pair is two sequences), 16 per optimizer step.
 PREFERENCE_DATA = dict(
     steps=1000,
     remat="blocks",  # TRL's gradient_checkpointing=True
     optim=dict(warmup_ratio=0.1, min_lr_ratio=0.0),
-    batching=dict(batch_size=16, grad_accum=8, max_length=1024),
+    batching=dict(batch_size=16, grad_accum=4, max_length=1024),
     eval=dict(every=200, exact_match=200, max_new_tokens=64),
     checkpoint=dict(every=200),
 )
@@ -41,7 +41,7 @@ ONLINE_DATA = dict(
     steps=1000,
     remat="blocks",
     optim=dict(warmup_ratio=0.1, min_lr_ratio=0.0),
-    batching=dict(batch_size=32, grad_accum=8, max_length=512),
+    batching=dict(batch_size=32, grad_accum=4, max_length=512),
     eval=dict(every=200, exact_match=200, max_new_tokens=256),
     checkpoint=dict(every=200),
 )
