@@ -114,7 +114,7 @@ def for_the_data(cfg: config_lib.Config, algorithm, echo=print) -> config_lib.Co
         return cfg
     echo(f"eval: no exact match: {cfg.eval_data} has no 'answer' column (exact match compares "
          "a greedy answer with a reference answer); eval loss only")
-    return with_overrides(cfg, eval=dict(exact_match=0))
+    return with_overrides(cfg, {"eval": {"exact_match": 0}})
 
 
 def main(name: str, algorithm, default: config_lib.Config, doc: str | None = None, args=None,
