@@ -118,6 +118,42 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
             "command": " ".join(["python", *argv, "--dtype", dtype])}
 
 
+def record(name: str, like: str, scale: float, steps: int, max_length: int, results: list[dict],
+           params: int | None = None) -> None:
+    """results/NAME.json for the README (``python -m tools.readme``)."""
+    from tools import readme
+
+    size = f"{params / 1e9:.2f} B parameters, " if params else ""
+    rows = [[r["method"], r["dtype"], f"{r['seconds_per_step']:.2f}",
+             f"{r['first_step_seconds']:.1f}", f"{r['load_seconds']:.1f}",
+             f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['checkpoint_bytes'] / 1e6:.1f}"]
+            for r in results]
+    readme.record(
+        name, f"python -m tools.smoke_real --like {like}" + (f" --scale {scale:g}" if scale != 1 else ""),
+        ["method", "--dtype", "s/step", "first step s", "load s", "peak RSS GB", "checkpoint MB"],
+        rows,
+        notes=[f"A {like}-shaped KerasHub preset with random weights ({size}bfloat16, written by "
+               f"`python -m tools.make_preset --like {like}`), LoRA rank 8, {steps} steps of 2 "
+               f"examples of at most {max_length} tokens, each run in its own process, one at a "
+               "time, on a machine shared with other jobs. s/step: mean after the first step "
+               "(which compiles: 'first step s'); peak RSS: the process's resident memory, polled; "
+               "checkpoint: the last checkpoint (LoRA factors and their AdamW state). E.g. "
+               + (results[0]["command"] if results else "")],
+        data={"results": results, "like": like, "scale": scale, "parameters": params})
+
+
+def rerecord(name: str) -> None:
+    """Rewrite results/NAME.json's table from its own raw data (after a change of layout)."""
+    from tools import readme
+
+    saved = readme.load(name)
+    d = saved["data"]
+    notes = saved["notes"][0]
+    steps = int(notes.split(" steps of")[0].split()[-1]) if " steps of" in notes else 2
+    max_length = int(notes.split("at most ")[1].split()[0]) if "at most " in notes else 64
+    record(name, d["like"], d["scale"], steps, max_length, d["results"], d.get("parameters"))
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,6 +167,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--completion-length", type=int, default=16)
     parser.add_argument("--record", default=None, help="write results/NAME.json")
+    parser.add_argument("--min-free-gb", type=float, default=0.0,
+                        help="before each run, stop unless this much memory is available")
+    parser.add_argument("--parameters", type=int, default=None,
+                        help="the preset's parameter count, for the record (when --preset exists)")
+    parser.add_argument("--runs", default=None,
+                        help="only these METHOD:DTYPE pairs, comma-separated (default: all)")
     args = parser.parse_args(argv)
     from tools import make_preset
 
@@ -140,44 +182,35 @@ def main(argv=None) -> list[dict]:
         built = make_preset.build(args.like, preset, args.scale)
         params = built.parameters
     else:
-        params = None
+        params = args.parameters
     pairs, prompts = write_data(work / "data")
     cmds = commands(str(preset), pairs, prompts, args.steps, args.max_length,
                     args.completion_length)
     results = []
-    for dtype in args.dtypes.split(","):
-        for method in args.methods.split(","):
-            run_dir = work / f"{method}_{dtype}"
-            if run_dir.exists():
-                import shutil
+    pairs_wanted = [tuple(x.split(":")) for x in args.runs.split(",")] if args.runs else [
+        (m, d) for d in args.dtypes.split(",") for m in args.methods.split(",")]
+    import psutil
 
-                shutil.rmtree(run_dir)
-            r = run_one(cmds[method], run_dir, dtype)
-            r.update(method=method, dtype=dtype)
-            results.append(r)
-            print(f"{method:6s} {dtype:16s} {r['seconds_per_step']:8.2f} s/step  first step "
-                  f"{r['first_step_seconds'] or float('nan'):7.1f} s  load {r['load_seconds']} s  "
-                  f"peak RSS {r['peak_rss_bytes'] / 1e9:6.2f} GB  checkpoint "
-                  f"{r['checkpoint_bytes'] / 1e6:8.1f} MB", flush=True)
+    for method, dtype in pairs_wanted:
+        free = psutil.virtual_memory().available / 2**30
+        if free < args.min_free_gb:
+            print(f"stopping before {method} {dtype}: {free:.1f} GiB available, "
+                  f"--min-free-gb {args.min_free_gb}", flush=True)
+            break
+        run_dir = work / f"{method}_{dtype}"
+        if run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)
+        r = run_one(cmds[method], run_dir, dtype)
+        r.update(method=method, dtype=dtype)
+        results.append(r)
+        print(f"{method:6s} {dtype:16s} {r['seconds_per_step']:8.2f} s/step  first step "
+              f"{r['first_step_seconds'] or float('nan'):7.1f} s  load {r['load_seconds']} s  "
+              f"peak RSS {r['peak_rss_bytes'] / 1e9:6.2f} GB  checkpoint "
+              f"{r['checkpoint_bytes'] / 1e6:8.1f} MB", flush=True)
     if args.record:
-        from tools import readme
-
-        size = f"{params / 1e9:.2f} B parameters" if params else str(preset)
-        rows = [[r["method"], r["dtype"], f"{r['seconds_per_step']:.2f}",
-                 f"{r['first_step_seconds']:.1f}", f"{r['load_seconds']:.1f}",
-                 f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['checkpoint_bytes'] / 1e6:.1f}"]
-                for r in results]
-        readme.record(
-            args.record,
-            f"python -m tools.smoke_real --like {args.like}"
-            + (f" --scale {args.scale:g}" if args.scale != 1 else ""),
-            ["method", "--dtype", "s/step", "first step s", "load s", "peak RSS GB",
-             "checkpoint MB"], rows,
-            notes=[f"A {args.like}-shaped preset with random weights ({size}, "
-                   f"tools.make_preset), LoRA rank 8, {args.steps} steps of 2 examples of at "
-                   f"most {args.max_length} tokens; s/step: mean after the first step, which "
-                   "compiles. " + results[0]["command"] if results else ""],
-            data={"results": results, "like": args.like, "scale": args.scale})
+        record(args.record, args.like, args.scale, args.steps, args.max_length, results, params)
     return results
 
 
