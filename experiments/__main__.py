@@ -32,7 +32,7 @@ def main(argv=None, prog: str = "python -m experiments"):
         raise SystemExit(given + usage(prog))
     module = importlib.import_module(f"experiments.{argv[0]}")
     return experiment.main(argv[0], module.ALGORITHM, module.DEFAULT, module.__doc__, args=argv[1:],
-                           prog=f"{prog} {argv[0]}")
+                           builtin=module.BUILTIN, prog=f"{prog} {argv[0]}")
 
 
 def console():

@@ -37,8 +37,10 @@ class OptimConfig:
     """Peak learning rate of AdamW."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up, down to min_lr_ratio * learning_rate at the last step."""
-    warmup_steps: int = 0
-    """Linear warm-up steps from 0 to the peak learning rate."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps from 0 to the peak learning rate; when given (0 included) it wins over --optim.warmup-ratio."""
+    warmup_ratio: float = 0.0
+    """Linear warm-up over this fraction of --steps (TRL's warmup_ratio), rounded up; used when --optim.warmup-steps is not given."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
     weight_decay: float = 0.0
@@ -50,6 +52,13 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A step whose loss or gradient norm is NaN or infinite is never applied; 'stop' ends the run there (exit 1, the kept checkpoints are the last good ones), 'skip' goes on without it (10 such steps in a row stop the run)."""
+
+    def warmup(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: warmup_steps if given, else
+        ceil(warmup_ratio * total_steps)."""
+        if self.warmup_steps is not None:
+            return max(self.warmup_steps, 0)
+        return math.ceil(max(self.warmup_ratio, 0.0) * total_steps)
 
 
 @dataclasses.dataclass
@@ -154,7 +163,9 @@ class Config:
     eval_data: str | None = None
     """Held-out data, any source --data takes (a directory or hf:// dataset gives its eval / validation / test split); default: the built-in task's eval split when --data builtin, else none."""
     init_from: str | None = None
-    """Start from the weights of this run directory's latest checkpoint (e.g. runs/sft) instead of the model's own."""
+    """Start from the weights of this run directory's latest checkpoint (e.g. runs/sft) instead of the model's own; '' or None: the model's own."""
+    chat_format: str | None = None
+    """Chat template of conversational data: default the model family's (gemma, llama3, llama3.1, qwen2.5, qwen3, mistral); another family needs one named here (e.g. chatml)."""
     run_dir: str = ""
     """Run directory; default runs/<experiment>."""
     steps: int = 600
@@ -216,7 +227,8 @@ class Config:
         if o.learning_rate < 0:
             problems.append("--optim.learning-rate must be >= 0")
         for option, value, low, high in (
-            ("--optim.warmup-steps", o.warmup_steps, 0, None),
+            ("--optim.warmup-steps", 0 if o.warmup_steps is None else o.warmup_steps, 0, None),
+            ("--optim.warmup-ratio", o.warmup_ratio, 0, 1),
             ("--optim.weight-decay", o.weight_decay, 0, None),
             ("--optim.max-grad-norm", o.max_grad_norm, 0, None),
             ("--optim.eps", o.eps, 0, None),
@@ -228,6 +240,8 @@ class Config:
             ("--checkpoint.every", self.checkpoint.every, 0, None),
             ("--checkpoint.keep", self.checkpoint.keep, 1, None),
         ):
+            if not math.isfinite(value):
+                continue  # reported as not finite
             if value < low or (high is not None and value > high):
                 problems.append(f"{option} must be "
                                 + (f">= {low}" if high is None else f"in [{low}, {high}]")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -30,10 +31,17 @@ class LoadedRun:
 
 
 def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
-                init_from: str | None = None, remat: bool = False, echo=print):
+                init_from: str | None = None, remat: bool = False, echo=print,
+                chat_format: str | None = None):
     """(language model, module) of a run: the model loaded, the weights of ``init_from`` copied
-    in, LoRA added, rematerialisation set, and the algorithm's scalar ``head`` (if any) on top."""
-    lm = model.load(name, dtype=dtype, seed=seed)
+    in, LoRA added, rematerialisation set, and the algorithm's scalar ``head`` (if any) on top.
+    ``init_from`` is checked before the model loads (a mismatch costs no loading time)."""
+    if init_from:
+        check_init_from(init_from, name)
+    echo(f"loading model {name} ({dtype}) ...")
+    start = time.perf_counter()
+    lm = model.load(name, dtype=dtype, seed=seed, chat_format=chat_format)
+    echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     if init_from:
         echo(init_weights(lm.module, init_from))
     if lora.rank:
@@ -41,11 +49,14 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
             model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets)
         except ValueError as exc:  # e.g. targets that name no layer of this model
             raise SystemExit(f"error: --lora.targets {lora.targets}: {exc}") from None
-    model.set_remat(lm.module, remat)
+    # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local
+    model.set_remat(lm.module, remat, lazy_frozen=dtype != "float32"
+                    and jax.default_backend() == "cpu")
     return lm, heads.wrap(head, lm.module)
 
 
-def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -> LoadedRun:
+def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
+         echo=print) -> LoadedRun:
     """Load ``run_dir``'s checkpoint ``step`` (default: the latest complete one) into a model built
     from the run's own config, laid out on a mesh of this process's devices. Only the weights (and
     the step and RNG) are read: no optimizer state is built."""
@@ -55,6 +66,7 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -
         model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],
         lora=config_lib.LoraConfig(**saved_cfg["lora"]),
         checkpoint=dataclasses.replace(config_lib.CheckpointConfig(), async_save=False),
+        chat_format=saved_cfg.get("chat_format"),
     )
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     try:
@@ -65,7 +77,7 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -
                 + (f" at step {step}; available: {ckpt.all_steps()}" if step is not None else "")
             )
         lm, module = build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
-                                 head=_head_of(saved_cfg))
+                                 head=_head_of(saved_cfg), echo=echo, chat_format=cfg.chat_format)
         _, params, _ = model.split(module)
         mesh = sharding.make_mesh(config_lib.MeshConfig(data=mesh_devices))
         replicated = NamedSharding(mesh, P())
@@ -91,17 +103,49 @@ def param_leaves(state) -> dict[str, jax.Array]:
     return model.named_variables(state["params"])
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Whether two --model values name the same model (local directories by their real path)."""
+    if model.is_local_model(a) and model.is_local_model(b):
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return a == b
+
+
+def check_init_from(run_dir: str | Path, name: str) -> dict:
+    """``run_dir``'s config, after checking, without loading anything, that its weights can
+    start a run of model ``name``: a run directory, of the same model, without LoRA, with a
+    complete checkpoint. Each refusal says how to go on."""
+    run_dir = Path(run_dir)
+    fresh = "--init-from '' to start from the model's own weights"
+    if not (run_dir / "config.json").exists():
+        raise SystemExit(
+            f"--init-from {run_dir}: not a run directory (no config.json). The built-in recipes "
+            "of the preference and online experiments start from the SFT run: run `python -m "
+            f"experiments.sft` first, or pass --init-from with another run, or {fresh}.")
+    saved = json.loads((run_dir / "config.json").read_text())
+    if not _same_model(saved["model"], name):
+        raise SystemExit(
+            f"--init-from {run_dir}: that run trained {saved['model']!r}, this run loads "
+            f"{name!r}. Pass {fresh}, or --init-from a run of {name!r}, or --model "
+            f"{saved['model']!r}.")
+    if saved["lora"]["rank"]:
+        raise SystemExit(f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first "
+                         f"(python -m tools.export {run_dir} --to DIR, then --model DIR), or {fresh}")
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", dataclasses.replace(
+        config_lib.CheckpointConfig(), async_save=False))
+    try:
+        if ckpt.latest_step() is None:
+            raise SystemExit(f"--init-from {run_dir}: no complete checkpoint in "
+                             f"{run_dir / 'checkpoints'}; {fresh}")
+    finally:
+        ckpt.close()
+    return saved
+
+
 def init_weights(module, run_dir: str | Path) -> str:
     """Copy the weights of ``run_dir``'s latest checkpoint into ``module`` (same architecture),
     matching variables by their Keras path. Returns a one-line summary."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.json").exists():
-        raise SystemExit(
-            f"--init-from {run_dir}: not a run directory (no config.json). The preference "
-            "experiments start from the SFT run: run `python -m experiments.sft` first, or pass "
-            "--init-from with another run, or --init-from '' to start from the model's own weights."
-        )
-    loaded = load(run_dir)
+    loaded = load(run_dir, echo=lambda _: None)
     if loaded.config["lora"]["rank"]:
         raise SystemExit(f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first")
     source = model.named_variables(nnx.state(loaded.module))

@@ -20,6 +20,12 @@ def assistant_text(segments):
     return "".join(text for text, flag in segments if flag)
 
 
+def answer(fmt, content, last=True):
+    """An assistant answer as its format trains it: Qwen 3's last answer opens with an empty
+    think block (as its template writes it)."""
+    return ("<think>\n\n</think>\n\n" if fmt == "qwen3" and last else "") + content
+
+
 # ----------------------------------------------------------------------------- exact strings
 
 
@@ -94,9 +100,10 @@ def test_no_bos_in_text():
 def test_only_assistant_content_and_end_marker_are_flagged(fmt):
     segs = chat.render(TWO_TURNS, fmt)
     eot = chat.END_OF_TURN[fmt]
-    assert assistant_text(segs) == f"Hello{eot}Sure{eot}"
+    first, last = answer(fmt, "Hello", last=False), answer(fmt, "Sure")
+    assert assistant_text(segs) == f"{first}{eot}{last}{eot}"
     # every flagged segment is exactly one assistant answer plus its end-of-turn marker
-    assert [t for t, f in segs if f] == [f"Hello{eot}", f"Sure{eot}"]
+    assert [t for t, f in segs if f] == [f"{first}{eot}", f"{last}{eot}"]
     # concatenation is the template text; adjacent segments never share a flag (merged)
     assert "".join(t for t, _ in segs) == chat.to_text(TWO_TURNS, fmt)
     assert all(a[1] != b[1] for a, b in zip(segs, segs[1:]))
@@ -111,7 +118,7 @@ def test_system_and_user_text_never_flagged(fmt):
     ]
     flagged = assistant_text(chat.render(msgs, fmt))
     assert "SYSTEXT" not in flagged and "USERTEXT" not in flagged
-    assert flagged == "ANSWER" + chat.END_OF_TURN[fmt]
+    assert flagged == answer(fmt, "ANSWER") + chat.END_OF_TURN[fmt]
 
 
 @pytest.mark.parametrize("fmt", chat.FORMATS)
@@ -124,7 +131,7 @@ def test_later_system_message_is_not_trained(fmt):
     ]
     segs = chat.render(msgs, fmt)
     assert "LATESYS" in chat.to_text(msgs, fmt)
-    assert assistant_text(segs) == "A" + chat.END_OF_TURN[fmt]
+    assert assistant_text(segs) == answer(fmt, "A") + chat.END_OF_TURN[fmt]
 
 
 def test_empty_assistant_content_still_trains_the_end_marker():
@@ -207,3 +214,150 @@ def test_not_a_list_of_messages(messages):
 
 def test_errors_are_value_errors():
     assert issubclass(ChatFormatError, ValueError)
+
+
+# ----------------------------------------------------------------------------- official templates
+# The official Jinja templates (tests/fixtures/chat_templates, written from memory: see the
+# README there), rendered as transformers renders them, against chat.render: the same string
+# (the BOS token aside, which the tokenizer adds as an id) and the same token ids through the
+# data pipeline, with a tokenizer of the family's kind.
+
+import functools  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+jinja2 = pytest.importorskip("jinja2")
+import jinja2.ext  # noqa: E402
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+# format -> official templates it must equal, and whether they accept a system message
+OFFICIAL = {
+    "gemma": [("gemma", False), ("gemma3", True)],
+    "llama3": [("llama3", True)],
+    "llama3.1": [("llama3.1", True), ("llama3.2", True)],
+    "qwen2.5": [("qwen2.5", True)],
+    "qwen3": [("qwen3", True)],
+    "chatml": [("chatml", True)],
+    "mistral": [("mistral", False)],
+}
+SPECIAL = {  # bos, eos of the official rendering
+    "gemma": ("<bos>", "<eos>"), "llama3": ("<|begin_of_text|>", "<|end_of_text|>"),
+    "llama3.1": ("<|begin_of_text|>", "<|end_of_text|>"), "qwen2.5": ("", "<|im_end|>"),
+    "qwen3": ("", "<|im_end|>"), "chatml": ("", "<|im_end|>"), "mistral": ("<s>", "</s>"),
+}
+SYS = {"role": "system", "content": "You are terse."}
+U1, A1 = {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}
+U2, A2 = {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "It is 6."}
+CASES = {  # name -> (messages, add_generation_prompt, has a system message)
+    "user_prompt": ([U1], True, False),
+    "user_assistant": ([U1, A1], False, False),
+    "system_user_assistant": ([SYS, U1, A1], False, True),
+    "multi_turn": ([U1, A1, U2, A2], False, False),
+    "system_multi_turn_prompt": ([SYS, U1, A1, U2], True, True),
+    "whitespace": ([{"role": "user", "content": "  Hi there \n"},
+                    {"role": "assistant", "content": " Hello.\n\n"}], False, False),
+}
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.cache
+def official_template(name):
+    """The fixture compiled as transformers compiles a chat template."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = _raise
+    return env.from_string((TEMPLATES / f"{name}.jinja").read_text())
+
+
+def render_official(name, fmt, messages, add_generation_prompt):
+    bos, eos = SPECIAL[fmt]
+    return official_template(name).render(messages=messages, bos_token=bos, eos_token=eos,
+                                          add_generation_prompt=add_generation_prompt)
+
+
+def test_every_format_has_official_templates():
+    assert set(OFFICIAL) == set(chat.FORMATS)
+    for templates in OFFICIAL.values():
+        for name, _ in templates:
+            text = (TEMPLATES / f"{name}.jinja").read_text()
+            assert text.startswith("{#-") and "written from memory" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fmt", chat.FORMATS)
+def test_render_equals_the_official_template(fmt, case):
+    messages, prompt, has_system = CASES[case]
+    ours = chat.to_text(messages, fmt, add_generation_prompt=prompt)
+    for name, accepts_system in OFFICIAL[fmt]:
+        if has_system and not accepts_system:
+            with pytest.raises(jinja2.exceptions.TemplateError):  # we fold it instead
+                render_official(name, fmt, messages, prompt)
+            continue
+        assert render_official(name, fmt, messages, prompt) == SPECIAL[fmt][0] + ours, name
+
+
+def test_qwen25_default_system_prompt_and_qwen3_think_block():
+    text = chat.to_text([U1, A1], "qwen2.5")
+    assert text.startswith(f"<|im_start|>system\n{chat.QWEN25_SYSTEM}<|im_end|>\n")
+    segs = chat.render([U1, A1, U2, A2], "qwen3")
+    assert [t for t, f in segs if f] == ["4<|im_end|>", "<think>\n\n</think>\n\nIt is 6.<|im_end|>"]
+    # reasoning in an earlier answer is dropped, in the last one kept in its think block
+    think = {"role": "assistant", "content": "<think>\nadd</think>\n\n4"}
+    assert chat.to_text([U1, think, U2, A2], "qwen3").count("add") == 0
+    assert "<think>\nadd\n</think>\n\n4<|im_end|>" in chat.to_text([U1, think], "qwen3")
+    assert chat.to_text([U1], "qwen3", add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+
+
+# -- token ids: the data pipeline's ids of a conversation = the official string tokenized whole
+
+
+@functools.cache
+def family_tokenizer(fmt):
+    """A small tokenizer of the family's kind: SentencePiece in Gemma's layout (no dummy
+    prefix, as Gemma's), byte-level BPE with Llama 3's or Qwen's special tokens."""
+    import keras_hub
+
+    from nnx_posttrain import model
+    from tools import make_preset
+
+    if fmt in ("gemma", "mistral", "chatml"):
+        return model.Tokenizer(keras_hub.models.GemmaTokenizer(proto=make_preset.gemma_proto(4096)))
+    if fmt.startswith("llama3"):
+        return model.Tokenizer(make_preset.llama3_tokenizer(4096))
+    return model.Tokenizer(make_preset.qwen_tokenizer(4096, qwen3=fmt == "qwen3"))
+
+
+def official_ids(tok, fmt, text):
+    bos = SPECIAL[fmt][0]
+    if bos and tok.bos_id is not None:
+        assert text.startswith(bos)
+        return [tok.bos_id] + tok.encode(text[len(bos):])
+    return tok.encode(text)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fmt", ["gemma", "llama3", "llama3.1", "qwen2.5", "qwen3"])
+def test_pipeline_token_ids_equal_the_official_template_tokenized(fmt, case):
+    from nnx_posttrain import data
+    from nnx_posttrain.sampling import sampler
+
+    messages, prompt, has_system = CASES[case]
+    name = next(n for n, accepts in OFFICIAL[fmt] if accepts or not has_system)
+    tok = family_tokenizer(fmt)
+    expected = official_ids(tok, fmt, render_official(name, fmt, messages, prompt))
+    if prompt:  # a prompt, as rollouts and evaluation encode it
+        lm = type("LM", (), {"tokenizer": tok})()
+        got = sampler.encode_prompt(lm, chat.render(messages, fmt, add_generation_prompt=True))
+    else:  # a training conversation, as the data pipeline tokenizes it
+        example = data.Tokenize(tok, fmt, 256)({"messages": messages})
+        got = [int(i) for i, m in zip(example["input_ids"], example["attention_mask"]) if m]
+        trained = np.asarray(example["loss_mask"])[: len(got)].astype(bool)
+        # what carries loss is exactly the assistant segments' tokens
+        flagged = "".join(t for t, f in chat.render(messages, fmt) if f)
+        assert tok.decode([i for i, t in zip(got, trained) if t]) == flagged
+    assert got == expected

@@ -117,3 +117,49 @@ def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path):
     with pytest.raises(SystemExit, match="not a run directory"):
         export.main([str(tmp_path / "nothing"), "--to", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_export_dtype_defaults_to_the_source_and_can_be_chosen(lora_run, tmp_path):
+    from safetensors import safe_open
+
+    export.main([str(lora_run), "--to", str(tmp_path / "f32"), "--format", "hf"])
+    export.main([str(lora_run), "--to", str(tmp_path / "bf16"), "--format", "hf",
+                 "--dtype", "bfloat16"])
+    for name, dtype in (("f32", "float32"), ("bf16", "bfloat16")):
+        assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == dtype
+        with safe_open(tmp_path / name / "model.safetensors", "np") as f:
+            embedding = f.get_tensor("model.embed_tokens.weight")
+        assert str(embedding.dtype) == dtype
+    ratio = ((tmp_path / "bf16" / "model.safetensors").stat().st_size
+             / (tmp_path / "f32" / "model.safetensors").stat().st_size)
+    assert abs(ratio - 0.5) < 0.03  # the header aside
+    # a preset saved in bfloat16 exports as bfloat16 by default
+    preset = tmp_path / "preset"
+    preset.mkdir()
+    (preset / "config.json").write_text(json.dumps(
+        {"class_name": "GemmaBackbone", "config": {"dtype": {"config": {"name": "bfloat16"}}}}))
+    assert export.source_dtype(str(preset), "float32") == "bfloat16"
+    assert export.source_dtype("gemma_micro", "bfloat16") == "float32"  # f32 weights, bf16 compute
+    assert export.source_dtype("gemma_micro", "bfloat16-params") == "bfloat16"
+
+
+def test_export_adapters_only_writes_peft_files(lora_run, full_run, tmp_path):
+    from safetensors.numpy import load_file
+
+    files = export.main([str(lora_run), "--to", str(tmp_path / "a"), "--format", "hf",
+                         "--adapters-only"])
+    assert sorted(p.name for p in files) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 2
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    tensors = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    # gemma_micro: 2 query heads of 16, 1 KV head, hidden 32; queries' adapters are per head
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 32)
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].shape == (32, 4)
+    assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"].shape == (2, 32)
+    assert tensors["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"].shape == (32, 2)
+    assert config["rank_pattern"] == {"q_proj": 4}
+    with pytest.raises(SystemExit, match="trained every weight"):
+        export.main([str(full_run), "--to", str(tmp_path / "b"), "--format", "hf", "--adapters-only"])
+    with pytest.raises(SystemExit, match="use it with --format hf"):
+        export.main([str(lora_run), "--to", str(tmp_path / "c"), "--adapters-only"])

@@ -24,7 +24,7 @@ def _args(data, run_dir, steps):
     return [
         *MICRO, "--data", str(data), "--run-dir", str(run_dir),
         "--steps", str(steps), "--log-every", "1", "--checkpoint.every", "3",
-        "--checkpoint.no-async-save", "--batching.batch-size", "4",
+        "--checkpoint.no-async-save", "--batching.batch-size", "4", "--batching.grad-accum", "1",
         "--optim.learning-rate", "1e-2", "--optim.warmup-steps", "0", "--optim.schedule", "constant",
     ]
 

@@ -17,7 +17,8 @@ from nnx_posttrain.algorithms import online
 from nnx_posttrain.algorithms.online import rewards
 
 ONLINE_MICRO = [*MICRO, "--init-from", "", "--algo.max-completion-length", "4",
-                "--eval.exact-match", "8", "--log-every", "1", "--checkpoint.every", "0"]
+                "--eval.exact-match", "8", "--eval.max-new-tokens", "8", "--log-every", "1",
+                "--checkpoint.every", "0"]
 
 
 def digits_reward(prompts, completions, **_):
@@ -70,7 +71,7 @@ def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files
 
     result = _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
                   "--batching.batch-size", "8", "--algo.num-generations", "4",
-                  "--algo.num-iterations", "2", "--eval.every", "0")
+                  "--algo.num-iterations", "2", "--eval.every", "0", "--algo.rewards", "exact_match")
     algo, state, frozen = result.algorithm, result.state, result.frozen
     rollouts = result.source  # the run's batch source: the rollout engine
     transform = data.TokenizePrompt(result.lm.tokenizer, result.lm.chat_format, 24)
@@ -138,7 +139,7 @@ def test_resume_between_rollouts_equals_the_uninterrupted_run(tmp_path, prompt_f
     common = ["--batching.batch-size", "8", "--algo.num-generations", "4",
               "--algo.num-iterations", "2", "--algo.beta", "0.04", "--eval.every", "0",
               "--eval.exact-match", "0", "--optim.schedule", "constant",
-              "--optim.learning-rate", "1e-2"]
+              "--optim.learning-rate", "1e-2", "--algo.rewards", "exact_match"]
     _run("grpo", online.GRPO, tmp_path / "a", prompt_files, "--steps", "6", *common)
     _run("grpo", online.GRPO, tmp_path / "b", prompt_files, "--steps", "4", *common,
          "--checkpoint.every", "1")
@@ -175,10 +176,12 @@ def test_bad_reward_and_batch_settings_are_refused(tmp_path, prompt_files):
         rewards.resolve("no_such_module:f")
     with pytest.raises(SystemExit, match="must be a multiple of --algo.num-generations 3"):
         _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
-             "--batching.batch-size", "8", "--algo.num-generations", "3")
+             "--batching.batch-size", "8", "--algo.num-generations", "3",
+             "--algo.rewards", "exact_match")
     with pytest.raises(SystemExit, match="precompute does not apply"):
         _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", "--algo.beta", "0.1",
-             "--algo.reference", "precompute", "--batching.batch-size", "8")
+             "--algo.reference", "precompute", "--batching.batch-size", "8",
+             "--algo.rewards", "exact_match")
     with pytest.raises(ValueError, match="answer"):
         rewards.exact_match(["q"], ["1"])
 

@@ -159,7 +159,8 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
     A conversation whose last turn is the assistant's gives (the conversation before it, that
     turn); a prompt/completion record gives (prompt, completion); a preference pair gives
     (prompt, chosen); an unpaired example labelled desirable gives (prompt, completion); a
-    prompt-only record with an ``answer`` column gives (prompt, answer).
+    prompt-only record with an ``answer`` column gives (prompt, answer). A record of another
+    format with an ``answer`` column is compared with its answer, not its completion.
     """
     out = []
     for i in range(len(src)):
@@ -169,7 +170,8 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
         fmt = detect_format(record)
         if fmt == "messages" and record["messages"][-1]["role"] == "assistant":
             prompt = chat.render(record["messages"][:-1], chat_format, add_generation_prompt=True)
-            out.append((prompt, record["messages"][-1]["content"]))
+            answer = record.get("answer")
+            out.append((prompt, record["messages"][-1]["content"] if answer is None else str(answer)))
             continue
         if fmt == "preference":
             p, c, _ = preference_parts(record)
@@ -177,10 +179,12 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
             if fmt == "unpaired_preference" and not record["label"]:
                 continue
             p, c = record["prompt"], record["completion"]
-        elif fmt == "prompt_only" and isinstance(record.get("answer"), str):
-            p, c = record["prompt"], record["answer"]
+        elif fmt == "prompt_only" and record.get("answer") is not None:
+            p, c = record["prompt"], str(record["answer"])
         else:
             continue
+        if record.get("answer") is not None:
+            c = str(record["answer"])
         if isinstance(p, list):
             answer = c[-1]["content"] if isinstance(c, list) else c
             out.append((chat.render(p, chat_format, add_generation_prompt=True), answer))

@@ -83,12 +83,15 @@ def _attention_mask_override(module, mask):
 # ----------------------------------------------------------------------------- remat
 
 
-def set_remat(module, enabled: bool) -> None:
+def set_remat(module, enabled: bool, lazy_frozen: bool = False) -> None:
     """Rematerialise each decoder block of the backbone ``module`` (``--remat blocks``): the
     backward pass recomputes a block's activations from its input instead of keeping them, so
-    activation memory holds one block's internals rather than all of them. A plain attribute,
-    kept by ``nnx.split`` / ``nnx.merge``; ``hidden_states`` applies it."""
-    object.__setattr__(module, "_nnx_posttrain_remat", bool(enabled))
+    activation memory holds one block's internals rather than all of them. ``lazy_frozen``
+    (bfloat16 weights on CPU) recomputes the blocks too, reading their frozen weights lazily in
+    each pass (``model.frozen``). A plain attribute, kept by ``nnx.split`` / ``nnx.merge``;
+    ``hidden_states`` applies it."""
+    object.__setattr__(module, "_nnx_posttrain_remat",
+                       "lazy_frozen" if lazy_frozen else bool(enabled))
 
 
 def _checkpointed(call):
@@ -112,6 +115,11 @@ def _checkpointed(call):
 def _remat_scope(module):
     """While active, each decoder block's ``call`` runs under ``jax.checkpoint`` (when enabled by
     ``set_remat``). Only array arguments are traced; the others (flags, None) stay static."""
-    if not getattr(module, "_nnx_posttrain_remat", False):
+    mode = getattr(module, "_nnx_posttrain_remat", False)
+    if not mode:
         return contextlib.nullcontext()
+    if mode == "lazy_frozen":
+        from nnx_posttrain.model.frozen import lazy_frozen_call
+
+        return override_blocks(module, "call", lazy_frozen_call)
     return override_blocks(module, "call", lambda block, call: _checkpointed(call))

@@ -9,7 +9,9 @@ KerasHub tasks and warms the backbone up eagerly once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -19,6 +21,7 @@ import keras
 import keras_hub
 from flax import nnx
 
+from nnx_posttrain import chat
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 # Short names -> KerasHub preset handles (checked against keras_hub.models.CausalLM.presets).
@@ -147,18 +150,57 @@ class LanguageModel:
         return self.task.backbone
 
 
-def chat_format_for(backbone) -> str:
-    """The chat template family of a KerasHub backbone, from its class name."""
-    name = type(backbone).__name__.lower()
-    if name.startswith("gemma"):
+def chat_format_for(backbone) -> str | None:
+    """The chat template of a KerasHub backbone's family (by class name), or None when no
+    template is known for it (Llama 2's LlamaBackbone, Mixtral, ...). Llama 3 backbones with
+    scaled rotary frequencies are 3.1 or later (their template has a date header)."""
+    name = type(backbone).__name__ if not isinstance(backbone, str) else backbone
+    if name in ("GemmaBackbone", "Gemma3Backbone"):
         return "gemma"
-    if name.startswith("llama3"):
-        return "llama3"
-    if name.startswith("qwen"):
-        return "chatml"
-    if name.startswith("mistral"):
-        return "mistral"
-    return "chatml"
+    if name == "Llama3Backbone":
+        dated = getattr(backbone, "rope_frequency_adjustment_factor", None) is not None
+        return "llama3.1" if dated else "llama3"
+    return {"QwenBackbone": "qwen2.5", "Qwen3Backbone": "qwen3",
+            "MistralBackbone": "mistral"}.get(name)
+
+
+def _chat_format(name: str, family: str, backbone, chosen: str | None) -> str:
+    """The run's chat format: ``chosen`` (--chat-format), else the family's; an unknown family
+    is refused rather than given a template it was not trained with."""
+    if chosen:
+        if chosen not in chat.FORMATS:
+            raise ModelLoadError(f"--chat-format {chosen!r}: not a chat format; choose one of "
+                                 f"{', '.join(chat.FORMATS)}")
+        return chosen
+    fmt = chat_format_for(backbone if backbone is not None else family)
+    if fmt is None:
+        raise ModelLoadError(
+            f"model {name!r} is a {family}: no chat template is known for this family. Choose "
+            f"one with --chat-format NAME ({', '.join(chat.FORMATS)}; e.g. chatml for a model "
+            "you fine-tune into ChatML), or use a Gemma, Llama 3, Qwen 2.5 / 3 or Mistral model.")
+    return fmt
+
+
+def _preset_backbone_class(handle: str) -> str | None:
+    """The backbone class a local preset directory will load (read before loading it):
+    KerasHub's config.json class name, or a Hugging Face config's model type mapped to it."""
+    config = Path(handle) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        saved = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    if "class_name" in saved:
+        return saved["class_name"]
+    return _HF_BACKBONES.get(saved.get("model_type"), f"Hugging Face model_type "
+                             f"{saved.get('model_type')!r}")
+
+
+_HF_BACKBONES = {"gemma": "GemmaBackbone", "gemma2": "GemmaBackbone",
+                 "gemma3_text": "Gemma3Backbone", "gemma3": "Gemma3Backbone",
+                 "qwen2": "QwenBackbone", "qwen3": "Qwen3Backbone", "mistral": "MistralBackbone",
+                 "mixtral": "MixtralBackbone"}
 
 
 def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
@@ -177,11 +219,16 @@ def is_local_model(name: str) -> bool:
     return os.path.isdir(os.path.expanduser(name))
 
 
-def load(name: str, dtype: str = "float32", seed: int = 0) -> LanguageModel:
+def load(name: str, dtype: str = "float32", seed: int = 0,
+         chat_format: str | None = None) -> LanguageModel:
     """Load ``name``: a built-in tiny config, a short name, a KerasHub handle or a local directory.
 
     Local directories may be KerasHub presets (what ``save_to_preset`` writes) or Hugging Face
-    checkpoints (config.json + safetensors), which KerasHub converts itself.
+    checkpoints (config.json + safetensors), which KerasHub converts itself. The weights are
+    created in ``dtype``'s variable dtype and the checkpoint read into them (no float32 copy of a
+    bfloat16 model). ``chat_format``: the chat template (default: the family's; a family
+    without a known template needs one, checked before the weights load when the directory says
+    which family it holds).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -192,6 +239,9 @@ def load(name: str, dtype: str = "float32", seed: int = 0) -> LanguageModel:
         handle = PRESETS.get(name, name)
         if is_local_model(handle):
             handle = str(Path(handle).expanduser().resolve())
+            family = _preset_backbone_class(handle)
+            if family is not None and family.endswith("Backbone"):
+                _chat_format(name, family, None, chat_format)  # refuse before the weights load
         elif not (handle.startswith(("kaggle://", "hf://", "modelscope://", "gs://"))
                   or handle in keras_hub.models.CausalLM.presets):
             raise ModelLoadError(
@@ -200,11 +250,12 @@ def load(name: str, dtype: str = "float32", seed: int = 0) -> LanguageModel:
                 "an existing local directory"
             )
         task = _from_preset(name, handle, policy)
+    fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
     _warm_up(task.backbone)
     return LanguageModel(
         task=_nnx_ready(task),
         tokenizer=Tokenizer(_tokenizer_of(task, name)),
-        chat_format=chat_format_for(task.backbone),
+        chat_format=fmt,
         name=name,
     )
 
@@ -215,8 +266,45 @@ def _tokenizer_of(task, name):
     return task.preprocessor.tokenizer
 
 
+def _reads_keras_weights(handle: str) -> bool:
+    """Whether loading ``handle`` reads a KerasHub preset's weight file (every variable), rather
+    than converting a Hugging Face checkpoint (which KerasHub ports tensor by tensor)."""
+    if is_local_model(handle):
+        return (Path(handle) / "model.weights.h5").is_file()
+    return handle in keras_hub.models.CausalLM.presets or handle.startswith("kaggle://")
+
+
+@contextlib.contextmanager
+def _no_initializers():
+    """Variables created within the block skip their initializer and keep the zeros NNX
+    variables are created with (in their own dtype): a preset's weights are read over them at
+    once, so random initialisation would only cost time (a compilation per shape) and memory (a
+    float32 sample of each tensor). Seed-generator states keep theirs (they are not weights)."""
+    from keras.src.backend.jax import core
+
+    cls = getattr(core, "NnxVariable", None)
+    original = getattr(cls, "_initialize_with_initializer", None)
+    if original is None:
+        yield
+        return
+
+    def keep_zeros(self, initializer):
+        if "seed" in (self.name or ""):
+            return original(self, initializer)
+        self._initialize(self.raw_value)
+
+    cls._initialize_with_initializer = keep_zeros
+    try:
+        yield
+    finally:
+        cls._initialize_with_initializer = original
+
+
 def _from_preset(name: str, handle: str, policy: str):
     try:
+        if _reads_keras_weights(handle):
+            with _no_initializers():
+                return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
         return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -121,7 +121,15 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int = 128, with_entro
 
     if chunk_size > 0:  # recomputed in the backward pass: one chunk of logits alive at a time
         one_chunk = jax.checkpoint(one_chunk)
-    logp, entropy, lss = jax.lax.map(one_chunk, (h, targets))
+
+    def project(h, targets):
+        return jax.lax.map(one_chunk, (h, targets))
+
+    if getattr(module, "_nnx_posttrain_remat", False) == "lazy_frozen":
+        from nnx_posttrain.model.frozen import lazy_frozen_call
+
+        project = lazy_frozen_call(embedding, project)  # bfloat16 on CPU: see model.frozen
+    logp, entropy, lss = project(h, targets)
 
     def unchunk(x):
         x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]

@@ -123,13 +123,17 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask):
     return logits, tuple(new)
 
 
-def _choose(logits, rng, temperature, top_p, top_k: int):
+def _choose(logits, rng, temperature, top_p, top_k: int, vocab_size=None):
     """Next tokens [B] and their log-probs under softmax(logits / T) (T = 1 when greedy), without
     truncation. Greedy (argmax) when ``temperature`` <= 0; else top-k (static), then top-p over
-    what remains (renormalised), then a categorical draw."""
+    what remains (renormalised), then a categorical draw. Ids at or above ``vocab_size`` (the
+    tokenizer's size, when the embedding is padded beyond it, as Qwen's) are never chosen; the
+    log-probs stay those of the full softmax, as the training forward computes them."""
     greedy = temperature <= 0
+    logp = jax.nn.log_softmax(logits / jnp.where(greedy, 1.0, temperature), axis=-1)
+    if vocab_size is not None:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
     scaled = logits / jnp.where(greedy, 1.0, temperature)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
 
     def draw():
         if top_k > 0:
@@ -162,7 +166,8 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
     ``completion_ids`` [B, N] (``pad_id`` after the stop token), ``completion_mask`` [B, N] (1 up
     to and including the stop token), ``logprobs`` [B, N] float32 (0 where the mask is 0) and
     ``finished`` [B] (a stop token was produced). Rows stop independently; decoding ends when every
-    row has stopped. ``top_k`` (0 = off) is static: one compilation per value. The graphdef of a
+    row has stopped. ``vocab_size`` (optional, traced): ids at or above it are never sampled (the
+    tokenizer's size, when the embedding has padding rows, as Qwen's 151,936 for 151,665 tokens). ``top_k`` (0 = off) is static: one compilation per value. The graphdef of a
     Keras model is not hashable, so it is closed over rather than passed as a static argument.
     """
     n = int(max_new_tokens)
@@ -172,7 +177,7 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
         raise ValueError(f"top_k must be >= 0, got {top_k}")
 
     @jax.jit
-    def _sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids):
+    def _sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids, vocab_size):
         module = nnx.merge(graphdef, *states)
         fam = _family(module)
         batch, width = prompt_ids.shape
@@ -190,7 +195,8 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
 
         def body(carry):
             j, caches, logits, ids, mask, logps, done = carry
-            token, logp = _choose(logits, jax.random.fold_in(rng, j), temperature, top_p, top_k)
+            token, logp = _choose(logits, jax.random.fold_in(rng, j), temperature, top_p, top_k,
+                                  vocab_size)
             live = ~done
             token = jnp.where(live, token, pad_id)
             # [N, B] buffers: row j is one contiguous dynamic-update-slice per step
@@ -210,13 +216,15 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
         return {"completion_ids": ids.T, "completion_mask": mask.T, "logprobs": logps.T,
                 "finished": done}
 
-    def sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids):
+    def sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids,
+               vocab_size=None):
         # Fixed dtypes (a Python float is weakly typed, an np.float32 is not): no recompilation
-        # when callers mix them.
+        # when callers mix them. vocab_size (traced; default: every id of the embedding).
         return _sample(
             tuple(states), jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32),
             rng, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
             jnp.asarray(stop_ids, jnp.int32).reshape(-1),
+            jnp.asarray(np.iinfo(np.int32).max if vocab_size is None else vocab_size, jnp.int32),
         )
 
     sample.jitted = _sample
@@ -285,7 +293,7 @@ def sample_ids(lm, sample, states, prompts: list[list[int]], *, temperature: flo
         chunk = chunk + [chunk[-1]] * (batch_size - count)  # fixed batch shape
         ids, mask = pad_prompts(chunk, lm.tokenizer.pad_id, bucket=width)
         result = sample(tuple(states), ids, mask, jax.random.fold_in(rng, b), temperature, top_p,
-                        np.asarray(stops, np.int32))
+                        np.asarray(stops, np.int32), lm.tokenizer.vocab_size)
         out += decode_completions(lm, result, stops)[:count]
     return out
 

@@ -9,7 +9,8 @@ from nnx_posttrain import data, model, runs
 def build_model(cfg, algorithm, echo):
     """(language model, trained module) of a run, the algorithm's settings resolved on it."""
     lm, module = runs.build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head=algorithm.head,
-                                  init_from=cfg.init_from, remat=cfg.remat == "blocks", echo=echo)
+                                  init_from=cfg.init_from, remat=cfg.remat == "blocks", echo=echo,
+                                  chat_format=cfg.chat_format)
     echo(model.set_attention(lm.module, cfg.attention))
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"

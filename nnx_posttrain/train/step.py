@@ -21,7 +21,7 @@ from nnx_posttrain.model import merge
 
 
 def schedule(cfg: config_lib.OptimConfig, total_steps: int) -> optax.Schedule:
-    peak, warm = cfg.learning_rate, max(cfg.warmup_steps, 0)
+    peak, warm = cfg.learning_rate, cfg.warmup(total_steps)
     decay_steps = max(total_steps - warm, 1)
     end = peak * cfg.min_lr_ratio
     if cfg.schedule == "cosine":

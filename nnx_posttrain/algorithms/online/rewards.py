@@ -16,6 +16,7 @@ built-in task's ``answer``). ``None`` means "does not apply" and is left out of 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def exact_match(prompts, completions, answer=None, **_):
         raise ValueError("the exact_match reward needs an 'answer' column in the data")
     return [None if a is None else float(first_integer(c) == str(a))
             for c, a in zip(completions, answer)]
+
+
+exact_match.required_columns = ("answer",)
 
 
 _INTEGER = re.compile(r"\s*-?\d+\s*")
@@ -105,6 +109,81 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
     if not out:
         raise SystemExit("--algo.rewards: give at least one reward function")
     return out
+
+
+# the reward function's own arguments, not dataset columns
+_NOT_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+def required_columns(fn) -> tuple[str, ...]:
+    """Dataset columns a reward function needs: those it declares (``fn.required_columns``, as
+    the built-in ones do), else the named parameters of its signature without a default (other
+    than ``prompts`` and ``completions``); none for a reward model."""
+    if getattr(fn, "needs_tokens", False):
+        return ()
+    declared = getattr(fn, "required_columns", None)
+    if declared is not None:
+        return tuple(declared)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params
+                 if p.name not in _NOT_COLUMNS and p.default is inspect.Parameter.empty
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_columns(reward_fns, columns, data_name: str) -> None:
+    """Every reward's required columns are in the data (checked before the first rollout)."""
+    have = sorted(c for c in columns if not c.startswith("_"))
+    problems = []
+    for name, fn in reward_fns:
+        missing = [c for c in required_columns(fn) if c not in columns]
+        if missing:
+            problems.append(f"reward {name!r} needs column(s) {', '.join(map(repr, missing))}")
+    if problems:
+        raise SystemExit(
+            f"error: --algo.rewards: {'; '.join(problems)}, which {data_name} does not have (its "
+            f"columns: {', '.join(have) or 'none'}). Add the column(s) to the data, or choose "
+            "rewards that fit it (a 'module:function' reward receives every column by name).")
+
+
+def score(name: str, fn, prompts, completions, columns: dict, rows) -> list:
+    """``fn``'s rewards of a batch as floats (NaN for None). A reward that raises, or returns
+    something else than one number (or None) per completion, stops the run with a message naming
+    the reward and the first row it fails on (``rows``: a description of each row)."""
+    try:
+        values = fn(prompts=prompts, completions=completions, **columns)
+    except Exception as exc:  # noqa: BLE001 - a user's function: report where it fails
+        row = _first_failing_row(fn, prompts, completions, columns)
+        at = f" on {rows[row]}" if row is not None else ""
+        raise SystemExit(f"error: reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
+    values = list(values) if values is not None else None
+    if values is None or len(values) != len(completions):
+        raise SystemExit(f"error: reward {name!r} returned {'None' if values is None else len(values)}"
+                         f" values for {len(completions)} completions; it must return one number "
+                         "(or None) per completion")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(np.nan)
+            continue
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise SystemExit(f"error: reward {name!r} returned {v!r} on {rows[i]}; expected a "
+                             "number or None") from None
+    return out
+
+
+def _first_failing_row(fn, prompts, completions, columns) -> int | None:
+    for i in range(len(completions)):
+        try:
+            fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
+               **{k: v[i:i + 1] for k, v in columns.items()})
+        except Exception:  # noqa: BLE001
+            return i
+    return None
 
 
 def weights(spec: str | None, n: int) -> np.ndarray:

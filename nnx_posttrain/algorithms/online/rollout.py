@@ -19,6 +19,7 @@ draws ``batch_size / num_generations`` prompts.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +38,16 @@ class SamplingConfig:
 
     num_generations: int = 8
     """Completions sampled per prompt (a GRPO / RLOO group)."""
-    max_completion_length: int = 8
-    """Generated tokens per completion at most."""
+    max_completion_length: int = 512
+    """Generated tokens per completion at most (TRL's default)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs in the loss use the same temperature, as TRL)."""
     top_k: int = 0
     """Sample from the k most likely tokens only; 0 = off."""
     top_p: float = 1.0
     """Nucleus sampling threshold; 1.0 = off."""
-    rewards: str = "exact_match"
-    """Reward functions, comma-separated: built-in names (exact_match, format, length), 'module:function', or a reward-model run directory."""
+    rewards: str = ""
+    """Reward functions, comma-separated (required; the built-in task's recipe uses exact_match): built-in names (exact_match: needs an 'answer' column, format, length), 'module:function' with TRL's signature, or a reward-model run directory."""
     reward_weights: str | None = None
     """Comma-separated weights of the reward functions (default: all 1)."""
     num_iterations: int = 1
@@ -64,6 +65,17 @@ class OnlineAlgorithm(AlgorithmBase):
     give ``make_batch`` (scored rollout -> training batch) and ``loss``."""
 
     data_kind = "prompt_only"
+
+    def __init__(self, cfg, logprob_chunk: int = 128):
+        super().__init__(cfg, logprob_chunk)
+        if not cfg.rewards.strip():  # checked before the model loads
+            raise SystemExit(
+                f"error: {self.name} needs --algo.rewards: the functions that score each "
+                "completion, comma-separated: 'module:function' (TRL's signature f(prompts, "
+                "completions, **columns) -> list[float | None]; the data's other columns arrive "
+                "by name), a built-in (exact_match: the completion's first integer equals the "
+                "'answer' column; format; length), or a reward-model run directory. The built-in "
+                "task's recipe (--data builtin) uses exact_match.")
 
     def setup(self, module):
         if not self.needs_reference():
@@ -133,9 +145,15 @@ class Rollouts:
         self.graphdef, self.frozen = run.graphdef, run.frozen
         self.reward_fns = rewards_lib.resolve(c.rewards, run.load_run)
         self.reward_weights = rewards_lib.weights(c.reward_weights, len(self.reward_fns))
+        self.data_name = cfg.data
+        if len(run.train_src):  # before the first rollout: the rewards' columns are there
+            rewards_lib.check_columns(self.reward_fns, data.extra_columns(run.train_src, [0],
+                                                                          exclude=())[0],
+                                      cfg.data)
         self.stop_ids = jnp.asarray(generate.stop_ids(run.lm), jnp.int32)
         policy_graphdef, _ = algorithm.policy_view(run.graphdef, params, run.frozen["model"])
-        self._sample = sampler.make_sampler(policy_graphdef, c.max_completion_length, top_k=c.top_k)
+        self._sample = sampler.make_sampler(policy_graphdef, c.max_completion_length, top_k=c.top_k,
+                                            pad_id=run.lm.tokenizer.pad_id)
         self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(5, 6))
         algorithm.attach(self)
         self.prompts = data.train_batches(run.train_src, data.Indexed(run.transform),
@@ -143,6 +161,8 @@ class Rollouts:
                                           b.shuffle, b.num_workers)
         self.current, self.since_log, self.truncated, self.sample = None, [], 0, []
         self.rewards_per_func = None  # of the latest rollout (for make_batch)
+        self.seconds = {"rollout": 0.0, "update": 0.0, "steps": 0, "updates": 0}
+        self._last = None  # when the previous rollout ended
 
     # -- the batch source
 
@@ -151,22 +171,39 @@ class Rollouts:
         return (step - 1) % self.algorithm.cfg.num_iterations == 0
 
     def next(self, step, state):
+        # The time between two calls is the update(s) of the steps in between: wait for the
+        # state they produce (the dispatch is asynchronous) before timing the rollout.
+        jax.block_until_ready(state["params"])
+        now = time.perf_counter()
+        if self._last is not None:
+            self.seconds["update"] += now - self._last
+            self.seconds["updates"] += 1
         if self.fresh(step) or self.current is None:
             prompts = next(self.prompts)
             self.truncated += int(prompts["truncated"].sum())
             self.current = self.rollout(step, state, prompts)
             self.since_log.append(self.current[1])
+        self._last = time.perf_counter()
+        self.seconds["rollout"] += self._last - now
+        self.seconds["steps"] += 1
         return self.current[0]
 
     def to_device(self, batch):
         return device_batch(self.algorithm, batch)
 
     def host_metrics(self):
-        """``truncated`` prompts and the means of the rollouts since the last call (or of the
-        rollout being reused)."""
+        """``truncated`` prompts, the means of the rollouts since the last call (or of the
+        rollout being reused), and the seconds per step spent generating and scoring
+        (``time/rollout``) and in the optimizer update (``time/update``, the previous steps'
+        updates: everything between two rollouts, the first step's compilation included)."""
         out = {"truncated": float(self.truncated)}
         out.update(_means(self.since_log or [self.current[1]]))
+        t = self.seconds
+        out["time/rollout"] = t["rollout"] / max(t["steps"], 1)
+        if t["updates"]:
+            out["time/update"] = t["update"] / t["updates"]
         self.since_log, self.truncated = [], 0
+        self.seconds = {"rollout": 0.0, "update": 0.0, "steps": 0, "updates": 0}
         return out
 
     def logged_completions(self) -> list[dict]:
@@ -210,7 +247,7 @@ class Rollouts:
         rng = jax.random.fold_in(jax.random.key(self.seed), step)
         out = jax.device_get(self._sample(tuple(states), prompt_ids, prompt_mask, rng,
                                           jnp.float32(c.temperature), jnp.float32(c.top_p),
-                                          self.stop_ids))
+                                          self.stop_ids, self.lm.tokenizer.vocab_size))
         completion_ids = np.asarray(out["completion_ids"])
         completion_mask = np.asarray(out["completion_mask"]).astype(np.int32)
         finished = np.asarray(out["finished"]).astype(bool)
@@ -249,8 +286,20 @@ class Rollouts:
     def _texts(self, ids, mask) -> list[str]:
         stops = set(np.asarray(self.stop_ids).tolist())
         decode = self.lm.tokenizer.decode
-        return [decode([int(t) for t, m in zip(row, mrow) if m and int(t) not in stops])
-                for row, mrow in zip(ids, mask)]
+        out = []
+        for i, (row, mrow) in enumerate(zip(ids, mask)):
+            kept = [int(t) for t, m in zip(row, mrow) if m and int(t) not in stops]
+            try:
+                out.append(decode(kept))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer failure names the row and ids
+                size = self.lm.tokenizer.vocab_size
+                bad = [t for t in kept if not 0 <= t < size]
+                raise SystemExit(
+                    f"error: the tokenizer cannot decode completion {i} of the rollout "
+                    f"({type(exc).__name__}: {exc}); ids {kept[:16]}"
+                    + (f", of which {bad[:8]} are outside the tokenizer's {size} ids" if bad else "")
+                ) from None
+        return out
 
     def score(self, src, index, prompt_ids, prompt_mask, completion_ids, completion_mask, texts):
         """Completions of the records of ``src`` at ``index`` -> ([B] weighted reward sum,
@@ -259,13 +308,15 @@ class Rollouts:
         records = data.extra_columns(src, index, exclude=())
         columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
         prompts = columns.pop("prompt", [None] * len(texts))
+        rows = [f"completion {i} (record {int(index[i])} of {self.data_name}, prompt "
+                f"{str(prompts[i])[:80]!r})" for i in range(len(texts))]
         per_fn = np.zeros((len(texts), len(self.reward_fns)), np.float32)
         for j, (name, fn) in enumerate(self.reward_fns):
             if getattr(fn, "needs_tokens", False):
                 values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
                                                          completion_ids, completion_mask))
             else:
-                values = fn(prompts=prompts, completions=texts, **columns)
+                values = rewards_lib.score(name, fn, prompts, texts, columns, rows)
             per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
         total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
         return total, {name: per_fn[:, j] for j, (name, _) in enumerate(self.reward_fns)}

@@ -1,0 +1,253 @@
+"""Hugging Face export (tools.hf_export) verified by a logits round trip against transformers.
+
+Tiny random backbones of every exported family and configuration (multi-KV-head, soft caps,
+sliding windows, post norms, tied and untied embeddings, biases, q/k norms, scaled rotary
+frequencies) are exported, loaded with ``transformers.AutoModelForCausalLM`` and must give the
+same logits to 1e-4; unverified ones are refused by name. LoRA adapters exported in PEFT's
+format, applied to the exported base model, give the LoRA model's logits.
+"""
+
+import json
+
+import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+from nnx_posttrain import model
+from tools import hf_export, make_preset
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V = 512
+M = keras_hub.models
+IDS = (np.arange(1, 49, dtype=np.int32)[None, :] * 7) % V  # 48 positions: past every window
+MASK = np.ones_like(IDS)
+
+BACKBONES = {
+    "gemma_1kv": lambda: M.GemmaBackbone(vocabulary_size=V, num_layers=2, num_query_heads=4,
+                                         num_key_value_heads=1, hidden_dim=32, intermediate_dim=64,
+                                         head_dim=8),
+    "gemma_2kv": lambda: M.GemmaBackbone(vocabulary_size=V, num_layers=2, num_query_heads=4,
+                                         num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+                                         head_dim=8),
+    "gemma2": lambda: M.GemmaBackbone(
+        vocabulary_size=V, num_layers=3, num_query_heads=4, num_key_value_heads=2, hidden_dim=32,
+        intermediate_dim=64, head_dim=8, query_head_dim_normalize=False, use_post_ffw_norm=True,
+        use_post_attention_norm=True, attention_logit_soft_cap=5.0, final_logit_soft_cap=3.0,
+        use_sliding_window_attention=True, sliding_window_size=8),
+    "gemma3": lambda: M.Gemma3Backbone(
+        vocabulary_size=V, image_size=None, vision_encoder=None, num_layers=7, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8,
+        use_post_ffw_norm=True, use_post_attention_norm=True, use_sliding_window_attention=True,
+        sliding_window_size=8),
+    "llama3": lambda: M.Llama3Backbone(vocabulary_size=V, num_layers=2, num_query_heads=4,
+                                       num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+                                       rope_max_wavelength=500_000),
+    "llama3.1_tied": lambda: M.Llama3Backbone(
+        vocabulary_size=V, num_layers=2, num_query_heads=4, num_key_value_heads=1, hidden_dim=32,
+        intermediate_dim=64, rope_max_wavelength=500_000, rope_frequency_adjustment_factor=8.0,
+        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_pretraining_sequence_length=16,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True),
+    "mistral": lambda: M.MistralBackbone(vocabulary_size=V, num_layers=2, num_query_heads=4,
+                                         num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+                                         sliding_window=8),
+    "qwen2.5": lambda: M.QwenBackbone(vocabulary_size=V, num_layers=2, num_query_heads=4,
+                                      num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+                                      rope_max_wavelength=1_000_000, tie_word_embeddings=True),
+    "qwen3": lambda: M.Qwen3Backbone(vocabulary_size=V, num_layers=2, num_query_heads=4,
+                                     num_key_value_heads=2, hidden_dim=32, head_dim=16,
+                                     intermediate_dim=64, tie_word_embeddings=False),
+}
+MODEL_TYPE = {"gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
+              "gemma3": "gemma3_text", "llama3": "llama", "llama3.1_tied": "llama",
+              "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3"}
+
+
+def randomized(backbone, seed=0):
+    """Weights of a visible scale (norm scales and biases too), so every mapping matters."""
+    rng = np.random.default_rng(seed)
+    for v in backbone.weights:
+        std = 0.3 if len(v.shape) > 1 else 0.2
+        v.assign(rng.normal(0.0, std, v.shape).astype("float32"))
+    return backbone
+
+
+def task_of(backbone):
+    """A CausalLM around the backbone, with a tokenizer of its family (for the tokenizer files)."""
+    name = type(backbone).__name__
+    if name == "GemmaBackbone":
+        tok = M.GemmaTokenizer(proto=make_preset.gemma_proto(V))
+        return M.GemmaCausalLM(backbone, M.GemmaCausalLMPreprocessor(tok))
+    if name == "Llama3Backbone":
+        tok = make_preset.llama3_tokenizer(V + 512)  # tokenizer ids stay below the embedding's
+        return M.Llama3CausalLM(backbone, M.Llama3CausalLMPreprocessor(tok))
+    if name == "QwenBackbone":
+        return M.QwenCausalLM(backbone, M.QwenCausalLMPreprocessor(make_preset.qwen_tokenizer(V)))
+    return type("Task", (), {"backbone": backbone, "preprocessor": None})()
+
+
+def hf_logits(directory, dtype=torch.float32):
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=dtype, output_loading_info=True)
+    # every tensor of the model read from the export, none left over or reinitialised
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        return hf(torch.tensor(IDS, dtype=torch.long)).logits.float().numpy(), hf
+
+
+@pytest.mark.parametrize("name", sorted(BACKBONES))
+def test_export_round_trips_through_transformers(name, tmp_path):
+    backbone = randomized(BACKBONES[name]())
+    ours = np.asarray(model.full_logits(backbone, IDS, MASK))
+    hf_export.export_model(task_of(backbone), tmp_path, "float32")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == MODEL_TYPE[name]
+    assert config["num_key_value_heads"] == backbone.num_key_value_heads
+    theirs, _ = hf_logits(tmp_path)
+    assert np.abs(ours).max() > 1.0  # a scale at which a wrong mapping shows
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+def test_gemma2_export_is_gemma2_with_every_feature(tmp_path):
+    backbone = randomized(BACKBONES["gemma2"]())
+    hf_export.export_model(task_of(backbone), tmp_path, "float32")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "gemma2" and config["num_key_value_heads"] == 2
+    assert config["attn_logit_softcapping"] == 5.0 and config["final_logit_softcapping"] == 3.0
+    assert config["sliding_window"] == 8 and config["query_pre_attn_scalar"] == 32 // 4
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.0.self_attn.k_proj.weight").shape == (2 * 8, 32)
+    for norm in ("post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        assert f"model.layers.1.{norm}.weight" in keys
+    # and KerasHub reads it back (its Hugging Face converter): the same logits
+    reloaded = keras_hub.models.CausalLM.from_preset(str(tmp_path), dtype="float32")
+    np.testing.assert_allclose(model.full_logits(reloaded.backbone, IDS, MASK),
+                               model.full_logits(backbone, IDS, MASK), atol=1e-4)
+
+
+def test_bfloat16_export_is_half_the_size_and_loads(tmp_path):
+    backbone = randomized(BACKBONES["llama3"]())
+    task = task_of(backbone)
+    hf_export.export_model(task, tmp_path / "f32", "float32")
+    hf_export.export_model(task, tmp_path / "bf16", "bfloat16")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    f32 = (tmp_path / "f32" / "model.safetensors").stat().st_size
+    bf16 = (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    assert abs(bf16 / f32 - 0.5) < 0.01
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    theirs, _ = hf_logits(tmp_path / "bf16", torch.bfloat16)
+    np.testing.assert_allclose(theirs, model.full_logits(backbone, IDS, MASK), atol=0.15)
+
+
+def test_tokenizer_files_load_in_transformers_with_the_same_ids(tmp_path):
+    backbone = randomized(BACKBONES["gemma_2kv"]())
+    task = task_of(backbone)
+    hf_export.export_model(task, tmp_path, "float32")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = model.Tokenizer(task.preprocessor.tokenizer)
+    text = "<start_of_turn>user\nWhat is 12 + 30?<end_of_turn>\n"
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+
+
+def test_unverified_families_and_configurations_are_refused_by_name(tmp_path):
+    llama2 = M.LlamaBackbone(vocabulary_size=V, num_layers=1, num_query_heads=2,
+                             num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+    with pytest.raises(hf_export.ExportError, match="LlamaBackbone has no verified"):
+        hf_export.export_model(task_of(llama2), tmp_path / "a", "float32")
+    half_gemma2 = M.GemmaBackbone(vocabulary_size=V, num_layers=1, num_query_heads=2,
+                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+                                  head_dim=8, final_logit_soft_cap=30.0)
+    with pytest.raises(hf_export.ExportError, match="final_logit_soft_cap"):
+        hf_export.export_model(task_of(half_gemma2), tmp_path / "b", "float32")
+    window = M.Qwen3Backbone(vocabulary_size=V, num_layers=1, num_query_heads=2,
+                             num_key_value_heads=1, hidden_dim=16, head_dim=8, intermediate_dim=32,
+                             sliding_window_size=8)
+    with pytest.raises(hf_export.ExportError, match="sliding_window_size=8"):
+        hf_export.export_model(task_of(window), tmp_path / "w", "float32")
+    lora = BACKBONES["gemma_1kv"]()
+    model.enable_lora(lora, 2)
+    with pytest.raises(hf_export.ExportError, match="lora_kernel"):
+        hf_export.export_model(task_of(lora), tmp_path / "c", "float32")
+
+
+# ----------------------------------------------------------------------------- PEFT adapters
+
+
+@pytest.mark.parametrize("name,targets", [("gemma_2kv", "all-linear"), ("llama3", "attention")])
+def test_adapters_in_peft_layout_give_the_lora_models_logits(name, targets, tmp_path):
+    backbone = randomized(BACKBONES[name]())
+    hf_export.export_model(task_of(backbone), tmp_path / "base", "float32")
+    adapted = model.enable_lora(backbone, 2, alpha=4.0, targets=targets)
+    rng = np.random.default_rng(1)
+    for v in backbone.weights:
+        if "lora_kernel" in v.path:
+            v.assign(rng.normal(0.0, 0.3, v.shape).astype("float32"))
+    ours = np.asarray(model.full_logits(backbone, IDS, MASK))
+    hf_export.export_adapters(backbone, tmp_path / "adapter", "float32", base_model="base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 2 and config["lora_alpha"] == 4.0
+    from safetensors.numpy import load_file
+
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(tensors) == 2 * len(adapted)
+    base_logits, hf = hf_logits(tmp_path / "base")
+    assert np.abs(base_logits - ours).max() > 1e-2  # the adapters change the model
+    modules = dict(hf.named_modules())
+    # PEFT's layout: base_model.model.<module>.lora_A.weight [r, in], lora_B.weight [out, r],
+    # scaled by lora_alpha / r (rank_pattern / alpha_pattern where a module's rank differs)
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = tensors[key.replace("lora_A", "lora_B")]
+            linear, short = modules[path], path.split(".")[-1]
+            r = config["rank_pattern"].get(short, config["r"])
+            alpha = config["alpha_pattern"].get(short, config["lora_alpha"])
+            assert a.shape == (r, linear.in_features) and b.shape == (linear.out_features, r)
+            linear.weight += torch.tensor(alpha / r * (b @ a))
+        theirs = hf(torch.tensor(IDS, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+
+
+def test_adapters_load_with_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    backbone = randomized(BACKBONES["gemma_2kv"]())
+    hf_export.export_model(task_of(backbone), tmp_path / "base", "float32")
+    model.enable_lora(backbone, 2, alpha=4.0, targets="all-linear")
+    rng = np.random.default_rng(1)
+    for v in backbone.weights:
+        if "lora_kernel" in v.path:
+            v.assign(rng.normal(0.0, 0.3, v.shape).astype("float32"))
+    hf_export.export_adapters(backbone, tmp_path / "adapter", "float32", base_model="base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"),
+                                                             dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    with torch.no_grad():
+        theirs = peft_model(torch.tensor(IDS, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, model.full_logits(backbone, IDS, MASK), atol=1e-4)
+
+
+def test_lora_factors_are_exact_block_diagonal_adapters():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(3, 5, 2)), rng.normal(size=(2, 4))  # query: heads 3, in 5, head 4
+    lora_a, lora_b, rank = hf_export.lora_factors(a, b, ((0, 2), (1,)))
+    assert rank == 6 and lora_a.shape == (6, 5) and lora_b.shape == (12, 6)
+    delta = np.einsum("ndr,rh->ndh", a, b)
+    np.testing.assert_allclose(lora_b @ lora_a, hf_export.to_matrix(delta, ((0, 2), (1,))))
+    a, b = rng.normal(size=(3, 4, 2)), rng.normal(size=(2, 5))  # output: heads 3, head 4, out 5
+    lora_a, lora_b, rank = hf_export.lora_factors(a, b, ((2,), (0, 1)))
+    assert rank == 2
+    np.testing.assert_allclose(lora_b @ lora_a,
+                               hf_export.to_matrix(np.einsum("nhr,rd->nhd", a, b), ((2,), (0, 1))))

@@ -1,0 +1,157 @@
+"""Real-size models offline: tools.make_preset (real dimensions, random weights, full-size
+tokenizers through KerasHub's own from_preset), the headline command / DPO / GRPO on a scaled
+preset (tools.smoke_real: the small version of what tools/smoke_real.sh runs at full size), the
+sampler on a padded embedding (Qwen), and bfloat16 weights without float32 copies across a step."""
+
+import json
+
+import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+import jax
+import jax.numpy as jnp
+import keras_hub
+import numpy as np
+import pytest
+
+from nnx_posttrain import model
+from tools import make_preset, smoke_real
+
+TEXT = "<start_of_turn>user\nWhat's 12 + 30? Écrivez ☃.<end_of_turn>\n"
+
+
+def test_gemma_tokenizer_has_gemmas_size_and_layout():
+    tok = model.Tokenizer(keras_hub.models.GemmaTokenizer(proto=make_preset.gemma_proto()))
+    assert tok.vocab_size == 256_000
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+    assert tok.token_id("<start_of_turn>") == 106 and tok.token_id("<end_of_turn>") == 107
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+
+
+@pytest.mark.parametrize("kind,size,specials", [
+    ("llama3", 128_256, {"<|begin_of_text|>": 128_000, "<|eot_id|>": 128_009,
+                         "<|start_header_id|>": 128_006}),
+    ("qwen2.5", 151_665, {"<|endoftext|>": 151_643, "<|im_start|>": 151_644,
+                          "<|im_end|>": 151_645}),
+])
+def test_byte_level_tokenizers_have_the_real_size_and_special_ids(kind, size, specials):
+    keras_tok = (make_preset.llama3_tokenizer() if kind == "llama3"
+                 else make_preset.qwen_tokenizer())
+    tok = model.Tokenizer(keras_tok)
+    assert tok.vocab_size == size
+    for piece, i in specials.items():
+        assert tok.token_id(piece) == i
+    text = "<|im_start|>user\nWhat's 12 + 30? Écrivez ☃.<|im_end|>\n" if kind != "llama3" else (
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat's 12 + 30? Écrivez ☃.<|eot_id|>")
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_scaled_preset_keeps_heads_and_vocabulary():
+    dims = make_preset.scaled(make_preset.LIKE["llama3.2_1b"][1], 0.05)
+    assert dims["num_query_heads"] == 32 and dims["num_key_value_heads"] == 8
+    assert dims["vocabulary_size"] == 128_256 and dims["hidden_dim"] % 32 == 0
+    assert make_preset.scaled(make_preset.LIKE["gemma_2b"][1], 1.0) == make_preset.LIKE["gemma_2b"][1]
+
+
+def test_headline_command_dpo_and_grpo_on_a_scaled_gemma_2b(tmp_path):
+    """The README's headline command (experiments.simpo --model PRESET --data pairs.jsonl
+    --lora.rank 8) on a gemma_2b-shaped preset (full 256k vocabulary, 8 query heads, 1 KV head)
+    scaled down, then DPO and GRPO, each in its own process; timings, memory, checkpoints."""
+    results = smoke_real.main(["--like", "gemma_2b", "--scale", "0.02", "--work", str(tmp_path),
+                               "--steps", "2", "--dtypes", "bfloat16-params"])
+    assert [r["method"] for r in results] == ["simpo", "dpo", "grpo"]
+    for r in results:
+        assert r["seconds_per_step"] > 0 and r["peak_rss_bytes"] > 0 and r["load_seconds"] > 0
+        assert 0 < r["checkpoint_bytes"] < 5e6  # LoRA factors only: the base is not saved
+        config = json.loads((tmp_path / f"{r['method']}_bfloat16-params" / "config.json").read_text())
+        assert config["init_from"] is None and config["batching"]["max_length"] == 64
+        assert config["optim"]["learning_rate"] == (1e-6 if r["method"] != "sft" else 2e-5)
+    preset = json.loads((tmp_path / "preset_gemma_2b_0.02" / "config.json").read_text())
+    assert preset["config"]["vocabulary_size"] == 256_000
+    assert preset["config"]["num_key_value_heads"] == 1
+    grpo = [json.loads(l) for l in (tmp_path / "grpo_bfloat16-params" / "metrics.jsonl")
+            .read_text().splitlines()]
+    assert all("time/rollout" in r for r in grpo if r["split"] == "train")
+
+
+def test_sampler_never_emits_ids_past_the_tokenizer_of_a_padded_embedding(tmp_path):
+    """Qwen 2.5's embedding has 151,936 rows for 151,665 tokens: the padding rows are never
+    sampled (the tokenizer could not decode them), greedy or not, even when most likely."""
+    from nnx_posttrain.sampling import sampler
+
+    logits = jnp.zeros((64, 10)).at[:, 8].set(50.0).at[:, 3].set(1.0)  # id 8 >= the 8 tokens
+    for temperature in (0.0, 1.0):
+        tokens, logp = sampler._choose(logits, jax.random.key(0), jnp.float32(temperature),
+                                       jnp.float32(1.0), 0, jnp.int32(8))
+        assert int(tokens.max()) < 8
+        # the log-probs stay the full softmax's (as the training forward computes them)
+        full = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
+        np.testing.assert_allclose(logp, jnp.take_along_axis(full, tokens[:, None], 1)[:, 0])
+        unmasked, _ = sampler._choose(logits, jax.random.key(0), jnp.float32(temperature),
+                                      jnp.float32(1.0), 0)
+        assert int(unmasked.max()) == 8
+    make_preset.build("qwen2.5_0.5b", tmp_path / "qwen", scale=0.02, echo=lambda _: None)
+    lm = model.load(str(tmp_path / "qwen"), dtype="float32")
+    assert lm.chat_format == "qwen2.5" and lm.tokenizer.vocab_size == 151_665
+    assert lm.module.token_embedding.embeddings.shape[0] == 151_936
+    texts = sampler.sample_texts(lm, lm.module, ["Hi", "Hello"], 6, temperature=1.0,
+                                 num_samples=2)
+    assert [len(t) for t in texts] == [2, 2]
+
+
+# ----------------------------------------------------------------------------- bfloat16 memory
+
+
+def _step_memory(lm, lazy: bool):
+    """(loss, grads, compiled temporary bytes) of an SFT loss and gradient over the LoRA factors."""
+    from nnx_posttrain.algorithms import SFT
+
+    model.set_remat(lm.module, False, lazy_frozen=lazy)
+    algo = SFT(SFT.Config(), 16)
+    ids = jnp.asarray(np.random.default_rng(0).integers(4, 500, (2, 32)), jnp.int32)
+    batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids),
+             "loss_mask": jnp.ones_like(ids).at[:, :4].set(0)}
+    graphdef, params, frozen = model.split(lm.module)
+
+    def loss(p, f):
+        return algo.loss(model.merge(graphdef, p, {"model": f, "reference": None})[0], batch)[0]
+
+    fn = jax.jit(jax.value_and_grad(loss))
+    temp = fn.lower(params, frozen).compile().memory_analysis().temp_size_in_bytes
+    value, grads = fn(params, frozen)
+    return float(value), grads, temp, sum(x.size for x in jax.tree.leaves(frozen))
+
+
+def test_bfloat16_frozen_weights_are_not_copied_to_float32_across_the_step():
+    """XLA:CPU computes bfloat16 matmuls in float32; reading frozen weights lazily per block keeps
+    those copies local (model.frozen), with the same loss and gradients."""
+    model.register_builtin("deep_bf16_test", dict(
+        num_layers=6, num_query_heads=4, num_key_value_heads=1, hidden_dim=256,
+        intermediate_dim=4096, head_dim=64), lambda: make_preset.gemma_proto(512))
+    lm = model.load("deep_bf16_test", dtype="bfloat16-params", seed=0)
+    model.enable_lora(lm.module, 4)
+    loss_a, grads_a, temp_a, frozen_size = _step_memory(lm, lazy=False)
+    loss_b, grads_b, temp_b, _ = _step_memory(lm, lazy=True)
+    assert loss_a == pytest.approx(loss_b, rel=1e-4)  # bfloat16: the same up to rounding order
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(a).max() + 1e-6
+    f32_copy = 4 * frozen_size
+    assert temp_a > 0.8 * f32_copy  # the float32 copies XLA makes, alive together
+    assert temp_b < temp_a - 0.5 * f32_copy, (temp_a, temp_b, f32_copy)
+
+
+def test_presets_load_in_their_dtype_without_initialising(tmp_path, monkeypatch):
+    """A preset's weights are read over zeros: no initializer runs (each would compile and draw a
+    float32 sample of a tensor the file overwrites), and the weights are the file's."""
+    import keras
+
+    make_preset.build("gemma_2b", tmp_path / "g", scale=0.02, echo=lambda _: None)
+    reference = keras_hub.models.CausalLM.from_preset(str(tmp_path / "g"), dtype="bfloat16")
+    calls = []
+    original = keras.initializers.RandomNormal.__call__
+    monkeypatch.setattr(keras.initializers.RandomNormal, "__call__",
+                        lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    lm = model.load(str(tmp_path / "g"), dtype="bfloat16-params")
+    assert calls == []
+    assert {str(v.dtype) for v in lm.module.weights} == {"bfloat16"}
+    for a, b in zip(lm.module.weights, reference.backbone.weights):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))

@@ -1,0 +1,423 @@
+"""Hugging Face export of a KerasHub causal LM: full weights (safetensors + config + tokenizer)
+or LoRA adapters only (PEFT's adapter_model.safetensors + adapter_config.json).
+
+Only families and configurations whose export was verified by a logits round trip against
+``transformers`` (tests/test_hf_export.py: tiny random backbones of each, exported, loaded with
+``AutoModelForCausalLM``, logits equal to 1e-4) are exported; anything else is refused by name:
+
+| KerasHub backbone | Hugging Face model_type | verified configurations |
+|---|---|---|
+| GemmaBackbone | gemma | Gemma 1: no post norms, soft caps or sliding window; any KV heads |
+| GemmaBackbone | gemma2 | Gemma 2: post norms, soft caps, sliding window on even layers |
+| Gemma3Backbone | gemma3_text | text only (no vision encoder, causal, not an embedding model) |
+| Llama3Backbone | llama | Llama 3 and 3.1+ (scaled rotary frequencies), tied or not |
+| MistralBackbone | mistral | sliding window, head_dim |
+| QwenBackbone | qwen2 | Qwen 2 / 2.5 without sliding window |
+| Qwen3Backbone | qwen3 | Qwen 3 (dense), positions up to its sliding window (32,768) |
+
+Weights are mapped by Keras variable path (every variable must match exactly one rule, so an
+unknown layer stops the export) and written one tensor at a time, in ``dtype``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+
+VERIFIED = ("GemmaBackbone", "Gemma3Backbone", "Llama3Backbone", "MistralBackbone",
+            "QwenBackbone", "Qwen3Backbone")
+DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", None), "float16": ("F16", np.float16)}
+
+
+class ExportError(RuntimeError):
+    """The model cannot be exported as asked; the message says why."""
+
+
+# A rule: (regex on the Keras variable path, HF tensor name, layout). The layout of a kernel is
+# (output axes, input axes) of the Keras array: the HF weight is the kernel transposed to
+# (outputs, inputs) and reshaped to a matrix [out, in]; None copies the array, "flat" flattens it.
+_L = r"(\d+)"
+GEMMA_RULES = [
+    (r"token_embedding/embeddings", "model.embed_tokens.weight", None),
+    (rf"decoder_block_{_L}/pre_attention_norm/scale", "model.layers.{}.input_layernorm.weight", None),
+    (rf"decoder_block_{_L}/post_attention_norm/scale", "model.layers.{}.post_attention_layernorm.weight", None),
+    (rf"decoder_block_{_L}/pre_ffw_norm/scale", "model.layers.{}.PRE_FFW.weight", None),
+    (rf"decoder_block_{_L}/post_ffw_norm/scale", "model.layers.{}.post_feedforward_layernorm.weight", None),
+    (rf"decoder_block_{_L}/attention/query/kernel", "model.layers.{}.self_attn.q_proj.weight", ((0, 2), (1,))),
+    (rf"decoder_block_{_L}/attention/key/kernel", "model.layers.{}.self_attn.k_proj.weight", ((0, 2), (1,))),
+    (rf"decoder_block_{_L}/attention/value/kernel", "model.layers.{}.self_attn.v_proj.weight", ((0, 2), (1,))),
+    (rf"decoder_block_{_L}/attention/query_norm/scale", "model.layers.{}.self_attn.q_norm.weight", None),
+    (rf"decoder_block_{_L}/attention/key_norm/scale", "model.layers.{}.self_attn.k_norm.weight", None),
+    (rf"decoder_block_{_L}/attention/attention_output/kernel", "model.layers.{}.self_attn.o_proj.weight", ((2,), (0, 1))),
+    (rf"decoder_block_{_L}/ffw_gating/kernel", "model.layers.{}.mlp.gate_proj.weight", ((1,), (0,))),
+    (rf"decoder_block_{_L}/ffw_gating_2/kernel", "model.layers.{}.mlp.up_proj.weight", ((1,), (0,))),
+    (rf"decoder_block_{_L}/ffw_linear/kernel", "model.layers.{}.mlp.down_proj.weight", ((1,), (0,))),
+    (r"final_normalization/scale", "model.norm.weight", None),
+]
+_T = r"transformer_layer_(\d+)"
+LLAMA_RULES = [  # Llama 3, Mistral, Qwen 2 / 2.5, Qwen 3
+    (r"token_embedding/embeddings", "model.embed_tokens.weight", None),
+    (r"token_embedding/reverse_embeddings", "lm_head.weight", ((1,), (0,))),
+    (rf"{_T}/self_attention/query/kernel", "model.layers.{}.self_attn.q_proj.weight", ((1, 2), (0,))),
+    (rf"{_T}/self_attention/key/kernel", "model.layers.{}.self_attn.k_proj.weight", ((1, 2), (0,))),
+    (rf"{_T}/self_attention/value/kernel", "model.layers.{}.self_attn.v_proj.weight", ((1, 2), (0,))),
+    (rf"{_T}/self_attention/query/bias", "model.layers.{}.self_attn.q_proj.bias", "flat"),
+    (rf"{_T}/self_attention/key/bias", "model.layers.{}.self_attn.k_proj.bias", "flat"),
+    (rf"{_T}/self_attention/value/bias", "model.layers.{}.self_attn.v_proj.bias", "flat"),
+    (rf"{_T}/self_attention/query_dense_layernorm/scale", "model.layers.{}.self_attn.q_norm.weight", None),
+    (rf"{_T}/self_attention/key_dense_layernorm/scale", "model.layers.{}.self_attn.k_norm.weight", None),
+    (rf"{_T}/self_attention/attention_output/kernel", "model.layers.{}.self_attn.o_proj.weight", ((2,), (0, 1))),
+    (rf"{_T}/self_attention_layernorm/scale", "model.layers.{}.input_layernorm.weight", None),
+    (rf"{_T}/feedforward_layernorm/scale", "model.layers.{}.post_attention_layernorm.weight", None),
+    (rf"{_T}/feedforward_gate_dense/kernel", "model.layers.{}.mlp.gate_proj.weight", ((1,), (0,))),
+    (rf"{_T}/feedforward_intermediate_dense/kernel", "model.layers.{}.mlp.up_proj.weight", ((1,), (0,))),
+    (rf"{_T}/feedforward_output_dense/kernel", "model.layers.{}.mlp.down_proj.weight", ((1,), (0,))),
+    (r"sequence_output_layernorm/scale", "model.norm.weight", None),
+]
+
+
+# ----------------------------------------------------------------------------- configurations
+
+
+def _refuse(family: str, problems: list[str]):
+    if problems:
+        raise ExportError(f"--format hf: this {family} configuration has no verified Hugging Face "
+                          f"export ({'; '.join(problems)}); use --format keras")
+
+
+def _gemma_config(b) -> dict:
+    gemma2 = b.use_post_ffw_norm or b.use_post_attention_norm
+    common = dict(
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim,
+        intermediate_size=b.intermediate_dim // 2, num_hidden_layers=b.num_layers,
+        num_attention_heads=b.num_query_heads, num_key_value_heads=b.num_key_value_heads,
+        head_dim=b.head_dim, rms_norm_eps=b.layer_norm_epsilon, rope_theta=10000.0,
+        hidden_activation="gelu_pytorch_tanh", attention_bias=False, attention_dropout=0.0,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+    )
+    if not gemma2:
+        _refuse("GemmaBackbone (Gemma 1)", [
+            f"{name} is set (a Gemma 2 feature, without Gemma 2's post norms)"
+            for name in ("final_logit_soft_cap", "attention_logit_soft_cap",
+                         "use_sliding_window_attention") if getattr(b, name)
+        ] + ([] if b.query_head_dim_normalize else
+             ["query_head_dim_normalize=False (Gemma 1 scales queries by head_dim)"]))
+        return dict(architectures=["GemmaForCausalLM"], model_type="gemma", **common)
+    _refuse("GemmaBackbone (Gemma 2)", [] if b.use_post_ffw_norm and b.use_post_attention_norm
+            else ["only one of use_post_ffw_norm / use_post_attention_norm"])
+    sliding = [bool(b.use_sliding_window_attention and i % 2 == 0) for i in range(b.num_layers)]
+    return dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", **common,
+        query_pre_attn_scalar=b.head_dim if b.query_head_dim_normalize
+        else b.hidden_dim // b.num_query_heads,
+        final_logit_softcapping=b.final_logit_soft_cap,
+        attn_logit_softcapping=b.attention_logit_soft_cap,
+        sliding_window=b.sliding_window_size,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+    )
+
+
+def _gemma3_config(b) -> dict:
+    from keras_hub.src.utils.transformers.export.gemma3 import get_gemma3_config
+
+    _refuse("Gemma3Backbone", [p for p, bad in (
+        ("a vision encoder", b.vision_encoder is not None),
+        ("an embedding model", getattr(b, "is_embedding_model", False)),
+        ("bidirectional attention", getattr(b, "use_bidirectional_attention", False)),
+        ("no post-attention / post-feedforward norms (Gemma 3 has both)",
+         not (b.use_post_ffw_norm and b.use_post_attention_norm)),
+        ("no query / key norms (Gemma 3 has them)", not b.use_query_key_norm),
+    ) if bad])
+    cfg = get_gemma3_config(b)
+    cfg.pop("torch_dtype", None)
+    return cfg
+
+
+def _llama3_config(b) -> dict:
+    from keras_hub.src.utils.transformers.export.llama3 import get_llama3_config
+
+    _refuse("Llama3Backbone", [] if b.rope_position_scaling_factor == 1.0
+            else [f"rope_position_scaling_factor={b.rope_position_scaling_factor}"])
+    cfg = get_llama3_config(b)
+    cfg.pop("torch_dtype", None)
+    return cfg
+
+
+def _mistral_config(b) -> dict:
+    _refuse("MistralBackbone", [] if getattr(b, "rope_scaling_factor", 1.0) == 1.0
+            else [f"rope_scaling_factor={b.rope_scaling_factor}"])
+    return dict(
+        architectures=["MistralForCausalLM"], model_type="mistral",
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim, intermediate_size=b.intermediate_dim,
+        num_hidden_layers=b.num_layers, num_attention_heads=b.num_query_heads,
+        num_key_value_heads=b.num_key_value_heads,
+        head_dim=getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads,
+        rms_norm_eps=b.layer_norm_epsilon, rope_theta=b.rope_max_wavelength, hidden_act="silu",
+        max_position_embeddings=32768, sliding_window=b.sliding_window, tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
+
+
+def _qwen_config(b) -> dict:
+    _refuse("QwenBackbone", [p for p, bad in (
+        ("use_sliding_window_attention=True", b.use_sliding_window_attention),
+        (f"rope_scaling_factor={b.rope_scaling_factor}", b.rope_scaling_factor != 1.0),
+    ) if bad])
+    return dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim, intermediate_size=b.intermediate_dim,
+        num_hidden_layers=b.num_layers, num_attention_heads=b.num_query_heads,
+        num_key_value_heads=b.num_key_value_heads, rms_norm_eps=b.layer_norm_epsilon,
+        rope_theta=b.rope_max_wavelength, hidden_act="silu", max_position_embeddings=32768,
+        use_sliding_window=False, tie_word_embeddings=b.tie_word_embeddings, attention_dropout=0.0,
+    )
+
+
+def _qwen3_config(b) -> dict:
+    _refuse("Qwen3Backbone", [] if b.rope_scaling_factor == 1.0
+            else [f"rope_scaling_factor={b.rope_scaling_factor}"])
+    window = b.sliding_window_size
+    _refuse("Qwen3Backbone", [] if not window or window >= 32768 else [
+        f"sliding_window_size={window} (KerasHub masks every layer beyond it; the Hugging Face "
+        "Qwen3 sliding window did not give the same logits)"])
+    cfg = dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim, intermediate_size=b.intermediate_dim,
+        num_hidden_layers=b.num_layers, num_attention_heads=b.num_query_heads,
+        num_key_value_heads=b.num_key_value_heads, head_dim=b.head_dim,
+        rms_norm_eps=b.layer_norm_epsilon, rope_theta=b.rope_max_wavelength, hidden_act="silu",
+        attention_bias=False, tie_word_embeddings=b.tie_word_embeddings, attention_dropout=0.0,
+    )
+    # KerasHub's window (32,768 by default) covers every position the export is told to support
+    cfg.update(use_sliding_window=False, sliding_window=None,
+               max_position_embeddings=min(40960, window or 40960))
+    return cfg
+
+
+CONFIGS = {"GemmaBackbone": _gemma_config, "Gemma3Backbone": _gemma3_config,
+           "Llama3Backbone": _llama3_config, "MistralBackbone": _mistral_config,
+           "QwenBackbone": _qwen_config, "Qwen3Backbone": _qwen3_config}
+
+
+def family(backbone) -> str:
+    name = type(backbone).__name__
+    if name not in CONFIGS:
+        raise ExportError(
+            f"--format hf: {name} has no verified Hugging Face export (verified: "
+            f"{', '.join(VERIFIED)}); use --format keras")
+    return name
+
+
+def hf_config(backbone, tokenizer=None, dtype: str = "float32") -> dict:
+    cfg = CONFIGS[family(backbone)](backbone)
+    if tokenizer is not None:
+        for key, attr in (("bos_token_id", "start_token_id"), ("eos_token_id", "end_token_id"),
+                          ("pad_token_id", "pad_token_id")):
+            value = getattr(tokenizer, attr, None)
+            if value is not None:
+                cfg[key] = int(value)
+    cfg["torch_dtype"] = cfg["dtype"] = dtype
+    return cfg
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _rules(backbone):
+    if family(backbone) in ("GemmaBackbone", "Gemma3Backbone"):
+        pre_ffw = ("post_attention_layernorm" if family(backbone) == "GemmaBackbone"
+                   and not backbone.use_post_ffw_norm else "pre_feedforward_layernorm")
+        return [(re.compile(p + "$"), name.replace("PRE_FFW", pre_ffw), layout)
+                for p, name, layout in GEMMA_RULES]
+    return [(re.compile(p + "$"), name, layout) for p, name, layout in LLAMA_RULES]
+
+
+def _match(rules, path: str):
+    hits = [(rx.match(path), name, layout) for rx, name, layout in rules]
+    hits = [(m, name, layout) for m, name, layout in hits if m]
+    if len(hits) != 1:
+        return None
+    m, name, layout = hits[0]
+    return name.format(*m.groups()), layout
+
+
+def to_matrix(array: np.ndarray, layout) -> np.ndarray:
+    """A Keras kernel in HF's layout: (outputs, inputs) flattened to [out, in]."""
+    if layout is None:
+        return array
+    if layout == "flat":
+        return array.reshape(-1)
+    out_axes, in_axes = layout
+    t = np.transpose(array, out_axes + in_axes)
+    return t.reshape(math.prod(array.shape[a] for a in out_axes),
+                     math.prod(array.shape[a] for a in in_axes))
+
+
+def weight_map(backbone) -> dict[str, tuple]:
+    """{HF tensor name: (Keras variable, layout)} of every variable; an unmatched variable (a
+    LoRA factor not merged, an unknown layer) stops the export by name."""
+    rules, out, unmatched = _rules(backbone), {}, []
+    for v in backbone.weights:
+        hit = _match(rules, v.path)
+        if hit is None:
+            unmatched.append(v.path)
+            continue
+        name, layout = hit
+        if name in out:
+            raise ExportError(f"--format hf: two variables map to {name}")
+        out[name] = (v, layout)
+    if unmatched:
+        raise ExportError(f"--format hf: {len(unmatched)} variable(s) of {type(backbone).__name__} "
+                          f"have no verified Hugging Face name, e.g. {unmatched[:3]}")
+    return out
+
+
+def _as_numpy(value, dtype: str) -> np.ndarray:
+    import jax.numpy as jnp
+
+    return np.asarray(jnp.asarray(value).astype(jnp.dtype(dtype)))
+
+
+def write_safetensors(path: Path, tensors: dict[str, callable], shapes: dict[str, tuple],
+                      dtype: str) -> int:
+    """Write ``tensors`` (name -> function returning the numpy array, called one at a time, so
+    only one tensor's host copy exists at once) as a safetensors file; returns its size."""
+    code, _ = DTYPES[dtype]
+    itemsize = np.dtype(np.float32 if dtype == "float32" else np.float16).itemsize
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name in tensors:
+        size = math.prod(shapes[name]) * itemsize
+        header[name] = {"dtype": code, "shape": list(shapes[name]),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * ((8 - len(blob) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, produce in tensors.items():
+            array = np.ascontiguousarray(produce())
+            if tuple(array.shape) != tuple(shapes[name]):
+                raise ExportError(f"{name}: shape {array.shape}, expected {shapes[name]}")
+            f.write(memoryview(array.reshape(-1).view(np.uint8)))
+    return path.stat().st_size
+
+
+def export_model(task, to: Path, dtype: str) -> list[Path]:
+    """Full weights: model.safetensors, config.json, generation_config.json, tokenizer files."""
+    backbone = task.backbone
+    tokenizer = getattr(task.preprocessor, "tokenizer", None)
+    mapping = weight_map(backbone)
+    shapes = {n: to_matrix(np.empty(v.shape, np.int8), layout).shape
+              for n, (v, layout) in mapping.items()}
+    tensors = {n: (lambda v=v, layout=layout: to_matrix(_as_numpy(v.value, dtype), layout))
+               for n, (v, layout) in mapping.items()}
+    to.mkdir(parents=True, exist_ok=True)
+    write_safetensors(to / "model.safetensors", tensors, shapes, dtype)
+    cfg = hf_config(backbone, tokenizer, dtype)
+    (to / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    (to / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer is not None:
+        export_tokenizer(tokenizer, to)
+    return sorted(p for p in to.rglob("*") if p.is_file())
+
+
+def export_tokenizer(tokenizer, to: Path) -> None:
+    """KerasHub's tokenizer export (Qwen 3's tokenizer written as Qwen 2's, with its own end
+    token)."""
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    name = type(tokenizer).__name__
+    if name == "Qwen3Tokenizer":
+        tokenizer.save_assets(str(to))
+        (to / "vocabulary.json").rename(to / "vocab.json")
+        special = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False,
+                                                   "rstrip": False, "normalized": False,
+                                                   "single_word": False}
+                   for t in tokenizer.unsplittable_tokens or []}
+        (to / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 40960,
+            "added_tokens_decoder": special}, indent=2))
+        return
+    if name not in hf_exporter.MODEL_TOKENIZER_CONFIGS:
+        raise ExportError(f"--format hf: KerasHub cannot export a {name} to Hugging Face format")
+    hf_exporter.export_tokenizer(tokenizer, str(to))
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+
+def lora_factors(a: np.ndarray, b: np.ndarray, layout) -> tuple[np.ndarray, np.ndarray, int]:
+    """PEFT factors (lora_A [R, in], lora_B [out, R], R) of a Keras LoRA pair whose product
+    a @ b (over the rank) is a delta of the kernel with ``layout``. Keras factors the kernel's
+    last axis alone (b: [r, last]); the kernel's other output axes (e.g. the heads of a query
+    projection) make one rank-r block each, so the exact PEFT adapter is block-diagonal with
+    R = r x their size (R = r when the last axis is the only output axis: k/v with one head,
+    o_proj, the MLP)."""
+    out_axes, in_axes = layout
+    last = a.ndim - 1  # kernel axes: a's leading axes + the last axis (b's)
+    if not out_axes or out_axes[-1] != last:
+        raise ExportError("LoRA factors of this layer have no exact PEFT form")
+    extra = out_axes[:-1]
+    r = a.shape[-1]
+    ne = math.prod(a.shape[i] for i in extra)
+    n_in = math.prod(a.shape[i] for i in in_axes)
+    lora_a = np.transpose(a, extra + (last,) + in_axes).reshape(ne * r, n_in)
+    lora_b = np.einsum("xy,kl->xlyk", np.eye(ne, dtype=b.dtype), b).reshape(ne * b.shape[1], ne * r)
+    return lora_a, lora_b, ne * r
+
+
+def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Path]:
+    """PEFT adapter_model.safetensors + adapter_config.json of the backbone's LoRA layers."""
+    import keras
+
+    rules = _rules(backbone)
+    layers = [l for l in backbone._flatten_layers(include_self=False)
+              if getattr(l, "lora_enabled", False)]
+    if not layers:
+        raise ExportError("--adapters-only: the run has no LoRA adapters (it trained every weight)")
+    rank, alpha = layers[0].lora_rank, layers[0].lora_alpha
+    tensors, shapes, ranks, targets = {}, {}, {}, set()
+    for layer in layers:
+        if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            raise ExportError(f"--adapters-only: LoRA on {layer.path} ({type(layer).__name__})")
+        if (layer.lora_rank, layer.lora_alpha) != (rank, alpha):
+            raise ExportError(f"--adapters-only: {layer.path} has another LoRA rank or alpha")
+        kernel = getattr(layer, "_kernel", None)  # .kernel is the merged array once LoRA is on
+        hit = _match(rules, kernel.path) if kernel is not None else None
+        if hit is None or hit[1] in (None, "flat"):
+            raise ExportError(f"--adapters-only: {layer.path} has no verified Hugging Face module")
+        name, layout = hit
+        module = name.removesuffix(".weight")
+        lora_a, lora_b, ranks[module.split(".")[-1]] = lora_factors(
+            np.asarray(layer.lora_kernel_a.value, np.float32),
+            np.asarray(layer.lora_kernel_b.value, np.float32), layout)
+        targets.add(module.split(".")[-1])
+        for part, array in (("lora_A", lora_a), ("lora_B", lora_b)):
+            key = f"base_model.model.{module}.{part}.weight"
+            tensors[key] = (lambda x=array: _as_numpy(x, dtype))
+            shapes[key] = array.shape
+    # PEFT scales by lora_alpha / r: a block-diagonal adapter of rank R keeps Keras' alpha / rank
+    # with alpha x R / rank
+    bigger = {k: v for k, v in sorted(ranks.items()) if v != rank}
+    to.mkdir(parents=True, exist_ok=True)
+    write_safetensors(to / "adapter_model.safetensors", tensors, shapes, dtype)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": bigger,
+        "alpha_pattern": {k: alpha * v / rank for k, v in bigger.items()},
+        "revision": None,
+    }
+    (to / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return sorted(p for p in to.rglob("*") if p.is_file())

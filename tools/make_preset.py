@@ -1,0 +1,310 @@
+"""Build a KerasHub preset with a real model's dimensions, random weights and a tokenizer of the
+full vocabulary size, for offline runs at real scale (no weights can be downloaded here).
+
+    python -m tools.make_preset --like gemma_2b --out /tmp/gemma_2b_like          # 5.0 GB, bf16
+    python -m tools.make_preset --like qwen2.5_0.5b --out DIR --scale 0.05         # same path, small
+
+The preset is what ``save_to_preset`` writes (config.json, metadata.json, model.weights.h5,
+preprocessor and tokenizer assets) and loads through KerasHub's own ``from_preset``, so
+``--model DIR`` exercises the real loading path. The tokenizer is synthetic but of the real kind
+and size: a SentencePiece BPE model (Gemma's id layout and chat markers, byte fallback) or a
+byte-level BPE (Llama 3's / Qwen's special tokens at their real ids), built deterministically
+from generated merges rather than trained (a corpus that yields 256,000 merges does not exist
+offline). ``--scale F`` shrinks the width, head size, MLP and depth by F (the vocabulary and the
+head counts stay): the small version of the same path that the tests run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import string
+import time
+from pathlib import Path
+
+# name -> (family, KerasHub backbone arguments, tokenizer size)
+LIKE = {
+    "gemma_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=18, num_query_heads=8,
+                               num_key_value_heads=1, hidden_dim=2048, intermediate_dim=32_768,
+                               head_dim=256), 256_000),
+    "gemma2_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=26, num_query_heads=8,
+                                num_key_value_heads=4, hidden_dim=2304, intermediate_dim=18_432,
+                                head_dim=256, query_head_dim_normalize=True,
+                                use_post_ffw_norm=True, use_post_attention_norm=True,
+                                final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
+                                use_sliding_window_attention=True, sliding_window_size=4096),
+                  256_000),
+    "llama3.2_1b": ("llama3", dict(vocabulary_size=128_256, num_layers=16, num_query_heads=32,
+                                   num_key_value_heads=8, hidden_dim=2048, intermediate_dim=8192,
+                                   rope_max_wavelength=500_000,
+                                   rope_frequency_adjustment_factor=32.0,
+                                   rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                                   rope_pretraining_sequence_length=8192,
+                                   layer_norm_epsilon=1e-5, tie_word_embeddings=True), 128_256),
+    # Qwen's embedding has 151,936 rows for 151,665 tokens (padded for the hardware)
+    "qwen2.5_0.5b": ("qwen", dict(vocabulary_size=151_936, num_layers=24, num_query_heads=14,
+                                  num_key_value_heads=2, hidden_dim=896, intermediate_dim=4864,
+                                  rope_max_wavelength=1_000_000, layer_norm_epsilon=1e-6,
+                                  tie_word_embeddings=True), 151_665),
+    "qwen3_0.6b": ("qwen3", dict(vocabulary_size=151_936, num_layers=28, num_query_heads=16,
+                                 num_key_value_heads=8, hidden_dim=1024, head_dim=128,
+                                 intermediate_dim=3072, rope_max_wavelength=1_000_000,
+                                 layer_norm_epsilon=1e-6, tie_word_embeddings=True), 151_669),
+}
+
+# ----------------------------------------------------------------------------- tokenizers
+
+GEMMA_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
+                 106: "<start_of_turn>", 107: "<end_of_turn>"}
+LLAMA3_SPECIAL = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
+                  6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>",
+                  9: "<|eot_id|>", 10: "<|python_tag|>"}  # offsets from 128,000
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+                "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+                "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+QWEN3_SPECIAL = QWEN_SPECIAL + ["<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# Characters the generated merges combine (frequent ones first, so short merges come first).
+_ALPHABET = (string.ascii_lowercase + " " + string.ascii_uppercase + string.digits
+             + ".,:;!?'\"-()[]{}<>/\\_=+*&%$#@|~`^\n\t")
+
+
+def _grow(base: list[str], count: int) -> list[tuple[str, str]]:
+    """``count`` merges (left, right) over ``base`` symbols: every pair of base symbols, then
+    every earlier merge extended by a base symbol, and so on (each merge joins two tokens that
+    exist, so the result is a valid BPE)."""
+    merges, level = [], list(base)
+    while len(merges) < count:
+        nxt = []
+        for left in level:
+            for right in base:
+                merges.append((left, right))
+                nxt.append(left + right)
+                if len(merges) == count:
+                    return merges
+        level = nxt
+    return merges
+
+
+@functools.cache
+def gemma_proto(vocab_size: int = 256_000) -> bytes:
+    """A SentencePiece BPE model of exactly ``vocab_size`` pieces in Gemma's layout: pad 0,
+    eos 1, bos 2, unk 3, the chat turn markers at 106 / 107 (user-defined, so they are single
+    tokens in text), newlines kept verbatim, byte fallback (any text encodes), no dummy prefix."""
+    return sentencepiece_proto(vocab_size, "gemma")
+
+
+@functools.cache
+def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
+    """A SentencePiece BPE model of exactly ``vocab_size`` pieces: ``gemma``'s layout (see
+    ``gemma_proto``) or ``llama``'s (Llama 2 / Mistral: unk 0, <s> 1, </s> 2, SentencePiece's
+    dummy prefix on), byte fallback, generated merges."""
+    from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+
+    P = spm_pb2.ModelProto.SentencePiece
+    proto = spm_pb2.ModelProto()
+    t = proto.trainer_spec
+    t.model_type = spm_pb2.TrainerSpec.BPE
+    t.vocab_size, t.byte_fallback = vocab_size, True
+    n = proto.normalizer_spec
+    n.name, n.remove_extra_whitespaces, n.escape_whitespaces = "identity", False, True
+    pieces: list[tuple[str, int]] = []
+    if layout == "gemma":
+        t.pad_id, t.eos_id, t.bos_id, t.unk_id = 0, 1, 2, 3
+        t.pad_piece, t.eos_piece, t.bos_piece, t.unk_piece = "<pad>", "<eos>", "<bos>", "<unk>"
+        n.add_dummy_prefix = False
+        special_type = {"<pad>": P.CONTROL, "<eos>": P.CONTROL, "<bos>": P.CONTROL,
+                        "<unk>": P.UNKNOWN}
+        for i in range(max(GEMMA_SPECIAL) + 1):
+            name = GEMMA_SPECIAL.get(i, f"<unused{i}>")
+            kind = special_type.get(name, P.USER_DEFINED if i in GEMMA_SPECIAL else P.CONTROL)
+            pieces.append((name, kind))
+        pieces += [("\n", P.USER_DEFINED), ("\n\n", P.USER_DEFINED)]
+    elif layout == "llama":
+        t.unk_id, t.bos_id, t.eos_id, t.pad_id = 0, 1, 2, -1
+        t.unk_piece, t.bos_piece, t.eos_piece = "<unk>", "<s>", "</s>"
+        n.add_dummy_prefix = True
+        pieces += [("<unk>", P.UNKNOWN), ("<s>", P.CONTROL), ("</s>", P.CONTROL)]
+    else:
+        raise ValueError(f"layout must be 'gemma' or 'llama', got {layout!r}")
+    pieces += [(f"<0x{b:02X}>", P.BYTE) for b in range(256)]
+    symbols = [c if c != " " else "\u2581" for c in _ALPHABET if c not in "\n"]
+    pieces += [(s, P.NORMAL) for s in symbols]
+    for left, right in _grow(symbols, vocab_size - len(pieces)):
+        pieces.append((left + right, P.NORMAL))
+    for i, (name, kind) in enumerate(pieces[:vocab_size]):
+        piece = proto.pieces.add()
+        piece.piece, piece.type = name, kind
+        piece.score = 0.0 if kind != P.NORMAL else -float(i)
+    if len(proto.pieces) != vocab_size:
+        raise ValueError(f"built {len(proto.pieces)} pieces, expected {vocab_size}")
+    return proto.SerializeToString()
+
+
+@functools.cache
+def _byte_unicode() -> list[str]:
+    """GPT-2's byte -> printable unicode character table (byte-level BPE's base symbols)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def byte_bpe(num_merged: int, special: dict[int, str]) -> tuple[dict[str, int], list[str]]:
+    """(vocabulary, merges) of a byte-level BPE: the 256 byte symbols, ``num_merged`` merged
+    tokens, and the ``special`` tokens at their ids (which must follow the others)."""
+    base = _byte_unicode()
+    to_sym = {chr(b): base[b] for b in range(256)}
+    symbols = list(dict.fromkeys(to_sym[c] for c in _ALPHABET))
+    vocab = {s: i for i, s in enumerate(base)}
+    merges = []
+    for left, right in _grow(symbols, num_merged):
+        if left + right not in vocab:
+            vocab[left + right] = len(vocab)
+            merges.append(f"{left} {right}")
+    for i, name in sorted(special.items()):
+        if i != len(vocab):
+            raise ValueError(f"special token {name} at {i}, but {len(vocab)} tokens precede it")
+        vocab[name] = i
+    return vocab, merges
+
+
+def llama3_tokenizer(vocab_size: int = 128_256):
+    """A Llama3Tokenizer of ``vocab_size`` tokens: byte-level BPE, 256 special tokens at the end
+    (``<|begin_of_text|>`` at vocab_size - 256, ``<|eot_id|>`` at vocab_size - 247, ...)."""
+    import keras_hub
+
+    first = vocab_size - 256
+    special = {first + i: LLAMA3_SPECIAL.get(i, f"<|reserved_special_token_{i}|>")
+               for i in range(256)}
+    vocab, merges = byte_bpe(first - 256, special)
+    return keras_hub.models.Llama3Tokenizer(
+        vocabulary=vocab, merges=merges,
+        misc_special_tokens={"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"})
+
+
+def qwen_tokenizer(vocab_size: int = 151_665, qwen3: bool = False):
+    """A QwenTokenizer (Qwen3Tokenizer) of ``vocab_size`` tokens: byte-level BPE and Qwen's
+    special tokens at the end (``<|endoftext|>`` first, ``<|im_start|>``, ``<|im_end|>``, ...)."""
+    import keras_hub
+
+    names = QWEN3_SPECIAL if qwen3 else QWEN_SPECIAL
+    first = vocab_size - len(names)
+    vocab, merges = byte_bpe(first - 256, {first + i: n for i, n in enumerate(names)})
+    cls = keras_hub.models.Qwen3Tokenizer if qwen3 else keras_hub.models.QwenTokenizer
+    return cls(vocabulary=vocab, merges=merges, unsplittable_tokens=list(names))
+
+
+# ----------------------------------------------------------------------------- the preset
+
+
+@dataclasses.dataclass
+class Built:
+    out: Path
+    parameters: int
+    bytes_on_disk: int
+    seconds: float
+    dims: dict
+
+
+def scaled(dims: dict, scale: float) -> dict:
+    """``dims`` with width, head size, MLP and depth multiplied by ``scale`` (head counts and the
+    vocabulary kept; sizes stay multiples of 8, head sizes even for rotary embeddings)."""
+    if scale == 1:
+        return dict(dims)
+    out = dict(dims)
+
+    def r8(x, low):
+        return max(low, 8 * round(x * scale / 8))
+
+    heads = dims["num_query_heads"]
+    head_dim = dims.get("head_dim") or dims["hidden_dim"] // heads
+    new_head = r8(head_dim, 8)
+    out["num_layers"] = max(2, round(dims["num_layers"] * scale))
+    out["intermediate_dim"] = r8(dims["intermediate_dim"], 16)
+    if "head_dim" in dims:
+        out["head_dim"] = new_head
+        out["hidden_dim"] = r8(dims["hidden_dim"], 16)
+    else:  # hidden = heads x head size
+        out["hidden_dim"] = heads * new_head
+    if "sliding_window_size" in dims:
+        out["sliding_window_size"] = max(16, round(dims["sliding_window_size"] * scale))
+    return out
+
+
+def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16",
+          seed: int = 0, echo=print) -> Built:
+    """Write the preset ``like`` (a key of LIKE) to ``out`` (new or empty)."""
+    import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+    import keras
+    import keras_hub
+
+    if like not in LIKE:
+        raise SystemExit(f"--like must be one of {', '.join(LIKE)}, got {like!r}")
+    if not 0 < scale <= 1:
+        raise SystemExit(f"--scale must be in (0, 1], got {scale}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SystemExit(f"--out {out}: exists and is not an empty directory")
+    family, dims, tokens = LIKE[like]
+    dims = scaled(dims, scale)
+    start = time.perf_counter()
+    keras.utils.set_random_seed(seed)
+    models = keras_hub.models
+    if family == "gemma":
+        tokenizer = models.GemmaTokenizer(proto=gemma_proto(tokens))
+        backbone = models.GemmaBackbone(dtype=dtype, **dims)
+        task = models.GemmaCausalLM(backbone, models.GemmaCausalLMPreprocessor(tokenizer))
+    elif family == "llama3":
+        tokenizer = llama3_tokenizer(tokens)
+        backbone = models.Llama3Backbone(dtype=dtype, **dims)
+        task = models.Llama3CausalLM(backbone, models.Llama3CausalLMPreprocessor(tokenizer))
+    elif family == "qwen":
+        tokenizer = qwen_tokenizer(tokens)
+        backbone = models.QwenBackbone(dtype=dtype, **dims)
+        task = models.QwenCausalLM(backbone, models.QwenCausalLMPreprocessor(tokenizer))
+    else:
+        tokenizer = qwen_tokenizer(tokens, qwen3=True)
+        backbone = models.Qwen3Backbone(dtype=dtype, **dims)
+        task = models.Qwen3CausalLM(backbone, models.Qwen3CausalLMPreprocessor(tokenizer))
+    if tokenizer.vocabulary_size() != tokens:
+        raise RuntimeError(f"tokenizer has {tokenizer.vocabulary_size()} tokens, expected {tokens}")
+    out.mkdir(parents=True, exist_ok=True)
+    task.save_to_preset(str(out))
+    params = int(sum(v.size for v in backbone.weights))
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    built = Built(out, params, size, time.perf_counter() - start, dims)
+    echo(f"wrote {out}: a {like}-shaped {type(backbone).__name__}"
+         + (f" scaled by {scale}" if scale != 1 else "")
+         + f", {params:,} parameters ({dtype}), tokenizer {type(tokenizer).__name__} of "
+         f"{tokens:,} tokens, embedding {dims['vocabulary_size']:,} rows; {size / 1e9:.2f} GB, "
+         f"{built.seconds:.0f} s\n  {json.dumps(dims)}")
+    return built
+
+
+def main(argv=None) -> Built:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--like", required=True, choices=sorted(LIKE))
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply width, head size, MLP and depth by this (default 1: real)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="weight dtype saved (default bfloat16, as the real presets)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    return build(args.like, args.out, args.scale, args.dtype, args.seed)
+
+
+if __name__ == "__main__":
+    main()
