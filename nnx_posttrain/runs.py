@@ -32,14 +32,15 @@ class LoadedRun:
 def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
                 init_from: str | None = None, remat: bool = False, echo=print):
     """(language model, module) of a run: the model loaded, the weights of ``init_from`` copied
-    in, LoRA added, rematerialisation set, and the algorithm's scalar ``head`` (if any) on top."""
+    in, LoRA added, rematerialisation set, and the algorithm's scalar ``head`` (if any) on top.
+    ``seed`` decides every random initialisation: a built-in model's weights, LoRA, the head."""
     lm = model.load(name, dtype=dtype, seed=seed)
     if init_from:
         echo(init_weights(lm.module, init_from))
     if lora.rank:
-        model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets)
+        model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed)
     model.set_remat(lm.module, remat)
-    return lm, heads.wrap(head, lm.module)
+    return lm, heads.wrap(head, lm.module, seed=seed)
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1) -> LoadedRun:

@@ -1,9 +1,16 @@
 """Evaluation during a run: the algorithm's loss on held-out batches, and exact match of greedy
-answers to held-out prompts (for algorithms whose module is a language model)."""
+answers to held-out prompts (for algorithms whose module is a language model).
+
+Per-problem exact match goes to ``<run_dir>/exact_match.jsonl``, one line per evaluation:
+``{"step", "exact_match", "keys", "correct"}`` with ``keys[i]`` a CRC-32 (hex) of held-out prompt
+i's text and ``correct[i]`` 1 or 0, so that runs can be compared problem by problem (paired
+bootstrap, ``tools.preference_table``)."""
 
 from __future__ import annotations
 
+import json
 import math
+import zlib
 
 import jax
 
@@ -32,7 +39,9 @@ class Evaluator:
             self.greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
         self.is_nll = algorithm.data_kind == "sft"  # SFT's loss is the mean NLL per token
 
-    def __call__(self, params, frozen) -> dict:
+    def __call__(self, params, frozen, step: int | None = None) -> dict:
+        """The eval metrics; with ``step``, per-problem exact match is appended to the run's
+        ``exact_match.jsonl``."""
         if not self.enabled:
             return {}
         sums = None
@@ -46,9 +55,19 @@ class Evaluator:
             result = {k: float(v) for k, v in metric_means(metrics).items()}
         if self.pairs:
             states = self.algorithm.policy_view(self.run.graphdef, params, frozen["model"])[1]
-            accuracy, _ = generate.exact_match(self.run.lm, self.greedy, states, self.pairs,
-                                               self.run.cfg.eval.max_new_tokens)
+            accuracy, completions = generate.exact_match(self.run.lm, self.greedy, states,
+                                                         self.pairs, self.run.cfg.eval.max_new_tokens)
             result["exact_match"] = accuracy
+            if step is not None and jax.process_index() == 0:
+                self._write_per_problem(step, accuracy, completions)
         if self.is_nll and math.isfinite(result["loss"]):
             result["perplexity"] = math.exp(min(result["loss"], 50.0))
         return result
+
+    def _write_per_problem(self, step, accuracy, completions):
+        keys = [f"{zlib.crc32(''.join(text for text, _ in segs).encode()):08x}"
+                for segs, _ in self.pairs]
+        correct = [int(c.strip() == ref.strip()) for c, (_, ref) in zip(completions, self.pairs)]
+        with (self.run.run_dir / "exact_match.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "exact_match": accuracy, "keys": keys,
+                                "correct": correct}) + "\n")

@@ -96,7 +96,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
                        source=source)
 
     def evaluate(step, state):
-        metrics = evaluator(state["params"], frozen)
+        metrics = evaluator(state["params"], frozen, step)
         if metrics:
             result.eval.append(log.log(step, "eval", metrics))
         return metrics
