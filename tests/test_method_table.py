@@ -105,3 +105,42 @@ def test_table_from_runs_baseline_control_and_a_better_method(tmp_path):
 def test_unknown_method_is_refused():
     with pytest.raises(SystemExit, match="unknown.*nope"):
         T.main(["--methods", "dpo,nope", "--record", "none"])
+
+
+def _fake_sft(run_dir, seed, args, correct_of):
+    """A finished default-run directory (what tools.seeds.run_experiment would leave)."""
+    from nnx_posttrain import chat
+    from nnx_posttrain.tasks import arithmetic
+
+    run_dir.mkdir(parents=True)
+    problems = arithmetic.problems("eval")
+    keys = [S.prompt_key(chat.render([{"role": "user", "content": arithmetic.question(a, b)}],
+                                     "gemma", add_generation_prompt=True)) for a, b in problems]
+    final = [correct_of(a, b) for a, b in problems]
+    rows = [{"step": 0, "split": "eval", "loss": 6.0, "exact_match": 0.0},
+            {"step": 10, "split": "eval", "loss": 0.5, "exact_match": float(np.mean(final))}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "exact_match.jsonl").write_text(json.dumps(
+        {"step": 10, "exact_match": rows[1]["exact_match"], "keys": keys, "correct": final}) + "\n")
+    command = ["-m", "experiments.sft", "--run-dir", str(run_dir), "--seed", str(seed), *args]
+    (run_dir / "finished.json").write_text(json.dumps({"command": command, "seconds": 60.0 + seed}))
+
+
+def test_default_run_table_range_and_plateau_from_finished_runs(tmp_path):
+    from nnx_posttrain.tasks import arithmetic
+    from tools import default_run
+
+    for s in range(2):
+        _fake_sft(tmp_path / f"seed{s}", s, [], lambda a, b: int(not arithmetic.carries(a, b)))
+        # the perturbed runs also get one carry problem in ten right
+        _fake_sft(tmp_path / f"seed{s}_perturbed", s, ["--logprob-chunk", "2"],
+                  lambda a, b: int(not arithmetic.carries(a, b) or (a + b) % 10 == 0))
+    data = default_run.main(["--seeds", "2", "--out", str(tmp_path), "--record", "none"])
+    share = np.mean([not arithmetic.carries(a, b) for a, b in arithmetic.problems("eval")])
+    assert data["final"] == {0: pytest.approx(share), 1: pytest.approx(share)}
+    assert data["std"] == 0.0 and all(d > 0 for d in data["deltas"].values())
+    low, high = data["range"]
+    assert low == pytest.approx(share - 0.03)
+    assert high == pytest.approx(max(data["final_perturbed"].values()) + 0.03)
+    split = data["carry_split"][0]
+    assert split == {"carry_free": 1.0, "carry": 0.0, "carry_free_share": pytest.approx(share)}

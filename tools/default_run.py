@@ -34,6 +34,27 @@ def _finals(runs: dict) -> dict[int, float]:
     return {s: ev[-1]["exact_match"] for s, ev in runs.items()}
 
 
+def carry_split(run_dir: Path) -> dict | None:
+    """Final exact match on the held-out problems without and with a carry (the built-in task's
+    two halves: the teacher is right on the first), and the carry-free share; None when the
+    run's held-out prompts are not the built-in task's."""
+    from nnx_posttrain import chat
+    from nnx_posttrain.tasks import arithmetic
+
+    correct = S.per_problem(run_dir)
+    kinds = {}
+    for a, b in arithmetic.problems("eval"):
+        segs = chat.render([{"role": "user", "content": arithmetic.question(a, b)}], "gemma",
+                           add_generation_prompt=True)
+        kinds[S.prompt_key(segs)] = arithmetic.carries(a, b)
+    if not set(correct) <= set(kinds):
+        return None
+    free = [c for k, c in correct.items() if not kinds[k]]
+    carry = [c for k, c in correct.items() if kinds[k]]
+    return {"carry_free": sum(free) / len(free), "carry": sum(carry) / len(carry),
+            "carry_free_share": len(free) / len(correct)}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +82,7 @@ def main(argv=None) -> dict:
     steps = [r["step"] for r in runs[0]]
     final, final_p = _finals(runs), _finals(perturbed)
     deltas = {s: final_p[s] - final[s] for s in final}
+    split = {s: carry_split(out / f"seed{s}") for s in range(args.seeds)}
     m, sd = S.mean_std(final.values())
     mp, sdp = S.mean_std(final_p.values())
     every = list(final.values()) + list(final_p.values())
@@ -86,11 +108,16 @@ def main(argv=None) -> dict:
         f"points, largest |difference| {100 * max(abs(d) for d in deltas.values()):.1f} points.",
         f"Expected range of a run's final exact match: {100 * lo:.1f}% - {100 * hi:.1f}% (every "
         f"run above, widened by {100 * args.margin:.0f} points; checked by tests/test_default_run.py).",
+        *([f"The plateau: {100 * split[0]['carry_free_share']:.1f}% of the held-out problems have no "
+           "carry (the teacher is always right on them); at the end the runs answer "
+           f"{S.pm(*S.mean_std(v['carry_free'] for v in split.values()))} of those and "
+           f"{S.pm(*S.mean_std(v['carry'] for v in split.values()))} of the problems with a carry."]
+          if all(split.values()) else []),
         f"Wall time per run {min(seconds):.0f}-{max(seconds):.0f} s (model build, data, "
         "compilation, training, every evaluation; "
         + ("one run at a time)." if args.jobs == 1 else f"{args.jobs} runs at a time)."),
     ]
-    data = {"final": final, "final_perturbed": final_p, "mean": m, "std": sd,
+    data = {"carry_split": split, "final": final, "final_perturbed": final_p, "mean": m, "std": sd,
             "mean_perturbed": mp, "std_perturbed": sdp, "deltas": deltas, "range": [lo, hi],
             "perturb": args.perturb, "seconds": seconds,
             "curves": {s: [[r["step"], r["loss"], r["exact_match"]] for r in ev]

@@ -87,6 +87,13 @@ def per_problem(run_dir: Path, step: int | None = None) -> dict[str, int]:
     return dict(zip(row["keys"], row["correct"]))
 
 
+def prompt_key(segments) -> str:
+    """The key of a held-out prompt in exact_match.jsonl: CRC-32 (hex) of its rendered text."""
+    import zlib
+
+    return f"{zlib.crc32(''.join(text for text, _ in segments).encode()):08x}"
+
+
 def mean_std(values) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     values = np.asarray(list(values), dtype=float)

@@ -66,7 +66,7 @@ class Evaluator:
 
     def _write_per_problem(self, step, accuracy, completions):
         keys = [f"{zlib.crc32(''.join(text for text, _ in segs).encode()):08x}"
-                for segs, _ in self.pairs]
+                for segs, _ in self.pairs]  # as tools.seeds.prompt_key
         correct = [int(c.strip() == ref.strip()) for c, (_, ref) in zip(completions, self.pairs)]
         with (self.run.run_dir / "exact_match.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "exact_match": accuracy, "keys": keys,
