@@ -39,6 +39,11 @@ def test_the_teacher_is_right_without_a_carry_and_forgets_most_carries():
     # a plateau, not a cliff: imitating the teacher's most frequent answer is right exactly on
     # the carry-free problems
     assert A.SLIP_RATE > 0.5
+    # then the one-digit table, repeated, answered by the same teacher
+    table = demos[len(train):]
+    assert len(table) == 100 * A.TABLE_REPEATS
+    assert A.demonstrations()[len(train):][:100] == [(a, b) for a in range(10) for b in range(10)]
+    assert not set(A.demonstrations()) & set(A.problems("eval"))
 
 
 def test_held_out_records_and_the_checker_use_the_correct_sum():

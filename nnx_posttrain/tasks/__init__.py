@@ -43,8 +43,9 @@ def records(kind: str, split: str) -> list[dict]:
     """The task's records of one format (``kind``) and split. Training SFT records are the
     teacher's demonstrations (mistakes included, see ``arithmetic``); everything else, and every
     held-out record, is judged by the checker."""
-    make = arithmetic.demonstration_record if (kind, split) == ("sft", "train") else _RECORDS[kind]
-    return [make(a, b) for a, b in arithmetic.problems(split)]
+    if (kind, split) == ("sft", "train"):
+        return [arithmetic.demonstration_record(a, b) for a, b in arithmetic.demonstrations()]
+    return [_RECORDS[kind](a, b) for a, b in arithmetic.problems(split)]
 
 
 # the generator's code is the data: its hash changes whenever the records may
