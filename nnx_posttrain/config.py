@@ -171,7 +171,7 @@ class Config:
     steps: int = 600
     """Optimizer steps."""
     seed: int = 0
-    """Seed of weight initialisation (built-in models), LoRA init and data order."""
+    """Seed of everything random in a run: weight initialisation (built-in models), LoRA and scalar-head init, data order, rollout sampling. The same seed gives the same run."""
     resume: bool = False
     """Continue from the latest checkpoint in --run-dir (also automatic when it has checkpoints); fails if there is none."""
     eval_only: bool = False

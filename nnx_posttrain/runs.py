@@ -35,7 +35,8 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
                 chat_format: str | None = None):
     """(language model, module) of a run: the model loaded, the weights of ``init_from`` copied
     in, LoRA added, rematerialisation set, and the algorithm's scalar ``head`` (if any) on top.
-    ``init_from`` is checked before the model loads (a mismatch costs no loading time)."""
+    ``init_from`` is checked before the model loads (a mismatch costs no loading time). ``seed``
+    decides every random initialisation: a built-in model's weights, LoRA, the head."""
     if init_from:
         check_init_from(init_from, name)
     echo(f"loading model {name} ({dtype}) ...")
@@ -46,13 +47,13 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
         echo(init_weights(lm.module, init_from))
     if lora.rank:
         try:
-            model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets)
+            model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed)
         except ValueError as exc:  # e.g. targets that name no layer of this model
             raise SystemExit(f"error: --lora.targets {lora.targets}: {exc}") from None
     # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local
     model.set_remat(lm.module, remat, lazy_frozen=dtype != "float32"
                     and jax.default_backend() == "cpu")
-    return lm, heads.wrap(head, lm.module)
+    return lm, heads.wrap(head, lm.module, seed=seed)
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,

@@ -1,84 +1,247 @@
-"""The README's method table: each preference and online RL method from the default SFT run, on
-the built-in task.
+"""The README's method table: every preference and online RL method over seeds, each from the SFT
+run of the same seed, on the built-in task, with confidence intervals.
 
-    python -m tools.preference_table [--methods dpo,simpo,grpo,...] [-- extra overrides]
+    python -m tools.preference_table --seeds 3                  # the README's table
+    python -m tools.preference_table --seeds 2 --methods sft,dpo,dpo_lr0 --sft-steps 100 \\
+        --steps 20 --record none                                # a quick check of the machinery
 
-Runs ``python -m experiments.sft`` (unless runs/sft exists) and then every method as its own
-process (``runs/table/<method>``), plus a baseline that simply continues SFT for as many steps, and
-prints a Markdown table: preference accuracy on held-out
-pairs (rewards/accuracies, or accuracy for the reward model), the online methods' training reward
-(mean of the first and of the last logged steps), held-out exact-match accuracy before -> after,
-and wall time. The table is also written to runs/table/table.md.
+For each seed s: ``python -m experiments.sft --seed s`` (the default SFT run), then every method
+``python -m experiments.<method> --seed s --init-from <that run>`` with its own defaults, each in
+its own process under ``--out`` (default runs/table/seed<s>/<method>; a finished run with the same
+command is reused, so a stopped table resumes). Rows:
+
+- ``sft``: the baseline, SFT continued for as many steps as the preference methods, with their
+  schedule, on the same demonstrations;
+- ``dpo_lr0``: the control, DPO at learning rate 0: its weights never change, so it must show no
+  effect (a nonzero one would mean the comparison itself is broken: evaluation, pairing, seeds);
+- every other method with its experiment's defaults.
+
+Per method: held-out exact match after training, mean +- std over seeds; its change from the SFT
+start and its difference to the continued-SFT baseline, each paired by seed and held-out problem
+with a 95% bootstrap interval over seeds and problems (``tools.seeds.paired_bootstrap``) and
+marked significant when the interval excludes 0; preference accuracy on held-out pairs
+(rewards/accuracies, or the reward model's accuracy), mean +- std; the online methods' training
+reward (mean of the first and of the last three logged steps); wall time per run. KTO's exact
+match is on its held-out desirable examples (the problems it shares with the other side are
+paired). Written to results/<--record>.json (``tools.readme.record``; rendered into the README by
+``python -m tools.readme``) and printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
+import math
 import sys
-import time
 from pathlib import Path
 
-METHODS = ("sft", "dpo", "simpo", "cpo", "orpo", "kto", "reward", "grpo", "rloo", "ppo",
+if __package__ in (None, ""):  # python tools/preference_table.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools import readme, seeds as S  # noqa: E402
+
+METHODS = ("sft", "dpo_lr0", "dpo", "simpo", "cpo", "orpo", "kto", "reward", "grpo", "rloo", "ppo",
            "online_dpo")
-# The baseline row: 200 more SFT steps on the correct answers, with the preference runs' schedule.
-SFT_CONTINUED = ["--steps", "200", "--optim.learning-rate", "1e-4", "--optim.warmup-steps", "10",
-                 "--eval.every", "50"]
+BASELINE = "sft"
+CONTROL = "dpo_lr0"
+# The baseline: more SFT steps on the demonstrations, with the preference runs' schedule.
+SFT_CONTINUED = ["--optim.learning-rate", "1e-4", "--optim.warmup-steps", "10",
+                 "--optim.min-lr-ratio", "0.1", "--optim.weight-decay", "0", "--eval.every", "50"]
+LABELS = {"sft": "sft continued (baseline)", "dpo_lr0": "dpo, learning rate 0 (control)"}
 
 
-def _run(args: list[str]) -> float:
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", *args], check=True)
-    return time.perf_counter() - t0
+def method_command(method: str, steps: int | None) -> tuple[str, list[str]]:
+    """(experiment, its arguments) of a row."""
+    if method == BASELINE:
+        return "sft", [*SFT_CONTINUED, "--steps", str(steps or _preference_steps())]
+    if method == CONTROL:
+        return "dpo", ["--optim.learning-rate", "0", *(["--steps", str(steps)] if steps else [])]
+    return method, (["--steps", str(steps)] if steps else [])
 
 
-def _records(run_dir: Path, split: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["split"] == split]
+def _preference_steps() -> int:
+    """Steps of the built-in preference recipe (DPO's), which the baseline continues SFT for."""
+    from experiments import dpo
+
+    builtin = getattr(dpo, "BUILTIN", None)  # experiments with separate built-in-task defaults
+    if isinstance(builtin, dict) and "steps" in builtin:
+        return int(builtin["steps"])
+    return int(dpo.DEFAULT.steps)
 
 
-def _train_reward(run_dir: Path) -> str:
-    """Online methods: mean training reward of the first and of the last 3 logged steps."""
-    rewards = [r["reward"] for r in _records(run_dir, "train") if "reward" in r]
+def _train_reward(run_dir: Path):
+    """Online methods: (mean reward of the first 3 logged steps, of the last 3), or None."""
+    rewards = [r["reward"] for r in S.train_rows(run_dir) if "reward" in r]
     if not rewards:
-        return "n/a"
-    head, tail = rewards[:3], rewards[-3:]
-    return f"{sum(head) / len(head):.2f} -> {sum(tail) / len(tail):.2f}"
+        return None
+    return sum(rewards[:3]) / len(rewards[:3]), sum(rewards[-3:]) / len(rewards[-3:])
 
 
-def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def collect(out: Path, methods, n_seeds: int) -> dict:
+    """The raw numbers of every finished run of a table: {method: {seed: {...}}}."""
+    raw = {}
+    for method in methods:
+        raw[method] = {}
+        for s in range(n_seeds):
+            run_dir = out / f"seed{s}" / method
+            ev = S.evals(run_dir)
+            first, last = ev[0], ev[-1]
+            pref = last.get("rewards/accuracies", last.get("accuracy"))
+            row = {"pref_accuracy": pref, "train_reward": _train_reward(run_dir),
+                   "seconds": _seconds(run_dir)}
+            if "exact_match" in last:
+                row.update(em_before=first["exact_match"], em_after=last["exact_match"],
+                           before=S.per_problem(run_dir, first["step"]),
+                           after=S.per_problem(run_dir, last["step"]))
+            raw[method][s] = row
+    return raw
+
+
+def _seconds(run_dir: Path) -> float | None:
+    import json
+
+    marker = run_dir / "finished.json"
+    return json.loads(marker.read_text())["seconds"] if marker.exists() else None
+
+
+def summarise(raw: dict, n_seeds: int, reps: int = 10_000) -> tuple[list[str], list[list[str]], dict]:
+    """Table columns, rows and the statistics (for results/*.json) from ``collect``'s numbers."""
+    columns = ["method", "exact match after (mean ± std)", "change from the SFT start [95% CI]",
+               "vs continued SFT [95% CI]", "significant vs continued SFT",
+               "preference accuracy (held-out pairs)", "train reward first -> last", "wall time / run"]
+    rows, stats = [], {}
+    base = raw.get(BASELINE)
+    for method, per_seed in raw.items():
+        seeds = [per_seed[s] for s in range(n_seeds)]
+        st = {"seeds": n_seeds}
+        cells = [LABELS.get(method, method)]
+        if "em_after" in seeds[0]:
+            st["em_after"] = [r["em_after"] for r in seeds]
+            st["em_before"] = [r["em_before"] for r in seeds]
+            m, sd = S.mean_std(st["em_after"])
+            st["change"] = S.paired_bootstrap([(r["after"], r["before"]) for r in seeds], reps)
+            cells += [S.pm(m, sd), S.ci(st["change"])]
+            if base is not None and method != BASELINE and "after" in base[0]:
+                st["vs_baseline"] = S.paired_bootstrap(
+                    [(r["after"], base[s]["after"]) for s, r in enumerate(seeds)], reps)
+                cells += [S.ci(st["vs_baseline"]),
+                          "yes" if st["vs_baseline"]["significant"] else "no"]
+            else:
+                cells += ["(baseline)" if method == BASELINE else "n/a", ""]
+        else:
+            cells += ["n/a (scores answers)", "n/a", "n/a", ""]
+        prefs = [r["pref_accuracy"] for r in seeds]
+        if all(p is not None for p in prefs):
+            st["pref_accuracy"] = prefs
+            cells.append(S.pm(*S.mean_std(prefs)))
+        else:
+            cells.append("n/a")
+        rewards = [r["train_reward"] for r in seeds]
+        if all(r is not None for r in rewards):
+            st["train_reward"] = rewards
+            cells.append(f"{sum(r[0] for r in rewards) / n_seeds:.2f} -> "
+                         f"{sum(r[1] for r in rewards) / n_seeds:.2f}")
+        else:
+            cells.append("n/a")
+        secs = [r["seconds"] for r in seeds if r["seconds"] is not None]
+        st["seconds"] = secs
+        cells.append(f"{sum(secs) / len(secs):.0f} s" if secs else "n/a")
+        rows.append(cells)
+        stats[method] = st
+    return columns, rows, stats
+
+
+def _check_control(stats: dict) -> list[str]:
+    """The control row must show no effect; say so in the table's notes, loudly if it fails."""
+    st = stats.get(CONTROL)
+    if not st or "change" not in st:
+        return []
+    change = st["change"]
+    if change["significant"] or abs(change["diff"]) > 1e-9:
+        return [f"CONTROL FAILED: {LABELS[CONTROL]} changed exact match by "
+                f"{100 * change['diff']:+.2f} points; the comparison machinery is broken."]
+    return [f"Control: {LABELS[CONTROL]} changes no answer ({S.ci(change)}), as it must."]
+
+
+def _reading(stats: dict) -> list[str]:
+    """The table in words: which methods differ significantly from continued SFT, and how."""
+    better, worse, same = [], [], []
+    for method, st in stats.items():
+        if method in (BASELINE, CONTROL) or "vs_baseline" not in st:
+            continue
+        r = st["vs_baseline"]
+        label = f"{LABELS.get(method, method)} ({100 * r['diff']:+.1f} points)"
+        (better if r["significant"] and r["diff"] > 0 else
+         worse if r["significant"] else same).append(label)
+    out = []
+    if better:
+        out.append("Significantly better than continued SFT: " + ", ".join(better) + ".")
+    if worse:
+        out.append("Significantly worse than continued SFT: " + ", ".join(worse) + ".")
+    if same:
+        out.append("Not distinguishable from continued SFT at this number of seeds: "
+                   + ", ".join(same) + ".")
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 (default 3)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default="runs/table")
-    parser.add_argument("--sft-run", default="runs/sft")
+    parser.add_argument("--sft-steps", type=int, default=None,
+                        help="steps of the SFT runs (default: experiments.sft's)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps of every method run (default: each experiment's)")
+    parser.add_argument("--record", default="method_table",
+                        help="results/<name>.json to write ('none': only print)")
+    parser.add_argument("--reps", type=int, default=10_000, help="bootstrap resamples")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="seeds run at a time (wall times then include the contention)")
     parser.add_argument("extra", nargs="*", help="overrides passed to every method, after --")
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        raise SystemExit("error: --seeds must be >= 1")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"error: --methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     out = Path(args.out)
-    if not (Path(args.sft_run) / "checkpoints").exists():
-        _run(["experiments.sft", "--run-dir", args.sft_run])
-    lines = [
-        "| method | preference accuracy (held-out pairs) | train reward (online) | exact match before -> after | wall time |",
-        "|---|---|---|---|---|",
+    sft_args = ["--steps", str(args.sft_steps)] if args.sft_steps else []
+    def one_seed(s):  # the SFT start, then every method from it
+        start = out / f"seed{s}" / "sft_start"
+        S.run_experiment("sft", start, ["--seed", str(s), *sft_args])
+        for method in methods:
+            name, margs = method_command(method, args.steps)
+            S.run_experiment(name, out / f"seed{s}" / method,
+                             ["--seed", str(s), "--init-from", str(start), *margs, *args.extra])
+
+    if args.jobs <= 1:
+        for s in range(args.seeds):
+            one_seed(s)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(one_seed, range(args.seeds)))
+    raw = collect(out, methods, args.seeds)
+    columns, rows, stats = summarise(raw, args.seeds, args.reps)
+    notes = _reading(stats) + _check_control(stats) + [
+        f"{args.seeds} seeds (0 .. {args.seeds - 1}); each method starts from the SFT run of its "
+        "seed. Intervals: 95% paired bootstrap over seeds and held-out problems "
+        f"({args.reps} resamples); significant = the interval excludes 0. Wall time per run "
+        + ("with one run at a time." if args.jobs <= 1 else f"with {args.jobs} seeds at a time."),
     ]
-    for method in args.methods.split(","):
-        run_dir = out / method
-        baseline = SFT_CONTINUED if method == "sft" else []
-        seconds = _run([f"experiments.{method}", "--run-dir", str(run_dir), "--init-from",
-                        args.sft_run, *baseline, *args.extra])
-        evals = _records(run_dir, "eval")
-        first, last = evals[0], evals[-1]
-        pref = last.get("rewards/accuracies", last.get("accuracy"))
-        em = (f"{100 * first['exact_match']:.1f}% -> {100 * last['exact_match']:.1f}%"
-              if "exact_match" in last else "n/a (scores answers)")
-        name = "sft, 200 more steps (baseline)" if method == "sft" else method
-        pref = "n/a" if pref is None else f"{100 * pref:.1f}%"
-        lines.append(f"| {name} | {pref} | {_train_reward(run_dir)} | {em} | {seconds:.0f} s |")
-    table = "\n".join(lines)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(table + "\n")
+    command = "python -m tools.preference_table " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = readme.render({"name": args.record, "command": command.strip(), "commit": "",
+                           "date": "", "machine": "", "columns": columns, "rows": rows,
+                           "notes": notes})
     print(table)
-    return table
+    if args.record != "none":
+        path = readme.record(args.record, command.strip(), columns, rows, notes,
+                             data={"stats": stats, "methods": methods, "seeds": args.seeds})
+        print(f"written {path}; render it into the README with python -m tools.readme")
+    return stats
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ README holds each table between markers::
     python -m tools.readme            # rewrite every marked block from results/*.json
     python -m tools.readme --check    # exit 1 when a block differs from what its file renders to
 
+A table that must be measured again (e.g. after a change to what it measures) can be marked
+pending with :func:`pending`: its block then names the command instead of showing old numbers.
+
 A test runs ``--check``, so a README number can only change by rerunning the tool that measured it.
 """
 
@@ -66,8 +69,21 @@ def record(name: str, command: str, columns: list[str], rows: list[list], notes:
     return path
 
 
+def pending(name: str, command: str, reason: str) -> Path:
+    """Write ``results/<name>.json`` for a table not measured at this commit: its block then
+    says so and names the command that measures it (no numbers)."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"name": name, "command": command, "pending": reason}, indent=1)
+                    + "\n")
+    return path
+
+
 def render(result: dict) -> str:
     """The Markdown of one result: the table, then how it was measured."""
+    if result.get("pending"):
+        return (f"*Not measured at this commit ({result['pending']}): run `{result['command']}`, "
+                "then `python -m tools.readme`.*\n")
     lines = ["| " + " | ".join(result["columns"]) + " |",
              "|" + "---|" * len(result["columns"])]
     lines += ["| " + " | ".join(row) + " |" for row in result["rows"]]

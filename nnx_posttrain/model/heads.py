@@ -37,7 +37,8 @@ class PolicyWithValue(nnx.Module):
     ``values[:, t]`` estimates the return from token t on, read (like the log-prob of token t)
     from the hidden state of position t - 1."""
 
-    def __init__(self, backbone):
+    def __init__(self, backbone, seed: int = 0):
+        del seed  # zero-initialised: nothing random
         self.backbone = backbone
         self.value_head = keras.layers.Dense(1, name="value_head", kernel_initializer="zeros")
         self.value_head.build((None, backbone.hidden_dim))
@@ -54,11 +55,11 @@ class PolicyWithValue(nnx.Module):
 HEADS = {"reward": RewardModel, "value": PolicyWithValue}
 
 
-def wrap(head: str | None, backbone):
+def wrap(head: str | None, backbone, seed: int = 0):
     """The module an algorithm trains: the backbone itself (``head`` None), or the backbone with
-    the named scalar head (``HEADS``) on top."""
+    the named scalar head (``HEADS``) on top, its random initialisation drawn from ``seed``."""
     if head is None:
         return backbone
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {sorted(HEADS)}")
-    return HEADS[head](backbone)
+    return HEADS[head](backbone, seed=seed)

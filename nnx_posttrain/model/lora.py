@@ -10,6 +10,7 @@ import contextlib
 
 import jax
 import keras
+import numpy as np
 from flax import nnx
 
 # Layer names KerasHub's decoder families give their linear projections.
@@ -59,12 +60,15 @@ def count_params(state) -> int:
 # ----------------------------------------------------------------------------- LoRA
 
 
-def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "attention") -> list[str]:
+def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "attention",
+                seed: int = 0) -> list[str]:
     """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
 
     ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'all-linear' (every Dense
-    or EinsumDense of the decoder blocks), or comma-separated layer names. Returns the paths of
-    the adapted layers; raises if none matched.
+    or EinsumDense of the decoder blocks), or comma-separated layer names. The A factors are
+    He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from Python's
+    global random state), the B factors zero. Returns the paths of the adapted layers; raises if
+    none matched.
     """
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
@@ -81,7 +85,9 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
         if names is not None and layer.name not in names:
             continue
         layer.trainable = True
-        layer.enable_lora(rank, lora_alpha=alpha)
+        layer_seed = int(np.random.SeedSequence([seed, len(adapted)]).generate_state(1)[0] >> 1)
+        layer.enable_lora(rank, lora_alpha=alpha,
+                          a_initializer=keras.initializers.HeUniform(seed=layer_seed))
         adapted.append(layer.path)
     if not adapted:
         raise ValueError(

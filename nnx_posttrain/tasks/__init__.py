@@ -1,4 +1,5 @@
-"""The built-in task: two-digit addition in chat form (``arithmetic``), its SentencePiece
+"""The built-in task: two-digit addition in chat form, demonstrated by a sloppy teacher and judged by
+an exact checker (``arithmetic``), its SentencePiece
 tokenizer (``tokenizer``) and the tiny Gemma configurations trained on it. A *user* of the
 library: importing this package registers the task's data (``--data builtin``, with
 ``nnx_posttrain.data.register_builtin``) and its models (``gemma_tiny``, ``gemma2_tiny``,
@@ -39,9 +40,12 @@ _RECORDS = {"sft": arithmetic.sft_record, "preference": arithmetic.preference_re
 
 
 def records(kind: str, split: str) -> list[dict]:
-    """The task's records of one format (``kind``) and split."""
-    make = _RECORDS[kind]
-    return [make(a, b) for a, b in arithmetic.problems(split)]
+    """The task's records of one format (``kind``) and split. Training SFT records are the
+    teacher's demonstrations (mistakes included, see ``arithmetic``); everything else, and every
+    held-out record, is judged by the checker."""
+    if (kind, split) == ("sft", "train"):
+        return [arithmetic.demonstration_record(a, b) for a, b in arithmetic.demonstrations()]
+    return [_RECORDS[kind](a, b) for a, b in arithmetic.problems(split)]
 
 
 # the generator's code is the data: its hash changes whenever the records may

@@ -6,11 +6,18 @@ the held-out prompts).
 Every evaluation keeps its completions (``Evaluator.completions``: prompt, greedy completion,
 reference answer, score; and the rewards for online methods), which the loop logs to
 ``completions.jsonl`` and TensorBoard text, as TRL's ``log_completions``.
+
+Per-problem exact match goes to ``<run_dir>/exact_match.jsonl``, one line per evaluation:
+``{"step", "exact_match", "keys", "correct"}`` with ``keys[i]`` a CRC-32 (hex) of held-out prompt
+i's text and ``correct[i]`` 1 or 0, so that runs can be compared problem by problem (paired
+bootstrap, ``tools.preference_table``).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import zlib
 
 import jax
 import numpy as np
@@ -56,7 +63,9 @@ class Evaluator:
                 names.add("perplexity")
         return names
 
-    def __call__(self, params, frozen) -> dict:
+    def __call__(self, params, frozen, step: int | None = None) -> dict:
+        """The eval metrics; with ``step``, per-problem exact match is appended to the run's
+        ``exact_match.jsonl``."""
         self.completions = []
         if not self.enabled:
             return {}
@@ -72,6 +81,8 @@ class Evaluator:
         if self.pairs:
             states = self.algorithm.policy_view(self.run.graphdef, params, frozen["model"])[1]
             result.update(self._generate(states))
+            if step is not None and "exact_match" in result and jax.process_index() == 0:
+                self._write_per_problem(step, result["exact_match"])
         if self.is_nll and math.isfinite(result["loss"]):
             result["perplexity"] = math.exp(min(result["loss"], 50.0))
         return result
@@ -109,6 +120,13 @@ class Evaluator:
                 row["score"] = float(text.strip() == row["reference"].strip())
         self.completions = rows
         return out
+
+    def _write_per_problem(self, step, accuracy):
+        scored = [row for row in self.completions if "score" in row]
+        keys = [f"{zlib.crc32(row['prompt'].encode()):08x}" for row in scored]  # tools.seeds.prompt_key
+        with (self.run.run_dir / "exact_match.jsonl").open("a") as f:
+            f.write(json.dumps({"step": int(step), "exact_match": accuracy, "keys": keys,
+                                "correct": [int(row["score"]) for row in scored]}) + "\n")
 
 
 def held_out_prompts(src, chat_format: str, limit: int) -> list[tuple[list, str | None, int]]:

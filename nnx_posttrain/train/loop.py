@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from nnx_posttrain import checkpoint, config as config_lib, model, runs, sharding
+from nnx_posttrain import checkpoint, config as config_lib, metrics_log, model, runs, sharding
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
 from nnx_posttrain.train import memory, resume, rundir, setup
@@ -146,9 +146,12 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
                           config=config_lib.to_dict(cfg))
                if jax.process_index() == 0 else SecondaryLog())  # process 0 writes the metrics
         closing.append(log.close)
+        if not cfg.eval_only and jax.process_index() == 0:  # per-problem records: as the log
+            metrics_log.trim(run_dir / "exact_match.jsonl", start if restored is not None else -1,
+                             _console(echo), missing_ok=True)
 
         def evaluate(step, state, fields=None):
-            metrics = evaluator(state["params"], frozen)
+            metrics = evaluator(state["params"], frozen, step)
             if metrics:
                 result.eval.append(log.log(step, "eval", metrics, fields=fields))
                 log.completions(step, "eval", [{**(fields or {}), **row}  # eval-only rows: kept

@@ -1,0 +1,57 @@
+"""The README's measured tables are rendered from results/*.json by ``tools.readme``: the README
+matches them, and an edited number is caught."""
+
+import json
+
+import pytest
+
+from tools import readme
+
+
+def test_readme_matches_its_results_files(capsys):
+    assert readme.main(["--check"]) == 0, capsys.readouterr().err
+    text = readme.README.read_text()
+    for name in ("default_run", "method_table"):
+        assert f"<!-- results:{name} -->" in text and (readme.RESULTS / f"{name}.json").exists()
+
+
+@pytest.fixture
+def fake_repo(tmp_path, monkeypatch):
+    monkeypatch.setattr(readme, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(readme, "README", tmp_path / "README.md")
+    readme.record("t", "python -m tools.x", ["a", "b"], [[1, "2.5%"]], notes=["one run"],
+                  data={"range": [0.1, 0.2]})
+    readme.README.write_text("intro\n<!-- results:t -->\nold\n<!-- /results:t -->\nend\n")
+    return tmp_path
+
+
+def test_render_then_check_and_an_edited_number_fails(fake_repo, capsys):
+    assert readme.main(["--check"]) == 1  # "old" is not what results/t.json renders to
+    assert readme.main([]) == 0
+    text = readme.README.read_text()
+    assert "| 1 | 2.5% |" in text and "python -m tools.x" in text and text.endswith("end\n")
+    assert readme.main(["--check"]) == 0
+    readme.README.write_text(text.replace("2.5%", "3.5%"))
+    assert readme.main(["--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+    saved = json.loads((readme.RESULTS / "t.json").read_text())
+    assert saved["data"] == {"range": [0.1, 0.2]} and saved["commit"] and saved["date"]
+
+
+def test_a_missing_results_file_is_named(fake_repo):
+    readme.README.write_text("<!-- results:nothing -->\n<!-- /results:nothing -->\n")
+    with pytest.raises(SystemExit, match="nothing.*does not exist"):
+        readme.main(["--check"])
+
+
+def test_a_pending_table_names_its_command(fake_repo):
+    readme.pending("t", "python -m tools.x --seeds 3", "the loss changed")
+    assert readme.main([]) == 0
+    text = readme.README.read_text()
+    assert "Not measured at this commit (the loss changed)" in text
+    assert "`python -m tools.x --seeds 3`" in text and "2.5%" not in text
+
+
+def test_record_refuses_a_ragged_table(fake_repo):
+    with pytest.raises(ValueError, match="every row needs 2 cells"):
+        readme.record("u", "cmd", ["a", "b"], [[1]])
