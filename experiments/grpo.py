@@ -17,15 +17,7 @@ ALGORITHM = GRPO
 DEFAULT = experiment.config_for(GRPO, experiment.ONLINE_DATA, optim=dict(learning_rate=1e-6))
 # The built-in task (--data builtin, the default): its tuned recipe, from the default SFT run,
 # rewarded by the program that checks the sum.
-BUILTIN = dict(
-    init_from="runs/sft",
-    steps=200,
-    remat="none",
-    optim=dict(learning_rate=3e-4, warmup_steps=5, min_lr_ratio=0.1),
-    batching=dict(batch_size=128, grad_accum=1, max_length=32),
-    eval=dict(every=50, exact_match=500, max_new_tokens=8),
-    algo=dict(rewards="exact_match", max_completion_length=8, num_generations=4),
-)
+BUILTIN = experiment.recipe(experiment.BUILTIN_ONLINE, algo=dict(num_generations=4))
 
 if __name__ == "__main__":
     experiment.main("grpo", GRPO, DEFAULT, __doc__, builtin=BUILTIN)

@@ -11,14 +11,7 @@ ALGORITHM = Reward
 # A user's data: TRL's defaults (learning rate 1e-4 as TRL's trainer).
 DEFAULT = experiment.config_for(Reward, experiment.PREFERENCE_DATA, optim=dict(learning_rate=1e-4))
 # The built-in task (--data builtin, the default): its tuned recipe, from the default SFT run.
-BUILTIN = dict(
-    init_from="runs/sft",
-    steps=200,
-    remat="none",
-    optim=dict(learning_rate=1e-4, warmup_steps=10, min_lr_ratio=0.1),
-    batching=dict(batch_size=32, grad_accum=1, max_length=32),
-    eval=dict(every=50, exact_match=500, max_new_tokens=8),
-)
+BUILTIN = experiment.BUILTIN_PREFERENCE
 
 if __name__ == "__main__":
     experiment.main("reward", Reward, DEFAULT, __doc__, builtin=BUILTIN)

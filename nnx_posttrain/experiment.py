@@ -46,6 +46,32 @@ ONLINE_DATA = dict(
     checkpoint=dict(every=200),
 )
 
+# The built-in task's recipes of the methods that start from the default SFT run (each experiment
+# file's BUILTIN: one of these, with its own changes merged in by ``recipe``).
+BUILTIN_PREFERENCE = dict(
+    init_from="runs/sft",
+    steps=200,
+    remat="none",
+    optim=dict(learning_rate=1e-4, warmup_steps=10, min_lr_ratio=0.1),
+    batching=dict(batch_size=32, grad_accum=1, max_length=32),
+    eval=dict(every=50, exact_match=500, max_new_tokens=8),
+)
+# Online methods: batch_size counts completions; the reward is the task's checker.
+BUILTIN_ONLINE = dict(
+    BUILTIN_PREFERENCE,
+    optim=dict(learning_rate=3e-4, warmup_steps=5, min_lr_ratio=0.1),
+    batching=dict(batch_size=128, grad_accum=1, max_length=32),
+    algo=dict(rewards="exact_match", max_completion_length=8),
+)
+
+
+def recipe(base: dict, **changes) -> dict:
+    """``base`` with ``changes`` merged in, nested groups (dicts) key by key."""
+    out = dict(base)
+    for name, value in changes.items():
+        out[name] = recipe(out.get(name, {}), **value) if isinstance(value, dict) else value
+    return out
+
 
 @functools.cache
 def config_type(algorithm) -> type:
