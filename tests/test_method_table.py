@@ -91,7 +91,7 @@ def test_table_from_runs_baseline_control_and_a_better_method(tmp_path):
     assert control["change from the SFT start [95% CI]"] == "+0.0 [+0.0, +0.0]"
     assert control["significant vs continued SFT"] == "no"
     assert control["preference accuracy (held-out pairs)"] == "50.0 ± 0.0%"
-    grpo = table["grpo"]
+    grpo = table[T.LABELS["grpo"]]
     assert grpo["significant vs continued SFT"] == "yes"
     assert grpo["vs continued SFT [95% CI]"].startswith("+20.0 [")
     assert grpo["train reward first -> last"] == "0.20 -> 0.20"
@@ -144,3 +144,23 @@ def test_default_run_table_range_and_plateau_from_finished_runs(tmp_path):
     assert high == pytest.approx(max(data["final_perturbed"].values()) + 0.03)
     split = data["carry_split"][0]
     assert split == {"carry_free": 1.0, "carry": 0.0, "carry_free_share": pytest.approx(share)}
+
+
+@pytest.mark.parametrize("method", T.METHODS)
+def test_every_row_is_a_command_its_experiment_accepts(method):
+    import importlib
+
+    from nnx_posttrain import experiment
+
+    name, args = T.method_command(method, 20)
+    module = importlib.import_module(f"experiments.{name}")
+    args = ["--seed", "1", "--init-from", "runs/x", *args]
+    cfg = experiment.parse_config(experiment.defaults_for(module.DEFAULT, module.BUILTIN, args),
+                                  args)
+    assert cfg.steps == 20 and cfg.seed == 1
+    if method in T.VARIANTS:  # the variant's own setting reached its algorithm's config
+        option, value = T.VARIANTS[method][1]
+        field = option.removeprefix("--algo.").replace("-", "_")
+        assert getattr(cfg.algo, field) == value
+    if method == T.CONTROL:
+        assert cfg.optim.learning_rate == 0

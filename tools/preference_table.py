@@ -14,7 +14,8 @@ command is reused, so a stopped table resumes). Rows:
   schedule, on the same demonstrations;
 - ``dpo_lr0``: the control, DPO at learning rate 0: its weights never change, so it must show no
   effect (a nonzero one would mean the comparison itself is broken: evaluation, pairing, seeds);
-- every other method with its experiment's defaults.
+- every other method with its experiment's defaults; ``VARIANTS`` are rows of a method with other
+  settings (a DPO loss, Dr. GRPO, GSPO; the ``grpo`` row is DAPO, TRL's default loss).
 
 Per method: held-out exact match after training, mean +- std over seeds; its change from the SFT
 start and its difference to the continued-SFT baseline, each paired by seed and held-out problem
@@ -39,14 +40,23 @@ if __package__ in (None, ""):  # python tools/preference_table.py
 
 from tools import readme, seeds as S  # noqa: E402
 
-METHODS = ("sft", "dpo_lr0", "dpo", "simpo", "cpo", "orpo", "kto", "reward", "grpo", "rloo", "ppo",
-           "online_dpo")
+# Rows that are a method with other settings: (experiment, its options).
+VARIANTS = {
+    "dpo_discopop": ("dpo", ["--algo.loss-type", "discopop"]),
+    "dr_grpo": ("grpo", ["--algo.loss-type", "dr_grpo"]),
+    "gspo": ("grpo", ["--algo.importance-sampling-level", "sequence"]),
+}
+METHODS = ("sft", "dpo_lr0", "dpo", "dpo_discopop", "simpo", "cpo", "orpo", "kto", "reward", "grpo",
+           "dr_grpo", "gspo", "rloo", "ppo", "online_dpo")
 BASELINE = "sft"
 CONTROL = "dpo_lr0"
 # The baseline: more SFT steps on the demonstrations, with the preference runs' schedule.
 SFT_CONTINUED = ["--optim.learning-rate", "1e-4", "--optim.warmup-steps", "10",
                  "--optim.min-lr-ratio", "0.1", "--optim.weight-decay", "0", "--eval.every", "50"]
-LABELS = {"sft": "sft continued (baseline)", "dpo_lr0": "dpo, learning rate 0 (control)"}
+LABELS = {"sft": "sft continued (baseline)", "dpo_lr0": "dpo, learning rate 0 (control)",
+          "dpo_discopop": "dpo, loss discopop", "grpo": "grpo (loss dapo, TRL's default: DAPO)",
+          "dr_grpo": "grpo, loss dr_grpo (Dr. GRPO)",
+          "gspo": "grpo, sequence-level ratio (GSPO)"}
 
 
 def method_command(method: str, steps: int | None) -> tuple[str, list[str]]:
@@ -55,7 +65,8 @@ def method_command(method: str, steps: int | None) -> tuple[str, list[str]]:
         return "sft", [*SFT_CONTINUED, "--steps", str(steps or _preference_steps())]
     if method == CONTROL:
         return "dpo", ["--optim.learning-rate", "0", *(["--steps", str(steps)] if steps else [])]
-    return method, (["--steps", str(steps)] if steps else [])
+    name, options = VARIANTS.get(method, (method, []))
+    return name, [*options, *(["--steps", str(steps)] if steps else [])]
 
 
 def _preference_steps() -> int:
