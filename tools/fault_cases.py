@@ -9,7 +9,7 @@ steps) and classifies what happened.
     unclear    it ran on without saying what it should have said (a refusal expected)
 
     python -m tools.fault_cases --json out.json [--root DIR] [--only NAME]   # run the cases
-    python -m tools.fault_cases --table before.json after.json               # results/fault_cases.json
+    python -m tools.fault_cases --table [before.json] after.json             # results/fault_cases.json
 
 ``--root`` runs another checkout's code (e.g. the commit before a fix) with this file's cases.
 Each case runs one to three processes of ~10 s: all of them take about 30 minutes on 2 cores.
@@ -701,21 +701,28 @@ def counts(results) -> dict:
     return {k: sum(r["outcome"] == k for r in results) for k in CLASSES}
 
 
-def table(before_path: str, after_path: str) -> None:
+def table(*paths: str) -> None:
+    """results/fault_cases.json from one run of the cases (AFTER) or two (BEFORE AFTER)."""
     from tools.readme import record
 
-    before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
-    b, a = counts(before["results"]), counts(after["results"])
-    rows = [[k, b[k], a[k]] for k in CLASSES] + [["all", len(before["results"]),
-                                                  len(after["results"])]]
-    changed = [f"{r['case']}: {x['outcome']} -> {r['outcome']}"
-               for r, x in zip(after["results"], before["results"]) if r["outcome"] != x["outcome"]]
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    after = runs[-1]
+    columns = ["outcome", *[f"{'before' if i < len(runs) - 1 else 'after'} ({r['commit']})"
+                            for i, r in enumerate(runs)]]
+    tallies = [counts(r["results"]) for r in runs]
+    rows = [[k, *(t[k] for t in tallies)] for k in CLASSES]
+    rows.append(["all", *(len(r["results"]) for r in runs)])
+    changed = ([f"{r['case']}: {x['outcome']} -> {r['outcome']}"
+                for r, x in zip(after["results"], runs[0]["results"]) if r["outcome"] != x["outcome"]]
+               if len(runs) > 1 else [])
     left = [f"{r['case']} ({r['outcome']})" for r in after["results"]
             if r["outcome"] in ("traceback", "data loss", "unclear")]
-    record("fault_cases", "python -m tools.fault_cases --json FILE [--root DIR]; --table",
-           ["outcome", f"before ({before['commit']})", f"after ({after['commit']})"], rows,
-           notes=["Not fine after: " + (", ".join(left) or "none")],
-           data={"before": before, "after": after, "changed": changed})
+    record("fault_cases", "python -m tools.fault_cases --json FILE [--root DIR]; --table [BEFORE] AFTER",
+           columns, rows,
+           notes=["Not fine after: " + (", ".join(left) or "none"),
+                  f"{len(after['results'])} cases, each one to three real processes on the micro "
+                  "model, run one after the other on a machine shared with other jobs."],
+           data={"runs": runs, "changed": changed})
 
 
 def main(argv=None):
@@ -723,10 +730,13 @@ def main(argv=None):
     parser.add_argument("--root", default=str(ROOT), help="checkout whose code runs the cases")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--only", help="run the cases whose name contains this")
-    parser.add_argument("--table", nargs=2, metavar=("BEFORE", "AFTER"),
-                        help="record results/fault_cases.json from two --json files")
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="record results/fault_cases.json from one --json file (after) or two "
+                             "(before, after)")
     args = parser.parse_args(argv)
     if args.table:
+        if len(args.table) > 2:
+            raise SystemExit("error: --table takes one or two --json files")
         return table(*args.table)
     root = Path(args.root).resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,

@@ -145,7 +145,6 @@ class Rollouts:
         self.graphdef, self.frozen = run.graphdef, run.frozen
         self.reward_fns = rewards_lib.resolve(c.rewards, run.load_run)
         self.reward_weights = rewards_lib.weights(c.reward_weights, len(self.reward_fns))
-        self.data_name = cfg.data
         if len(run.train_src):  # before the first rollout: the rewards' columns are there
             rewards_lib.check_columns(self.reward_fns, data.extra_columns(run.train_src, [0],
                                                                           exclude=())[0],
@@ -308,8 +307,10 @@ class Rollouts:
         records = data.extra_columns(src, index, exclude=())
         columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
         prompts = columns.pop("prompt", [None] * len(texts))
-        rows = [f"completion {i} (record {int(index[i])} of {self.data_name}, prompt "
-                f"{str(prompts[i])[:80]!r})" for i in range(len(texts))]
+        where = [src[int(i)].get("_where", f"record {int(i)}") if int(i) >= 0 else "padding"
+                 for i in np.asarray(index).reshape(-1)]
+        rows = [f"completion {i} ({where[i]}, prompt {str(prompts[i])[:80]!r})"
+                for i in range(len(texts))]
         per_fn = np.zeros((len(texts), len(self.reward_fns)), np.float32)
         for j, (name, fn) in enumerate(self.reward_fns):
             if getattr(fn, "needs_tokens", False):
