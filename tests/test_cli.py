@@ -180,11 +180,11 @@ def test_sft_help_lists_common_options_with_defaults():
         "--model": "gemma_tiny",
         "--data": "builtin",
         "--run-dir": "''",
-        "--steps": "600",
+        "--steps": "1500",
         "--seed": "0",
         "--resume": "False",
         "--eval-only": "False",
-        "--optim.learning-rate": "0.003",
+        "--optim.learning-rate": "0.001",
         "--lora.rank": "0",
     }
     for option, value in expected.items():

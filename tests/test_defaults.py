@@ -36,7 +36,7 @@ def test_builtin_recipe_only_with_builtin_data(name):
     assert builtin == experiment.with_overrides(m.DEFAULT, m.BUILTIN)
     assert own == experiment.with_overrides(m.DEFAULT, {"data": "mine.jsonl"})
     # the built-in recipe: short sequences of the arithmetic task, from the SFT run
-    assert builtin.batching.max_length == 32
+    assert builtin.batching.max_length == (24 if name == "sft" else 32)
     assert (builtin.init_from == "runs/sft") == (name != "sft")
     # a user's data: TRL-like
     assert own.init_from is None and own.eval_data is None

@@ -28,16 +28,17 @@ FAST = [*MICRO, "--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval
 
 
 def sft(run_dir, *extra):
-    from experiments.sft import DEFAULT
+    from experiments.sft import BUILTIN, DEFAULT
 
-    return experiment.main("sft", SFT, DEFAULT, args=[*FAST, "--run-dir", str(run_dir), *extra])
+    return experiment.main("sft", SFT, DEFAULT, args=[*FAST, "--run-dir", str(run_dir), *extra],
+                           builtin=BUILTIN)
 
 
 def dpo(run_dir, *extra):
-    from experiments.dpo import DEFAULT
+    from experiments.dpo import BUILTIN, DEFAULT
 
     return experiment.main("dpo", DPO, DEFAULT, args=[*FAST, "--run-dir", str(run_dir),
-                                                      "--init-from", "", *extra])
+                                                      "--init-from", "", *extra], builtin=BUILTIN)
 
 
 def refusal(fn, *args) -> str:
@@ -189,7 +190,7 @@ def test_changed_settings_are_refused_with_the_list_of_differences(copy):
     before = _files(copy)
     msg = refusal(sft, copy, "--steps", "6", "--optim.learning-rate", "1e-2",
                   "--batching.batch-size", "8", "--seed", "3")
-    assert "optim.learning_rate: 0.003 -> 0.01 (allowed with --resume-changed optim.learning_rate)" in msg
+    assert "optim.learning_rate: 0.001 -> 0.01 (allowed with --resume-changed optim.learning_rate)" in msg
     assert "batching.batch_size: 4 -> 8 (refused: the saved data position counts batches" in msg
     assert "seed: 0 -> 3 (refused" in msg
     assert not any(line.strip().startswith("steps:") for line in msg.splitlines())  # announced
@@ -200,10 +201,10 @@ def test_named_changes_are_accepted_and_recorded(copy, capsys):
     sft(copy, "--steps", "6", "--optim.learning-rate", "1e-2", "--resume-changed",
         "optim.learning-rate")
     out = capsys.readouterr().out
-    assert "changed: optim.learning_rate: 0.003 -> 0.01" in out and "changed: steps: 4 -> 6" in out
+    assert "changed: optim.learning_rate: 0.001 -> 0.01" in out and "changed: steps: 4 -> 6" in out
     history = [json.loads(line) for line in (copy / "history.jsonl").read_text().splitlines()]
     assert [h["event"] for h in history] == ["start", "resume"]
-    assert history[-1]["changed"] == {"optim.learning_rate": [0.003, 0.01], "steps": [4, 6]}
+    assert history[-1]["changed"] == {"optim.learning_rate": [0.001, 0.01], "steps": [4, 6]}
     assert json.loads((copy / "config.json").read_text())["optim"]["learning_rate"] == 0.01
     assert steps_of(copy)[-1] == 6 and [r["step"] for r in records(copy)] == list(range(1, 7))
 
@@ -275,7 +276,7 @@ def test_eval_only_of_an_online_method_says_how_it_evaluates(tmp_path):
 
     msg = refusal(experiment.main, "grpo", GRPO, DEFAULT, None, [
         *FAST, "--run-dir", str(tmp_path / "run"), "--init-from", "", "--eval-only",
-        "--algo.num-generations", "2"])
+        "--algo.num-generations", "2", "--algo.rewards", "exact_match"])
     assert "evaluated by generation" in msg and "--eval.exact-match" in msg
 
 

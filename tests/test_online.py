@@ -16,9 +16,10 @@ from support import MICRO, records
 from nnx_posttrain.algorithms import online
 from nnx_posttrain.algorithms.online import rewards
 
+# (the user-data defaults otherwise; one micro-batch per step as the built-in recipe)
 ONLINE_MICRO = [*MICRO, "--init-from", "", "--algo.max-completion-length", "4",
                 "--eval.exact-match", "8", "--eval.max-new-tokens", "8", "--log-every", "1",
-                "--checkpoint.every", "0"]
+                "--checkpoint.every", "0", "--batching.grad-accum", "1", "--remat", "none"]
 
 
 def digits_reward(prompts, completions, **_):
@@ -97,6 +98,7 @@ def test_grpo_learns_a_reward_and_logs_trl_metrics(tmp_path, prompt_files):
          "--batching.batch-size", "16", "--algo.num-generations", "4",
          "--algo.rewards", "test_online:digits_reward,exact_match", "--algo.reward-weights", "1,0",
          "--algo.beta", "0.04", "--optim.learning-rate", "3e-2", "--optim.warmup-steps", "0",
+         "--optim.min-lr-ratio", "0.1",
          "--eval.every", "6")
     records = _train(tmp_path / "grpo")
     assert [r["step"] for r in records] == list(range(1, 13))

@@ -278,7 +278,7 @@ def trl_grpo_advantages(per_func, weights, g, scale_rewards="group",
 
 
 def grpo_algorithm(**cfg):
-    return GRPO(GRPOConfig(**cfg), 8)
+    return GRPO(GRPOConfig(**{"rewards": "exact_match", **cfg}), 8)
 
 
 def rollouts(per_func, weights):
@@ -406,7 +406,7 @@ def test_rloo_advantages_match_trl(normalize, clip):
     per_func = np.array([[0.3], [1.7], [np.nan], [-0.9], [0.25], [0.25], [0.25], [1.0]], np.float32)
     mask = MASK[[0, 1, 2, 3, 5, 0, 1, 3]]
     old, ref = LOGPS[[0, 1, 2, 3, 5, 0, 1, 3]], REF[[0, 1, 2, 3, 5, 0, 1, 3]]
-    algo = RLOO(RLOOConfig(num_generations=4, beta=0.1, normalize_advantages=normalize,
+    algo = RLOO(RLOOConfig(rewards="exact_match", num_generations=4, beta=0.1, normalize_advantages=normalize,
                            reward_clip_range=clip), 8)
     algo.reference_mode = "copy"
     fake = SimpleNamespace(rewards_per_func=per_func, reward_weights=np.ones(1, np.float32),

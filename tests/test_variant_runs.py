@@ -168,18 +168,18 @@ RUNS = {
                                                              "apo_zero_unpaired"]),
     "grpo_gspo_cispo": ("grpo", "prompt_only", [
         "--algo.loss-type", "cispo", "--algo.importance-sampling-level", "sequence",
-        "--algo.epsilon-high", "5.0", "--algo.num-iterations", "2"]),
+        "--algo.epsilon-high", "5.0", "--algo.num-iterations", "2", "--algo.rewards", "exact_match"]),
     "grpo_sapo_entropy_kl": ("grpo", "prompt_only", [
         "--algo.loss-type", "sapo", "--algo.top-entropy-quantile", "0.5", "--algo.beta", "0.04",
-        "--algo.off-policy-mask-threshold", "0.5"]),
+        "--algo.off-policy-mask-threshold", "0.5", "--algo.rewards", "exact_match"]),
     "grpo_vespo_gdpo_delta": ("grpo", "prompt_only", [
         "--algo.loss-type", "vespo", "--algo.rewards", "length,format",
         "--algo.multi-objective-aggregation", "normalize_then_sum", "--algo.delta", "1.5"]),
     "rloo_clip_normalize": ("rloo", "prompt_only", [
         "--algo.reward-clip-range", "-0.5", "0.5", "--algo.normalize-advantages",
-        "--algo.num-generations", "2", "--algo.num-iterations", "2"]),
+        "--algo.num-generations", "2", "--algo.num-iterations", "2", "--algo.rewards", "exact_match"]),
     "ppo_k3_whiten": ("ppo", "prompt_only", ["--algo.kl-estimator", "k3",
-                                             "--algo.whiten-rewards"]),
+                                             "--algo.whiten-rewards", "--algo.rewards", "exact_match"]),
 }
 
 

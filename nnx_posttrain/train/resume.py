@@ -48,6 +48,7 @@ REFUSED = {
     "dtype": "the saved weights are of the run's precision",
     "lora.*": "the saved weights are of the run's LoRA configuration",
     "init_from": "the starting weights (and the reference model) come from it",
+    "chat_format": "the chat template decides the tokens of every conversational record",
     "seed": "the seed fixes the data order and the initial weights",
     "data": "the saved data position is a position in the run's data",
     "batching.batch_size": "the saved data position counts batches of the run's size",
