@@ -95,8 +95,7 @@ class JsonlWriter:
         self._say = say
         if keep_until is not None:
             trim(self.path, keep_until, say)
-            if self.completions_path.exists():
-                trim(self.completions_path, keep_until, say, missing_ok=True)
+            trim(self.completions_path, keep_until, say, missing_ok=True)
         self._file = _AppendFile(self.path, say)
         self._completions = None  # opened at the first completion
 

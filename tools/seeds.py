@@ -88,10 +88,10 @@ def per_problem(run_dir: Path, step: int | None = None) -> dict[str, int]:
 
 
 def prompt_key(segments) -> str:
-    """The key of a held-out prompt in exact_match.jsonl: CRC-32 (hex) of its rendered text."""
-    import zlib
+    """The key of a held-out prompt (its rendered segments) in exact_match.jsonl."""
+    from nnx_posttrain.train.evaluation import prompt_key as key
 
-    return f"{zlib.crc32(''.join(text for text, _ in segments).encode()):08x}"
+    return key("".join(text for text, _ in segments))
 
 
 def mean_std(values) -> tuple[float, float]:

@@ -123,7 +123,7 @@ class Evaluator:
 
     def _write_per_problem(self, step, accuracy):
         scored = [row for row in self.completions if "score" in row]
-        keys = [f"{zlib.crc32(row['prompt'].encode()):08x}" for row in scored]  # tools.seeds.prompt_key
+        keys = [prompt_key(row["prompt"]) for row in scored]
         with (self.run.run_dir / "exact_match.jsonl").open("a") as f:
             f.write(json.dumps({"step": int(step), "exact_match": accuracy, "keys": keys,
                                 "correct": [int(row["score"]) for row in scored]}) + "\n")
@@ -166,3 +166,8 @@ def _greedy_with_ids(lm, greedy, states, prompts: list[list[int]], batch_size: i
         parts.append((ids[:count], mask[:count], np.asarray(result["completion_ids"])[:count],
                       np.asarray(result["completion_mask"]).astype(np.int32)[:count]))
     return texts, tuple(np.concatenate(arrays) for arrays in zip(*parts))
+
+
+def prompt_key(text: str) -> str:
+    """A held-out prompt's key in exact_match.jsonl: CRC-32 (hex) of its rendered text."""
+    return f"{zlib.crc32(text.encode()):08x}"

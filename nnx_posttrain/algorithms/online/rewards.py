@@ -148,15 +148,16 @@ def check_columns(reward_fns, columns, data_name: str) -> None:
             "rewards that fit it (a 'module:function' reward receives every column by name).")
 
 
-def score(name: str, fn, prompts, completions, columns: dict, rows) -> list:
+def score(name: str, fn, prompts, completions, columns: dict, describe) -> list:
     """``fn``'s rewards of a batch as floats (NaN for None). A reward that raises, or returns
     something else than one number (or None) per completion, stops the run with a message naming
-    the reward and the first row it fails on (``rows``: a description of each row)."""
+    the reward and the first row it fails on (``describe(i)``: where row i comes from; called
+    only for that message)."""
     try:
         values = fn(prompts=prompts, completions=completions, **columns)
     except Exception as exc:  # noqa: BLE001 - a user's function: report where it fails
         row = _first_failing_row(fn, prompts, completions, columns)
-        at = f" on {rows[row]}" if row is not None else ""
+        at = f" on {describe(row)}" if row is not None else ""
         raise SystemExit(f"error: reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
     values = list(values) if values is not None else None
     if values is None or len(values) != len(completions):
@@ -171,7 +172,7 @@ def score(name: str, fn, prompts, completions, columns: dict, rows) -> list:
         try:
             out.append(float(v))
         except (TypeError, ValueError):
-            raise SystemExit(f"error: reward {name!r} returned {v!r} on {rows[i]}; expected a "
+            raise SystemExit(f"error: reward {name!r} returned {v!r} on {describe(i)}; expected a "
                              "number or None") from None
     return out
 

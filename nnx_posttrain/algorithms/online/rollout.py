@@ -307,17 +307,20 @@ class Rollouts:
         records = data.extra_columns(src, index, exclude=())
         columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
         prompts = columns.pop("prompt", [None] * len(texts))
-        where = [src[int(i)].get("_where", f"record {int(i)}") if int(i) >= 0 else "padding"
-                 for i in np.asarray(index).reshape(-1)]
-        rows = [f"completion {i} ({where[i]}, prompt {str(prompts[i])[:80]!r})"
-                for i in range(len(texts))]
+        index = np.asarray(index).reshape(-1)
+
+        def describe(i):  # for an error message only: the record's file:line
+            j = int(index[i])
+            where = src[j].get("_where", f"record {j}") if j >= 0 else "padding"
+            return f"completion {i} ({where}, prompt {str(prompts[i])[:80]!r})"
+
         per_fn = np.zeros((len(texts), len(self.reward_fns)), np.float32)
         for j, (name, fn) in enumerate(self.reward_fns):
             if getattr(fn, "needs_tokens", False):
                 values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
                                                          completion_ids, completion_mask))
             else:
-                values = rewards_lib.score(name, fn, prompts, texts, columns, rows)
+                values = rewards_lib.score(name, fn, prompts, texts, columns, describe)
             per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
         total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
         return total, {name: per_fn[:, j] for j, (name, _) in enumerate(self.reward_fns)}
