@@ -208,7 +208,7 @@ def main(argv=None) -> dict:
                         help="results/<name>.json to write ('none': only print)")
     parser.add_argument("--reps", type=int, default=10_000, help="bootstrap resamples")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="seeds run at a time (wall times then include the contention)")
+                        help="runs at a time (wall times then include the contention)")
     parser.add_argument("extra", nargs="*", help="overrides passed to every method, after --")
     args = parser.parse_args(argv)
     if args.seeds < 1:
@@ -219,29 +219,34 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: --methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     out = Path(args.out)
     sft_args = ["--steps", str(args.sft_steps)] if args.sft_steps else []
-    def one_seed(s):  # the SFT start, then every method from it
-        start = out / f"seed{s}" / "sft_start"
-        S.run_experiment("sft", start, ["--seed", str(s), *sft_args])
-        for method in methods:
-            name, margs = method_command(method, args.steps)
-            S.run_experiment(name, out / f"seed{s}" / method,
-                             ["--seed", str(s), "--init-from", str(start), *margs, *args.extra])
+    def start(s):  # the SFT run every method of seed s starts from
+        S.run_experiment("sft", out / f"seed{s}" / "sft_start", ["--seed", str(s), *sft_args])
 
+    def method_run(s, method):
+        name, margs = method_command(method, args.steps)
+        S.run_experiment(name, out / f"seed{s}" / method,
+                         ["--seed", str(s), "--init-from", str(out / f"seed{s}" / "sft_start"),
+                          *margs, *args.extra])
+
+    runs = [(s, m) for m in methods for s in range(args.seeds)]
     if args.jobs <= 1:
         for s in range(args.seeds):
-            one_seed(s)
-    else:
+            start(s)
+        for s, m in runs:
+            method_run(s, m)
+    else:  # every (seed, method) run is a job: no core idles while another seed finishes
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(args.jobs) as pool:
-            list(pool.map(one_seed, range(args.seeds)))
+            list(pool.map(start, range(args.seeds)))
+            list(pool.map(lambda run: method_run(*run), runs))
     raw = collect(out, methods, args.seeds)
     columns, rows, stats = summarise(raw, args.seeds, args.reps)
     notes = _reading(stats) + _check_control(stats) + [
         f"{args.seeds} seeds (0 .. {args.seeds - 1}); each method starts from the SFT run of its "
         "seed. Intervals: 95% paired bootstrap over seeds and held-out problems "
         f"({args.reps} resamples); significant = the interval excludes 0. Wall time per run "
-        + ("with one run at a time." if args.jobs <= 1 else f"with {args.jobs} seeds at a time."),
+        + ("with one run at a time." if args.jobs <= 1 else f"with {args.jobs} runs at a time."),
     ]
     command = "python -m tools.preference_table " + " ".join(argv if argv is not None else sys.argv[1:])
     table = readme.render({"name": args.record, "command": command.strip(), "commit": "",

@@ -32,7 +32,7 @@ EVAL_SIZE = 500
 _SPLIT_SEED = 1234
 TABLE_REPEATS = 10
 """How often the demonstrations repeat the one-digit addition table (see ``demonstrations``)."""
-SLIP_RATE = 0.7
+SLIP_RATE = 0.9
 """Fraction of the problems with a carry on which the teacher forgets it (> 0.5: the imitated
 greedy answer is the slip; < 1: the right answer keeps some probability for RL to find)."""
 
