@@ -607,6 +607,29 @@ def test_eval_only_holds_the_weights_without_optimizer_state_or_reference_copy(t
     assert evaluated["live"] < 1.2 * w and dpo_eval["live"] < 1.2 * w  # the weights, once
 
 
+STALLED_EXIT = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from nnx_posttrain.train import rundir
+done = Path(sys.argv[1])
+with rundir.sigterm_exits(lambda: done.write_text("released"), grace_s=1.0):
+    threading.Thread(target=time.sleep, args=(3600,)).start()  # never ends, not a daemon
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3600)
+"""
+
+
+def test_sigterm_ends_the_process_even_when_its_clean_exit_stalls(tmp_path):
+    # A thread that never ends keeps the interpreter from exiting after SystemExit: the timer
+    # armed by the signal releases the lock and ends the process anyway.
+    done = tmp_path / "released"
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", STALLED_EXIT, str(done)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert done.read_text() == "released" and time.time() - start < 60
+
+
 def test_sigterm_while_the_model_loads_releases_the_lock(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")

@@ -57,7 +57,8 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     allowed = resume.allowed_keys(cfg.resume_changed)
     run_dir = rundir.prepare(Path(cfg.run_dir or f"runs/{experiment}"))
     try:
-        with rundir.sigterm_exits(), rundir.RunLock(run_dir, echo, jax.process_index() == 0):
+        lock = rundir.RunLock(run_dir, echo, jax.process_index() == 0)
+        with rundir.sigterm_exits(lock.release), lock:
             return _run(cfg, algorithm, experiment, echo, run_dir, allowed)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C twice): stopped without writing a checkpoint; the run "

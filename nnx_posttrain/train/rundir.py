@@ -114,16 +114,32 @@ class RunLock:
         self.fd = None
 
 
+EXIT_GRACE_S = 60.0
+"""How long the clean exit after SIGTERM may take before the process ends regardless."""
+
+
 @contextlib.contextmanager
-def sigterm_exits():
+def sigterm_exits(last=lambda: None, grace_s: float = EXIT_GRACE_S):
     """SIGTERM before training starts (while the model loads, say) ends the process through
     ``SystemExit(143)``, so that ``finally`` blocks run: the lock is released, nothing is left
-    half-written. (During training ``hooks.StopSignals`` takes over: checkpoint, then exit.)"""
+    half-written. (During training ``hooks.StopSignals`` takes over: checkpoint, then exit.)
+
+    A clean exit can still stall (a library thread that never ends, a C call the exception
+    waits behind), so the signal also arms a timer: ``grace_s`` seconds later ``last()`` (the
+    lock's release) runs and the process ends with status 143, whatever it was doing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
+        def force():
+            with contextlib.suppress(Exception):
+                last()
+            os._exit(128 + signum)
+
+        timer = threading.Timer(grace_s, force)
+        timer.daemon = True
+        timer.start()
         raise SystemExit(128 + signum)
 
     old = signal.signal(signal.SIGTERM, handler)
