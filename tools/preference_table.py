@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 if __package__ in (None, ""):  # python tools/preference_table.py
@@ -219,27 +220,22 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: --methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     out = Path(args.out)
     sft_args = ["--steps", str(args.sft_steps)] if args.sft_steps else []
-    def start(s):  # the SFT run every method of seed s starts from
-        S.run_experiment("sft", out / f"seed{s}" / "sft_start", ["--seed", str(s), *sft_args])
+
+    def start_dir(s):  # the SFT run every method of seed s starts from
+        return out / f"seed{s}" / "sft_start"
 
     def method_run(s, method):
         name, margs = method_command(method, args.steps)
         S.run_experiment(name, out / f"seed{s}" / method,
-                         ["--seed", str(s), "--init-from", str(out / f"seed{s}" / "sft_start"),
-                          *margs, *args.extra])
+                         ["--seed", str(s), "--init-from", str(start_dir(s)), *margs, *args.extra])
 
-    runs = [(s, m) for m in methods for s in range(args.seeds)]
-    if args.jobs <= 1:
-        for s in range(args.seeds):
-            start(s)
-        for s, m in runs:
-            method_run(s, m)
-    else:  # every (seed, method) run is a job: no core idles while another seed finishes
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(args.jobs) as pool:
-            list(pool.map(start, range(args.seeds)))
-            list(pool.map(lambda run: method_run(*run), runs))
+    # The SFT starts, then every (seed, method) run as one job: with --jobs > 1 no core idles
+    # while another seed finishes; a failed run cancels the ones not started.
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(lambda s: S.run_experiment("sft", start_dir(s), ["--seed", str(s), *sft_args]),
+                      range(args.seeds)))
+        list(pool.map(lambda run: method_run(*run),
+                      [(s, m) for m in methods for s in range(args.seeds)]))
     raw = collect(out, methods, args.seeds)
     columns, rows, stats = summarise(raw, args.seeds, args.reps)
     notes = _reading(stats) + _check_control(stats) + [
