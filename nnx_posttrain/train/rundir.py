@@ -140,8 +140,8 @@ def sigterm_exits(last=lambda: None, grace_s: float = EXIT_GRACE_S):
         timer = threading.Timer(grace_s, force)
         timer.daemon = True
         timer.start()
-        print(f"stopped by {signal.Signals(signum).name} before training started: no step was "
-              "taken, nothing to checkpoint", file=sys.stderr)
+        print(f"stopped by {signal.Signals(signum).name} while no training step was running: "
+              "nothing new to checkpoint", file=sys.stderr)
         raise SystemExit(128 + signum)
 
     old = signal.signal(signal.SIGTERM, handler)
