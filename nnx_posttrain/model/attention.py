@@ -21,8 +21,9 @@ took, with the reason of any fallback):
   ``[batch, T, kv heads, groups, S]`` scores without head transposes (with one kv head, every
   query head is a row of one batched matmul; keys that KerasHub's Llama / Qwen / Mistral layers
   repeated per group are un-repeated), soft cap, float32 softmax. Sequences
-  longer than ``chunk`` run one query chunk at a time under ``jax.checkpoint``, each against only
-  the keys it can see (causal, window), so memory holds one chunk of scores, never ``T x T``;
+  longer than ``chunk`` take blocked attention with an online softmax (``model/flash.py``): tiles
+  of ``min(chunk, 256)`` squared scores, only the tiles a query block can see (causal, window), the backward
+  pass recomputing them, so memory is O(T) plus one tile, never ``T x T``;
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN flash attention, GPU,
   bfloat16 / float16, head dim a multiple of 8 up to 128, 256 on Hopper; no soft cap), the mask of
   one query chunk at a time built from segment ids;
@@ -47,9 +48,11 @@ import jax
 import jax.numpy as jnp
 
 from nnx_posttrain.model.blocks import _MASK_METHODS, decoder_blocks, override_blocks
+from nnx_posttrain.model.flash import flash
 
 IMPLEMENTATIONS = ("auto", "keras", "xla", "cudnn", "splash")
 _ATTRIBUTE = "_nnx_posttrain_attention"
+FLASH_BLOCK = 256  # tile of the blocked path: fastest of 128 / 256 / 512 / 1024 at 2k and 8k on CPU
 _NEG = -1e30  # masked score: finite (no NaN), exp(_NEG - max) = 0 in float32
 
 
@@ -57,7 +60,7 @@ _NEG = -1e30  # masked score: finite (no NaN), exp(_NEG - max) = 0 in float32
 class Choice:
     """The resolved path, kept on the module (a plain attribute: ``nnx.split`` / ``merge`` keep it)."""
     implementation: str = "keras"  # keras | xla | cudnn | splash
-    chunk: int = 512  # query positions per chunk past this length (xla, cudnn)
+    chunk: int = 512  # past this length: blocked attention (xla), query chunks (cudnn)
     interpret: bool = False  # Pallas kernels in interpret mode (CPU tests)
 
 
@@ -300,8 +303,10 @@ def attend(q, k, v, segment_ids, spec: LayerSpec, choice: Choice):
         out = _splash(q5, k, v, segment_ids, spec, choice.interpret)
     elif impl == "cudnn":
         out = _chunked(_cudnn_chunk, q5, k, v, segment_ids, spec, choice.chunk)
-    else:  # xla, and splash at a sequence length it cannot tile
-        out = _chunked(_xla_chunk, q5, k, v, segment_ids, spec, choice.chunk)
+    elif t > choice.chunk:  # xla past one chunk (and splash at a length it cannot tile)
+        out = flash(q5, k, v, segment_ids, spec, min(choice.chunk, FLASH_BLOCK))
+    else:
+        out = _xla_chunk(q5, k, v, segment_ids, segment_ids, jnp.arange(t), jnp.arange(t), spec)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 

@@ -1,0 +1,167 @@
+"""Blocked exact attention with an online softmax (the ``xla`` path past one chunk of queries).
+
+``flash(q, k, v, segment_ids, spec, block)`` equals ``softmax(q k^T * scale + mask) v`` (the mask
+from segment ids, causality and an optional sliding window, as in ``attention._allowed``) but
+never holds more than one ``block x block`` tile of scores per (batch row, head): the forward
+pass walks the key blocks a query block can see (causal and window skipping: a ``while`` loop
+over ``[first visible block, diagonal block]``) with a running max and sum, and keeps only the
+output and the row log-sum-exp; the backward pass (a ``custom_vjp``) recomputes each tile's
+probabilities from that log-sum-exp and accumulates dq, dk, dv. Memory is O(T) in the sequence
+length, plus one tile: the FlashAttention algorithm (Dao et al., 2022), written in plain JAX so
+that XLA:CPU runs it and any backend can.
+
+Layout: q [B, T, K, G, H] (K kv heads, G query heads per kv head), k / v [B, T, K, H], segment ids
+[B, T] int32; tiles of scores [B, Cq, K, G, Ck] in float32.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # as attention._NEG: a masked score, finite so that exp(_NEG - max) = 0
+
+
+def _pad(x, length):
+    pad = length - x.shape[1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _first_block(i, block, window):
+    """The first key block that query block ``i`` can see."""
+    if not window:
+        return 0
+    return jnp.maximum(0, (i * block - window + 1) // block)
+
+
+def _last_block(j, block, window, blocks):
+    """One past the last query block that can see key block ``j``."""
+    if not window:
+        return blocks
+    return jnp.minimum(blocks, ((j + 1) * block - 1 + window - 1) // block + 1)
+
+
+def _tile(q, k, seg_q, seg_k, i, j, block, spec):
+    """Scores of query block i against key block j: (s [B, C, K, G, C] float32 after scale and
+    soft cap, with masked entries at _NEG; capped tanh for the backward pass or None)."""
+    s = jnp.einsum("bqkgh,bskh->bqkgs", q, k).astype(jnp.float32)
+    if spec.scale_scores:
+        s = s * spec.scale
+    cap = None
+    if spec.soft_cap is not None:
+        cap = jnp.tanh(s / spec.soft_cap)
+        s = cap * spec.soft_cap
+    pos_q = i * block + jnp.arange(block)
+    pos_k = j * block + jnp.arange(block)
+    ok = (seg_q[:, :, None] == seg_k[:, None, :]) & (pos_k[None, None, :] <= pos_q[None, :, None])
+    if spec.window:
+        ok &= pos_q[None, :, None] - pos_k[None, None, :] < spec.window
+    return jnp.where(ok[:, :, None, None, :], s, _NEG), cap
+
+
+def _slice(x, index, block):
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=1)
+
+
+def _forward(q, k, v, seg, spec, block):
+    """(out [B, T, K, G, H] in q's dtype, lse [B, T, K, G] float32); q already scaled."""
+    b, t, kv, g, h = q.shape
+    blocks = t // block
+
+    def query_block(i):
+        qi, si = _slice(q, i, block), _slice(seg, i, block)
+
+        def key_block(j, carry):
+            m, l, acc = carry
+            s, _ = _tile(qi, _slice(k, j, block), si, _slice(seg, j, block), i, j, block, spec)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            correction = jnp.exp(m - m_new)
+            l = l * correction + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bqkgs,bskh->bqkgh", p.astype(v.dtype), _slice(v, j, block))
+            return m_new, l, acc * correction[..., None] + pv.astype(jnp.float32)
+
+        init = (jnp.full((b, block, kv, g), _NEG, jnp.float32),
+                jnp.zeros((b, block, kv, g), jnp.float32),
+                jnp.zeros((b, block, kv, g, h), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(_first_block(i, block, spec.window), i + 1, key_block, init)
+        return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
+
+    out, lse = jax.lax.map(query_block, jnp.arange(blocks))  # [blocks, B, C, ...]
+    merge = lambda x: jnp.moveaxis(x, 0, 1).reshape((b, t) + x.shape[3:])  # noqa: E731
+    return merge(out), merge(lse)
+
+
+def _backward(q, k, v, seg, out, lse, dout, spec, block):
+    """dq, dk, dv (float32) of the scaled-query attention, recomputing each tile from ``lse``."""
+    b, t, kv, g, h = q.shape
+    blocks = t // block
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, K, G]
+
+    def query_block(i, carry):
+        dq, dk, dv = carry
+        qi, si, doi = _slice(q, i, block), _slice(seg, i, block), _slice(dout, i, block)
+        lse_i, delta_i = _slice(lse, i, block), _slice(delta, i, block)
+
+        def key_block(j, inner):
+            dq_i, dk, dv = inner
+            kj, vj = _slice(k, j, block), _slice(v, j, block)
+            s, cap = _tile(qi, kj, si, _slice(seg, j, block), i, j, block, spec)
+            p = jnp.exp(s - lse_i[..., None])  # masked entries: exp(_NEG - lse) = 0
+            dp = jnp.einsum("bqkgh,bskh->bqkgs", doi, vj).astype(jnp.float32)
+            ds = p * (dp - delta_i[..., None])
+            if cap is not None:
+                ds = ds * (1 - cap * cap)
+            if spec.scale_scores:
+                ds = ds * spec.scale
+            ds = ds.astype(q.dtype)
+            dq_i = dq_i + jnp.einsum("bqkgs,bskh->bqkgh", ds, kj).astype(jnp.float32)
+            dk_j = jnp.einsum("bqkgs,bqkgh->bskh", ds, qi).astype(jnp.float32)
+            dv_j = jnp.einsum("bqkgs,bqkgh->bskh", p.astype(v.dtype), doi).astype(jnp.float32)
+            dk = jax.lax.dynamic_update_slice_in_dim(dk, _slice(dk, j, block) + dk_j, j * block, 1)
+            dv = jax.lax.dynamic_update_slice_in_dim(dv, _slice(dv, j, block) + dv_j, j * block, 1)
+            return dq_i, dk, dv
+
+        dq_i = jnp.zeros((b, block, kv, g, h), jnp.float32)
+        dq_i, dk, dv = jax.lax.fori_loop(_first_block(i, block, spec.window), i + 1, key_block,
+                                         (dq_i, dk, dv))
+        return jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block, 1), dk, dv
+
+    zeros_q = jnp.zeros(q.shape, jnp.float32)
+    zeros_k = jnp.zeros(k.shape, jnp.float32)
+    return jax.lax.fori_loop(0, blocks, query_block, (zeros_q, zeros_k, zeros_k))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, seg, spec, block):
+    return _forward(q, k, v, seg, spec, block)[0]
+
+
+def _flash_fwd(q, k, v, seg, spec, block):
+    out, lse = _forward(q, k, v, seg, spec, block)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(spec, block, residuals, dout):
+    q, k, v, seg, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, seg, out, lse, dout, spec, block)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash(q, k, v, segment_ids, spec, block: int):
+    """q [B, T, K, G, H], k / v [B, T, K, H], segment_ids [B, T] -> [B, T, K, G, H]; ``spec`` an
+    ``attention.LayerSpec``. T is padded to a multiple of ``block`` (padding: segment -1, seen by
+    no real query) and cut back."""
+    t = q.shape[1]
+    block = min(block, t)
+    length = -(-t // block) * block
+    if not spec.scale_scores:
+        q = q * jnp.asarray(spec.scale, q.dtype)
+    seg = jnp.pad(segment_ids, [(0, 0), (0, length - t)], constant_values=-1)
+    out = _flash(_pad(q, length), _pad(k, length), _pad(v, length), seg, spec, block)
+    return out[:, :t]
