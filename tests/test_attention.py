@@ -240,3 +240,17 @@ def test_long_sequence_memory_grows_linearly_not_with_t_squared():
     small, large = temp_bytes(1024), temp_bytes(4096)
     assert large < 5 * small, (small, large)  # T^2 would be 16x
     assert large < 4096 * 4096 * 4, large  # less than one head's full score matrix
+
+
+def test_packed_tiles_between_different_examples_are_skipped():
+    """Blocked attention computes a tile only if some query and key in it can share a segment:
+    four examples of two tiles each leave each example's own 2 x 2 tiles (the rest of the causal
+    lower triangle is skipped); padding (segment 0) overlaps everything."""
+    from nnx_posttrain.model import flash
+
+    seg = jnp.asarray(np.repeat(np.arange(1, 5), 8)[None], jnp.int32)  # blocks of 4 positions
+    needed = np.asarray(flash._needed(seg, 4))
+    want = np.kron(np.eye(4, dtype=bool), np.ones((2, 2), bool))
+    np.testing.assert_array_equal(needed, want)
+    padded = np.asarray(flash._needed(seg.at[0, -2:].set(0), 4))
+    assert padded[-1].all() and padded[:, -1].all()

@@ -155,6 +155,21 @@ def test_sampled_frequencies_follow_the_model_distribution(micro_sampler):
     assert wrong > dof + 6 * np.sqrt(2 * dof), (wrong, dof)
 
 
+def test_inverse_cdf_draws_follow_the_distribution_and_never_pick_masked_ids():
+    """``_categorical`` (one uniform per row): frequencies of a known distribution with masked ids
+    first, between and last; masked ids are never drawn, even when u is at the top of the CDF."""
+    logits = jnp.log(jnp.asarray([0.0, 0.5, 0.0, 0.2, 0.3, 0.0]))  # log 0 = -inf
+    draws = 20000
+    tokens = sampler._categorical(jax.random.key(0), jnp.broadcast_to(logits, (draws, 6)))
+    counts = np.bincount(np.asarray(tokens), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0, counts
+    np.testing.assert_allclose(counts[[1, 3, 4]] / draws, [0.5, 0.2, 0.3], atol=0.015)
+    # u at the very top of the CDF (rounding): the last id of positive probability
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.random, "uniform", lambda rng, shape, dtype: jnp.ones(shape, dtype))
+        assert int(sampler._categorical(jax.random.key(0), logits[None])[0]) == 4
+
+
 def test_stop_tokens_rows_stop_independently(micro_sampler):
     lm, _, states, sample = micro_sampler
     ids, mask = _batch()

@@ -4,7 +4,8 @@
 from segment ids, causality and an optional sliding window, as in ``attention._allowed``) but
 never holds more than one ``block x block`` tile of scores per (batch row, head): the forward
 pass walks the key blocks a query block can see (causal and window skipping: a ``while`` loop
-over ``[first visible block, diagonal block]``) with a running max and sum, and keeps only the
+over ``[first visible block, diagonal block]``, skipping tiles where no query and key share a
+segment: packed rows cost what their examples cost) with a running max and sum, and keeps only the
 output and the row log-sum-exp; the backward pass (a ``custom_vjp``) recomputes each tile's
 probabilities from that log-sum-exp and accumulates dq, dk, dv. Memory is O(T) in the sequence
 length, plus one tile: the FlashAttention algorithm (Dao et al., 2022), written in plain JAX so
@@ -43,6 +44,17 @@ def _last_block(j, block, window, blocks):
     return jnp.minimum(blocks, ((j + 1) * block - 1 + window - 1) // block + 1)
 
 
+def _needed(seg, block):
+    """[blocks, blocks] bool: some query of block i and key of block j share a segment id in some
+    batch row (tested on each block's [min, max] segment range: packed rows' tiles between two
+    different examples are skipped, as a varlen kernel skips them)."""
+    b, t = seg.shape
+    tiles = seg.reshape(b, t // block, block)
+    low, high = tiles.min(-1), tiles.max(-1)  # [B, blocks]
+    overlap = (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])
+    return jnp.any(overlap, axis=0)
+
+
 def _tile(q, k, seg_q, seg_k, i, j, block, spec):
     """Scores of query block i against key block j: (s [B, C, K, G, C] float32 after scale and
     soft cap, with masked entries at _NEG; capped tanh for the backward pass or None)."""
@@ -69,11 +81,15 @@ def _forward(q, k, v, seg, spec, block):
     """(out [B, T, K, G, H] in q's dtype, lse [B, T, K, G] float32); q already scaled."""
     b, t, kv, g, h = q.shape
     blocks = t // block
+    needed = _needed(seg, block)
 
     def query_block(i):
         qi, si = _slice(q, i, block), _slice(seg, i, block)
 
         def key_block(j, carry):
+            return jax.lax.cond(needed[i, j], partial(tile, j), lambda c: c, carry)
+
+        def tile(j, carry):
             m, l, acc = carry
             s, _ = _tile(qi, _slice(k, j, block), si, _slice(seg, j, block), i, j, block, spec)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -99,6 +115,7 @@ def _backward(q, k, v, seg, out, lse, dout, spec, block):
     b, t, kv, g, h = q.shape
     blocks = t // block
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, K, G]
+    needed = _needed(seg, block)
 
     def query_block(i, carry):
         dq, dk, dv = carry
@@ -106,6 +123,9 @@ def _backward(q, k, v, seg, out, lse, dout, spec, block):
         lse_i, delta_i = _slice(lse, i, block), _slice(delta, i, block)
 
         def key_block(j, inner):
+            return jax.lax.cond(needed[i, j], partial(tile, j), lambda c: c, inner)
+
+        def tile(j, inner):
             dq_i, dk, dv = inner
             kj, vj = _slice(k, j, block), _slice(v, j, block)
             s, cap = _tile(qi, kj, si, _slice(seg, j, block), i, j, block, spec)

@@ -123,10 +123,25 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask):
     return logits, tuple(new)
 
 
+def _categorical(rng, logits):
+    """One draw per row from softmax(logits) [B, V] by inverting its CDF with one uniform number
+    per row (as torch.multinomial does). ``jax.random.categorical`` adds a Gumbel number to every
+    vocabulary entry: B x V threefry draws per token, most of a sampled decoding step on CPU
+    (batch 64: 0.32 s vs 0.18 s greedy for 64 tokens). Ids of probability 0 (-inf) are never
+    drawn: the first id whose CDF exceeds u has a positive probability; u rounding up to the total
+    falls back to the last such id."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.random.uniform(rng, cdf.shape[:-1] + (1,), cdf.dtype) * cdf[..., -1:]
+    drawn = jnp.sum(cdf <= u, axis=-1)
+    last = probs.shape[-1] - 1 - jnp.argmax(probs[..., ::-1] > 0, axis=-1)
+    return jnp.minimum(drawn, last)
+
+
 def _choose(logits, rng, temperature, top_p, top_k: int, vocab_size=None):
     """Next tokens [B] and their log-probs under softmax(logits / T) (T = 1 when greedy), without
     truncation. Greedy (argmax) when ``temperature`` <= 0; else top-k (static), then top-p over
-    what remains (renormalised), then a categorical draw. Ids at or above ``vocab_size`` (the
+    what remains (renormalised), then a draw (``_categorical``). Ids at or above ``vocab_size`` (the
     tokenizer's size, when the embedding is padded beyond it, as Qwen's) are never chosen; the
     log-probs stay those of the full softmax, as the training forward computes them."""
     greedy = temperature <= 0
@@ -140,7 +155,7 @@ def _choose(logits, rng, temperature, top_p, top_k: int, vocab_size=None):
             vals, idx = jax.lax.top_k(scaled, top_k)  # sorted, descending
             probs = jax.nn.softmax(vals, axis=-1)
             keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # always keeps the first
-            choice = jax.random.categorical(rng, jnp.where(keep, vals, -jnp.inf), axis=-1)
+            choice = _categorical(rng, jnp.where(keep, vals, -jnp.inf))
             return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
 
         def nucleus():
@@ -151,7 +166,7 @@ def _choose(logits, rng, temperature, top_p, top_k: int, vocab_size=None):
             return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
         filtered = jax.lax.cond(top_p < 1.0, nucleus, lambda: scaled)
-        return jax.random.categorical(rng, filtered, axis=-1)
+        return _categorical(rng, filtered)
 
     tokens = jax.lax.cond(greedy, lambda: jnp.argmax(logits, axis=-1), draw).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
