@@ -254,3 +254,46 @@ def test_boolean_grid_values_become_tyro_flags():
     cmd = sweep.command("experiments.sft", Path("r"), {"batching.packing": "false",
                                                         "batching.shuffle": "true"}, [])
     assert cmd[-2:] == ["--batching.no-packing", "--batching.shuffle"]
+
+
+# ----------------------------------------------------------------------------- tools.bench_targets
+
+
+def test_bench_targets_read_the_recorded_benchmarks(tmp_path, monkeypatch, capsys):
+    """Each target row is computed from the results files, met or not by its threshold; a matmul
+    share over 100% (peak and step under different loads) is 'unknown', not a pass."""
+    from tools import bench_targets, readme
+
+    def side(size, case, side, ms, cpu, rss, bound=1.0):
+        return dict(size=size, case=case, side=side, ms_per_step=ms, cpu_ms_per_step=cpu,
+                    peak_rss_mb=rss, bound_ms=bound, repeat=0)
+
+    def write(name, data, rows=(), notes=()):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"name": name, "commit": "abc", "date": "2026-12-01", "rows": list(rows),
+             "notes": list(notes), "data": data}))
+
+    write("bench", {"results": [
+        side("tiny", "sft", "ours", 50, 50, 660), side("tiny", "sft", "trl", 70, 60, 600),
+        side("tiny", "sft", "tunix", 65, 65, 700),
+        side("medium", "dpo", "ours", 100, 100, 1, bound=80), side("medium", "dpo", "trl", 110, 110, 1),
+        side("medium", "sft", "ours", 100, 100, 1, bound=120), side("medium", "sft", "tunix", 90, 90, 1)]})
+    write("bench_long", {"results": [
+        side("long_2k", "sft_packed", "ours", 10, 10, 1000), side("long_2k", "sft_packed", "trl", 30, 30, 700),
+        side("long_8k", "sft_packed", "ours", 50, 50, 5000), side("long_8k", "sft_packed", "trl", 55, 55, 2000)]})
+    write("bench_rollout", {"seconds": {"sampler": 1.0, "tunix": 1.5}}, rows=[["m", "64"]])
+    monkeypatch.setattr(readme, "RESULTS", tmp_path)
+    assert bench_targets.main([]) == 0
+    out = json.loads((tmp_path / "bench_targets.json").read_text())
+    got = {r[0]: (r[1], r[2]) for r in out["rows"]}
+    assert got[">= 1.2x the faster peer, tiny sft"] == ("1.30x tunix (50.0 vs 65.0 ms); CPU time 1.20x", "yes")
+    assert got["peak RSS <= 1.1x TRL's, tiny sft"][1] == "yes"  # 660 / 600 = 1.10
+    assert got[">= 1.2x the faster peer, medium dpo"][1] == "no"  # 1.10x
+    assert got[">= 75% of the matmul bound, medium dpo"] == ("80% (80 of 100 ms)", "yes")
+    assert got[">= 75% of the matmul bound, medium sft"][1] == "unknown"  # 120%
+    assert got["long context: peak RSS not growing with T^2 (2,048 -> 8,192 tokens: <= 4x)"][1] == "no"
+    assert got[">= 1.2x TRL, long_8k sft_packed"][1] == "no"
+    assert got[">= 1.2x Tunix, GRPO rollout sampling (batch 64)"] == ("1.50x (1.000 vs 1.500 s)", "yes")
+    (tmp_path / "bench.json").unlink()
+    assert bench_targets.main(["--record", "none"]) == 2
+    assert "no results/bench.json" in capsys.readouterr().err

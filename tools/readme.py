@@ -39,7 +39,9 @@ def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        # the README and results files do not change what is measured: not "+changes"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!README.md", ":!results"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
         return out + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
