@@ -34,13 +34,13 @@ def _setup_platform(device: str) -> None:
 
 def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
     """A KerasHub GemmaCausalLM of the spec's dimensions (the built-in tokenizer as preprocessor:
-    the benchmark feeds token ids), its backbone warmed up once eagerly as ``model.load`` does."""
+    the benchmark feeds token ids), its backbone warmed up once as ``model.load`` does."""
     import nnx_posttrain  # noqa: F401  (backend)
-    import jax.numpy as jnp
     import keras
     import keras_hub
 
     from nnx_posttrain import model
+    from nnx_posttrain.model.load import _warm_up
     from nnx_posttrain.tasks import tokenizer as builtin_tokenizer
 
     keras.utils.set_random_seed(seed)
@@ -50,8 +50,7 @@ def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
         **{k: spec[k] for k in BACKBONE_KEYS})
     task = keras_hub.models.GemmaCausalLM(
         backbone=backbone, preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tok))
-    ids = jnp.zeros((1, 4), jnp.int32)
-    backbone({"token_ids": ids, "padding_mask": jnp.ones_like(ids)})
+    _warm_up(backbone)
     if hasattr(task, "_compiled_trainable_state"):  # see model.load._nnx_ready
         del task._compiled_trainable_state
     return task
