@@ -630,6 +630,38 @@ def test_sigterm_ends_the_process_even_when_its_clean_exit_stalls(tmp_path):
     assert done.read_text() == "released" and time.time() - start < 60
 
 
+STALLED_TRAINING_EXIT = """
+import sys, threading, time
+from nnx_posttrain.train import rundir
+rundir.EXIT_GRACE_S = 2.0
+threading.Thread(target=time.sleep, args=(3600,)).start()  # never ends, not a daemon
+sys.argv = ["experiments.sft", *sys.argv[1:]]
+from experiments import sft
+from nnx_posttrain import experiment
+experiment.main("sft", sft.SFT, sft.DEFAULT, sft.__doc__, builtin=sft.BUILTIN)
+"""
+
+
+def test_sigterm_during_training_checkpoints_then_ends_even_when_the_exit_stalls(tmp_path):
+    """SIGTERM mid-training: the step finishes, the checkpoint is written, and a stalled exit (a
+    thread that never ends) is ended by the timer armed once the checkpoint is complete."""
+    run = tmp_path / "run"
+    args = [*FAST, "--steps", "100000", "--checkpoint.every", "0", "--run-dir", str(run)]
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_TRAINING_EXIT, *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists()
+                  and '"split": "train"' in (run / "metrics.jsonl").read_text(), proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "SIGTERM: saved checkpoint at step" in out + err
+    assert any(p.name.isdigit() for p in (run / "checkpoints").iterdir())
+    assert not (run / "run.lock").exists()
+
+
 def test_sigterm_while_the_model_loads_releases_the_lock(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")

@@ -118,28 +118,33 @@ EXIT_GRACE_S = 60.0
 """How long the clean exit after SIGTERM may take before the process ends regardless."""
 
 
+def exit_within(code: int, last=lambda: None, grace_s: float | None = None) -> None:
+    """Arm a timer: ``grace_s`` (default ``EXIT_GRACE_S``) seconds from now, ``last()`` (the
+    lock's release) runs and the process ends with ``code``, whatever it was doing. Armed before
+    a clean exit that could stall (a library thread that never ends, a C call it waits behind)."""
+    def force():
+        with contextlib.suppress(Exception):
+            last()
+        os._exit(code)
+
+    timer = threading.Timer(EXIT_GRACE_S if grace_s is None else grace_s, force)
+    timer.daemon = True
+    timer.start()
+
+
 @contextlib.contextmanager
-def sigterm_exits(last=lambda: None, grace_s: float = EXIT_GRACE_S):
+def sigterm_exits(last=lambda: None, grace_s: float | None = None):
     """SIGTERM before training starts (while the model loads, say) ends the process through
     ``SystemExit(143)``, so that ``finally`` blocks run: the lock is released, nothing is left
     half-written. (During training ``hooks.StopSignals`` takes over: checkpoint, then exit.)
 
-    A clean exit can still stall (a library thread that never ends, a C call the exception
-    waits behind), so the signal also arms a timer: ``grace_s`` seconds later ``last()`` (the
-    lock's release) runs and the process ends with status 143, whatever it was doing."""
+    A clean exit can still stall, so the signal also arms ``exit_within(143, last, grace_s)``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        def force():
-            with contextlib.suppress(Exception):
-                last()
-            os._exit(128 + signum)
-
-        timer = threading.Timer(grace_s, force)
-        timer.daemon = True
-        timer.start()
+        exit_within(128 + signum, last, grace_s)
         print(f"stopped by {signal.Signals(signum).name} while no training step was running: "
               "nothing new to checkpoint", file=sys.stderr)
         raise SystemExit(128 + signum)
