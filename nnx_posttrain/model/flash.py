@@ -37,13 +37,6 @@ def _first_block(i, block, window):
     return jnp.maximum(0, (i * block - window + 1) // block)
 
 
-def _last_block(j, block, window, blocks):
-    """One past the last query block that can see key block ``j``."""
-    if not window:
-        return blocks
-    return jnp.minimum(blocks, ((j + 1) * block - 1 + window - 1) // block + 1)
-
-
 def _needed(seg, block):
     """[blocks, blocks] bool: some query of block i and key of block j share a segment id in some
     batch row (tested on each block's [min, max] segment range: packed rows' tiles between two
