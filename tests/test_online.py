@@ -94,14 +94,16 @@ def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files
 
 
 def test_grpo_learns_a_reward_and_logs_trl_metrics(tmp_path, prompt_files):
-    _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "12",
+    # 20 steps: over seeds 0-5 the reward rose from <= 0.10 to >= 0.45 (12 steps were seed luck:
+    # 2 of 4 seeds gained less than 0.2, with either of the sampler's two draws)
+    _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "20",
          "--batching.batch-size", "16", "--algo.num-generations", "4",
          "--algo.rewards", "test_online:digits_reward,exact_match", "--algo.reward-weights", "1,0",
          "--algo.beta", "0.04", "--optim.learning-rate", "3e-2", "--optim.warmup-steps", "0",
          "--optim.min-lr-ratio", "0.1",
-         "--eval.every", "6")
+         "--eval.every", "10")
     records = _train(tmp_path / "grpo")
-    assert [r["step"] for r in records] == list(range(1, 13))
+    assert [r["step"] for r in records] == list(range(1, 21))
     for name in ("loss", "reward", "reward_std", "rewards/digits_reward/mean", "kl", "entropy",
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean"):
         assert all(math.isfinite(r[name]) for r in records), name
@@ -109,7 +111,7 @@ def test_grpo_learns_a_reward_and_logs_trl_metrics(tmp_path, prompt_files):
     last = np.mean([r["reward"] for r in records[-3:]])
     assert last > first + 0.2, (first, last)
     evals = [r for r in metrics_log.read(tmp_path / "grpo") if r["split"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 6, 12] and all("exact_match" in r for r in evals)
+    assert [r["step"] for r in evals] == [0, 10, 20] and all("exact_match" in r for r in evals)
 
 
 @pytest.mark.parametrize("name,cls,extra", [
