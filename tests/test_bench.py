@@ -31,12 +31,12 @@ def test_summary_and_table():
                  peak_rss_mb=1.0, compile_s=1.0),
             dict(size="micro", case="sft", side="trl", ms_per_step=40.0, tokens_per_s=25.0,
                  peak_rss_mb=2.0, compile_s=0.1)]
-    text = bench.table(bench._median_over_repeats(rows))
+    text = bench.table(bench.median_over_repeats(rows))
     assert "| micro | sft | 10.0 | 40.0 | n/a | 4.00x (TRL) |" in text
     # with Tunix: the ratio is to the faster of the two peers
     rows.append(dict(size="micro", case="sft", side="tunix", ms_per_step=25.0, tokens_per_s=40.0,
                      peak_rss_mb=1.5, compile_s=0.2))
-    text = bench.table(bench._median_over_repeats(rows))
+    text = bench.table(bench.median_over_repeats(rows))
     assert "| micro | sft | 10.0 | 40.0 | 25.0 | 2.50x (Tunix) |" in text
 
 

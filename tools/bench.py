@@ -273,24 +273,31 @@ COLUMNS = ["size", "case", "ours ms/step", "TRL ms/step", "Tunix ms/step",
            "ours compile s"]
 
 
+def by_case(results: list[dict]) -> dict:
+    """{(size, case): {side: measurement}} (one measurement per side: ``median_over_repeats``)."""
+    out = {}
+    for r in results:
+        out.setdefault((r["size"], r["case"]), {})[r["side"]] = r
+    return out
+
+
+def faster_peer(sides: dict) -> str | None:
+    """The peer (TRL or Tunix) with the lowest ms/step among those that ran; None if neither did."""
+    ran = [s for s in SIDES[1:] if "ms_per_step" in sides.get(s, {})]
+    return min(ran, key=lambda s: sides[s]["ms_per_step"]) if ran else None
+
+
 def rows_of(results: list[dict]) -> list[list[str]]:
     """One row per (size, case): every side's ms/step and peak RSS, ours against the faster of the
     peers that ran (``dpo_lora``: against their full ``dpo``)."""
-    rows = {}
-    for r in results:
-        rows.setdefault((r["size"], r["case"]), {})[r["side"]] = r
+    rows = by_case(results)
     out = []
     for (size, case), sides in rows.items():
         ours, trl, tunix = (sides.get(s, {}) for s in SIDES)
         peers = rows.get((size, "dpo"), {}) if case == "dpo_lora" else sides
-        peer_ms = [peers[s]["ms_per_step"] for s in ("trl", "tunix")
-                   if "ms_per_step" in peers.get(s, {})]
-        ratio = (min(peer_ms) / ours["ms_per_step"]
-                 if peer_ms and "ms_per_step" in ours else None)
-        faster = None
-        if peer_ms:
-            faster = min((s for s in ("trl", "tunix") if "ms_per_step" in peers.get(s, {})),
-                         key=lambda s: peers[s]["ms_per_step"])
+        faster = faster_peer(peers)
+        ratio = (peers[faster]["ms_per_step"] / ours["ms_per_step"]
+                 if faster and "ms_per_step" in ours else None)
         bound = (100 * ours["bound_ms"] / ours["ms_per_step"]
                  if "bound_ms" in ours and "ms_per_step" in ours else None)
         out.append([
@@ -403,7 +410,7 @@ def main(argv=None) -> list[dict]:
                 r["mfu"] = r["model_tflops_per_s"] / args.peak_tflops
                 print(f"{r['size']:8s} {r['case']:15s} {r['side']:5s} "
                       f"{r['model_tflops_per_s']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}%")
-    merged = _median_over_repeats(results)
+    merged = median_over_repeats(results)
     print()
     print(table(merged))
     raw = {"argv": argv if argv is not None else sys.argv[1:], "matmul_peak": peaks,
@@ -427,7 +434,7 @@ def main(argv=None) -> list[dict]:
     return merged
 
 
-def _median_over_repeats(results: list[dict]) -> list[dict]:
+def median_over_repeats(results: list[dict]) -> list[dict]:
     import statistics
 
     groups = {}
@@ -440,7 +447,7 @@ def _median_over_repeats(results: list[dict]) -> list[dict]:
             out.append(rs[0])
             continue
         m = dict(ok[0])
-        for k in ("ms_per_step", "tokens_per_s", "peak_rss_mb", "compile_s"):
+        for k in ("ms_per_step", "cpu_ms_per_step", "tokens_per_s", "peak_rss_mb", "compile_s"):
             if all(k in r for r in ok):
                 m[k] = statistics.median(r[k] for r in ok)
         out.append(m)

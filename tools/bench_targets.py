@@ -15,12 +15,12 @@ import argparse
 import json
 import sys
 
-from tools import readme
+from tools import bench, readme
 
 SPEEDUP = 1.2  # ours vs the faster peer, every case at tiny and medium, and rollouts vs Tunix
 BOUND = 0.75  # of the matmul bound, at medium
 RSS = 1.1  # peak RSS at tiny, ours / TRL's
-PEERS = ("trl", "tunix")
+PEERS = bench.SIDES[1:]  # TRL, Tunix
 FILES = ("bench", "bench_long", "bench_sampler", "bench_rollout")
 
 
@@ -30,12 +30,9 @@ def _load(name: str) -> dict | None:
 
 
 def _sides(result: dict) -> dict:
-    """{(size, case): {side: measurement}} from a ``tools.bench`` results file."""
-    out = {}
-    for r in result["data"]["results"]:
-        if "ms_per_step" in r and r.get("repeat", 0) == 0:
-            out.setdefault((r["size"], r["case"]), {})[r["side"]] = r
-    return out
+    """{(size, case): {side: measurement}} of a ``tools.bench`` results file, the median over
+    repeats as its table shows it."""
+    return bench.by_case(bench.median_over_repeats(result["data"]["results"]))
 
 
 def _yes(ok: bool) -> str:
@@ -45,16 +42,15 @@ def _yes(ok: bool) -> str:
 def speed_rows(sides: dict) -> list[list[str]]:
     rows = []
     for (size, case), by in sides.items():
-        ours = by.get("ours")
-        peers = {p: by[p] for p in PEERS if p in by}
-        if ours is None or not peers:
+        ours, fast = by.get("ours", {}), bench.faster_peer(by)
+        if "ms_per_step" not in ours or fast is None:
             continue
-        fast = min(peers, key=lambda p: peers[p]["ms_per_step"])
-        wall = peers[fast]["ms_per_step"] / ours["ms_per_step"]
-        cpu = min(p["cpu_ms_per_step"] for p in peers.values()) / ours["cpu_ms_per_step"]
+        peers = [by[p] for p in PEERS if "ms_per_step" in by.get(p, {})]
+        wall = by[fast]["ms_per_step"] / ours["ms_per_step"]
+        cpu = min(p["cpu_ms_per_step"] for p in peers) / ours["cpu_ms_per_step"]
         rows.append([f">= {SPEEDUP}x the faster peer, {size} {case}",
                      f"{wall:.2f}x {fast} ({ours['ms_per_step']:,.1f} vs "
-                     f"{peers[fast]['ms_per_step']:,.1f} ms); CPU time {cpu:.2f}x",
+                     f"{by[fast]['ms_per_step']:,.1f} ms); CPU time {cpu:.2f}x",
                      _yes(wall >= SPEEDUP)])
         if size == "medium":
             share = ours["bound_ms"] / ours["ms_per_step"]
