@@ -48,12 +48,11 @@ import jax
 import jax.numpy as jnp
 
 from nnx_posttrain.model.blocks import _MASK_METHODS, decoder_blocks, override_blocks
-from nnx_posttrain.model.flash import flash
+from nnx_posttrain.model.flash import NEG, allowed, flash
 
 IMPLEMENTATIONS = ("auto", "keras", "xla", "cudnn", "splash")
 _ATTRIBUTE = "_nnx_posttrain_attention"
 FLASH_BLOCK = 128  # tile of the blocked path (CPU, 2k / 8k, fwd + bwd: the fastest packed, ~4% off unpacked)
-_NEG = -1e30  # masked score: finite (no NaN), exp(_NEG - max) = 0 in float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,21 +184,13 @@ def attention_of(module) -> Choice:
 # ----------------------------------------------------------------------------- the kernels
 
 
-def _allowed(seg_q, seg_k, pos_q, pos_k, window):
-    """[batch, Tq, S] bool: same segment, key not later, within the window."""
-    ok = (seg_q[:, :, None] == seg_k[:, None, :]) & (pos_k[None, None, :] <= pos_q[None, :, None])
-    if window:
-        ok &= pos_q[None, :, None] - pos_k[None, None, :] < window
-    return ok
-
-
 def _xla_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
     """q [B, C, K, G, H], k / v [B, S, K, H] -> [B, C, K, G, H]."""
     b, c, kv, g, h = q.shape
     if not spec.scale_scores:
         q = q * jnp.asarray(spec.scale, q.dtype)
     # an additive bias, one per batch row and (query, key) (not per head; no select backward)
-    bias = jnp.where(_allowed(seg_q, seg_k, pos_q, pos_k, spec.window), 0.0, _NEG)
+    bias = jnp.where(allowed(seg_q, seg_k, pos_q, pos_k, spec.window), 0.0, NEG)
     if kv == 1:  # one kv head: every (query, head) is a row of one batched matmul, no transpose
         s = jnp.einsum("bqh,bsh->bqs", q.reshape(b, c * g, h), k[:, :, 0]).reshape(b, c, g, -1)
         bias = bias[:, :, None, :]
@@ -240,7 +231,7 @@ _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 def _cudnn_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
     b, c, kv, g, h = q.shape
-    ok = _allowed(seg_q, seg_k, pos_q, pos_k, spec.window)[:, None]
+    ok = allowed(seg_q, seg_k, pos_q, pos_k, spec.window)[:, None]
     out = jax.nn.dot_product_attention(q.reshape(b, c, kv * g, h), k, v, mask=ok,
                                        scale=spec.scale, implementation="cudnn")
     return out.reshape(b, c, kv, g, h)

@@ -1,8 +1,9 @@
 """Blocked exact attention with an online softmax (the ``xla`` path past one chunk of queries).
 
 ``flash(q, k, v, segment_ids, spec, block)`` equals ``softmax(q k^T * scale + mask) v`` (the mask
-from segment ids, causality and an optional sliding window, as in ``attention._allowed``) but
-never holds more than one ``block x block`` tile of scores per (batch row, head): the forward
+from segment ids, causality and an optional sliding window: ``allowed``, which every ``xla`` /
+``cudnn`` path of ``attention`` shares) but never holds more than one ``block x block`` tile of
+scores per (batch row, head): the forward
 pass walks the key blocks a query block can see (causal and window skipping: a ``while`` loop
 over ``[first visible block, diagonal block]``, skipping tiles where no query and key share a
 segment: packed rows cost what their examples cost) with a running max and sum, and keeps only the
@@ -22,7 +23,15 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-_NEG = -1e30  # as attention._NEG: a masked score, finite so that exp(_NEG - max) = 0
+NEG = -1e30  # a masked score: finite (no NaN), exp(NEG - max) = 0 in float32
+
+
+def allowed(seg_q, seg_k, pos_q, pos_k, window):
+    """[batch, Tq, S] bool: same segment, key not later, within the window."""
+    ok = (seg_q[:, :, None] == seg_k[:, None, :]) & (pos_k[None, None, :] <= pos_q[None, :, None])
+    if window:
+        ok &= pos_q[None, :, None] - pos_k[None, None, :] < window
+    return ok
 
 
 def _pad(x, length):
@@ -50,7 +59,7 @@ def _needed(seg, block):
 
 def _tile(q, k, seg_q, seg_k, i, j, block, spec):
     """Scores of query block i against key block j: (s [B, C, K, G, C] float32 after scale and
-    soft cap, with masked entries at _NEG; capped tanh for the backward pass or None)."""
+    soft cap, with masked entries at NEG; capped tanh for the backward pass or None)."""
     s = jnp.einsum("bqkgh,bskh->bqkgs", q, k).astype(jnp.float32)
     if spec.scale_scores:
         s = s * spec.scale
@@ -58,12 +67,18 @@ def _tile(q, k, seg_q, seg_k, i, j, block, spec):
     if spec.soft_cap is not None:
         cap = jnp.tanh(s / spec.soft_cap)
         s = cap * spec.soft_cap
-    pos_q = i * block + jnp.arange(block)
-    pos_k = j * block + jnp.arange(block)
-    ok = (seg_q[:, :, None] == seg_k[:, None, :]) & (pos_k[None, None, :] <= pos_q[None, :, None])
-    if spec.window:
-        ok &= pos_q[None, :, None] - pos_k[None, None, :] < spec.window
-    return jnp.where(ok[:, :, None, None, :], s, _NEG), cap
+    ok = allowed(seg_q, seg_k, i * block + jnp.arange(block), j * block + jnp.arange(block),
+                 spec.window)
+    return jnp.where(ok[:, :, None, None, :], s, NEG), cap
+
+
+def _over_keys(i, needed, block, window, tile, init):
+    """``tile(j, carry)`` over the key blocks j that query block i sees (from the first one in its
+    window to the diagonal) and needs (``_needed``); the others leave ``carry`` as it is."""
+    def key_block(j, carry):
+        return jax.lax.cond(needed[i, j], partial(tile, j), lambda c: c, carry)
+
+    return jax.lax.fori_loop(_first_block(i, block, window), i + 1, key_block, init)
 
 
 def _slice(x, index, block):
@@ -79,9 +94,6 @@ def _forward(q, k, v, seg, spec, block):
     def query_block(i):
         qi, si = _slice(q, i, block), _slice(seg, i, block)
 
-        def key_block(j, carry):
-            return jax.lax.cond(needed[i, j], partial(tile, j), lambda c: c, carry)
-
         def tile(j, carry):
             m, l, acc = carry
             s, _ = _tile(qi, _slice(k, j, block), si, _slice(seg, j, block), i, j, block, spec)
@@ -92,10 +104,10 @@ def _forward(q, k, v, seg, spec, block):
             pv = jnp.einsum("bqkgs,bskh->bqkgh", p.astype(v.dtype), _slice(v, j, block))
             return m_new, l, acc * correction[..., None] + pv.astype(jnp.float32)
 
-        init = (jnp.full((b, block, kv, g), _NEG, jnp.float32),
+        init = (jnp.full((b, block, kv, g), NEG, jnp.float32),
                 jnp.zeros((b, block, kv, g), jnp.float32),
                 jnp.zeros((b, block, kv, g, h), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(_first_block(i, block, spec.window), i + 1, key_block, init)
+        m, l, acc = _over_keys(i, needed, block, spec.window, tile, init)
         return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
     out, lse = jax.lax.map(query_block, jnp.arange(blocks))  # [blocks, B, C, ...]
@@ -115,14 +127,11 @@ def _backward(q, k, v, seg, out, lse, dout, spec, block):
         qi, si, doi = _slice(q, i, block), _slice(seg, i, block), _slice(dout, i, block)
         lse_i, delta_i = _slice(lse, i, block), _slice(delta, i, block)
 
-        def key_block(j, inner):
-            return jax.lax.cond(needed[i, j], partial(tile, j), lambda c: c, inner)
-
         def tile(j, inner):
             dq_i, dk, dv = inner
             kj, vj = _slice(k, j, block), _slice(v, j, block)
             s, cap = _tile(qi, kj, si, _slice(seg, j, block), i, j, block, spec)
-            p = jnp.exp(s - lse_i[..., None])  # masked entries: exp(_NEG - lse) = 0
+            p = jnp.exp(s - lse_i[..., None])  # masked entries: exp(NEG - lse) = 0
             dp = jnp.einsum("bqkgh,bskh->bqkgs", doi, vj).astype(jnp.float32)
             ds = p * (dp - delta_i[..., None])
             if cap is not None:
@@ -138,8 +147,7 @@ def _backward(q, k, v, seg, out, lse, dout, spec, block):
             return dq_i, dk, dv
 
         dq_i = jnp.zeros((b, block, kv, g, h), jnp.float32)
-        dq_i, dk, dv = jax.lax.fori_loop(_first_block(i, block, spec.window), i + 1, key_block,
-                                         (dq_i, dk, dv))
+        dq_i, dk, dv = _over_keys(i, needed, block, spec.window, tile, (dq_i, dk, dv))
         return jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block, 1), dk, dv
 
     zeros_q = jnp.zeros(q.shape, jnp.float32)
