@@ -59,12 +59,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     try:
         lock = rundir.RunLock(run_dir, echo, jax.process_index() == 0)
         with rundir.sigterm_exits(lock.release), lock:
-            try:
-                return _run(cfg, algorithm, experiment, echo, run_dir, allowed)
-            except SystemExit as stop:  # SIGTERM (preemption), its checkpoint complete: a
-                if stop.code == 128 + signal.SIGTERM:  # stalled exit still ends in EXIT_GRACE_S
-                    rundir.exit_within(stop.code, lock.release)  # (not Ctrl-C: notebooks live on)
-                raise
+            return _run(cfg, algorithm, experiment, echo, run_dir, allowed)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C twice): stopped without writing a checkpoint; the run "
               "resumes from its latest complete one", file=sys.stderr)

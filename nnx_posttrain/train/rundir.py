@@ -136,15 +136,21 @@ def exit_within(code: int, last=lambda: None, grace_s: float | None = None) -> N
 def sigterm_exits(last=lambda: None, grace_s: float | None = None):
     """SIGTERM before training starts (while the model loads, say) ends the process through
     ``SystemExit(143)``, so that ``finally`` blocks run: the lock is released, nothing is left
-    half-written. (During training ``hooks.StopSignals`` takes over: checkpoint, then exit.)
+    half-written. (During training ``hooks.StopSignals`` takes over: checkpoint, then the same
+    ``SystemExit(143)``.)
 
-    A clean exit can still stall, so the signal also arms ``exit_within(143, last, grace_s)``."""
+    A clean exit can still stall, so either way ``exit_within(143, last, grace_s)`` is armed: by
+    the signal itself before training (the unwinding may be what stalls), when the exit leaves
+    this block after a checkpoint. Not after Ctrl-C (130): a notebook's kernel lives on."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    armed = False
 
     def handler(signum, frame):
+        nonlocal armed
         exit_within(128 + signum, last, grace_s)
+        armed = True
         print(f"stopped by {signal.Signals(signum).name} while no training step was running: "
               "nothing new to checkpoint", file=sys.stderr)
         raise SystemExit(128 + signum)
@@ -152,6 +158,10 @@ def sigterm_exits(last=lambda: None, grace_s: float | None = None):
     old = signal.signal(signal.SIGTERM, handler)
     try:
         yield
+    except SystemExit as stop:
+        if stop.code == 128 + signal.SIGTERM and not armed:
+            exit_within(stop.code, last, grace_s)
+        raise
     finally:
         signal.signal(signal.SIGTERM, old)
 
