@@ -631,14 +631,12 @@ def test_sigterm_ends_the_process_even_when_its_clean_exit_stalls(tmp_path):
 
 
 STALLED_TRAINING_EXIT = """
-import sys, threading, time
+import runpy, sys, threading, time
 from nnx_posttrain.train import rundir
 rundir.EXIT_GRACE_S = 2.0
 threading.Thread(target=time.sleep, args=(3600,)).start()  # never ends, not a daemon
 sys.argv = ["experiments.sft", *sys.argv[1:]]
-from experiments import sft
-from nnx_posttrain import experiment
-experiment.main("sft", sft.SFT, sft.DEFAULT, sft.__doc__, builtin=sft.BUILTIN)
+runpy.run_module("experiments.sft", run_name="__main__")  # python -m experiments.sft ...
 """
 
 
