@@ -334,7 +334,9 @@ def test_a_held_run_directory_is_refused_and_a_dead_holders_lock_taken_over(tmp_
 
 
 def _start(run_dir, *extra):
-    cmd = [sys.executable, "-m", "experiments.sft", *FAST, "--run-dir", str(run_dir), *extra]
+    # -X faulthandler: a stalled process dumps every thread's stack on SIGABRT (see _wait_for)
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "experiments.sft", *FAST, "--run-dir",
+           str(run_dir), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -347,7 +349,9 @@ def _wait_for(predicate, proc, timeout=300):
         if proc.poll() is not None:
             raise AssertionError(f"process ended early: {proc.communicate()}")
         time.sleep(0.05)
-    raise AssertionError("timed out")
+    proc.send_signal(signal.SIGABRT)  # where it stalled: its threads' stacks, on its stderr
+    _, err = proc.communicate(timeout=60)
+    raise AssertionError(f"timed out; the process's stderr ends with:\n{err[-6000:]}")
 
 
 def test_second_process_refused_log_removed_mid_run_recreated_killed_holder_taken_over(tmp_path):
