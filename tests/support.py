@@ -1,5 +1,7 @@
-"""Helpers the test modules share: command lines of the micro model and metric readers."""
+"""Helpers the test modules share: command lines of the micro model, metric readers, and tiny
+random backbones of every model family."""
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +36,70 @@ def records(run_dir, split: str = "train") -> list[dict]:
 def losses(run_dir) -> dict[int, float]:
     """{step: training loss} of a run."""
     return {r["step"]: r["loss"] for r in records(run_dir)}
+
+
+# ----------------------------------------------------------------------------- model families
+
+
+def _families():
+    """Tiny random backbones of every supported family, each with the feature its kernels must get
+    right: soft caps and a sliding window (Gemma 2), one kv head (Gemma), grouped heads, Qwen's
+    q/k/v biases, Qwen 3's q/k norms, Mistral's banded mask, Gemma 3's local / global layers."""
+    import keras_hub
+
+    common = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
+                  intermediate_dim=48, dtype="float32")
+    gemma = dict(common, head_dim=8)
+    return {
+        "gemma": lambda: keras_hub.models.GemmaBackbone(num_key_value_heads=1, **gemma),
+        "gemma2": lambda: keras_hub.models.GemmaBackbone(
+            num_key_value_heads=2, query_head_dim_normalize=False, use_post_ffw_norm=True,
+            use_post_attention_norm=True, attention_logit_soft_cap=5.0, final_logit_soft_cap=30.0,
+            use_sliding_window_attention=True, sliding_window_size=8, **gemma),
+        "llama3": lambda: keras_hub.models.Llama3Backbone(num_key_value_heads=2, **common),
+        "qwen2": lambda: keras_hub.models.QwenBackbone(
+            num_key_value_heads=2, use_sliding_window_attention=True, sliding_window_size=8,
+            **common),
+        "qwen3": lambda: keras_hub.models.Qwen3Backbone(num_key_value_heads=1, head_dim=8,
+                                                        **common),
+        "mistral": lambda: keras_hub.models.MistralBackbone(num_key_value_heads=2,
+                                                            sliding_window=8, **common),
+        "gemma3": lambda: keras_hub.models.Gemma3Backbone(
+            image_size=None, num_key_value_heads=1, use_sliding_window_attention=True,
+            sliding_window_size=8, **gemma),  # q/k norms, local and global layers
+    }
+
+
+TINY_FAMILIES = _families()
+
+
+def tiny_backbone(family: str):
+    """A backbone of ``TINY_FAMILIES`` (seed 0) with random norms and biases (they start at 0 / 1),
+    so that every weight matters."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    bb = TINY_FAMILIES[family]()
+    for v in bb.weights:
+        if "norm" in v.path or "bias" in v.path:
+            v.assign(np.random.default_rng(1).normal(size=v.shape).astype("float32") * 0.5)
+    return bb
+
+
+@contextlib.contextmanager
+def kerashub_as_written():
+    """KerasHub's Qwen 2 / 3 layers apply their sliding window only in their einsum branch, which
+    they skip on JAX (``fused_attention_op_available()`` is True there, and the fused branch drops
+    the window): the reference is the branch that applies it."""
+    from keras_hub.src.models.qwen import qwen_attention
+    from keras_hub.src.models.qwen3 import qwen3_attention
+
+    saved = [(m, m.fused_attention_op_available) for m in (qwen_attention, qwen3_attention)]
+    try:
+        for m, _ in saved:
+            m.fused_attention_op_available = lambda: False
+        yield
+    finally:
+        for m, f in saved:
+            m.fused_attention_op_available = f

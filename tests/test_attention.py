@@ -10,53 +10,19 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+import support
 from nnx_posttrain import model
 from nnx_posttrain.model import attention, blocks
 
 SEQ = 24  # long enough for the sliding windows below (8) to cut
 
 
-def _families():
-    """Tiny random backbones of every supported family, each with the feature its kernels must get
-    right: soft caps and a sliding window (Gemma 2), one kv head (Gemma), grouped heads, Qwen's
-    q/k/v biases, Qwen 3's q/k norms, Mistral's banded mask, Gemma 3's local / global layers."""
-    common = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
-                  intermediate_dim=48, dtype="float32")
-    gemma = dict(common, head_dim=8)
-    return {
-        "gemma": lambda: keras_hub.models.GemmaBackbone(num_key_value_heads=1, **gemma),
-        "gemma2": lambda: keras_hub.models.GemmaBackbone(
-            num_key_value_heads=2, query_head_dim_normalize=False, use_post_ffw_norm=True,
-            use_post_attention_norm=True, attention_logit_soft_cap=5.0, final_logit_soft_cap=30.0,
-            use_sliding_window_attention=True, sliding_window_size=8, **gemma),
-        "llama3": lambda: keras_hub.models.Llama3Backbone(num_key_value_heads=2, **common),
-        "qwen2": lambda: keras_hub.models.QwenBackbone(
-            num_key_value_heads=2, use_sliding_window_attention=True, sliding_window_size=8,
-            **common),
-        "qwen3": lambda: keras_hub.models.Qwen3Backbone(num_key_value_heads=1, head_dim=8,
-                                                        **common),
-        "mistral": lambda: keras_hub.models.MistralBackbone(num_key_value_heads=2,
-                                                            sliding_window=8, **common),
-        "gemma3": lambda: keras_hub.models.Gemma3Backbone(
-            image_size=None, num_key_value_heads=1, use_sliding_window_attention=True,
-            sliding_window_size=8, **gemma),  # q/k norms, local and global layers
-    }
-
-
-FAMILIES = _families()
+FAMILIES = support.TINY_FAMILIES
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def backbone(request):
-    import keras
-
-    keras.utils.set_random_seed(0)
-    bb = FAMILIES[request.param]()
-    # random norms and biases (they start at 0 / 1), so every weight matters
-    for v in bb.weights:
-        if "norm" in v.path or "bias" in v.path:
-            v.assign(np.random.default_rng(1).normal(size=v.shape).astype("float32") * 0.5)
-    return bb
+    return support.tiny_backbone(request.param)
 
 
 def _inputs(packed: bool, length: int = SEQ):
@@ -73,24 +39,6 @@ def _inputs(packed: bool, length: int = SEQ):
     return ids, mask, None
 
 
-@contextlib.contextmanager
-def _kerashub_as_written():
-    """KerasHub's Qwen 2 / 3 layers apply their sliding window only in their einsum branch, which
-    they skip on JAX (``fused_attention_op_available()`` is True there, and the fused branch drops
-    the window): the reference is the branch that applies it."""
-    from keras_hub.src.models.qwen import qwen_attention
-    from keras_hub.src.models.qwen3 import qwen3_attention
-
-    saved = [(m, m.fused_attention_op_available) for m in (qwen_attention, qwen3_attention)]
-    try:
-        for m, _ in saved:
-            m.fused_attention_op_available = lambda: False
-        yield
-    finally:
-        for m, f in saved:
-            m.fused_attention_op_available = f
-
-
 def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
     ids, mask, seg = _inputs(packed, length)
     model.set_attention(bb, implementation, platform="cpu", interpret=interpret)
@@ -105,7 +53,7 @@ def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
             with blocks._attention_mask_override(bb, packed_mask):
                 h = bb({"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)})
         else:
-            with _kerashub_as_written() if implementation == "keras" else contextlib.nullcontext():
+            with support.kerashub_as_written() if implementation == "keras" else contextlib.nullcontext():
                 h = model.hidden_states(bb, jnp.asarray(ids), jnp.asarray(mask),
                                         None if seg is None else jnp.asarray(seg))
     finally:
@@ -142,7 +90,7 @@ def test_gradients_equal_kerashub_attention(backbone):
         h = model.hidden_states(module, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(seg))
         return jnp.sum(jnp.where(jnp.asarray(seg)[..., None] != 0, h, 0.0) ** 2)
 
-    with _kerashub_as_written():
+    with support.kerashub_as_written():
         want = jax.grad(loss)(params, "keras", 512)
     for chunk in (512, 8):
         got = jax.grad(loss)(params, "xla", chunk)

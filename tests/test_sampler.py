@@ -10,6 +10,7 @@ import pytest
 from types import SimpleNamespace
 from flax import nnx
 
+import support
 from nnx_posttrain import model
 from nnx_posttrain.sampling import generate, sampler
 
@@ -88,6 +89,27 @@ def test_greedy_equals_no_cache_argmax_gemma2_sliding_window_soft_caps_and_lora(
     other_ref = argmax_reference(nnx.merge(graphdef, *other), ids, mask, 6)
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]), other_ref)
     assert not np.array_equal(other_ref, ref)
+
+
+@pytest.mark.parametrize("family", list(support.TINY_FAMILIES))
+def test_every_family_decodes_as_a_full_forward_pass(family):
+    """The cached decoding (KerasHub's blocks, this package's cache and attention kernel) of every
+    family equals plain decoding through KerasHub's own attention: greedy tokens, and sampled
+    tokens' log-probs equal to one full forward pass. 18-token prompts and 8 new tokens: the last
+    queries are past the sliding windows (8) of Gemma 2 / 3, Qwen 2 and Mistral."""
+    bb = support.tiny_backbone(family)
+    graphdef, *states = nnx.split(bb)
+    ids, mask = _batch([p[:18] for p in PROMPTS], 18)
+    sample = sampler.make_sampler(graphdef, N)
+    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    with support.kerashub_as_written():
+        np.testing.assert_array_equal(np.asarray(out["completion_ids"]),
+                                      argmax_reference(bb, ids, mask, N))
+        out = sample(states, ids, mask, jax.random.key(1), 1.0, 1.0, NO_STOP)
+        seq = jnp.concatenate([ids, out["completion_ids"]], 1)
+        seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
+        want = model.token_logprobs(bb, seq, seq_mask)[:, ids.shape[1]:]
+    np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want), atol=1e-4)
 
 
 def test_unsupported_family_is_named():

@@ -9,9 +9,10 @@ its chat template. Around it:
   (``register_builtin``), the ``nnx.state`` workaround for tasks, ``describe``;
 - ``lora``: the trainable-variable filter, ``split``, LoRA and its off switch (the reference model);
 - ``blocks``: overriding a method of every decoder block for one call (``override_blocks``): the
-  packed-row attention mask, remat, the sampler's key-padding mask;
+  packed-row attention mask, remat;
 - ``attention``: one attention path for every family and accelerator (``set_attention``:
-  ``keras``, ``xla``, ``cudnn``, ``splash``, ``auto``), segment ids compared inside the kernel;
+  ``keras``, ``xla``, ``cudnn``, ``splash``, ``auto``), segment ids compared inside the kernel,
+  and the sampler's decoding step against its KV cache (``attend_cached``);
 - ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
 - ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``).
 

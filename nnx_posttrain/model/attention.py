@@ -34,8 +34,9 @@ took, with the reason of any fallback):
 - ``auto``: ``splash`` on TPU, ``cudnn`` on GPU, where the layer and dtype allow; else ``xla``.
 
 A requested kernel that cannot do a layer's feature (or an unknown attention layer, dropout,
-Gemma 3's bidirectional mode or vision encoder) falls back to ``keras``. The sampler's cached decoding keeps
-KerasHub's attention (one query against a KV cache: ``sampling/sampler.py``).
+Gemma 3's bidirectional mode or vision encoder) falls back to ``keras``. The sampler's cached
+decoding goes through the same seam (``overridden``): its prompt pass takes ``attend``, each
+decoding step ``attend_cached`` (one query per row against its KV cache).
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ def layer_spec(block) -> LayerSpec | str:
             window = layer.sliding_window_size if layer.use_sliding_window_attention else None
         else:  # Qwen 3 (sliding_window_size None when off), Llama (none)
             window = getattr(layer, "sliding_window_size", None)
+        groups = getattr(layer, "num_key_value_groups", None) or getattr(  # Mistral: private
+            layer, "_num_key_value_groups", 1)
         return LayerSpec(float(layer._inv_norm_factor), None, window or None,
-                         repeated=int(getattr(layer, "num_key_value_groups", 1)), scale_scores=True)
+                         repeated=int(groups), scale_scores=True)
     return f"{kind} is not a known attention layer"
 
 
@@ -197,14 +200,20 @@ def _xla_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
     else:
         s = jnp.einsum("bckgh,bskh->bckgs", q, k)
         bias = bias[:, :, None, None, :]
+    p = _probabilities(s, bias, spec, v.dtype)
+    if kv == 1:
+        return jnp.einsum("bqs,bsh->bqh", p.reshape(b, c * g, -1), v[:, :, 0]).reshape(q.shape)
+    return jnp.einsum("bckgs,bskh->bckgh", p, v)
+
+
+def _probabilities(s, bias, spec: LayerSpec, dtype):
+    """Attention weights of raw scores ``s``: scaled (Llama family), soft-capped, masked by the
+    additive ``bias``, float32 softmax over keys, in ``dtype``."""
     if spec.scale_scores:
         s = s * jnp.asarray(spec.scale, s.dtype)
     if spec.soft_cap is not None:
         s = jnp.tanh(s / spec.soft_cap) * spec.soft_cap
-    p = _softmax(s.astype(jnp.float32) + bias).astype(v.dtype)
-    if kv == 1:
-        return jnp.einsum("bqs,bsh->bqh", p.reshape(b, c * g, -1), v[:, :, 0]).reshape(q.shape)
-    return jnp.einsum("bckgs,bskh->bckgh", p, v)
+    return _softmax(s.astype(jnp.float32) + bias).astype(dtype)
 
 
 @jax.custom_vjp
@@ -304,6 +313,59 @@ def attend(q, k, v, segment_ids, spec: LayerSpec, choice: Choice):
 # ----------------------------------------------------------------------------- the override
 
 
+def attend_cached(q, k_cache, v_cache, key_mask, index, spec: LayerSpec):
+    """Attention output [B, T, N, H] of rotated queries q [B, T, N, H] at positions
+    ``index .. index + T - 1`` against a KV cache k / v [B * K, L, H] (K kv heads, not repeated,
+    row ``b * K + k``) whose positions with ``key_mask`` [B, L] 0 are padding: a query sees the
+    valid keys at its position or earlier (within the window). The sampler's decoding step: one
+    query per row against the whole cache. In this layout each (row, kv head) is one matmul
+    with one batch dimension, reading the buffer the sampler's loop updates in place (with
+    [B, L, K, H] or a kv-head axis of size 1, XLA:CPU copies the cache every step)."""
+    b, t, n, h = q.shape
+    length = k_cache.shape[1]
+    kv = k_cache.shape[0] // b
+    g = n // kv
+    # [B * K, T * G, H]: every (query, head of the group) a row of its kv head's matmul
+    q = jnp.transpose(q.reshape(b, t, kv, g, h), (0, 2, 1, 3, 4)).reshape(b * kv, t * g, h)
+    if not spec.scale_scores:
+        q = q * jnp.asarray(spec.scale, q.dtype)
+    ok = allowed(jnp.ones((b, t), jnp.int32), key_mask.astype(jnp.int32), index + jnp.arange(t),
+                 jnp.arange(length), spec.window)  # [B, T, L]
+    bias = jnp.broadcast_to(jnp.where(ok, 0.0, NEG)[:, None, :, None, :], (b, kv, t, g, length))
+    s = jnp.einsum("bqh,bsh->bqs", q, k_cache)
+    p = _probabilities(s, bias.reshape(b * kv, t * g, length), spec, v_cache.dtype)
+    out = jnp.einsum("bqs,bsh->bqh", p, v_cache).reshape(b, kv, t, g, h)
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h).astype(q.dtype)
+
+
+@contextlib.contextmanager
+def overridden(module, shape, kernel):
+    """While active, no decoder block of ``module`` builds its ``[batch, T, T]`` mask (its mask
+    method returns a placeholder of ones, ``shape`` = (batch, T) + (1,)) and every attention layer's
+    ``_compute_attention(q, k, v, ...)`` returns ``kernel(i, spec, q, k, v)``: ``i`` the block's
+    index, ``spec`` its ``LayerSpec``, q / k / v as KerasHub passes them (after the projections and
+    the rotary embedding; Llama-family keys repeated per group). Raises NotImplementedError naming
+    a layer that has no ``LayerSpec``."""
+    blocks = decoder_blocks(module)
+    specs = [layer_spec(block) for block in blocks]
+    unknown = next((s for s in specs if isinstance(s, str)), None)
+    if unknown:
+        raise NotImplementedError(unknown)
+    mask_method = next((n for n in _MASK_METHODS if hasattr(type(blocks[0]), n)), None)
+    if mask_method is None:
+        raise NotImplementedError(f"{type(blocks[0]).__name__} has no known mask method")
+    index = {id(attention_layer(block)): i for i, block in enumerate(blocks)}
+
+    def make_compute(layer, original):
+        i = index[id(layer)]
+        return lambda q, k, v, *args, **kwargs: kernel(i, specs[i], q, k, v)
+
+    placeholder = jnp.ones(tuple(shape) + (1,), jnp.int32)
+    with override_blocks(module, mask_method, lambda block, original: lambda *a, **kw: placeholder), \
+            override_blocks(module, "_compute_attention", make_compute, part=attention_layer):
+        yield blocks
+
+
 @contextlib.contextmanager
 def scope(module, padding_mask, segment_ids=None):
     """While active, ``module``'s forward pass uses its chosen attention path (``set_attention``)
@@ -313,20 +375,8 @@ def scope(module, padding_mask, segment_ids=None):
     if choice.implementation == "keras":
         yield False
         return
-    blocks = decoder_blocks(module)
     segments = padding_mask if segment_ids is None else segment_ids
     segments = jnp.asarray(segments).astype(jnp.int32)
-    placeholder = jnp.ones(segments.shape + (1,), jnp.int32)
-    mask_method = next(n for n in _MASK_METHODS if hasattr(type(blocks[0]), n))
-    specs = {id(attention_layer(block)): layer_spec(block) for block in blocks}
-
-    def make_compute(layer, original):
-        spec = specs[id(layer)]
-
-        def compute(q, k, v, *args, **kwargs):
-            return attend(q, k, v, segments, spec, choice)
-        return compute
-
-    with override_blocks(module, mask_method, lambda block, original: lambda *a, **kw: placeholder), \
-            override_blocks(module, "_compute_attention", make_compute, part=attention_layer):
+    with overridden(module, segments.shape,
+                    lambda i, spec, q, k, v: attend(q, k, v, segments, spec, choice)):
         yield True

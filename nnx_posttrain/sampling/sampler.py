@@ -10,10 +10,14 @@ completion_mask]`` is exactly the sequence the training side scores with ``model
 on relative positions, so left padding changes nothing as long as pads are masked out of
 attention, which they are here, in the prompt pass and at every decoding step.
 
-The decoding step runs KerasHub's own decoder blocks and cached attention (the code behind each
-``CausalLM.call_with_cache``), so sliding windows, soft caps and LoRA behave as in training. The
-only addition is the padding mask: each block's attention-mask method is wrapped to also hide the
-left pads (KerasHub's own ``generate`` right-pads and never needs this).
+The decoding step runs KerasHub's own decoder blocks (projections, Qwen's biases, q/k norms,
+rotary embedding, norms, feed-forward, LoRA: as in training) with this package's KV cache and
+attention kernel behind the attention layers' ``_compute_attention`` seam, the one the training
+forward replaces (``model.attention``): the prompt pass takes the training path over the prompt's
+own keys; each decoding step writes one key and value per row into the cache in place and attends
+one query against it (``attention.attend_cached``: causal, sliding window, soft cap, left pads
+masked). KerasHub's own cached attention slices, updates and re-stacks its whole cache in every
+layer and step; this cache is updated in place (`tools.bench_sampler` measures both).
 
 Log-probabilities are those of softmax(logits / temperature) (temperature 1 when greedy) WITHOUT
 top-k / top-p truncation, the convention of TRL's rollouts.
@@ -32,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import chat, model
+from nnx_posttrain.model import attention
 
 # Backbones whose decoder blocks take a KV cache and whose positions are rotary (relative), by
 # class name. Absolute-position families (GPT-2, OPT, ...) would see shifted positions with left
@@ -45,9 +50,8 @@ _SUPPORTED = _EMBED_SCALED + (
 @dataclasses.dataclass(frozen=True)
 class _Family:
     cache_kw: str  # the block's cache keyword
-    index_kw: str  # the block's cache-index keyword
-    mask_method: str  # the block's method that builds its [batch, query, key] attention mask
-    pair_cache: bool  # per-layer cache is a (key, value) tuple (Gemma 3), else [B, 2, L, kv, hd]
+    index_kw: str  # the block's cache-index keyword (the position of its first input token)
+    pair_cache: bool  # the block's cache is a (key, value) tuple (Gemma 3), else [B, 2, L, kv, hd]
     embed_scale: bool
 
 
@@ -61,17 +65,12 @@ def _family(module) -> _Family:
     block = type(module.transformer_layers[0])
     params = inspect.signature(block.call).parameters
     if "cache" in params and "cache_update_index" in params:
-        fam = _Family("cache", "cache_update_index", "_compute_attention_mask",
-                      pair_cache=name == "Gemma3Backbone", embed_scale=name in _EMBED_SCALED)
-    elif "self_attention_cache" in params:
-        fam = _Family("self_attention_cache", "self_attention_cache_update_index",
-                      "_compute_self_attention_mask", pair_cache=False,
-                      embed_scale=name in _EMBED_SCALED)
-    else:
-        raise NotImplementedError(f"{name}: decoder block {block.__name__} takes no KV cache")
-    if not hasattr(block, fam.mask_method):
-        raise NotImplementedError(f"{name}: decoder block {block.__name__} has no {fam.mask_method}")
-    return fam
+        return _Family("cache", "cache_update_index", pair_cache=name == "Gemma3Backbone",
+                       embed_scale=name in _EMBED_SCALED)
+    if "self_attention_cache" in params:
+        return _Family("self_attention_cache", "self_attention_cache_update_index",
+                       pair_cache=False, embed_scale=name in _EMBED_SCALED)
+    raise NotImplementedError(f"{name}: decoder block {block.__name__} takes no KV cache")
 
 
 def _head_shape(module) -> tuple[int, int]:
@@ -80,47 +79,67 @@ def _head_shape(module) -> tuple[int, int]:
     return heads, int(head_dim)
 
 
-def _key_padding_mask(module, fam: _Family, key_mask):
-    """Within the block, every decoder block's attention mask (causal, sliding window, as KerasHub
-    computes it for the cache) is also zero at the keys where ``key_mask`` [batch, L] is 0."""
-
-    def make(block, original):
-        def masked(*args, **kwargs):
-            mask = original(*args, **kwargs)
-            return jnp.minimum(mask, key_mask[:, None, :].astype(mask.dtype))
-
-        return masked
-
-    return model.override_blocks(module, fam.mask_method, make)
-
-
-def _empty_cache(module, fam: _Family, batch: int, length: int):
+def _empty_cache(module, batch: int, length: int):
+    """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``)."""
     heads, head_dim = _head_shape(module)
     dtype = keras.backend.standardize_dtype(module.compute_dtype)
-    caches = []
-    for _ in model.decoder_blocks(module):
-        if fam.pair_cache:
-            shape = (batch, length, heads, head_dim)
-            caches.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
-        else:
-            caches.append(jnp.zeros((batch, 2, length, heads, head_dim), dtype))
-    return tuple(caches)
+    shape = (batch * heads, length, head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for _ in model.decoder_blocks(module))
 
 
-def _forward(module, fam: _Family, token_ids, caches, index, key_mask):
-    """Run ``token_ids`` [B, T] at positions index..index+T-1 through the cached blocks: float32
-    logits [B, T, vocab] (the path of ``model.token_logprobs``) and the updated caches."""
+def _pass_through_cache(module, fam: _Family, batch: int, length: int):
+    """What a block is given as its cache: zeros exactly as long as its input, so that KerasHub's
+    cache write (a dynamic update slice, whose start is clamped to fit) is the new keys and values
+    themselves, and its rotary embedding starts at the cache index."""
+    heads, head_dim = _head_shape(module)
+    dtype = keras.backend.standardize_dtype(module.compute_dtype)
+    if fam.pair_cache:
+        shape = (batch, length, heads, head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return jnp.zeros((batch, 2, length, heads, head_dim), dtype)
+
+
+def _forward(module, fam: _Family, token_ids, caches, index, key_mask, prompt=None):
+    """Run ``token_ids`` [B, T] at positions index..index+T-1 through the decoder blocks: float32
+    logits [B, T, vocab] (the path of ``model.token_logprobs``) and the updated caches.
+
+    KerasHub's blocks compute everything but attention (projections, biases, q/k norms, rotary
+    embedding, norms, feed-forward, LoRA); each attention layer's ``_compute_attention`` writes its
+    keys and values into this sampler's cache at ``index`` (in place in the decoding loop: no copy
+    of the cache per step, as KerasHub's slice / update / stack of its cache makes) and returns
+    ``model.attention``'s kernels' output: for the prompt pass (``prompt``: the prompt's padding
+    mask), the module's training path over the prompt's own keys; for a decoding step, one query
+    per row against the cache (``attend_cached``), its left pads masked by ``key_mask``."""
+    batch, t = token_ids.shape
     x = module.token_embedding(token_ids)
     if fam.embed_scale:
         x = x * jnp.sqrt(jnp.asarray(module.hidden_dim, jnp.float32)).astype(x.dtype)
-    new = []
-    with _key_padding_mask(module, fam, key_mask) as blocks:
-        for block, cache in zip(blocks, caches):
-            x, cache = block(x, **{fam.cache_kw: cache, fam.index_kw: index})
-            new.append(cache)
+    caches = list(caches)
+    choice = attention.attention_of(module)
+    if choice.implementation == "keras":
+        choice = attention.Choice("xla", choice.chunk)
+
+    def kernel(i, spec, q, k, v):
+        own_k, own_v = k[:, :, ::spec.repeated], v[:, :, ::spec.repeated]  # Llama family repeats
+        cache_k, cache_v = caches[i]
+        cache_k, cache_v = (  # [B, T, K, H] -> rows b * K + k of the [B * K, L, H] cache
+            jax.lax.dynamic_update_slice_in_dim(
+                cache, jnp.transpose(own, (0, 2, 1, 3)).reshape(cache.shape[0], t, -1)
+                .astype(cache.dtype), index, 1)
+            for cache, own in ((cache_k, own_k), (cache_v, own_v)))
+        caches[i] = (cache_k, cache_v)
+        if prompt is not None:
+            return attention.attend(q, k, v, prompt, spec, choice)
+        return attention.attend_cached(q, cache_k, cache_v, key_mask, index, spec)
+
+    through = _pass_through_cache(module, fam, batch, t)
+    with attention.overridden(module, (batch, t), kernel) as blocks:
+        for block in blocks:
+            x, _ = block(x, **{fam.cache_kw: through, fam.index_kw: index})
     h = module.layer_norm(x)
     logits = module.token_embedding(h, reverse=True).astype(jnp.float32)
-    return logits, tuple(new)
+    return logits, tuple(caches)
 
 
 def _categorical(rng, logits):
@@ -200,8 +219,8 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
         key_mask = jnp.concatenate(
             [prompt_mask.astype(jnp.int32), jnp.ones((batch, n), jnp.int32)], axis=1
         )
-        caches = _empty_cache(module, fam, batch, length)
-        logits, caches = _forward(module, fam, prompt_ids, caches, 0, key_mask)
+        caches = _empty_cache(module, batch, length)
+        logits, caches = _forward(module, fam, prompt_ids, caches, 0, key_mask, prompt=prompt_mask)
         logits = logits[:, -1]
 
         def cond(carry):
