@@ -12,6 +12,7 @@ from flax import nnx
 
 import support
 from nnx_posttrain import model
+from nnx_posttrain.model import attention
 from nnx_posttrain.sampling import generate, sampler
 
 N = 8
@@ -110,6 +111,20 @@ def test_every_family_decodes_as_a_full_forward_pass(family):
         seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
         want = model.token_logprobs(bb, seq, seq_mask)[:, ids.shape[1]:]
     np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want), atol=1e-4)
+
+
+def test_attention_dropout_does_not_stop_decoding():
+    """Dropout is a training-time layer: a model configured with it samples (KerasHub's inference
+    path, dropout off), where the training forward keeps KerasHub's attention for it."""
+    bb = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=2,
+                                        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+                                        head_dim=8, dropout=0.1)
+    assert isinstance(attention.layer_spec(model.decoder_blocks(bb)[0]), str)
+    graphdef, *states = nnx.split(bb)
+    ids, mask = _batch()
+    out = sampler.make_sampler(graphdef, 4)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    np.testing.assert_array_equal(np.asarray(out["completion_ids"]),
+                                  argmax_reference(bb, ids, mask, 4))
 
 
 def test_unsupported_family_is_named():

@@ -83,13 +83,14 @@ def attention_layer(block):
     return None
 
 
-def layer_spec(block) -> LayerSpec | str:
-    """The block's attention as a ``LayerSpec``, or the reason it stays with KerasHub's code."""
+def layer_spec(block, training: bool = True) -> LayerSpec | str:
+    """The block's attention as a ``LayerSpec``, or the reason it stays with KerasHub's code
+    (attention dropout only matters in ``training``)."""
     layer = attention_layer(block)
     if layer is None:
         return f"{type(block).__name__} has no known attention layer"
     kind = type(layer).__name__
-    if getattr(layer, "dropout", 0) or getattr(layer, "_dropout", 0):
+    if training and (getattr(layer, "dropout", 0) or getattr(layer, "_dropout", 0)):
         return f"{kind} has attention dropout"
     if getattr(layer, "use_bidirectional_attention", False):
         return f"{kind} is bidirectional"
@@ -339,15 +340,16 @@ def attend_cached(q, k_cache, v_cache, key_mask, index, spec: LayerSpec):
 
 
 @contextlib.contextmanager
-def overridden(module, shape, kernel):
+def overridden(module, shape, kernel, training: bool = True):
     """While active, no decoder block of ``module`` builds its ``[batch, T, T]`` mask (its mask
     method returns a placeholder of ones, ``shape`` = (batch, T) + (1,)) and every attention layer's
     ``_compute_attention(q, k, v, ...)`` returns ``kernel(i, spec, q, k, v)``: ``i`` the block's
     index, ``spec`` its ``LayerSpec``, q / k / v as KerasHub passes them (after the projections and
     the rotary embedding; Llama-family keys repeated per group). Raises NotImplementedError naming
-    a layer that has no ``LayerSpec``."""
+    a layer that has no ``LayerSpec`` (``training=False``: inference, where attention dropout is
+    off)."""
     blocks = decoder_blocks(module)
-    specs = [layer_spec(block) for block in blocks]
+    specs = [layer_spec(block, training) for block in blocks]
     unknown = next((s for s in specs if isinstance(s, str)), None)
     if unknown:
         raise NotImplementedError(unknown)

@@ -134,7 +134,7 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask, prompt=No
         return attention.attend_cached(q, cache_k, cache_v, key_mask, index, spec)
 
     through = _pass_through_cache(module, fam, batch, t)
-    with attention.overridden(module, (batch, t), kernel) as blocks:
+    with attention.overridden(module, (batch, t), kernel, training=False) as blocks:
         for block in blocks:
             x, _ = block(x, **{fam.cache_kw: through, fam.index_kw: index})
     h = module.layer_norm(x)
