@@ -113,6 +113,19 @@ def test_every_family_decodes_as_a_full_forward_pass(family):
     np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want), atol=1e-4)
 
 
+def test_prompt_longer_than_one_chunk_takes_the_blocked_path_and_decodes_the_same():
+    """The prompt pass attends as the training forward does: past ``chunk`` positions, blocked
+    attention (model/flash.py); decoding from its cache gives the tokens of plain decoding."""
+    bb = support.tiny_backbone("gemma2")  # soft cap and a sliding window of 8
+    model.set_attention(bb, "xla", chunk=8)
+    graphdef, *states = nnx.split(bb)
+    ids, mask = _batch()  # width 32 > 8
+    out = sampler.make_sampler(graphdef, N)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    model.set_attention(bb, "keras")
+    np.testing.assert_array_equal(np.asarray(out["completion_ids"]),
+                                  argmax_reference(bb, ids, mask, N))
+
+
 def test_attention_dropout_does_not_stop_decoding():
     """Dropout is a training-time layer: a model configured with it samples (KerasHub's inference
     path, dropout off), where the training forward keeps KerasHub's attention for it."""
