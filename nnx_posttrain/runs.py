@@ -62,6 +62,8 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
     from the run's own config, laid out on a mesh of this process's devices. Only the weights (and
     the step and RNG) are read: no optimizer state is built."""
     run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no config.json)")
     saved_cfg = json.loads((run_dir / "config.json").read_text())
     cfg = config_lib.Config(
         model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],

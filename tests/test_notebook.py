@@ -48,4 +48,4 @@ def test_sample_answers_from_a_checkpoint(run_dir):
     assert out.stdout.count("> What is") == 2
     missing = subprocess.run([sys.executable, "-m", "tools.sample", str(run_dir.parent / "nope"),
                               "--prompt", "hi"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert missing.returncode != 0 and "error:" in missing.stderr
+    assert missing.returncode != 0 and "nope: not a run directory (no config.json)" in missing.stderr
