@@ -3,8 +3,9 @@
 KerasHub backbones expose no hook for a custom attention mask or for rematerialisation, so these
 shadow a method of each decoder block *instance* (``object.__setattr__``, bypassing Keras'
 attribute tracking) and remove the shadow afterwards; the class is never touched. One helper,
-``override_blocks``, does the patching for its three users: the packed-row attention mask
-(``hidden_states``), remat (``set_remat``) and the sampler's key-padding mask.
+``override_blocks``, does the patching for its users: the packed-row attention mask
+(``hidden_states``), remat (``set_remat``) and the attention path (``attention.overridden``: the
+training forward's kernels and the sampler's KV-cache decoding).
 """
 
 from __future__ import annotations
