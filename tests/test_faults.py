@@ -664,6 +664,38 @@ def test_sigterm_during_training_checkpoints_then_ends_even_when_the_exit_stalls
     assert not (run / "run.lock").exists()
 
 
+SIGTERM_IN_GC_CALLBACK = """
+import gc, os, signal, time
+from nnx_posttrain.train import rundir
+hit = []
+
+def callback(phase, info):  # as JAX's: Python prints and ignores what escapes a gc callback
+    if phase == "start" and not hit:
+        hit.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10000):  # bytecodes: the signal's handler runs in here
+            pass
+
+with rundir.sigterm_exits():
+    gc.callbacks.append(callback)
+    gc.collect()
+    time.sleep(10)
+    print("still running after SIGTERM")
+"""
+
+
+def test_sigterm_inside_a_gc_callback_still_ends_the_process():
+    """A signal whose handler runs inside a garbage-collector callback (seen once: JAX's, while
+    the model loaded) cannot end the process there (the SystemExit would be printed and ignored,
+    and the run would go on into training): it is sent again a moment later."""
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_GC_CALLBACK], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "still running" not in proc.stdout
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert "stopped by SIGTERM while no training step was running" in proc.stderr
+
+
 def test_sigterm_while_the_model_loads_releases_the_lock(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import gc
 import json
 import os
 import signal
@@ -132,6 +133,21 @@ def exit_within(code: int, last=lambda: None, grace_s: float | None = None) -> N
     timer.start()
 
 
+RETRY_S = 0.05  # a signal that arrived where its exception would be swallowed is sent again
+
+
+def _swallowing(frame) -> bool:
+    """Whether an exception raised in ``frame`` would be swallowed: Python prints and ignores one
+    that escapes a garbage-collector callback (JAX registers one, which a signal can interrupt)
+    or a ``__del__``."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def sigterm_exits(last=lambda: None, grace_s: float | None = None):
     """SIGTERM before training starts (while the model loads, say) ends the process through
@@ -141,7 +157,9 @@ def sigterm_exits(last=lambda: None, grace_s: float | None = None):
 
     A clean exit can still stall, so either way ``exit_within(143, last, grace_s)`` is armed: by
     the signal itself before training (the unwinding may be what stalls), when the exit leaves
-    this block after a checkpoint. Not after Ctrl-C (130): a notebook's kernel lives on."""
+    this block after a checkpoint. Not after Ctrl-C (130): a notebook's kernel lives on. A signal
+    that lands inside a garbage-collector callback or a ``__del__``, where Python would print and
+    ignore the ``SystemExit``, is sent again ``RETRY_S`` later instead."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -149,6 +167,9 @@ def sigterm_exits(last=lambda: None, grace_s: float | None = None):
 
     def handler(signum, frame):
         nonlocal armed
+        if _swallowing(frame):  # the exit would be printed and ignored: again in a moment
+            threading.Timer(RETRY_S, os.kill, (os.getpid(), signum)).start()
+            return
         exit_within(128 + signum, last, grace_s)
         armed = True
         print(f"stopped by {signal.Signals(signum).name} while no training step was running: "
