@@ -48,7 +48,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from nnx_posttrain.model.blocks import _MASK_METHODS, decoder_blocks, override_blocks
+from nnx_posttrain.model.blocks import decoder_blocks, mask_method, override_blocks
 from nnx_posttrain.model.flash import NEG, allowed, flash
 
 IMPLEMENTATIONS = ("auto", "keras", "xla", "cudnn", "splash")
@@ -147,7 +147,7 @@ def resolve(module, implementation: str = "auto", platform: str | None = None,
         return "keras", unknown
     if getattr(module, "vision_encoder", None) is not None:
         return "keras", "image tokens attend bidirectionally (a vision encoder)"
-    if not any(hasattr(type(blocks[0]), n) for n in _MASK_METHODS):
+    if mask_method(blocks[0]) is None:
         return "keras", f"{type(blocks[0]).__name__} has no known mask method"
     layer = attention_layer(blocks[0])
     head_dim = int(getattr(layer, "head_dim", 0) or getattr(layer, "_head_dim", 0))
@@ -353,8 +353,8 @@ def overridden(module, shape, kernel, training: bool = True):
     unknown = next((s for s in specs if isinstance(s, str)), None)
     if unknown:
         raise NotImplementedError(unknown)
-    mask_method = next((n for n in _MASK_METHODS if hasattr(type(blocks[0]), n)), None)
-    if mask_method is None:
+    masks = mask_method(blocks[0])
+    if masks is None:
         raise NotImplementedError(f"{type(blocks[0]).__name__} has no known mask method")
     index = {id(attention_layer(block)): i for i, block in enumerate(blocks)}
 
@@ -363,7 +363,7 @@ def overridden(module, shape, kernel, training: bool = True):
         return lambda q, k, v, *args, **kwargs: kernel(i, specs[i], q, k, v)
 
     placeholder = jnp.ones(tuple(shape) + (1,), jnp.int32)
-    with override_blocks(module, mask_method, lambda block, original: lambda *a, **kw: placeholder), \
+    with override_blocks(module, masks, lambda block, original: lambda *a, **kw: placeholder), \
             override_blocks(module, "_compute_attention", make_compute, part=attention_layer):
         yield blocks
 

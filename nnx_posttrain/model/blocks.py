@@ -55,6 +55,11 @@ def override_blocks(module, name: str, make: Callable[[Any, Any], Any], *,
 _MASK_METHODS = ("_compute_attention_mask", "_compute_self_attention_mask")
 
 
+def mask_method(block) -> str | None:
+    """The name of ``block``'s attention-mask method (``_MASK_METHODS``), or None."""
+    return next((n for n in _MASK_METHODS if hasattr(type(block), n)), None)
+
+
 def segment_attention_mask(segment_ids):
     """[batch, T, T] causal mask that never crosses examples of a packed row (segment 0 = padding;
     a padding query sees itself only, so no softmax row is empty)."""
@@ -71,14 +76,14 @@ def _attention_mask_override(module, mask):
     KerasHub backbones accept only a [batch, T] padding mask; packed rows need a block-diagonal
     one. The blocks' mask method is shadowed on the instances for the duration of the call."""
     blocks = decoder_blocks(module)  # not module.transformer_layers: see decoder_blocks
-    names = [n for n in _MASK_METHODS if hasattr(type(blocks[0]), n)]
-    if not names:
+    name = mask_method(blocks[0])
+    if name is None:
         raise NotImplementedError(f"packed sequences are not supported for {type(module).__name__}")
 
     def masked(*args, **kwargs):
         return mask
 
-    return override_blocks(module, names[0], lambda block, original: masked)
+    return override_blocks(module, name, lambda block, original: masked)
 
 
 # ----------------------------------------------------------------------------- remat

@@ -73,16 +73,16 @@ def _family(module) -> _Family:
     raise NotImplementedError(f"{name}: decoder block {block.__name__} takes no KV cache")
 
 
-def _head_shape(module) -> tuple[int, int]:
+def _kv_layout(module) -> tuple[int, int, str]:
+    """(kv heads, head dim, compute dtype) of the backbone's keys and values."""
     heads = int(module.num_key_value_heads)
     head_dim = getattr(module, "head_dim", None) or module.hidden_dim // module.num_query_heads
-    return heads, int(head_dim)
+    return heads, int(head_dim), keras.backend.standardize_dtype(module.compute_dtype)
 
 
 def _empty_cache(module, batch: int, length: int):
     """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``)."""
-    heads, head_dim = _head_shape(module)
-    dtype = keras.backend.standardize_dtype(module.compute_dtype)
+    heads, head_dim, dtype = _kv_layout(module)
     shape = (batch * heads, length, head_dim)
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
                  for _ in model.decoder_blocks(module))
@@ -92,8 +92,7 @@ def _pass_through_cache(module, fam: _Family, batch: int, length: int):
     """What a block is given as its cache: zeros exactly as long as its input, so that KerasHub's
     cache write (a dynamic update slice, whose start is clamped to fit) is the new keys and values
     themselves, and its rotary embedding starts at the cache index."""
-    heads, head_dim = _head_shape(module)
-    dtype = keras.backend.standardize_dtype(module.compute_dtype)
+    heads, head_dim, dtype = _kv_layout(module)
     if fam.pair_cache:
         shape = (batch, length, heads, head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
