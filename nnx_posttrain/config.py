@@ -184,8 +184,8 @@ class Config:
     """float32; bfloat16 = bfloat16 compute with float32 weights; bfloat16-params = both bfloat16."""
     log_every: int = 10
     """Log training metrics every this many steps."""
-    logprob_chunk: int = 128
-    """Sequence positions per chunk when computing log-probs (bounds the logits in memory); 0: the whole sequence at once, no recomputation."""
+    logprob_chunk: int | None = None
+    """Sequence positions per chunk of the vocabulary projection, recomputed in the backward pass (bounds the logits in memory); 0: the whole sequence at once, no recomputation; default: at once while a batch's float32 logits take <= 256 MiB, else chunks of 128."""
     report_to: str = "tensorboard,jsonl"
     """Where metrics go, comma-separated: tensorboard (runs/<name>/tb), jsonl (metrics.jsonl, completions.jsonl), wandb (Weights & Biases: WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline), or none."""
     config: str | None = None
@@ -249,7 +249,7 @@ class Config:
         for option, value in (("--optim.b1", o.b1), ("--optim.b2", o.b2)):
             if not 0 <= value < 1:
                 problems.append(f"{option} must be in [0, 1), got {value}")
-        if self.logprob_chunk < 0:
+        if self.logprob_chunk is not None and self.logprob_chunk < 0:
             problems.append(f"--logprob-chunk must be >= 0 (0: no chunking), got {self.logprob_chunk}")
         if self.log_every <= 0:
             problems.append("--log-every must be positive")

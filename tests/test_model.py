@@ -89,13 +89,24 @@ def _naive_logps(module, ids, mask):
 
 
 @pytest.mark.parametrize("name", ["gemma_micro", "gemma2_tiny"])  # gemma2: final-logit soft cap
-@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("chunk", [1, 5, 64, None])  # None: the default, by the logits' size
 def test_chunked_logprobs_equal_naive_full_logits(name, chunk):
     lm = model.load(name, seed=0)
     chunked = model.token_logprobs(lm.module, IDS, MASK, chunk_size=chunk)
     assert chunked.shape == IDS.shape and chunked.dtype == jnp.float32
     np.testing.assert_allclose(chunked, _naive_logps(lm.module, IDS, MASK), atol=1e-5)
     assert np.all(np.asarray(chunked[:, 0]) == 0)
+
+
+def test_default_chunking_keeps_small_logits_and_chunks_large_ones():
+    """Kept (0: all at once, nothing recomputed) up to 256 MiB of float32 logits, else 128
+    positions at a time; an explicit --logprob-chunk is taken as given."""
+    from nnx_posttrain.model.logprobs import chunk_positions
+
+    assert chunk_positions(None, 4, 256, 32_000) == 0  # the medium benchmark's SFT: 131 MB
+    assert chunk_positions(None, 8, 1024, 256_000) == 128  # gemma_2b's vocabulary: 8.4 GB
+    assert chunk_positions(None, 1, 262_144, 256) == 0 and chunk_positions(None, 1, 262_145, 256) == 128
+    assert chunk_positions(2, 4, 256, 32_000) == 2 and chunk_positions(0, 8, 1024, 256_000) == 0
 
 
 def test_chunked_logprob_gradients_equal_naive(micro):

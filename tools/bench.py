@@ -239,7 +239,9 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str) -> dict:
               "--warmup", str(args.warmup), "--device", args.device, "--dtype", args.dtype,
               "--seed", str(args.seed)]
     if side == "ours":
-        extra = ["--logprob-chunk", str(args.logprob_chunk), "--attention", args.attention]
+        extra = ["--attention", args.attention]
+        if args.logprob_chunk is not None:
+            extra += ["--logprob-chunk", str(args.logprob_chunk)]
         if args.ours_flags:
             extra += ["--flags", args.ours_flags]
         return _run_worker("tools.bench_ours", common + extra, args.timeout)
@@ -338,7 +340,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--logprob-chunk", type=int, default=128)
+    parser.add_argument("--logprob-chunk", type=int, default=None,
+                        help="our --logprob-chunk (default: the library's)")
     parser.add_argument("--attention", default="auto", help="our --attention (model.set_attention)")
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,

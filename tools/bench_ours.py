@@ -85,7 +85,7 @@ def _apply_flags(flags: list[str], algorithm) -> None:
 
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
-            logprob_chunk: int, flags: list[str], profile_steps: int = 0,
+            logprob_chunk: int | None, flags: list[str], profile_steps: int = 0,
             attention: str = "auto") -> dict:
     import nnx_posttrain  # noqa: F401
     import jax
@@ -224,7 +224,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logprob-chunk", type=int, default=128)
+    p.add_argument("--logprob-chunk", type=int, default=None, help="default: the library's")
     p.add_argument("--flags", default="")
     p.add_argument("--attention", default="auto", help="--attention of the run (model.set_attention)")
     p.add_argument("--profile", type=int, default=0, metavar="N",

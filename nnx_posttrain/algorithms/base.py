@@ -117,7 +117,7 @@ class AlgorithmBase:
     # False projects every position (a benchmark variant)
     scored_positions_only = True
 
-    def __init__(self, cfg, logprob_chunk: int = 128):
+    def __init__(self, cfg, logprob_chunk: int | None = None):
         self.cfg = cfg
         self.logprob_chunk = logprob_chunk
 

@@ -11,7 +11,8 @@ hidden size, ``a`` query heads, ``e`` bytes per activation: 4 in float32, 2 in b
   Recomputation in Large Transformer Models", per layer ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits,
   no flash attention): ``L * s * b * (34*h + 5*a*s) * e / 2``; with ``--remat blocks`` each block
   keeps only its input (``L * s * b * h * e``) plus one block's activations;
-- the vocabulary projection of one ``--logprob-chunk`` (all ``s`` positions when 0): logits,
+- the vocabulary projection of one ``--logprob-chunk`` (all ``s`` positions when 0, and by
+  default while they fit ``model.logprobs.KEEP_LOGITS_BYTES``): logits,
   log-softmax and their gradient in float32, ``3 * 4 * b * chunk * vocab``.
 
 ``--eval-only`` counts one layer's forward activations and the projection only. The rollout
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+
+from nnx_posttrain.model.logprobs import chunk_positions
 
 GiB = 1 << 30
 
@@ -62,7 +65,7 @@ def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: 
     vocab = int(getattr(backbone, "vocabulary_size", 0))
     e = 2 if cfg.dtype.startswith("bfloat16") else 4
     per_layer = s * seqs * (34 * hidden + 5 * heads * s) * e // 2
-    chunk = min(cfg.logprob_chunk or s, s)
+    chunk = min(chunk_positions(cfg.logprob_chunk, seqs, s, vocab) or s, s)
     out = {"vocabulary projection": 3 * 4 * seqs * chunk * vocab}
     if cfg.eval_only:
         out["activations"] = per_layer

@@ -66,7 +66,7 @@ class OnlineAlgorithm(AlgorithmBase):
 
     data_kind = "prompt_only"
 
-    def __init__(self, cfg, logprob_chunk: int = 128):
+    def __init__(self, cfg, logprob_chunk: int | None = None):
         super().__init__(cfg, logprob_chunk)
         if not cfg.rewards.strip():  # checked before the model loads
             raise SystemExit(

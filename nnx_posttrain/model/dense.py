@@ -1,0 +1,152 @@
+"""The decoder blocks' projections (KerasHub's ``EinsumDense`` / ``Dense`` layers) with a weight
+gradient computed as one 2-D matmul.
+
+The forward pass is the layer's own (``keras.ops.einsum`` / ``matmul`` on the same operands), and
+so is the input gradient (its ``jax.vjp``). What differs is the kernel gradient: autodiff
+transposes an einsum such as ``btd,df->btf`` into a ``dot_general`` that contracts the batch and
+time axes of the activation and of the output gradient; XLA:CPU lays that out by transposing the
+output gradient (fused into the elementwise backward before it, e.g. GELU's, where the strided
+writes made each such fusion of a medium-size MLP cost as much as its matmul). Here the kernel
+gradient is ``x[rows, contracted]^T @ dy[rows, out]``, the operands reshaped, not transposed,
+for every equation where the rows (axes of the input that the kernel does not have) come first,
+which is every projection of the supported families; other equations keep autodiff's gradient.
+
+``overridden(module)`` shadows ``call`` on those layers of every decoder block for the duration
+of a forward pass (``blocks.override_blocks``' instance shadowing; the classes are untouched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from nnx_posttrain.model.blocks import decoder_blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(equation: str):
+    """(rows, contracted, kernel outputs) axes of a ``x,w->out`` einsum whose kernel gradient is
+    one matmul, or None (autodiff's gradient): no ellipsis, no axis shared by all three, no axis
+    summed within one operand, and the output's axes ordered rows first, then the kernel's."""
+    if "..." in equation or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    if inputs.count(",") != 1:
+        return None
+    x, w = inputs.split(",")
+    if len(set(x)) != len(x) or len(set(w)) != len(w) or len(set(out)) != len(out):
+        return None
+    rows = [a for a in x if a not in w]
+    contracted = [a for a in x if a in w and a not in out]
+    kernel_out = [a for a in w if a not in x]
+    if (any(a in w and a in out for a in x) or any(a not in out for a in rows)
+            or any(a not in out for a in kernel_out) or set(out) != set(rows) | set(kernel_out)):
+        return None
+    if list(out) != rows + kernel_out:
+        return None
+    return x, w, rows, contracted, kernel_out
+
+
+def _kernel_gradient(equation, x, dy, w_shape, w_dtype):
+    x_axes, w_axes, rows, contracted, kernel_out = _plan(equation)
+    size = dict(zip(x_axes, x.shape)) | dict(zip(w_axes, w_shape))
+    order = [x_axes.index(a) for a in rows + contracted]
+    if order != sorted(order):
+        x = jnp.transpose(x, order)
+    r = math.prod(size[a] for a in rows)
+    x2 = x.reshape(r, math.prod(size[a] for a in contracted))
+    dy2 = dy.reshape(r, math.prod(size[a] for a in kernel_out))
+    dw = jnp.matmul(x2.T, dy2).reshape([size[a] for a in contracted + kernel_out])
+    perm = [(contracted + kernel_out).index(a) for a in w_axes]
+    if perm != sorted(perm):
+        dw = jnp.transpose(dw, perm)
+    return dw.astype(w_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def contract(equation: str, x, w):
+    """``keras.ops.einsum(equation, x, w)``, with the kernel gradient as one 2-D matmul."""
+    import keras
+
+    return keras.ops.einsum(equation, x, w)
+
+
+def _forward(equation, x, w):
+    return contract(equation, x, w), (x, w)
+
+
+def _backward(equation, residuals, dy):
+    import keras
+
+    x, w = residuals
+    _, x_vjp = jax.vjp(lambda x_: keras.ops.einsum(equation, x_, w), x)
+    (dx,) = x_vjp(dy)
+    return dx, _kernel_gradient(equation, x, dy, w.shape, w.dtype)
+
+
+contract.defvjp(_forward, _backward)
+
+
+def _matmul_equation(ndim: int) -> str:
+    """``Dense``'s ``matmul(x, kernel)`` as an einsum over an input of ``ndim`` axes."""
+    rows = "abcefg"[: ndim - 1]
+    return f"{rows}d,dz->{rows}z"
+
+
+def _equation(layer, ndim: int) -> str:
+    """The einsum ``layer`` computes on an input of ``ndim`` axes."""
+    import keras
+
+    if isinstance(layer, keras.layers.EinsumDense):
+        return layer.equation
+    return _matmul_equation(ndim)
+
+
+def _projection_call(layer, original):
+    """``layer.call`` (an ``EinsumDense`` or ``Dense``) with its product through ``contract``;
+    the bias and activation as the layer applies them."""
+    import keras
+
+    def call(inputs, *args, **kwargs):
+        equation = _equation(layer, len(inputs.shape))
+        if _plan(equation) is None:
+            return original(inputs, *args, **kwargs)
+        x = keras.ops.convert_to_tensor(inputs)
+        out = contract(equation, x, keras.ops.convert_to_tensor(layer.kernel))  # autocast values
+        if layer.bias is not None:
+            out = keras.ops.add(out, layer.bias)
+        if layer.activation is not None:
+            out = layer.activation(out)
+        return out
+
+    return call
+
+
+def projections(block) -> list:
+    """The unquantized ``EinsumDense`` / ``Dense`` layers inside a decoder block."""
+    import keras
+
+    calls = (keras.layers.EinsumDense.call, keras.layers.Dense.call)  # not a subclass' own call
+    return [layer for layer in block._flatten_layers(include_self=False, recursive=True)
+            if type(layer).call in calls and layer.quantization_mode is None]
+
+
+@contextlib.contextmanager
+def overridden(module):
+    """While active, every projection of every decoder block of ``module`` computes its kernel
+    gradient as one matmul (``contract``); forward values and input gradients are the layers'
+    own."""
+    patched = []
+    try:
+        for block in decoder_blocks(module):
+            for layer in projections(block):
+                object.__setattr__(layer, "call", _projection_call(layer, layer.call))
+                patched.append(layer)
+        yield patched
+    finally:
+        for layer in patched:
+            object.__delattr__(layer, "call")

@@ -1,0 +1,129 @@
+"""The projections' kernel gradient as one matmul (model/dense.py) equals autodiff's, per family."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax
+import jax.numpy as jnp
+
+import support
+from nnx_posttrain import model
+from nnx_posttrain.model import dense
+
+
+@pytest.fixture(scope="module", params=list(support.TINY_FAMILIES))
+def backbone(request):
+    return support.tiny_backbone(request.param)
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, size=(2, 12)).astype(np.int32)
+    mask = np.ones((2, 12), np.int32)
+    mask[1, :3] = 0
+    return {"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)}
+
+
+def _grads(bb, own: bool, wrt=nnx.Param):
+    graphdef, params, rest = nnx.split(bb, wrt, ...)
+    inputs = _inputs()
+
+    def loss(params):
+        module = nnx.merge(graphdef, params, rest)
+        if own:
+            with dense.overridden(module) as patched:
+                assert patched, "no projection was overridden"
+                h = module(inputs)
+        else:
+            h = module(inputs)
+        return jnp.sum(jnp.sin(h) * h), h
+
+    (_, h), g = jax.value_and_grad(loss, has_aux=True)(params)
+    return h, g
+
+
+def test_every_family_has_its_projections_overridden(backbone):
+    """q, k, v, o and the MLP's three: seven per block in every supported family."""
+    for block in model.decoder_blocks(backbone):
+        assert len(dense.projections(block)) == 7, [l.name for l in dense.projections(block)]
+        assert all(dense._plan(dense._equation(layer, 3)) for layer in dense.projections(block))
+
+
+def test_forward_is_the_layers_own_and_gradients_equal_autodiff(backbone):
+    want_h, want = _grads(backbone, own=False)
+    got_h, got = _grads(backbone, own=True)
+    np.testing.assert_array_equal(np.asarray(got_h), np.asarray(want_h))  # the same operations
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(want)]
+    for path, a, b in zip(paths, jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_lora_gradients_equal_autodiff():
+    """LoRA factors get their gradient through the layer's merged kernel (kernel + a @ b)."""
+    bb = support.tiny_backbone("llama3")
+    model.enable_lora(bb, 4, None, "all-linear")
+    for v in bb.weights:  # lora_kernel_b starts at zero: give it a value so a's gradient is not 0
+        if "lora_kernel_b" in v.path:
+            v.assign(np.random.default_rng(2).normal(size=v.shape).astype("float32") * 0.1)
+    graphdef, params, rest = model.split(bb)
+    assert len(jax.tree.leaves(params)) == 2 * 7 * 2  # the trainable: a and b of every projection
+    inputs = _inputs()
+
+    def loss(params, own):
+        module = nnx.merge(graphdef, params, rest)
+        if own:
+            with dense.overridden(module):
+                return jnp.sum(module(inputs) ** 2)
+        return jnp.sum(module(inputs) ** 2)
+
+    want, got = jax.grad(loss)(params, False), jax.grad(loss)(params, True)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("equation,plan", [
+    ("btd,df->btf", (["b", "t"], ["d"], ["f"])),
+    ("btd,ndh->btnh", (["b", "t"], ["d"], ["n", "h"])),
+    ("btnh,nhd->btd", (["b", "t"], ["n", "h"], ["d"])),
+    ("bsd,kdh->bskh", (["b", "s"], ["d"], ["k", "h"])),
+    ("abd,dz->abz", (["a", "b"], ["d"], ["z"])),
+])
+def test_projection_equations_are_one_matmul(equation, plan):
+    assert dense._plan(equation)[2:] == plan
+
+
+@pytest.mark.parametrize("equation", [
+    "bqnh,bknh->bnqk",  # attention scores: b is in both operands
+    "...d,df->...f",  # ellipsis
+    "btd,df->bft",  # the output's axes not rows first
+    "btd,dfg->btf",  # an axis of the kernel summed alone
+    "btd,df->bf",  # an axis of the input summed alone
+])
+def test_other_equations_keep_autodiff(equation):
+    assert dense._plan(equation) is None
+
+
+def test_kernel_gradient_of_a_reordered_kernel_equals_autodiff():
+    """Kernel axes in another order than (contracted, out), and an input whose contracted axis
+    is not last."""
+    rng = np.random.default_rng(0)
+    for equation, x_shape, w_shape in (("btd,ndh->btnh", (2, 5, 6), (3, 6, 4)),
+                                       ("btd,nhd->btnh", (2, 5, 6), (3, 4, 6)),
+                                       ("bdt,df->btf", (2, 6, 5), (6, 4))):
+        assert dense._plan(equation) is not None, equation
+        x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+        w_ = jnp.asarray(rng.normal(size=w_shape), jnp.float32)
+        want = jax.grad(lambda w: jnp.sum(jnp.einsum(equation, x, w) ** 2))(w_)
+        got = jax.grad(lambda w: jnp.sum(dense.contract(equation, x, w) ** 2))(w_)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_gradients_keep_their_dtype():
+    x = jnp.ones((2, 3, 4), jnp.bfloat16)
+    w = jnp.ones((4, 5), jnp.bfloat16)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(dense.contract("btd,df->btf", x, w).astype(jnp.float32)),
+                      argnums=(0, 1))(x, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), 6.0)
