@@ -13,6 +13,7 @@ its chat template. Around it:
 - ``attention``: one attention path for every family and accelerator (``set_attention``:
   ``keras``, ``xla``, ``cudnn``, ``splash``, ``auto``), segment ids compared inside the kernel,
   and the sampler's decoding step against its KV cache (``attend_cached``);
+- ``dense``: the decoder blocks' projections with their kernel gradient as one 2-D matmul;
 - ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
 - ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``).
 

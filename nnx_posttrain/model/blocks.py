@@ -3,9 +3,10 @@
 KerasHub backbones expose no hook for a custom attention mask or for rematerialisation, so these
 shadow a method of each decoder block *instance* (``object.__setattr__``, bypassing Keras'
 attribute tracking) and remove the shadow afterwards; the class is never touched. One helper,
-``override_blocks``, does the patching for its users: the packed-row attention mask
-(``hidden_states``), remat (``set_remat``) and the attention path (``attention.overridden``: the
-training forward's kernels and the sampler's KV-cache decoding).
+``shadowed``, does the patching for its users, through ``override_blocks`` for the blocks: the
+packed-row attention mask (``hidden_states``), remat (``set_remat``), the attention path
+(``attention.overridden``: the training forward's kernels and the sampler's KV-cache decoding);
+directly for the blocks' projections (``dense.overridden``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,22 @@ def decoder_blocks(module) -> list:
 
 
 @contextlib.contextmanager
+def shadowed(targets: list, name: str, make: Callable[[Any, Any], Any]) -> Iterator[list]:
+    """Within the block, attribute ``name`` of every object in ``targets`` is
+    ``make(target, original)`` (``original``: what ``getattr(target, name)`` gave before, e.g. a
+    bound method), set on the instances and removed on exit, also on error. Yields ``targets``."""
+    patched = []
+    try:
+        for target in targets:
+            object.__setattr__(target, name, make(target, getattr(target, name)))
+            patched.append(target)
+        yield targets
+    finally:
+        for target in patched:
+            object.__delattr__(target, name)
+
+
+@contextlib.contextmanager
 def override_blocks(module, name: str, make: Callable[[Any, Any], Any], *,
                     part: Callable[[Any], Any] | None = None) -> Iterator[list]:
     """Within the block, every decoder block's attribute ``name`` (a method, e.g. ``call``) is
@@ -35,16 +52,8 @@ def override_blocks(module, name: str, make: Callable[[Any, Any], Any], *,
     e.g. its attention layer), the attribute of ``part(block)`` is overridden instead, and
     ``make`` receives that sublayer."""
     blocks = decoder_blocks(module)
-    patched = []
-    try:
-        for block in blocks:
-            target = part(block) if part is not None else block
-            object.__setattr__(target, name, make(target, getattr(target, name)))
-            patched.append(target)
+    with shadowed([part(b) if part is not None else b for b in blocks], name, make):
         yield blocks
-    finally:
-        for target in patched:
-            object.__delattr__(target, name)
 
 
 # ----------------------------------------------------------------------------- packed rows

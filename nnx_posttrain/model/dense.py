@@ -12,7 +12,7 @@ for every equation where the rows (axes of the input that the kernel does not ha
 which is every projection of the supported families; other equations keep autodiff's gradient.
 
 ``overridden(module)`` shadows ``call`` on those layers of every decoder block for the duration
-of a forward pass (``blocks.override_blocks``' instance shadowing; the classes are untouched).
+of a forward pass (``blocks.shadowed``: on the instances; the classes are untouched).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from nnx_posttrain.model.blocks import decoder_blocks
+from nnx_posttrain.model.blocks import decoder_blocks, shadowed
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,13 +140,6 @@ def overridden(module):
     """While active, every projection of every decoder block of ``module`` computes its kernel
     gradient as one matmul (``contract``); forward values and input gradients are the layers'
     own."""
-    patched = []
-    try:
-        for block in decoder_blocks(module):
-            for layer in projections(block):
-                object.__setattr__(layer, "call", _projection_call(layer, layer.call))
-                patched.append(layer)
+    layers = [layer for block in decoder_blocks(module) for layer in projections(block)]
+    with shadowed(layers, "call", _projection_call) as patched:
         yield patched
-    finally:
-        for layer in patched:
-            object.__delattr__(layer, "call")

@@ -1,6 +1,7 @@
 """Per-token log-probabilities in float32, without materialising [batch, length, vocab] logits.
 
-The forward pass (``hidden_states``, with packed rows and remat applied through ``blocks``), then
+The forward pass (``hidden_states``, with packed rows and remat applied through ``blocks``, the
+projections' gradient through ``dense``), then
 the vocabulary projection a chunk of positions at a time, only at the positions that carry loss
 when asked (``scored_positions``).
 """
