@@ -95,7 +95,9 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     from nnx_posttrain import config as config_lib, model, sharding, train
     from nnx_posttrain.algorithms import SFT, SFTConfig
     from nnx_posttrain.algorithms.preference import DPO, DPOConfig
+    from nnx_posttrain.train import host_memory
 
+    host_memory.release_after_compiles()  # as train.run does
     rss_imports = rss_now_mb()
     task = build_task(spec, dtype, seed)
     module = task.backbone

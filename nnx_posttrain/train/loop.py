@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from nnx_posttrain import checkpoint, config as config_lib, metrics_log, model, runs, sharding
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
-from nnx_posttrain.train import memory, resume, rundir, setup
+from nnx_posttrain.train import host_memory, memory, resume, rundir, setup
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
 from nnx_posttrain.train.hooks import (Hooks, NonFiniteGuard, NonFiniteStep, StepInfo,
@@ -54,6 +54,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     Resumes from the latest complete checkpoint of the run directory when there is one (its
     settings must match: ``resume``); holds the directory's lock throughout (``rundir``)."""
     initialize_distributed(cfg.mesh)  # before anything touches the devices
+    host_memory.release_after_compiles()  # the compiler's freed memory goes back after each compile
     allowed = resume.allowed_keys(cfg.resume_changed)
     run_dir = rundir.prepare(Path(cfg.run_dir or f"runs/{experiment}"))
     try:

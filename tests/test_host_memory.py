@@ -1,0 +1,74 @@
+"""The process's host memory: Keras imported without its optional pandas / matplotlib imports
+(``nnx_posttrain/__init__``), and the compiler's freed memory handed back after each compile
+(``train.host_memory``). Fresh processes: both act at first import / first compile."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import ROOT
+
+
+def _python(code: str, **env) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), **env), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.skipif(not (_installed("pandas") and _installed("matplotlib")),
+                    reason="pandas / matplotlib not installed: Keras would not import them anyway")
+def test_keras_is_imported_without_pandas_and_matplotlib_which_stay_importable():
+    out = _python(
+        "import sys, importlib.machinery\n"
+        "import nnx_posttrain, keras, keras_hub\n"
+        "print('LOADED', sorted(m for m in ('pandas', 'matplotlib') if m in sys.modules))\n"
+        "from keras.src.trainers.data_adapters import array_slicing\n"
+        "print('KERAS PANDAS', array_slicing.pandas)\n"
+        "print('LOADER', type(keras.__spec__.loader).__name__, type(keras.__loader__).__name__)\n"
+        "print('FINDERS', [type(f).__name__ for f in sys.meta_path if 'Keras' in type(f).__name__])\n"
+        "import pandas, matplotlib.pyplot as plt\n"
+        "print('USER IMPORTS', pandas.DataFrame({'a': [1]}).shape, plt.__name__)\n")
+    assert "LOADED []" in out
+    assert "KERAS PANDAS None" in out
+    assert "LOADER SourceFileLoader SourceFileLoader" in out  # Keras' own loader put back
+    assert "FINDERS []" in out  # used once, gone
+    assert "USER IMPORTS (1, 1) matplotlib.pyplot" in out
+
+
+@pytest.mark.skipif(not _installed("pandas"), reason="pandas not installed")
+def test_an_extra_imported_first_or_the_switch_leaves_keras_as_it_is():
+    first = _python("import pandas, nnx_posttrain, keras\n"
+                    "from keras.src.trainers.data_adapters import array_slicing\n"
+                    "print('KERAS PANDAS', array_slicing.pandas is pandas)\n")
+    assert "KERAS PANDAS True" in first
+    switched = _python("import sys, nnx_posttrain, keras\n"
+                       "print('LOADED', 'pandas' in sys.modules)\n",
+                       NNX_POSTTRAIN_KERAS_EXTRAS="1")
+    assert "LOADED True" in switched
+
+
+def test_memory_is_trimmed_after_each_compile_that_counts():
+    """The listener hears JAX's backend-compile event (a renamed event would leave it deaf):
+    a compile of >= MIN_COMPILE_S trims once; with the threshold raised, a compile does not."""
+    out = _python(
+        "import nnx_posttrain, jax, jax.numpy as jnp\n"
+        "from nnx_posttrain.train import host_memory\n"
+        "assert host_memory.release_after_compiles() and host_memory.release_after_compiles()\n"
+        "x = jnp.ones(4)\n"
+        "before = host_memory.trims()\n"
+        "host_memory.MIN_COMPILE_S = 0.0\n"
+        "jax.jit(lambda x: jnp.tanh(x) * 3).lower(x).compile()\n"
+        "print('TRIMS', host_memory.trims() - before)\n"
+        "host_memory.MIN_COMPILE_S = 1e9\n"
+        "jax.jit(lambda x: jnp.sin(x) * 2).lower(x).compile()\n"
+        "print('TRIMS AFTER', host_memory.trims() - before)\n")
+    assert "TRIMS 1" in out and "TRIMS AFTER 1" in out
