@@ -18,6 +18,13 @@ if os.environ.get("NNX_POSTTRAIN_TENSORFLOW") != "1":
 
     sys.modules.setdefault("tensorflow", None)  # `import tensorflow` then raises ImportError
 
+if os.environ["KERAS_BACKEND"] != "jax" or os.environ["KERAS_NNX_ENABLED"].lower() != "true":
+    raise RuntimeError(
+        "nnx_posttrain needs KERAS_BACKEND=jax and KERAS_NNX_ENABLED=true; "
+        f"found KERAS_BACKEND={os.environ['KERAS_BACKEND']!r}, "
+        f"KERAS_NNX_ENABLED={os.environ['KERAS_NNX_ENABLED']!r}"
+    )
+
 # Keras imports pandas (its DataFrame adapters for `Model.fit`) and matplotlib.pyplot (its image
 # gallery plots) whenever they are installed, used or not: ~86 MB of resident memory and ~0.6 s
 # in every process. Training here never goes through `Model.fit` or Keras' plots, so Keras' own
@@ -72,12 +79,5 @@ if os.environ.get("NNX_POSTTRAIN_KERAS_EXTRAS") != "1":
     if "keras" not in sys.modules and not any(isinstance(f, _KerasWithoutExtras)
                                               for f in sys.meta_path):
         sys.meta_path.insert(0, _KerasWithoutExtras())
-
-if os.environ["KERAS_BACKEND"] != "jax" or os.environ["KERAS_NNX_ENABLED"].lower() != "true":
-    raise RuntimeError(
-        "nnx_posttrain needs KERAS_BACKEND=jax and KERAS_NNX_ENABLED=true; "
-        f"found KERAS_BACKEND={os.environ['KERAS_BACKEND']!r}, "
-        f"KERAS_NNX_ENABLED={os.environ['KERAS_NNX_ENABLED']!r}"
-    )
 
 __version__ = "0.1.0"
