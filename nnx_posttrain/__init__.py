@@ -4,7 +4,10 @@ Importing the package selects the backend: Keras reads these variables once, at 
 so they must be set before anything imports keras.
 """
 
+import contextlib
+import importlib.machinery
 import os
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("KERAS_NNX_ENABLED", "true")
@@ -14,8 +17,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # ~450 MB of resident memory and seconds of start-up; nothing here uses it (tokenization goes
 # through sentencepiece), so it is kept out unless NNX_POSTTRAIN_TENSORFLOW=1.
 if os.environ.get("NNX_POSTTRAIN_TENSORFLOW") != "1":
-    import sys
-
     sys.modules.setdefault("tensorflow", None)  # `import tensorflow` then raises ImportError
 
 if os.environ["KERAS_BACKEND"] != "jax" or os.environ["KERAS_NNX_ENABLED"].lower() != "true":
@@ -34,6 +35,22 @@ if os.environ["KERAS_BACKEND"] != "jax" or os.environ["KERAS_NNX_ENABLED"].lower
 _KERAS_EXTRAS = ("pandas", "matplotlib")
 
 
+@contextlib.contextmanager
+def hidden_modules(names):
+    """Inside the block, ``import NAME`` raises ImportError for each of ``names`` not imported
+    yet (as where it is not installed); afterwards it imports normally. For the optional imports
+    of other packages: Keras' (below), tensorboardX's torch (``metrics_log``)."""
+    hidden = [name for name in names if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
+
+
 class _KerasWithoutExtras:
     """A meta-path finder for the one name ``keras``, used once: Keras' own spec, its loader
     wrapped so that ``_KERAS_EXTRAS`` are hidden while Keras' package runs."""
@@ -41,9 +58,6 @@ class _KerasWithoutExtras:
     def find_spec(self, name, path=None, target=None):
         if name != "keras":
             return None
-        import importlib.machinery
-        import sys
-
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
@@ -59,25 +73,14 @@ class _HidingLoader:
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
-        import sys
-
-        hidden = [name for name in _KERAS_EXTRAS if name not in sys.modules]
-        for name in hidden:
-            sys.modules[name] = None  # `import pandas` raises ImportError: Keras goes without
         try:
-            self.loader.exec_module(module)
+            with hidden_modules(_KERAS_EXTRAS):
+                self.loader.exec_module(module)
         finally:
-            for name in hidden:
-                if sys.modules.get(name, False) is None:
-                    del sys.modules[name]
             module.__spec__.loader = module.__loader__ = self.loader  # nothing of ours stays
 
 
-if os.environ.get("NNX_POSTTRAIN_KERAS_EXTRAS") != "1":
-    import sys
-
-    if "keras" not in sys.modules and not any(isinstance(f, _KerasWithoutExtras)
-                                              for f in sys.meta_path):
-        sys.meta_path.insert(0, _KerasWithoutExtras())
+if os.environ.get("NNX_POSTTRAIN_KERAS_EXTRAS") != "1" and "keras" not in sys.modules:
+    sys.meta_path.insert(0, _KerasWithoutExtras())
 
 __version__ = "0.1.0"

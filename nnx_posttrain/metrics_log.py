@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
+
+from nnx_posttrain import hidden_modules
 
 # Completions shown in a TensorBoard text summary (completions.jsonl has all of them).
 TEXT_ROWS = 16
@@ -35,14 +36,8 @@ def _summary_writer():
     accept torch tensors, which never reach it here): ~1,200 modules, seconds of start-up and
     resident memory in every training process of an environment that also has torch (e.g. the
     bench extra). Hidden from that import unless something already imported it."""
-    if "torch" in sys.modules:
+    with hidden_modules(["torch"]):
         from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX goes without
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
     return SummaryWriter
 
 

@@ -72,3 +72,22 @@ def test_memory_is_trimmed_after_each_compile_that_counts():
         "jax.jit(lambda x: jnp.sin(x) * 2).lower(x).compile()\n"
         "print('TRIMS AFTER', host_memory.trims() - before)\n")
     assert "TRIMS 1" in out and "TRIMS AFTER 1" in out
+
+
+@pytest.mark.skipif(not _installed("torch"), reason="torch not installed")
+def test_tensorboardx_is_imported_without_torch_which_stays_importable():
+    """The same hiding for tensorboardX's torch (``metrics_log``); a torch imported first is
+    tensorboardX's to use."""
+    out = _python("import sys\n"
+                  "from nnx_posttrain import metrics_log\n"
+                  "metrics_log._summary_writer()\n"
+                  "print('LOADED', 'torch' in sys.modules)\n"
+                  "import torch\n"
+                  "print('USER IMPORT', torch.zeros(2).shape[0])\n")
+    assert "LOADED False" in out and "USER IMPORT 2" in out
+    first = _python("import torch\n"
+                    "from nnx_posttrain import metrics_log\n"
+                    "metrics_log._summary_writer()\n"
+                    "import tensorboardX.writer as w\n"
+                    "print('TENSORBOARDX TORCH', w.numpy_compatible is torch.Tensor)\n")
+    assert "TENSORBOARDX TORCH True" in first

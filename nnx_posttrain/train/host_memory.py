@@ -48,5 +48,5 @@ def release_after_compiles() -> bool:
 
 
 def trims() -> int:
-    """How many times the listener has trimmed (tests, benchmarks)."""
+    """How many times the listener has trimmed (for tests)."""
     return _state["trims"]
