@@ -93,17 +93,23 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule):
         denom = jnp.maximum(weight, 1e-9)
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.global_norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-        # a NaN / inf loss or gradient never reaches the weights or the AdamW moments
+        # a NaN / inf loss or gradient never reaches the weights or the AdamW moments: the update
+        # runs only on a finite step (a cond, not a select on every leaf: a select costs one more
+        # pass over the weights and both moments, and keeps the old moments alive beside the new)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
 
-        def if_finite(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        def update(grads, opt_state, params):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+            return optax.apply_updates(params, updates), opt_state
 
+        def keep(grads, opt_state, params):
+            return params, opt_state
+
+        new_params, new_opt_state = jax.lax.cond(finite, update, keep, grads, state["opt_state"], params)
         new_state = {
-            "params": if_finite(optax.apply_updates(params, updates), params),
-            "opt_state": if_finite(opt_state, state["opt_state"]),
+            "params": new_params,
+            "opt_state": new_opt_state,
             "step": state["step"] + 1,
             "rng": jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]),
         }
