@@ -13,7 +13,7 @@ import nnx_posttrain  # noqa: F401
 import numpy as np
 import pytest
 
-from nnx_posttrain import checkpoint, runs
+from nnx_posttrain import checkpoint, host_allocator, runs
 from support import experiment_command, records, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +89,8 @@ def test_exit_then_resume_equals_the_uninterrupted_run(reference, tmp_path):
     assert [s for s, _ in _losses(run_dir)][-1] == STEPS // 2
     out = _run(run_dir)  # checkpoints present: resumes automatically
     assert "resumed from" in out.stdout + out.stderr
+    # the command restarted itself with the host allocator's settings (where they apply)
+    assert host_allocator.describe(host_allocator.tuned_environment() or os.environ) in out.stdout
     _assert_same_run(run_dir, reference)
 
 

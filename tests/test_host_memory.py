@@ -91,3 +91,70 @@ def test_tensorboardx_is_imported_without_torch_which_stays_importable():
                     "import tensorboardX.writer as w\n"
                     "print('TENSORBOARDX TORCH', w.numpy_compatible is torch.Tensor)\n")
     assert "TENSORBOARDX TORCH True" in first
+
+
+# ----------------------------------------------------------------------------- glibc's tunables
+
+
+def test_the_tunables_apply_only_where_they_can_and_the_user_has_not_decided(tmp_path):
+    from nnx_posttrain import host_allocator as ha
+
+    thp = tmp_path / "enabled"
+    linux_glibc = sys.platform == "linux" and __import__("platform").libc_ver()[0] == "glibc"
+    for mode, applies in (("always madvise [never]", False), ("always [madvise] never", True),
+                          ("[always] madvise never", True)):
+        thp.write_text(mode + "\n")
+        env = ha.tuned_environment({"PATH": "/bin"}, str(thp))
+        if applies and linux_glibc:
+            assert env == {"PATH": "/bin", "GLIBC_TUNABLES": ha.TUNABLES}
+        else:
+            assert env is None
+    thp.write_text("always [madvise] never\n")
+    assert ha.why_not({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, str(thp)) == \
+        "GLIBC_TUNABLES set by the user"
+    assert ha.why_not({ha.SWITCH: "default"}, str(thp)) == f"{ha.SWITCH}=default"
+    assert ha.why_not({}, str(tmp_path / "missing")) in (
+        "transparent huge pages unavailable", "not Linux with glibc")
+    assert ha.describe({"GLIBC_TUNABLES": ha.TUNABLES}).startswith("host allocator: glibc tuned")
+    assert ha.describe({"GLIBC_TUNABLES": "x=1"}) == "host allocator: GLIBC_TUNABLES=x=1 (the user's)"
+    assert ha.describe({ha.SWITCH: "default"}) == \
+        f"host allocator: glibc defaults ({ha.SWITCH}=default)"
+
+
+def test_a_command_restarts_once_with_the_tunables_keeping_its_arguments(tmp_path):
+    """The mechanism ``experiments`` uses, on a package of its own: ``python -u -m pkg.show``
+    starts again with GLIBC_TUNABLES (same process id, same arguments), and only once; importing
+    the package from other code, or the switch, restarts nothing."""
+    from nnx_posttrain import host_allocator as ha
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import os, sys\n"
+        "from nnx_posttrain import host_allocator\n"
+        "print('START', os.getpid(), flush=True)\n"
+        "if host_allocator.started_as_command('pkg'):\n"
+        "    host_allocator.restart_tuned()\n")
+    (pkg / "show.py").write_text(
+        "import os, sys\n"
+        "print('RUN', os.getpid(), sys.argv[1:], os.environ.get('GLIBC_TUNABLES'))\n")
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", ha.SWITCH)}
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
+
+    def run(args, **extra):
+        out = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True,
+                             env=dict(env, **extra), timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.splitlines()
+
+    expected = ha.TUNABLES if ha.tuned_environment(env) else None
+    lines = run(["-u", "-m", "pkg.show", "a", "--b"])
+    starts = [l for l in lines if l.startswith("START")]
+    assert len(starts) == (2 if expected else 1), lines
+    assert len({l.split()[1] for l in starts}) == 1  # os.execve: the same process
+    assert lines[-1] == f"RUN {starts[0].split()[1]} ['a', '--b'] {expected}"
+    # imported by other code (here: python -c), nothing restarts
+    assert run(["-c", "import pkg; import pkg.show"])[-1].endswith(" [] None")
+    off = run(["-m", "pkg.show"], **{ha.SWITCH: "default"})
+    assert len([l for l in off if l.startswith("START")]) == 1 and off[-1].endswith(" None")

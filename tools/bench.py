@@ -202,12 +202,18 @@ def emit(result: dict) -> None:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_worker(module: str, args: list[str], timeout: float, python: str | None = None) -> dict:
+def _run_worker(module: str, args: list[str], timeout: float, python: str | None = None,
+                tuned: bool = False) -> dict:
     """Run ``python -m module args`` (this interpreter by default) from the repository root and
-    read its ``BENCH_RESULT`` line."""
+    read its ``BENCH_RESULT`` line. ``tuned``: with the host allocator a training command of ours
+    runs with (``nnx_posttrain.host_allocator``; the peers run with their defaults)."""
+    from nnx_posttrain import host_allocator
+
     cmd = [python or sys.executable, "-m", module, *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    if tuned:
+        env = host_allocator.tuned_environment(env) or env
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -226,7 +232,8 @@ def _run_worker(module: str, args: list[str], timeout: float, python: str | None
 
 def matmul_peak(spec: dict, args) -> dict:
     return _run_worker("tools.bench_ours", ["--matmul-peak", "--spec", json.dumps(spec), "--device",
-                                            args.device, "--dtype", args.dtype], args.timeout)
+                                            args.device, "--dtype", args.dtype], args.timeout,
+                       tuned=args.host_allocator == "tuned")
 
 
 def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) -> dict:
@@ -244,7 +251,8 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str) -> dict:
             extra += ["--logprob-chunk", str(args.logprob_chunk)]
         if args.ours_flags:
             extra += ["--flags", args.ours_flags]
-        return _run_worker("tools.bench_ours", common + extra, args.timeout)
+        return _run_worker("tools.bench_ours", common + extra, args.timeout,
+                           tuned=args.host_allocator == "tuned")
     if side == "tunix":
         return _run_worker("tools.bench_tunix", common + ["--hf-dir", hf_dir], args.timeout,
                            python=args.tunix_python)
@@ -343,6 +351,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--logprob-chunk", type=int, default=None,
                         help="our --logprob-chunk (default: the library's)")
     parser.add_argument("--attention", default="auto", help="our --attention (model.set_attention)")
+    parser.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
+                        help="ours and the matmul peak with the glibc settings our training "
+                             "commands run with (nnx_posttrain.host_allocator), or glibc's defaults")
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak (e.g. 989 for an H100/H200 in dense bfloat16): "
@@ -428,10 +439,11 @@ def main(argv=None) -> list[dict]:
                      f"{load_start:.1f}, at the end {os.getloadavg()[0]:.1f}: above the core "
                      "count, other processes shared the CPU and wall times are inflated (CPU "
                      "times less so).")
-        for r in merged:
-            if "attention" in r and r["side"] == "ours":
-                notes.append(f"ours, {r['size']} {r['case']}: {r['attention']}")
-                break
+        for key in ("attention", "host_allocator"):
+            for r in merged:
+                if key in r and r["side"] == "ours":
+                    notes.append(f"ours, {r['size']} {r['case']}: {r[key]}")
+                    break
         path = readme.record(args.record, command, COLUMNS, rows_of(merged), notes, raw)
         print(f"recorded {path}")
     return merged

@@ -92,7 +92,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from nnx_posttrain import config as config_lib, model, sharding, train
+    from nnx_posttrain import config as config_lib, host_allocator, model, sharding, train
     from nnx_posttrain.algorithms import SFT, SFTConfig
     from nnx_posttrain.algorithms.preference import DPO, DPOConfig
     from nnx_posttrain.train import host_memory
@@ -162,6 +162,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         trainable_params=model.count_params(params), loss_first=losses[0], loss_last=losses[-1],
         device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
         flags=flags, logprob_chunk=logprob_chunk, times_s=times, attention=attention_line,
+        host_allocator=host_allocator.describe(),
     )
     if profile_steps:
         import tempfile
