@@ -27,7 +27,10 @@ AdamW (constant learning rate, clipping at 1.0, float32, no gradient checkpointi
   decreasing, padding-free), for the long-context sizes ``long_2k`` / ``long_8k``.
 
 Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
-shardings, ``--attention auto``) with ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
+shardings, ``--attention auto``; in a process with the host allocator a training command of ours
+restarts itself with, ``nnx_posttrain.host_allocator``, as is the matmul peak's; the peers keep
+their defaults; ``--host-allocator default`` measures ours without it) with
+``jax.block_until_ready``; TRL's between ``on_step_begin`` and
 ``on_step_end`` (forward, backward, clipping, optimizer step; the batch is already collated);
 Tunix's over its own loop (see ``tools.bench_tunix``). Reported: median ms/step over the measured
 steps, the median process CPU time per step (all threads: less sensitive to other processes on a
