@@ -143,6 +143,21 @@ def for_the_data(cfg: config_lib.Config, algorithm, echo=print) -> config_lib.Co
     return with_overrides(cfg, {"eval": {"exact_match": 0}})
 
 
+def host_allocator_for(model_name: str) -> str:
+    """Restart this command with glibc tuned for XLA:CPU's large step buffers (no return), unless
+    its model's steps have none (a built-in tiny model: ``host_allocator.worth_it``) or it runs
+    inside another program; else the log line saying which allocator the run has."""
+    from nnx_posttrain import host_allocator, tasks
+    from nnx_posttrain.tasks import tokenizer
+
+    dims = tasks.MODELS.get(model_name)
+    if dims and not host_allocator.worth_it(tokenizer.VOCAB_SIZE, dims["hidden_dim"]):
+        return host_allocator.describe(reason=f"{model_name}'s steps have no block >= 32 MB")
+    if host_allocator.started_as_command("experiments"):
+        host_allocator.restart_tuned()
+    return host_allocator.describe()
+
+
 def main(name: str, algorithm, default: config_lib.Config, doc: str | None = None, args=None,
          builtin: dict | None = None, prog: str | None = None):
     """Parse the command line and run. ``builtin``: the experiment's built-in recipe (applied
@@ -160,6 +175,7 @@ def main(name: str, algorithm, default: config_lib.Config, doc: str | None = Non
                              "\n\nThe defaults below are those of a run on your own data "
                              "(TRL-like); without --data, the built-in task's recipe applies.")
     cfg = parse_config(defaults, args, doc, prog or f"python -m experiments.{name}")
+    print(host_allocator_for(cfg.model))
     try:
         cfg = for_the_data(cfg, algorithm)
         return train.run(cfg, algorithm(cfg.algo, cfg.logprob_chunk), experiment=name)

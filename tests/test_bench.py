@@ -1,5 +1,7 @@
 """tools.bench's own logic at a trivial size (skipped without the bench extra)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -73,6 +75,14 @@ def test_end_to_end_micro(tmp_path):
             assert r["ms_per_step"] > 0 and r["peak_rss_mb"] > 0 and r["steps_measured"] == 2
     for case in ("sft", "dpo"):  # the matmul bound: model FLOPs at this machine's best matmul
         assert 0 < by[(case, "ours")]["bound_ms"] < by[(case, "ours")]["ms_per_step"]
+    # ours kept glibc's defaults, as a training command on a model this small does
+    from nnx_posttrain import host_allocator
+
+    assert not host_allocator.worth_it(bench.spec_of("micro")["vocab"],
+                                       bench.spec_of("micro")["hidden_dim"])
+    assert by[("sft", "ours")]["host_allocator"] == host_allocator.describe(os.environ)
+    assert host_allocator.worth_it(bench.spec_of("medium")["vocab"],
+                                   bench.spec_of("medium")["hidden_dim"])
 
 
 def test_profile_breakdown_attributes_the_step_to_model_components():

@@ -158,3 +158,22 @@ def test_a_command_restarts_once_with_the_tunables_keeping_its_arguments(tmp_pat
     assert run(["-c", "import pkg; import pkg.show"])[-1].endswith(" [] None")
     off = run(["-m", "pkg.show"], **{ha.SWITCH: "default"})
     assert len([l for l in off if l.startswith("START")]) == 1 and off[-1].endswith(" None")
+
+
+def test_a_training_command_restarts_tuned_for_a_real_model_not_for_a_built_in_one(tmp_path):
+    """``experiment.main`` decides once the command line is parsed, before the model loads: a
+    model that is not a built-in tiny one (here a preset directory that does not exist: the run
+    then fails with its own message) restarts the command tuned; gemma_micro does not."""
+    from nnx_posttrain import experiment, host_allocator as ha
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", ha.SWITCH)}
+    cmd = [sys.executable, "-m", "experiments.sft", "--run-dir", str(tmp_path / "run"),
+           "--steps", "1", "--model", str(tmp_path / "no_such_preset")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0 and "no_such_preset" in out.stderr, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == ha.describe(ha.tuned_environment(env) or env), lines
+    # in-process (a test, a notebook): the line only, never a restart
+    assert experiment.host_allocator_for("gemma_micro") == \
+        ha.describe(reason="gemma_micro's steps have no block >= 32 MB")
+    assert experiment.host_allocator_for(str(tmp_path / "preset")) == ha.describe()

@@ -28,8 +28,8 @@ AdamW (constant learning rate, clipping at 1.0, float32, no gradient checkpointi
 
 Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
 shardings, ``--attention auto``; in a process with the host allocator a training command of ours
-restarts itself with, ``nnx_posttrain.host_allocator``, as is the matmul peak's; the peers keep
-their defaults; ``--host-allocator default`` measures ours without it) with
+has for a model of the size, ``nnx_posttrain.host_allocator``, as is the matmul peak's; the peers
+keep their defaults; ``--host-allocator tuned|default`` forces it either way) with
 ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
 ``on_step_end`` (forward, backward, clipping, optimizer step; the batch is already collated);
 Tunix's over its own loop (see ``tools.bench_tunix``). Reported: median ms/step over the measured
@@ -233,10 +233,20 @@ def _run_worker(module: str, args: list[str], timeout: float, python: str | None
     return {"error": f"{module} exited {proc.returncode} without a result", "log_tail": tail}
 
 
+def tuned_allocator(spec: dict, args) -> bool:
+    """Whether ours runs with the host allocator's tunables: as a training command of ours would
+    for a model of this size (``--host-allocator auto``), or as asked."""
+    from nnx_posttrain import host_allocator
+
+    if args.host_allocator == "auto":
+        return host_allocator.worth_it(spec["vocab"], spec["hidden_dim"])
+    return args.host_allocator == "tuned"
+
+
 def matmul_peak(spec: dict, args) -> dict:
     return _run_worker("tools.bench_ours", ["--matmul-peak", "--spec", json.dumps(spec), "--device",
                                             args.device, "--dtype", args.dtype], args.timeout,
-                       tuned=args.host_allocator == "tuned")
+                       tuned=tuned_allocator(spec, args))
 
 
 def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) -> dict:
@@ -255,7 +265,7 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str) -> dict:
         if args.ours_flags:
             extra += ["--flags", args.ours_flags]
         return _run_worker("tools.bench_ours", common + extra, args.timeout,
-                           tuned=args.host_allocator == "tuned")
+                           tuned=tuned_allocator(spec, args))
     if side == "tunix":
         return _run_worker("tools.bench_tunix", common + ["--hf-dir", hf_dir], args.timeout,
                            python=args.tunix_python)
@@ -354,9 +364,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--logprob-chunk", type=int, default=None,
                         help="our --logprob-chunk (default: the library's)")
     parser.add_argument("--attention", default="auto", help="our --attention (model.set_attention)")
-    parser.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
-                        help="ours and the matmul peak with the glibc settings our training "
-                             "commands run with (nnx_posttrain.host_allocator), or glibc's defaults")
+    parser.add_argument("--host-allocator", choices=("auto", "tuned", "default"), default="auto",
+                        help="ours and the matmul peak with glibc tuned as our training commands "
+                             "run a model of the size (auto; nnx_posttrain.host_allocator), always "
+                             "tuned, or glibc's defaults")
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak (e.g. 989 for an H100/H200 in dense bfloat16): "
@@ -442,11 +453,16 @@ def main(argv=None) -> list[dict]:
                      f"{load_start:.1f}, at the end {os.getloadavg()[0]:.1f}: above the core "
                      "count, other processes shared the CPU and wall times are inflated (CPU "
                      "times less so).")
-        for key in ("attention", "host_allocator"):
-            for r in merged:
-                if key in r and r["side"] == "ours":
-                    notes.append(f"ours, {r['size']} {r['case']}: {r[key]}")
-                    break
+        for r in merged:
+            if "attention" in r and r["side"] == "ours":
+                notes.append(f"ours, {r['size']} {r['case']}: {r['attention']}")
+                break
+        allocators = {}
+        for r in merged:
+            if "host_allocator" in r and r["side"] == "ours":
+                allocators.setdefault(r["host_allocator"], []).append(r["size"])
+        for line, sizes in allocators.items():
+            notes.append(f"ours, {', '.join(dict.fromkeys(sizes))}: {line}")
         path = readme.record(args.record, command, COLUMNS, rows_of(merged), notes, raw)
         print(f"recorded {path}")
     return merged

@@ -22,8 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from nnx_posttrain import (checkpoint, config as config_lib, host_allocator, metrics_log, model, runs,
-                           sharding)
+from nnx_posttrain import checkpoint, config as config_lib, metrics_log, model, runs, sharding
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
 from nnx_posttrain.train import host_memory, memory, resume, rundir, setup
@@ -56,7 +55,6 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     settings must match: ``resume``); holds the directory's lock throughout (``rundir``)."""
     initialize_distributed(cfg.mesh)  # before anything touches the devices
     host_memory.release_after_compiles()  # the compiler's freed memory goes back after each compile
-    echo(host_allocator.describe())
     allowed = resume.allowed_keys(cfg.resume_changed)
     run_dir = rundir.prepare(Path(cfg.run_dir or f"runs/{experiment}"))
     try:
