@@ -122,7 +122,7 @@ def test_the_tunables_apply_only_where_they_can_and_the_user_has_not_decided(tmp
 
 
 def test_a_command_restarts_once_with_the_tunables_keeping_its_arguments(tmp_path):
-    """The mechanism ``experiments`` uses, on a package of its own: ``python -u -m pkg.show``
+    """The mechanism ``experiment.main`` uses, on a package of its own: ``python -u -m pkg.show``
     starts again with GLIBC_TUNABLES (same process id, same arguments), and only once; importing
     the package from other code, or the switch, restarts nothing."""
     from nnx_posttrain import host_allocator as ha
