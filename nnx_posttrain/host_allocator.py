@@ -85,7 +85,7 @@ def started_as_command(package: str = "experiments") -> bool:
     """Whether this process was started as ``python [options] -m PACKAGE[.module] ...`` or as the
     ``nnx-posttrain`` console script (not: a test runner, a notebook, a script calling the
     library)."""
-    argv = getattr(sys, "orig_argv", [])
+    argv = sys.orig_argv
     if len(argv) > 1 and os.path.basename(argv[1]) == "nnx-posttrain":
         return True
     if "-m" not in argv[1:-1]:
@@ -98,13 +98,12 @@ def restart_tuned() -> None:
     """Start this process's command again with the tunables (no return), where they apply and are
     not set yet; else nothing."""
     env = tuned_environment()
-    argv = getattr(sys, "orig_argv", None)
-    if env is None or not argv:
+    if env is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, argv, env)
+        os.execve(sys.executable, sys.orig_argv, env)
     except OSError as e:  # the interpreter cannot be started again: go on with glibc's defaults
         print(f"host allocator: glibc defaults (restart failed: {e})", file=sys.stderr)
 
