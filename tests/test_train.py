@@ -101,6 +101,46 @@ def test_gradient_accumulation_equals_one_large_batch():
     assert abs(np.mean(means) - ref_metrics["loss"]) > 1e-3
 
 
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3, 0.0])  # clipped, not clipped, no clipping
+def test_train_step_applies_optax_clipping_then_adamw_to_the_mean_gradient(max_grad_norm):
+    """One step (two micro-batches) against optax's own ``clip_by_global_norm`` and ``adamw`` on
+    the gradient of the token-weighted mean loss, computed by hand here; the same state layout.
+    eps=1 keeps the first step proportional to the gradient (with a small eps it is nearly
+    sign(g) * lr, blind to clipping and sensitive to the rounding of gradients near 0)."""
+    lm = model.load("gemma_micro", seed=0)
+    graphdef, params, frozen = model.split(lm.module)
+    cfg = config.OptimConfig(learning_rate=1e-2, max_grad_norm=max_grad_norm, weight_decay=0.1,
+                             warmup_steps=0, eps=1.0)
+    tx, lr = train.optimizer(cfg, 10)
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    ref_tx = optax.chain(*parts, optax.adamw(lr, eps=1.0, weight_decay=0.1))
+    state = train.init_state(params, tx, seed=0)
+    assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(ref_tx.init(params))
+    algo = SFT(SFT.Config(), logprob_chunk=8)
+    batch = _batch(np.random.default_rng(2), 4, 12, lm.tokenizer.vocab_size)
+    frozen = {"model": frozen, "reference": None}
+    step = jax.jit(train.make_train_step(graphdef, algo.loss, tx, lr))
+    new_state, metrics = step(state, frozen, _reshape(batch, 2))
+
+    def mean_loss(p):
+        total, weight, _ = algo.loss(model.merge(graphdef, p, frozen)[0],
+                                     {k: jnp.asarray(v) for k, v in batch.items()})
+        return total / weight
+
+    grads = jax.grad(mean_loss)(params)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.global_norm(grads)), rel=1e-5)
+    updates, _ = ref_tx.update(grads, ref_tx.init(params), params)
+    want = optax.apply_updates(params, updates)
+    unclipped = optax.apply_updates(params, optax.adamw(lr, eps=1.0, weight_decay=0.1).update(
+        grads, optax.adamw(lr, eps=1.0, weight_decay=0.1).init(params), params)[0])
+    gap = 0.0
+    for a, b, c in zip(jax.tree.leaves(new_state["params"]), jax.tree.leaves(want),
+                       jax.tree.leaves(unclipped)):
+        np.testing.assert_allclose(a, b, atol=1e-8, rtol=1e-6)
+        gap = max(gap, float(np.abs(np.asarray(a) - np.asarray(c)).max()))
+    assert (gap > 1e-5) == (0 < max_grad_norm < float(metrics["grad_norm"]))  # clipped or not
+
+
 def test_schedule_warmup_then_cosine_to_the_floor():
     cfg = config.OptimConfig(learning_rate=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
     lr = train.schedule(cfg, 110)
