@@ -10,10 +10,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nnx_posttrain"
 
 # model -> data -> losses -> algorithms -> train (DESIGN.md). A package may import packages of its
 # own layer and below; the shared modules (config, chat, sharding, checkpoint, metrics_log,
-# host_allocator) are below everything; tasks (the built-in task) and runs sit above algorithms,
-# below train.
+# host_allocator, progress) are below everything; tasks (the built-in task) and runs sit above
+# algorithms, below train.
 LAYERS = [
-    {"config", "config_files", "chat", "metrics_log", "host_allocator"},
+    {"config", "config_files", "chat", "metrics_log", "host_allocator", "progress"},
     {"sharding"},
     {"model"},
     {"checkpoint"},

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nnx_posttrain  # noqa: F401
-from nnx_posttrain import experiment, metrics_log
+from nnx_posttrain import experiment, metrics_log, progress
 from nnx_posttrain.algorithms import SFT, online
 from support import MICRO, ROOT, records
 
@@ -155,3 +155,31 @@ def test_report_to_wandb_offline(tmp_path):
     assert glob.glob(f"{offline_run}/files/media/table/eval/completions_*.table.json")
     run_id = (run_dir / "wandb" / "run_id").read_text()
     assert offline_run.endswith(run_id)
+
+
+class _Stream:
+    def __init__(self, tty):
+        self.tty = tty
+
+    def isatty(self):
+        if self.tty is None:
+            raise ValueError("I/O operation on closed file")
+        return self.tty
+
+
+def test_progress_bars_redraw_rarely_where_they_go_to_a_file():
+    from tqdm.notebook import tqdm_notebook
+
+    assert progress.interval(_Stream(True)) == progress.TERMINAL_INTERVAL == 0.1
+    assert progress.interval(_Stream(False)) == progress.LOGGED_INTERVAL == 30.0
+    assert progress.interval(_Stream(None)) == progress.LOGGED_INTERVAL  # a closed stream
+    assert progress.interval(object()) == progress.LOGGED_INTERVAL  # no isatty at all
+    # a notebook's bar is a widget updated in place, whatever sys.stderr says
+    assert progress.interval(_Stream(False), tqdm_notebook) == progress.TERMINAL_INTERVAL
+    import io
+
+    out = io.StringIO()  # not a terminal
+    with progress.bar(total=3, file=out, desc="steps") as bar:
+        assert bar.mininterval == progress.LOGGED_INTERVAL
+        bar.update(3)
+    assert "steps: 100%" in out.getvalue()

@@ -162,10 +162,14 @@ def _sft_args(tmp_path, *extra):
     ]
 
 
-def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path):
+def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path, capsys):
     from experiments.sft import DEFAULT
 
     result = experiment.main("sft", SFT, DEFAULT, args=_sft_args(tmp_path))
+    # stderr is not a terminal here (as in a log file): the bar is drawn when it starts, around
+    # the two evaluations' lines and when it closes, not every 0.1 s nor at every log (tqdm's
+    # defaults drew it 15 times in this run)
+    assert 2 <= capsys.readouterr().err.count("sft:") <= 6
     run = tmp_path / "run"
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"] == "gemma_micro" and cfg["steps"] == 40 and cfg["algo_name"] == "SFTConfig"

@@ -19,9 +19,8 @@ from typing import Literal
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
-from nnx_posttrain import data, model
+from nnx_posttrain import data, model, progress
 
 Reference = Literal["auto", "lora_base", "copy", "precompute"]
 
@@ -84,8 +83,8 @@ def precomputed(run, algorithm, params) -> dict:
         if src is None:
             continue
         parts = {}
-        for batch in tqdm(data.eval_batches(src, run.transform, run.micro_batch),
-                          desc=f"reference {split}", unit="batch", leave=False):
+        for batch in progress.bar(data.eval_batches(src, run.transform, run.micro_batch),
+                                  desc=f"reference {split}", unit="batch", leave=False):
             batch = algorithm.prepare({k: v for k, v in batch.items()
                                        if k not in ("truncated", "index")})
             for k, v in jax.device_get(reference(params, batch)).items():

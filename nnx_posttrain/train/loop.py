@@ -22,7 +22,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from nnx_posttrain import checkpoint, config as config_lib, metrics_log, model, runs, sharding
+from nnx_posttrain import (checkpoint, config as config_lib, metrics_log, model, progress, runs,
+                           sharding)
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
 from nnx_posttrain.train import host_memory, memory, resume, rundir, setup
@@ -185,7 +186,8 @@ def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, f
            record, evaluate, skipped, train_step) -> None:
     if start == 0:
         evaluate(0, state)
-    bar = tqdm(total=cfg.steps, initial=start, desc=experiment, unit="step", dynamic_ncols=True)
+    bar = progress.bar(total=cfg.steps, initial=start, desc=experiment, unit="step",
+                       dynamic_ncols=True)
     throughput = Throughput()
     guard = NonFiniteGuard(cfg.optim.on_nonfinite, _console(echo))
     try:
@@ -244,7 +246,8 @@ def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evalua
         metrics.update(source.host_metrics())
         result.train.append(log.log(info.step, "train", metrics, echo=False))
         log.completions(info.step, "train", getattr(source, "logged_completions", list)())
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}")
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['learning_rate']:.2e}",
+                        refresh=False)  # shown at the bar's next redraw (progress.interval)
 
     def evaluate_now(info):
         guard.flush()
