@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -131,16 +132,24 @@ class StopSignals:
     written (inside ``saving()``): there a Ctrl-C says so and the save completes (a first one also
     asks the run to stop after it); only the next one aborts. Orbax writes a checkpoint to a
     temporary directory and renames it when complete, so even an abort leaves the previous
-    checkpoints intact."""
+    checkpoints intact.
+
+    Python raises the handler's ``KeyboardInterrupt`` wherever the main thread is at that moment;
+    where that is a garbage-collector callback or a finaliser, Python only prints it ("Exception
+    ignored in ...") and goes on. So an abort is also recorded (``aborted``), that print dropped
+    while these signals are handled, and ``check`` (after every step, after every save) raises it
+    again."""
 
     def __init__(self, echo=print):
         self.received = None
         self.echo = echo
+        self.aborted = False
         self._saving, self._warned = False, False
 
     def __enter__(self):
         self._old = {}
         logging.getLogger("absl").addFilter(_drop_interrupt_tracebacks)
+        self._old_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -155,8 +164,18 @@ class StopSignals:
                           "(Ctrl-C again aborts; the previous checkpoints stay intact)")
             return
         if signum == signal.SIGINT and (self.received == signal.SIGINT or self._saving):
+            self.aborted = True
             raise KeyboardInterrupt
         self.received = signum
+
+    def check(self) -> None:
+        """Raise the abort again if it landed where Python could not raise it."""
+        if self.aborted:
+            raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:
+        if not (self.aborted and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+            self._old_unraisable(unraisable)
 
     @contextlib.contextmanager
     def saving(self):
@@ -166,10 +185,12 @@ class StopSignals:
             yield
         finally:
             self._saving = False
+        self.check()
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        sys.unraisablehook = self._old_unraisable
         logging.getLogger("absl").removeFilter(_drop_interrupt_tracebacks)
 
 

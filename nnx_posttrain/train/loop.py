@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from nnx_posttrain import (checkpoint, config as config_lib, metrics_log, model, progress, runs,
-                           sharding)
+from nnx_posttrain import (checkpoint, config as config_lib, host_allocator, metrics_log, model,
+                           progress, runs, sharding)
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
 from nnx_posttrain.train import host_memory, memory, resume, rundir, setup
@@ -65,7 +66,19 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C twice): stopped without writing a checkpoint; the run "
               "resumes from its latest complete one", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
+        _exit_aborted()
+
+
+def _exit_aborted() -> None:
+    """Exit status 130 after Ctrl-C twice. A command (``python -m experiments...``) ends its process
+    here, streams flushed: the run's own files are closed by now, and the threads of a checkpoint
+    save the abort cut short would otherwise print a page of tracebacks at interpreter shutdown
+    (closed event loops, a shut-down executor). Elsewhere (a notebook, a test): ``SystemExit``."""
+    if host_allocator.started_as_command("experiments"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGINT)
+    raise SystemExit(128 + signal.SIGINT) from None
 
 
 def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
@@ -202,6 +215,7 @@ def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, f
                 result.state = state
                 guard.push(step, metrics)  # checks the step before (this one is running)
                 bar.update(1)
+                stop.check()  # a second Ctrl-C that landed where Python could not raise it
                 if step == start + 1:  # the first step compiles: keep it out of the throughput
                     throughput.first_step_done(state)
                 hooks.after(StepInfo(step, state, metrics, last=step == cfg.steps,
