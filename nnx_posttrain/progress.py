@@ -30,7 +30,8 @@ def interval(stream=None, bar_class=tqdm) -> float:
 
     if issubclass(bar_class, tqdm_notebook):
         return TERMINAL_INTERVAL
-    return TERMINAL_INTERVAL if _is_terminal(sys.stderr if stream is None else stream) else LOGGED_INTERVAL
+    terminal = _is_terminal(sys.stderr if stream is None else stream)
+    return TERMINAL_INTERVAL if terminal else LOGGED_INTERVAL
 
 
 def bar(iterable=None, **kwargs):
