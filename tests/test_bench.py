@@ -40,6 +40,12 @@ def test_summary_and_table():
                      peak_rss_mb=1.5, compile_s=0.2))
     text = bench.table(bench.median_over_repeats(rows))
     assert "| micro | sft | 10.0 | 40.0 | 25.0 | 2.50x (Tunix) |" in text
+    # --cpu-devices 1,2: our second device count is a row of its own, against the same peers
+    rows.append(dict(size="micro", case="sft", side="ours_cpu2", ms_per_step=5.0,
+                     tokens_per_s=200.0, peak_rss_mb=1.2, compile_s=1.5))
+    lines = bench.table(bench.median_over_repeats(rows)).splitlines()
+    assert lines[2].startswith("| micro | sft | 10.0 | 40.0 | 25.0 | 2.50x (Tunix) |")
+    assert lines[3].startswith("| micro | sft, 2 CPU devices | 5.0 | 40.0 | 25.0 | 5.00x (Tunix) | 200 |")
 
 
 def test_packed_batches_mark_each_example_and_its_first_token():

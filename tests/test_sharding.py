@@ -281,3 +281,50 @@ def test_per_device_parameter_bytes_shrink_as_fsdp_grows(eight_devices):
     assert b["data=8"] == b["1"]  # replicated
     assert b["1"] > b["data=4,fsdp=2"] > b["data=2,fsdp=4"] > b["fsdp=8"]
     assert b["fsdp=8"] < b["1"] / 6  # norms and the odd dimension stay replicated
+
+
+# ----------------------------------------------------------------------------- --mesh.cpu-devices
+
+
+def _sft_command(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--steps", "3",
+           "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "0",
+           "--run-dir", str(run_dir), *extra]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _train_losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["split"] == "train"]
+
+
+def test_cpu_devices_split_each_batch_over_the_cores_with_the_same_losses(tmp_path):
+    one = _sft_command(tmp_path / "one")
+    two = _sft_command(tmp_path / "two", "--mesh.cpu-devices", "2")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "mesh: data 2 x fsdp 1 x tensor 1 (2 cpu devices)" in two.stdout, two.stdout
+    assert "mesh:" not in one.stdout
+    losses = _train_losses(tmp_path / "two")
+    assert len(losses) == 3
+    np.testing.assert_allclose(losses, _train_losses(tmp_path / "one"), rtol=2e-5)
+
+
+def test_cpu_devices_that_do_not_divide_the_micro_batch_are_refused(tmp_path):
+    proc = _sft_command(tmp_path / "three", "--mesh.cpu-devices", "3")
+    assert proc.returncode != 0
+    assert "micro-batch 32 does not divide over the 3 batch shards" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_cpu_devices_once_jax_has_started_name_the_option_and_the_fix():
+    from nnx_posttrain.train.mesh import split_host_cpu
+
+    have = len(jax.devices("cpu"))  # JAX's backends are up in this process
+    assert split_host_cpu(config.MeshConfig(cpu_devices=have)) == have  # what it has: fine
+    with pytest.raises(SystemExit) as err:
+        split_host_cpu(config.MeshConfig(cpu_devices=have + 1))
+    message = str(err.value)
+    assert f"--mesh.cpu-devices {have + 1}: this process already started JAX with {have} CPU" in message
+    assert f"jax.config.update('jax_num_cpu_devices', {have + 1})" in message
+    assert config.MeshConfig(cpu_devices=0).problems() == ["--mesh.cpu-devices must be >= 1, got 0"]

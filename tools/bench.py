@@ -254,12 +254,12 @@ def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) ->
                                             "--seed", str(seed)], timeout)
 
 
-def measure(side: str, spec: dict, case: str, args, hf_dir: str) -> dict:
+def measure(side: str, spec: dict, case: str, args, hf_dir: str, cpu_devices: int = 1) -> dict:
     common = ["--spec", json.dumps(spec), "--case", case, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--device", args.device, "--dtype", args.dtype,
               "--seed", str(args.seed)]
     if side == "ours":
-        extra = ["--attention", args.attention]
+        extra = ["--attention", args.attention, "--cpu-devices", str(cpu_devices)]
         if args.logprob_chunk is not None:
             extra += ["--logprob-chunk", str(args.logprob_chunk)]
         if args.ours_flags:
@@ -312,27 +312,34 @@ def faster_peer(sides: dict) -> str | None:
 
 def rows_of(results: list[dict]) -> list[list[str]]:
     """One row per (size, case): every side's ms/step and peak RSS, ours against the faster of the
-    peers that ran (``dpo_lora``: against their full ``dpo``)."""
+    peers that ran (``dpo_lora``: against their full ``dpo``); then one row per other CPU device
+    count of ours (``--cpu-devices``), against the same peers."""
     rows = by_case(results)
     out = []
     for (size, case), sides in rows.items():
-        ours, trl, tunix = (sides.get(s, {}) for s in SIDES)
+        trl, tunix = (sides.get(s, {}) for s in SIDES[1:])
         peers = rows.get((size, "dpo"), {}) if case == "dpo_lora" else sides
         faster = faster_peer(peers)
-        ratio = (peers[faster]["ms_per_step"] / ours["ms_per_step"]
-                 if faster and "ms_per_step" in ours else None)
-        bound = (100 * ours["bound_ms"] / ours["ms_per_step"]
-                 if "bound_ms" in ours and "ms_per_step" in ours else None)
-        out.append([
-            size, case + (" (vs their dpo)" if case == "dpo_lora" else ""),
-            _fmt(ours.get("ms_per_step")), _fmt(trl.get("ms_per_step")),
-            _fmt(tunix.get("ms_per_step")),
-            "n/a" if ratio is None else f"{ratio:.2f}x ({'TRL' if faster == 'trl' else 'Tunix'})",
-            _fmt(ours.get("tokens_per_s"), "{:,.0f}"), _fmt(bound, "{:.0f}%"),
-            _fmt(ours.get("bound_ms")), _fmt(ours.get("peak_rss_mb"), "{:,.0f}"),
-            _fmt(trl.get("peak_rss_mb"), "{:,.0f}"), _fmt(tunix.get("peak_rss_mb"), "{:,.0f}"),
-            _fmt(ours.get("compile_s"), "{:.2f}"),
-        ])
+        label = case + (" (vs their dpo)" if case == "dpo_lora" else "")
+        variants = [("ours", label)] + [
+            (s, f"{label}, {s.rsplit('_cpu', 1)[1]} CPU devices")
+            for s in sorted(sides, key=lambda s: int(s.rsplit("_cpu", 1)[1]) if "_cpu" in s else 0)
+            if s.startswith("ours_cpu")]
+        for side, name in variants:
+            ours = sides.get(side, {})
+            ratio = (peers[faster]["ms_per_step"] / ours["ms_per_step"]
+                     if faster and "ms_per_step" in ours else None)
+            bound = (100 * ours["bound_ms"] / ours["ms_per_step"]
+                     if "bound_ms" in ours and "ms_per_step" in ours else None)
+            out.append([
+                size, name, _fmt(ours.get("ms_per_step")), _fmt(trl.get("ms_per_step")),
+                _fmt(tunix.get("ms_per_step")),
+                "n/a" if ratio is None else f"{ratio:.2f}x ({'TRL' if faster == 'trl' else 'Tunix'})",
+                _fmt(ours.get("tokens_per_s"), "{:,.0f}"), _fmt(bound, "{:.0f}%"),
+                _fmt(ours.get("bound_ms")), _fmt(ours.get("peak_rss_mb"), "{:,.0f}"),
+                _fmt(trl.get("peak_rss_mb"), "{:,.0f}"), _fmt(tunix.get("peak_rss_mb"), "{:,.0f}"),
+                _fmt(ours.get("compile_s"), "{:.2f}"),
+            ])
     return out
 
 
@@ -364,6 +371,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--logprob-chunk", type=int, default=None,
                         help="our --logprob-chunk (default: the library's)")
     parser.add_argument("--attention", default="auto", help="our --attention (model.set_attention)")
+    parser.add_argument("--cpu-devices", default="1",
+                        help="our --mesh.cpu-devices, comma-separated: the host CPU as this many "
+                             "devices, the batch split over them; each count > 1 adds a row")
     parser.add_argument("--host-allocator", choices=("auto", "tuned", "default"), default="auto",
                         help="ours and the matmul peak with glibc tuned as our training commands "
                              "run a model of the size (auto; nnx_posttrain.host_allocator), always "
@@ -404,6 +414,9 @@ def main(argv=None) -> list[dict]:
             sides.remove("tunix")
             notes.append(note)
     allowed = {"ours": CASES, "trl": TRL_CASES, "tunix": TUNIX_CASES}
+    cpu_devices = sorted({int(n) for n in args.cpu_devices.split(",") if n})
+    if not cpu_devices or cpu_devices[0] < 1:
+        raise SystemExit(f"--cpu-devices: counts >= 1, got {args.cpu_devices!r}")
     results, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
         for size in sizes:
@@ -417,16 +430,18 @@ def main(argv=None) -> list[dict]:
                 if "error" in exported:
                     raise SystemExit(f"export failed: {exported}")
             for case in cases:
-                order = [s for s in SIDES if s in sides and case in allowed[s]]
+                order = [(s, n) for s in SIDES if s in sides and case in allowed[s]
+                         for n in (cpu_devices if s == "ours" else [1])]
                 for rep in range(args.repeats):
-                    for side in (order if rep % 2 == 0 else order[::-1]):
-                        r = measure(side, spec, case, args, hf_dir)
+                    for side, n in (order if rep % 2 == 0 else order[::-1]):
+                        r = measure(side, spec, case, args, hf_dir, n)
+                        side = side if n == 1 else f"{side}_cpu{n}"
                         r.update(size=size, case=case, side=side, repeat=rep)
                         results.append(r)
                         msg = (f"{r['ms_per_step']:.1f} ms/step (CPU {r.get('cpu_ms_per_step', 0):.1f} ms), "
                                f"peak RSS {r['peak_rss_mb']:.0f} MB"
                                if "ms_per_step" in r else r.get("error", "?") + "\n" + r.get("log_tail", ""))
-                        print(f"{size:8s} {case:15s} {side:5s} {msg}", flush=True)
+                        print(f"{size:8s} {case:15s} {side:9s} {msg}", flush=True)
     for r in results:
         if "ms_per_step" in r:
             spec = spec_of(r["size"], args.batch, args.seq)
@@ -463,6 +478,10 @@ def main(argv=None) -> list[dict]:
                 allocators.setdefault(r["host_allocator"], []).append(r["size"])
         for line, sizes in allocators.items():
             notes.append(f"ours, {', '.join(dict.fromkeys(sizes))}: {line}")
+        for n in cpu_devices[1:] if cpu_devices[0] == 1 else cpu_devices:
+            notes.append(f"ours, rows '{n} CPU devices': --mesh.cpu-devices {n} (the host CPU as "
+                         f"{n} XLA devices, each batch split over them); the peers' columns "
+                         "repeat their measurement of the case")
         path = readme.record(args.record, command, COLUMNS, rows_of(merged), notes, raw)
         print(f"recorded {path}")
     return merged

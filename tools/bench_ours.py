@@ -86,7 +86,7 @@ def _apply_flags(flags: list[str], algorithm) -> None:
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
             logprob_chunk: int | None, flags: list[str], profile_steps: int = 0,
-            attention: str = "auto") -> dict:
+            attention: str = "auto", cpu_devices: int = 1) -> dict:
     import nnx_posttrain  # noqa: F401
     import jax
     import jax.numpy as jnp
@@ -96,7 +96,10 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     from nnx_posttrain.algorithms import SFT, SFTConfig
     from nnx_posttrain.algorithms.preference import DPO, DPOConfig
     from nnx_posttrain.train import host_memory
+    from nnx_posttrain.train.mesh import split_host_cpu
 
+    mesh_config = config_lib.MeshConfig(cpu_devices=cpu_devices)
+    split_host_cpu(mesh_config)  # as train.run does (--mesh.cpu-devices), before JAX starts
     host_memory.release_after_compiles()  # as train.run does
     rss_imports = rss_now_mb()
     task = build_task(spec, dtype, seed)
@@ -113,7 +116,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     algorithm.setup(module)
 
     # the mesh, placement and output shardings exactly as train.run makes them (one device here)
-    mesh = train.make_mesh(config_lib.MeshConfig())
+    mesh = train.make_mesh(mesh_config)
     model.set_remat(module, False)  # train.run's default (--remat none): no recomputation
     graphdef, params, frozen_model = model.split(module)
     optim = config_lib.OptimConfig(learning_rate=LEARNING_RATE, schedule="constant",
@@ -162,7 +165,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         trainable_params=model.count_params(params), loss_first=losses[0], loss_last=losses[-1],
         device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
         flags=flags, logprob_chunk=logprob_chunk, times_s=times, attention=attention_line,
-        host_allocator=host_allocator.describe(),
+        host_allocator=host_allocator.describe(), cpu_devices=len(mesh.devices.flat),
     )
     if profile_steps:
         import tempfile
@@ -230,6 +233,9 @@ def main(argv=None):
     p.add_argument("--logprob-chunk", type=int, default=None, help="default: the library's")
     p.add_argument("--flags", default="")
     p.add_argument("--attention", default="auto", help="--attention of the run (model.set_attention)")
+    p.add_argument("--cpu-devices", type=int, default=1,
+                   help="--mesh.cpu-devices of the run: the host CPU as this many devices, the batch "
+                        "split over them")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after measuring, trace N steps and print where the time goes")
     args = p.parse_args(argv)
@@ -243,7 +249,7 @@ def main(argv=None):
         return
     result = measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
                      args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile,
-                     args.attention)
+                     args.attention, args.cpu_devices)
     if "profile" in result:
         from tools import profile_breakdown
 

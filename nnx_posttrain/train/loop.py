@@ -33,7 +33,7 @@ from nnx_posttrain.train.evaluation import Evaluator
 from nnx_posttrain.train.hooks import (Hooks, NonFiniteGuard, NonFiniteStep, StepInfo,
                                        StopSignals, Throughput)
 from nnx_posttrain.train.mesh import (check_micro_batch, initialize_distributed, make_mesh, place,
-                                      shard_batch)
+                                      shard_batch, split_host_cpu)
 
 
 @dataclasses.dataclass
@@ -55,6 +55,7 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
 
     Resumes from the latest complete checkpoint of the run directory when there is one (its
     settings must match: ``resume``); holds the directory's lock throughout (``rundir``)."""
+    split_host_cpu(cfg.mesh)  # before anything starts JAX's backends
     initialize_distributed(cfg.mesh)  # before anything touches the devices
     host_memory.release_after_compiles()  # the compiler's freed memory goes back after each compile
     allowed = resume.allowed_keys(cfg.resume_changed)
@@ -99,6 +100,9 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
         if latest is not None:  # refuse other settings before the model loads
             check_settings(ckpt.read_record(latest))
         mesh = make_mesh(cfg.mesh)
+        if mesh.size > 1:
+            echo(f"mesh: {' x '.join(f'{k} {v}' for k, v in mesh.shape.items())} "
+                 f"({mesh.size} {mesh.devices.flat[0].platform} devices)")
         check_micro_batch(cfg, mesh)
         lm, module = setup.build_model(cfg, algorithm, echo)
         graphdef, params, frozen_model = model.split(module)

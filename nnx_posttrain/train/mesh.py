@@ -13,6 +13,27 @@ from nnx_posttrain import sharding
 from nnx_posttrain.sharding import make_mesh, mesh_shape  # noqa: F401  (the loop builds it)
 
 
+def split_host_cpu(cfg: config_lib.MeshConfig) -> int:
+    """``--mesh.cpu-devices N``: JAX's CPU backend as N devices (``jax_num_cpu_devices``), so that
+    the mesh's data axis splits each batch over the cores. Must run before JAX starts its backends;
+    in a process where it already has (a notebook, a test), the CPU device count must already be
+    N, else SystemExit naming the option. Returns the CPU device count asked for."""
+    n = cfg.cpu_devices
+    if n == 1:
+        return n
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # JAX's backends are up: the count is fixed for this process
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise SystemExit(
+                f"--mesh.cpu-devices {n}: this process already started JAX with {have} CPU "
+                f"device{'s' * (have != 1)}; set it before any JAX operation (e.g. run the "
+                f"experiment as a command, or call jax.config.update('jax_num_cpu_devices', {n}) "
+                f"right after importing jax)") from None
+    return n
+
+
 def initialize_distributed(cfg: config_lib.MeshConfig) -> bool:
     """``jax.distributed.initialize`` when configured (``--mesh.distributed``, the coordinator /
     process options, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). Must run
