@@ -464,10 +464,13 @@ def main(argv=None) -> list[dict]:
     if args.record:
         from tools import readme
 
+        load_end = os.getloadavg()[0]
         notes.append(f"Machine load (1-minute load average, {os.cpu_count()} cores) at the start "
-                     f"{load_start:.1f}, at the end {os.getloadavg()[0]:.1f}: above the core "
-                     "count, other processes shared the CPU and wall times are inflated (CPU "
-                     "times less so).")
+                     f"{load_start:.1f}, at the end {load_end:.1f}: " + (
+                         "above the core count, other processes shared the CPU and wall times "
+                         "are inflated (CPU times less so)." if max(load_start, load_end) >
+                         os.cpu_count() else "within the core count (the benchmark's own "
+                         "processes count in it)."))
         for r in merged:
             if "attention" in r and r["side"] == "ours":
                 notes.append(f"ours, {r['size']} {r['case']}: {r['attention']}")
