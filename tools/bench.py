@@ -321,10 +321,8 @@ def rows_of(results: list[dict]) -> list[list[str]]:
         peers = rows.get((size, "dpo"), {}) if case == "dpo_lora" else sides
         faster = faster_peer(peers)
         label = case + (" (vs their dpo)" if case == "dpo_lora" else "")
-        variants = [("ours", label)] + [
-            (s, f"{label}, {s.rsplit('_cpu', 1)[1]} CPU devices")
-            for s in sorted(sides, key=lambda s: int(s.rsplit("_cpu", 1)[1]) if "_cpu" in s else 0)
-            if s.startswith("ours_cpu")]
+        counts = sorted(int(s[len("ours_cpu"):]) for s in sides if s.startswith("ours_cpu"))
+        variants = [("ours", label)] + [(f"ours_cpu{n}", f"{label}, {n} CPU devices") for n in counts]
         for side, name in variants:
             ours = sides.get(side, {})
             ratio = (peers[faster]["ms_per_step"] / ours["ms_per_step"]
@@ -481,7 +479,7 @@ def main(argv=None) -> list[dict]:
                 allocators.setdefault(r["host_allocator"], []).append(r["size"])
         for line, sizes in allocators.items():
             notes.append(f"ours, {', '.join(dict.fromkeys(sizes))}: {line}")
-        for n in cpu_devices[1:] if cpu_devices[0] == 1 else cpu_devices:
+        for n in (n for n in cpu_devices if n > 1):
             notes.append(f"ours, rows '{n} CPU devices': --mesh.cpu-devices {n} (the host CPU as "
                          f"{n} XLA devices, each batch split over them); the peers' columns "
                          "repeat their measurement of the case")
