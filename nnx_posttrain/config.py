@@ -123,8 +123,8 @@ class MeshConfig:
     """Devices on the FSDP axis (batch split, weights / gradients / optimizer state sharded); -1: the rest."""
     tensor: int = 1
     """Devices on the tensor-parallel axis (heads, MLP width and vocabulary split); -1: the rest."""
-    cpu_devices: int = 1
-    """XLA devices the host CPU is split into when JAX runs on it (1: one device whose operations use every core). More than 1: the batch is split over them (data parallelism across cores), which is faster for small models, whose many small operations do not use several cores well (README, Scaling). Set before JAX starts: a process that has already used JAX must have this many CPU devices. No effect on GPUs / TPUs."""
+    cpu_devices: int | Literal["auto"] = 1
+    """XLA devices the host CPU is split into when JAX runs on it (1: one device whose operations use every core). More than 1: the batch is split over them (data parallelism across cores), which is faster for small models, whose many small operations do not use several cores well (README, Scaling). 'auto': one per core this process may use (the most that divides the micro-batch) for a built-in tiny model on the default mesh in one process, else 1. Set before JAX starts: a process that has already used JAX must have this many CPU devices ('auto' takes what it has). No effect on GPUs / TPUs."""
     distributed: Literal["auto", "on", "off"] = "auto"
     """Multi-process JAX: 'auto' calls jax.distributed.initialize when a coordinator address or more than one process is given (here or by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); 'on' always calls it (JAX detects TPU pod slices, SLURM, Open MPI itself); 'off' never."""
     coordinator_address: str | None = None
@@ -140,8 +140,9 @@ class MeshConfig:
         for name, size in sizes.items():
             if size == 0 or size < -1:
                 out.append(f"--mesh.{name} must be a positive device count or -1 (the rest), got {size}")
-        if self.cpu_devices < 1:
-            out.append(f"--mesh.cpu-devices must be >= 1, got {self.cpu_devices}")
+        if self.cpu_devices != "auto" and (not isinstance(self.cpu_devices, int)
+                                           or self.cpu_devices < 1):
+            out.append(f"--mesh.cpu-devices must be a count >= 1 or 'auto', got {self.cpu_devices!r}")
         if sum(size == -1 for size in sizes.values()) > 1:
             out.append("at most one of --mesh.data / --mesh.fsdp / --mesh.tensor may be -1 (the rest), "
                        f"got {sizes}")

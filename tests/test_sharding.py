@@ -311,6 +311,38 @@ def test_cpu_devices_split_each_batch_over_the_cores_with_the_same_losses(tmp_pa
     np.testing.assert_allclose(losses, _train_losses(tmp_path / "one"), rtol=2e-5)
 
 
+def test_cpu_devices_auto_takes_one_per_core_for_a_builtin_model(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    n = max(k for k in range(1, cores + 1) if 32 % k == 0)  # gemma_micro's micro-batch: 32
+    proc = _sft_command(tmp_path / "auto", "--mesh.cpu-devices", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plural = "s" * (n != 1)
+    assert f"mesh: {n} cpu device{plural} (auto: {cores} core{'s' * (cores != 1)}, micro-batch 32)" \
+        in proc.stdout, proc.stdout
+    assert len(_train_losses(tmp_path / "auto")) == 3
+
+
+def test_cpu_devices_auto_rule():
+    from nnx_posttrain.train.mesh import cpu_devices_for
+
+    def count(cores, model="gemma_micro", batch=32, accum=1, **mesh):
+        cfg = config.Config(model=model, mesh=config.MeshConfig(cpu_devices="auto", **mesh),
+                            batching=config.DataConfig(batch_size=batch, grad_accum=accum))
+        return cpu_devices_for(cfg, cores)
+
+    assert count(2) == (2, "2 cpu devices (auto: 2 cores, micro-batch 32)")
+    assert count(3)[0] == 2 and count(4)[0] == 4  # the most that divides the micro-batch
+    assert count(4, batch=12, accum=2) == (3, "3 cpu devices (auto: 4 cores, micro-batch 6)")
+    assert count(1) == (1, "1 cpu device (auto: 1 core, micro-batch 32)")
+    # other models (no gain measured at the medium size, a replica of the state per device)
+    assert count(2, model="gemma_2b") == (1, "1 cpu device (auto: gemma_2b is not a built-in tiny model)")
+    # a mesh shaped by hand, or several processes: the devices are the user's to count
+    for mesh in ({"fsdp": 2}, {"data": 2}, {"tensor": 2}, {"num_processes": 2}):
+        assert count(2, **mesh)[0] == 1, mesh
+    explicit = config.Config(mesh=config.MeshConfig(cpu_devices=3))
+    assert cpu_devices_for(explicit) == (3, None)
+
+
 def test_cpu_devices_that_do_not_divide_the_micro_batch_are_refused(tmp_path):
     proc = _sft_command(tmp_path / "three", "--mesh.cpu-devices", "3")
     assert proc.returncode != 0
@@ -321,10 +353,13 @@ def test_cpu_devices_once_jax_has_started_name_the_option_and_the_fix():
     from nnx_posttrain.train.mesh import split_host_cpu
 
     have = len(jax.devices("cpu"))  # JAX's backends are up in this process
-    assert split_host_cpu(config.MeshConfig(cpu_devices=have)) == have  # what it has: fine
+    assert split_host_cpu(have, have) == have  # what it has: fine
+    assert split_host_cpu(have + 1, "auto") == have  # auto takes what it has
     with pytest.raises(SystemExit) as err:
-        split_host_cpu(config.MeshConfig(cpu_devices=have + 1))
+        split_host_cpu(have + 1, have + 1)
     message = str(err.value)
     assert f"--mesh.cpu-devices {have + 1}: this process already started JAX with {have} CPU" in message
     assert f"jax.config.update('jax_num_cpu_devices', {have + 1})" in message
-    assert config.MeshConfig(cpu_devices=0).problems() == ["--mesh.cpu-devices must be >= 1, got 0"]
+    assert config.MeshConfig(cpu_devices=0).problems() == [
+        "--mesh.cpu-devices must be a count >= 1 or 'auto', got 0"]
+    assert config.MeshConfig(cpu_devices="auto").problems() == []

@@ -99,7 +99,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     from nnx_posttrain.train.mesh import split_host_cpu
 
     mesh_config = config_lib.MeshConfig(cpu_devices=cpu_devices)
-    split_host_cpu(mesh_config)  # as train.run does (--mesh.cpu-devices), before JAX starts
+    split_host_cpu(cpu_devices)  # as train.run does (--mesh.cpu-devices), before JAX starts
     host_memory.release_after_compiles()  # as train.run does
     rss_imports = rss_now_mb()
     task = build_task(spec, dtype, seed)

@@ -32,8 +32,8 @@ from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
 from nnx_posttrain.train.hooks import (Hooks, NonFiniteGuard, NonFiniteStep, StepInfo,
                                        StopSignals, Throughput)
-from nnx_posttrain.train.mesh import (check_micro_batch, initialize_distributed, make_mesh, place,
-                                      shard_batch, split_host_cpu)
+from nnx_posttrain.train.mesh import (check_micro_batch, cpu_devices_for, initialize_distributed,
+                                      make_mesh, place, shard_batch, split_host_cpu)
 
 
 @dataclasses.dataclass
@@ -55,7 +55,11 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
 
     Resumes from the latest complete checkpoint of the run directory when there is one (its
     settings must match: ``resume``); holds the directory's lock throughout (``rundir``)."""
-    split_host_cpu(cfg.mesh)  # before anything starts JAX's backends
+    cpu_devices, why = cpu_devices_for(cfg)
+    got = split_host_cpu(cpu_devices, cfg.mesh.cpu_devices)  # before anything starts JAX's backends
+    if why:
+        echo(f"mesh: {why}" + (f"; this process had already started JAX with {got}"
+                                if got != cpu_devices else ""))
     initialize_distributed(cfg.mesh)  # before anything touches the devices
     host_memory.release_after_compiles()  # the compiler's freed memory goes back after each compile
     allowed = resume.allowed_keys(cfg.resume_changed)

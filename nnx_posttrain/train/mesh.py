@@ -13,18 +13,50 @@ from nnx_posttrain import sharding
 from nnx_posttrain.sharding import make_mesh, mesh_shape  # noqa: F401  (the loop builds it)
 
 
-def split_host_cpu(cfg: config_lib.MeshConfig) -> int:
-    """``--mesh.cpu-devices N``: JAX's CPU backend as N devices (``jax_num_cpu_devices``), so that
-    the mesh's data axis splits each batch over the cores. Must run before JAX starts its backends;
-    in a process where it already has (a notebook, a test), the CPU device count must already be
-    N, else SystemExit naming the option. Returns the CPU device count asked for."""
-    n = cfg.cpu_devices
-    if n == 1:
+def cpu_devices_for(cfg: config_lib.Config, cores: int | None = None) -> tuple[int, str | None]:
+    """``--mesh.cpu-devices`` as a count, and for ``auto`` the reason for it. ``auto``: one device
+    per core this process may use, the most that divides the micro-batch, where that was measured
+    to pay: a built-in tiny model (``model.TINY``) on the default mesh (``--mesh.data -1``, fsdp and
+    tensor 1) in a single process; 1 for any other model (the medium benchmark: no faster, and
+    every device holds a replica of the weights and AdamW state) or mesh."""
+    from nnx_posttrain import model
+
+    n = cfg.mesh.cpu_devices
+    if n != "auto":
+        return n, None
+    m = cfg.mesh
+    if cfg.model not in model.TINY:
+        return 1, f"1 cpu device (auto: {cfg.model} is not a built-in tiny model)"
+    if (m.data, m.fsdp, m.tensor) != (-1, 1, 1) or _multi_process(m):
+        return 1, "1 cpu device (auto: the mesh is set by hand or spans several processes)"
+    cores = cores or len(os.sched_getaffinity(0))
+    micro = cfg.batching.batch_size // cfg.batching.grad_accum
+    n = max(k for k in range(1, cores + 1) if micro % k == 0)
+    return n, (f"{n} cpu device{'s' * (n != 1)} (auto: {cores} core{'s' * (cores != 1)}, "
+               f"micro-batch {micro})")
+
+
+def _multi_process(cfg: config_lib.MeshConfig) -> bool:
+    return (cfg.distributed == "on" or cfg.coordinator_address is not None
+            or (cfg.num_processes or 1) > 1
+            or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+            or (_env_int("JAX_NUM_PROCESSES") or 1) > 1)
+
+
+def split_host_cpu(n: int, option: str | None = None) -> int:
+    """JAX's CPU backend as ``n`` devices (``jax_num_cpu_devices``), so that the mesh's data axis
+    splits each batch over the cores. Must run before JAX starts its backends; in a process where
+    it already has (a notebook, a test), the CPU device count must already be ``n``, else
+    SystemExit naming the option (``--mesh.cpu-devices n``, or ``option``'s value) and the fix;
+    with ``option`` "auto", the count it has is taken instead. Returns the CPU device count."""
+    if n == 1 and option != "auto":
         return n
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:  # JAX's backends are up: the count is fixed for this process
         have = len(jax.devices("cpu"))
+        if option == "auto":
+            return have
         if have != n:
             raise SystemExit(
                 f"--mesh.cpu-devices {n}: this process already started JAX with {have} CPU "
