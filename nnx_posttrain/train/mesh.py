@@ -27,7 +27,7 @@ def cpu_devices_for(cfg: config_lib.Config, cores: int | None = None) -> tuple[i
     m = cfg.mesh
     if cfg.model not in model.TINY:
         return 1, f"1 cpu device (auto: {cfg.model} is not a built-in tiny model)"
-    if (m.data, m.fsdp, m.tensor) != (-1, 1, 1) or _multi_process(m):
+    if (m.data, m.fsdp, m.tensor) != (-1, 1, 1) or _distributed(m)[0]:
         return 1, "1 cpu device (auto: the mesh is set by hand or spans several processes)"
     cores = cores or len(os.sched_getaffinity(0))
     micro = cfg.batching.batch_size // cfg.batching.grad_accum
@@ -36,14 +36,7 @@ def cpu_devices_for(cfg: config_lib.Config, cores: int | None = None) -> tuple[i
                f"micro-batch {micro})")
 
 
-def _multi_process(cfg: config_lib.MeshConfig) -> bool:
-    return (cfg.distributed == "on" or cfg.coordinator_address is not None
-            or (cfg.num_processes or 1) > 1
-            or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
-            or (_env_int("JAX_NUM_PROCESSES") or 1) > 1)
-
-
-def split_host_cpu(n: int, option: str | None = None) -> int:
+def split_host_cpu(n: int, option: int | str | None = None) -> int:
     """JAX's CPU backend as ``n`` devices (``jax_num_cpu_devices``), so that the mesh's data axis
     splits each batch over the cores. Must run before JAX starts its backends; in a process where
     it already has (a notebook, a test), the CPU device count must already be ``n``, else
@@ -70,16 +63,23 @@ def initialize_distributed(cfg: config_lib.MeshConfig) -> bool:
     """``jax.distributed.initialize`` when configured (``--mesh.distributed``, the coordinator /
     process options, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). Must run
     before anything else touches JAX's devices. Returns whether this is a multi-process run."""
+    wanted, address, num, pid = _distributed(cfg)
+    if not wanted or jax.distributed.is_initialized():
+        return jax.distributed.is_initialized()
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    return True
+
+
+def _distributed(cfg: config_lib.MeshConfig):
+    """(whether the run is multi-process, coordinator address, process count, process id), from
+    the options or JAX's environment variables."""
     env = os.environ
     address = cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
     num = cfg.num_processes if cfg.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     pid = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
     wanted = cfg.distributed == "on" or (
         cfg.distributed == "auto" and (address is not None or (num or 1) > 1))
-    if not wanted or jax.distributed.is_initialized():
-        return jax.distributed.is_initialized()
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
-    return True
+    return wanted, address, num, pid
 
 
 def _env_int(name):
