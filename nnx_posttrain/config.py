@@ -145,7 +145,7 @@ class MeshConfig:
             out.append(f"--mesh.cpu-devices must be a count >= 1 or 'auto', got {self.cpu_devices!r}")
         if sum(size == -1 for size in sizes.values()) > 1:
             out.append("at most one of --mesh.data / --mesh.fsdp / --mesh.tensor may be -1 (the rest), "
-                       f"got {sizes}")
+                       f"got {sizes} (--mesh.data is -1 unless set: e.g. --mesh.data 1 --mesh.fsdp -1)")
         if self.num_processes is not None and self.num_processes < 1:
             out.append(f"--mesh.num-processes must be >= 1, got {self.num_processes}")
         if self.process_id is not None and (self.process_id < 0 or (

@@ -126,6 +126,10 @@ def test_detect_format_unknown_columns_names_them():
     msg = str(info.value)
     assert "f.jsonl:7" in msg and "'answer'" in msg and "'question'" in msg
     assert "_where" not in msg
+    # a null value counts as absent, and the message says which columns were null
+    with pytest.raises(DataError, match=r"f\.jsonl:5: cannot tell the format from columns "
+                                        r"\['completion'\] \(null: 'prompt'\)"):
+        data.detect_format({"prompt": None, "completion": " 2", "_where": "f.jsonl:5"})
     # a prompt alone is a prompt-only record (for RL), which SFT rejects naming the missing field
     assert data.detect_format({"prompt": "only a prompt"}) == "prompt_only"
 
@@ -350,6 +354,8 @@ def test_validate_empty_source(tmp_path, tok):
     path = write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(DataError, match="no records"):
         data.validate(data.JsonlSource(path), data.Tokenize(tok, "gemma", 16))
+    with pytest.raises(DataError, match=rf"^{path}: no records$"):  # the file, not an object
+        data.data_format(data.JsonlSource(path))
 
 
 # ----------------------------------------------------------------------------- batches

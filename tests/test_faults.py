@@ -258,6 +258,26 @@ def test_refused_and_eval_only_commands_leave_config_and_log_alone(copy, capsys)
     assert runs.load(copy).step == 4  # runs.load (and --init-from, export) still read the run
 
 
+def test_a_finished_run_rerun_with_fewer_steps_says_only_that_it_is_complete(copy, capsys):
+    before = _files(copy)
+    sft(copy, "--steps", "2")
+    out = capsys.readouterr().out
+    assert f"{copy} is already complete at step 4 (--steps 2); nothing to do" in out
+    assert "changed:" not in out and "schedule now spans" not in out  # nothing was changed
+    assert _files(copy) == before
+
+
+def test_a_refused_run_leaves_no_new_directory_and_an_existing_one_as_it_was(tmp_path):
+    bad = jsonl(tmp_path / "bad.jsonl", [pc(1), {"prompt": 3, "completion": "4"}])
+    fresh = tmp_path / "fresh"
+    assert "bad.jsonl:2: field 'prompt'" in str(refusal(sft, fresh, "--data", str(bad)))
+    assert not fresh.exists()
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    refusal(sft, mine, "--data", str(bad))
+    assert (mine / "notes").is_dir()  # a directory the user made is theirs
+
+
 def test_eval_only_without_checkpoint_keeps_the_log_and_says_it_scores_the_initial_weights(
         tmp_path, capsys):
     run = tmp_path / "run"

@@ -346,7 +346,8 @@ def test_cpu_devices_auto_rule():
 def test_cpu_devices_that_do_not_divide_the_micro_batch_are_refused(tmp_path):
     proc = _sft_command(tmp_path / "three", "--mesh.cpu-devices", "3")
     assert proc.returncode != 0
-    assert "micro-batch 32 does not divide over the 3 batch shards" in proc.stderr, proc.stderr[-3000:]
+    assert ("error: micro-batch 32 (--batching.batch-size 32 / --batching.grad-accum 1) does not "
+            "divide over the 3 batch shards (--mesh.cpu-devices 3)") in proc.stderr, proc.stderr[-3000:]
 
 
 def test_cpu_devices_once_jax_has_started_name_the_option_and_the_fix():

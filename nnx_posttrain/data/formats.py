@@ -50,9 +50,11 @@ def detect_format(record: dict) -> str:
         return "text"
     if "prompt" in keys:
         return "prompt_only"
+    nulls = sorted(k for k, v in record.items() if not k.startswith("_") and v is None)
+    null_note = f" (null: {', '.join(repr(k) for k in nulls)})" if nulls else ""
     raise DataError(
-        f"{_where(record)}: cannot tell the format from columns {sorted(keys)}; expected 'messages' "
-        "or 'text' (language modelling), 'prompt' + 'completion', 'chosen' + 'rejected' "
+        f"{_where(record)}: cannot tell the format from columns {sorted(keys)}{null_note}; "
+        "expected 'messages' or 'text' (language modelling), 'prompt' + 'completion', 'chosen' + 'rejected' "
         "(preference), 'prompt' + 'completion' + 'label' (unpaired preference), or 'prompt' alone"
     )
 
@@ -77,7 +79,7 @@ def data_format(src, format: str = "auto", scan: int = 100) -> str:
             first_error = first_error or exc
     if first_error is not None:
         raise first_error
-    raise DataError(f"{src!r}: no records")
+    raise DataError(f"{getattr(src, 'path', getattr(src, 'name', src))}: no records")
 
 
 def _require_str(record, field, allow_empty=False):

@@ -62,16 +62,27 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
                                 if got != cpu_devices else ""))
     initialize_distributed(cfg.mesh)  # before anything touches the devices
     host_memory.release_after_compiles()  # the compiler's freed memory goes back after each compile
+    mesh = make_mesh(cfg.mesh)
+    if mesh.size > 1:
+        echo(f"mesh: {' x '.join(f'{k} {v}' for k, v in mesh.shape.items())} "
+             f"({mesh.size} {mesh.devices.flat[0].platform} devices)")
+    check_micro_batch(cfg, mesh)  # before the run directory exists: a refused run leaves none
     allowed = resume.allowed_keys(cfg.resume_changed)
-    run_dir = rundir.prepare(Path(cfg.run_dir or f"runs/{experiment}"))
+    run_dir = Path(cfg.run_dir or f"runs/{experiment}")
+    created = not run_dir.exists()
+    run_dir = rundir.prepare(run_dir)
     try:
         lock = rundir.RunLock(run_dir, echo, jax.process_index() == 0)
         with rundir.sigterm_exits(lock.release), lock:
-            return _run(cfg, algorithm, experiment, echo, run_dir, allowed)
+            return _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C twice): stopped without writing a checkpoint; the run "
               "resumes from its latest complete one", file=sys.stderr)
         _exit_aborted()
+    except BaseException:  # refused (bad data, a setting) before writing anything: no directory
+        if created and jax.process_index() == 0:
+            rundir.remove_if_unused(run_dir)
+        raise
 
 
 def _exit_aborted() -> None:
@@ -86,7 +97,7 @@ def _exit_aborted() -> None:
     raise SystemExit(128 + signal.SIGINT) from None
 
 
-def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
+def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh) -> RunResult:
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     closing = [ckpt.close]
     try:
@@ -103,11 +114,6 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
             raise SystemExit(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
         if latest is not None:  # refuse other settings before the model loads
             check_settings(ckpt.read_record(latest))
-        mesh = make_mesh(cfg.mesh)
-        if mesh.size > 1:
-            echo(f"mesh: {' x '.join(f'{k} {v}' for k, v in mesh.shape.items())} "
-                 f"({mesh.size} {mesh.devices.flat[0].platform} devices)")
-        check_micro_batch(cfg, mesh)
         lm, module = setup.build_model(cfg, algorithm, echo)
         graphdef, params, frozen_model = model.split(module)
         copy_reference = algorithm.reference_mode == "copy" and not (
@@ -145,7 +151,7 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed) -> RunResult:
             if cfg.eval_only:  # the module holds the weights scored: the starting ones are freed
                 nnx.update(module, state["params"])
                 del params
-        if restored is not None and not cfg.eval_only:
+        if restored is not None and not cfg.eval_only and int(state["step"]) < cfg.steps:
             echo(f"resumed from {ckpt.directory / str(restored[0])} (step {restored[0]})"
                  + "".join(f"\n  changed: {k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
                  + ("\n  the learning-rate schedule now spans the new --steps" if "steps" in changes

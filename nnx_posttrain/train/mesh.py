@@ -89,10 +89,15 @@ def _env_int(name):
 
 def check_micro_batch(cfg: config_lib.Config, mesh: Mesh) -> None:
     b = cfg.batching
-    if (b.batch_size // b.grad_accum) % sharding.batch_divisor(mesh):
+    shards = sharding.batch_divisor(mesh)
+    if (b.batch_size // b.grad_accum) % shards:
+        split_cpu = mesh.devices.flat[0].platform == "cpu" and cfg.mesh.cpu_devices != 1
+        where = (f"--mesh.cpu-devices {cfg.mesh.cpu_devices}" if split_cpu
+                 else "--mesh.data x --mesh.fsdp")
         raise SystemExit(
-            f"micro-batch {b.batch_size // b.grad_accum} does not divide over the "
-            f"{sharding.batch_divisor(mesh)} batch shards (--mesh.data x --mesh.fsdp)"
+            f"error: micro-batch {b.batch_size // b.grad_accum} (--batching.batch-size "
+            f"{b.batch_size} / --batching.grad-accum {b.grad_accum}) does not divide over the "
+            f"{shards} batch shards ({where}); choose a batch size whose micro-batch they divide"
         )
 
 

@@ -19,6 +19,7 @@ import fcntl
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -38,6 +39,13 @@ def prepare(run_dir: Path) -> Path:
     except OSError as exc:
         raise SystemExit(f"error: --run-dir {run_dir}: cannot create it ({exc.strerror})") from None
     return run_dir
+
+
+def remove_if_unused(run_dir: Path) -> None:
+    """Remove ``run_dir`` if it holds no file (only empty folders): what a run refused before
+    writing anything (bad data, a bad setting) leaves, so that the refusal leaves nothing behind."""
+    if run_dir.is_dir() and not any(p.is_file() or p.is_symlink() for p in run_dir.rglob("*")):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _holder(fd: int) -> dict:

@@ -32,7 +32,7 @@ def datasets(cfg, lm, algorithm, echo):
         raise SystemExit(f"--batching.packing applies to SFT only, not {algorithm.name}")
     if transform.kind != kind:
         raise SystemExit(
-            f"{algorithm.name} trains on {kind.replace('_', ' ')} data, but {cfg.data} holds "
+            f"{algorithm.name} needs {kind.replace('_', ' ')} records, but {cfg.data} holds "
             f"{transform.kind.replace('_', ' ')} records (columns of the first record: "
             f"{sorted(k for k in train_src[0] if not k.startswith('_'))})"
         )
