@@ -1,11 +1,16 @@
 """The README's measured tables are rendered from results/*.json by ``tools.readme``: the README
-matches them, and an edited number is caught."""
+matches them, and an edited number is caught; its experiment commands validate as written."""
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
 from tools import readme
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_readme_matches_its_results_files(capsys):
@@ -55,3 +60,35 @@ def test_a_pending_table_names_its_command(fake_repo):
 def test_record_refuses_a_ragged_table(fake_repo):
     with pytest.raises(ValueError, match="every row needs 2 cells"):
         readme.record("u", "cmd", ["a", "b"], [[1]])
+
+
+def _readme_commands():
+    """Every ``python -m experiments.<name> ARGS`` in the README (continuation lines joined) whose
+    arguments are literal (no ``...``, ``$VAR`` or ``<placeholder>``)."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    for m in re.finditer(r"python -m experiments\.(\w+)([^\n`\"#|;)]*)", text):
+        name, rest = m.group(1), m.group(2).split("&&")[0]
+        if not any(t in rest for t in ("...", "$", "<", "[", "{", "--help")):
+            yield name, shlex.split(rest)
+
+
+def test_every_command_in_the_readme_is_a_valid_configuration(monkeypatch):
+    """A command the README shows must at least parse and validate as written (the pod-slice
+    command once asked for two '-1' mesh axes and was refused on every run)."""
+    import importlib
+
+    from nnx_posttrain import experiment
+
+    monkeypatch.chdir(ROOT)  # --config configs/... as a user in the repository runs it
+    commands = list(_readme_commands())
+    assert len(commands) >= 20, commands  # the extraction still finds them
+    refused = []
+    for name, args in commands:
+        if "--config" in args and not (ROOT / args[args.index("--config") + 1]).exists():
+            continue  # another run's config.json
+        mod = importlib.import_module(f"experiments.{name}")
+        try:
+            experiment.parse_config(experiment.defaults_for(mod.DEFAULT, mod.BUILTIN, args), args)
+        except SystemExit as exc:
+            refused.append((name, args, exc.code))
+    assert not refused, refused
