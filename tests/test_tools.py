@@ -70,7 +70,8 @@ def test_summarize_final_best_and_min_max_rule(two_runs):
 
 @pytest.mark.parametrize("name,lower", [("loss", True), ("nll_loss", True), ("perplexity", True),
                                         ("kl", True), ("exact_match", False),
-                                        ("rewards/accuracies", False)])
+                                        ("rewards/accuracies", False), ("rewards/chosen", False),
+                                        ("rewards/rejected", True), ("logps/rejected", True)])
 def test_lower_is_better(name, lower):
     assert compare.lower_is_better(name) is lower
 
@@ -98,6 +99,12 @@ def test_config_diff_only_differing_keys(two_runs, tmp_path):
     c = make_run(tmp_path / "c", [], _config(lora={"rank": 0, "alpha": 8}))
     assert compare.config_diff(compare.load_runs([two_runs[0], c]))["lora.alpha"] == ["-", 8]
     assert compare.config_diff(compare.load_runs([two_runs[0], two_runs[0]])) == {}
+    # SFT's empty algo group against another algorithm's settings: only the settings, one by one;
+    # what a resume was allowed to change is not a difference between runs
+    sft_like = make_run(tmp_path / "sft", [], _config(algo={}, resume_changed=""))
+    dpo_like = make_run(tmp_path / "dpo", [], _config(algo={"beta": 0.1},
+                                                      resume_changed="optim.learning_rate"))
+    assert compare.config_diff(compare.load_runs([sft_like, dpo_like])) == {"algo.beta": ["-", 0.1]}
 
 
 def test_flatten():

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MIN_MARKERS = ("loss", "perplexity", "kl")
+MIN_MARKERS = ("loss", "perplexity", "kl", "rejected")  # TRL's rewards/ logps/rejected: lower
 DEFAULT_PLOTS = ("loss", "exact_match")
 _MISSING = object()
 
@@ -158,15 +158,17 @@ def summary_table(runs: list[Run], metrics: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def config_diff(runs: list[Run], ignore=("run_dir",)) -> dict[str, list]:
+def config_diff(runs: list[Run], ignore=("run_dir", "resume_changed")) -> dict[str, list]:
     """{dotted key: [value per run]} for the keys whose values differ (a key a run lacks counts as
-    different and shows as '-')."""
+    different and shows as '-'). Left out: where a run writes (``run_dir``), what a resume of it
+    was allowed to change (``resume_changed``), and an empty group (SFT's ``algo: {}``) whose keys
+    other runs have (they are listed one by one)."""
     keys: dict[str, None] = {}
     for r in runs:
         keys.update((k, None) for k in r.flat_config)
     diff = {}
     for key in sorted(keys):
-        if key in ignore:
+        if key in ignore or any(k.startswith(key + ".") for k in keys):
             continue
         values = [r.flat_config.get(key, _MISSING) for r in runs]
         canon = {"\0missing" if v is _MISSING else json.dumps(v, sort_keys=True, default=str)
