@@ -267,6 +267,13 @@ def test_a_finished_run_rerun_with_fewer_steps_says_only_that_it_is_complete(cop
     assert _files(copy) == before
 
 
+def test_a_missing_data_file_is_refused_before_the_model_loads(tmp_path):
+    # the model named here cannot load: the data's message shows the model was never reached
+    message = refusal(sft, tmp_path / "run", "--data", str(tmp_path / "nothere.jsonl"),
+                      "--model", str(tmp_path / "no_model"))
+    assert "nothere.jsonl: no such data file" in message and "no_model" not in message
+
+
 def test_a_refused_run_leaves_no_new_directory_and_an_existing_one_as_it_was(tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", [pc(1), {"prompt": 3, "completion": "4"}])
     fresh = tmp_path / "fresh"
@@ -405,7 +412,7 @@ def test_records_with_no_loss_token_are_refused_when_none_or_most_and_left_out_o
     long = {"prompt": "word " * 40, "completion": "1"}
     msg = refusal(sft, tmp_path / "a", "--data", str(jsonl(tmp_path / "a.jsonl", [long] * 8)))
     assert "none of the 8 records has a token to learn from" in msg and "--batching.max-length" in msg
-    assert not steps_of(tmp_path / "a") and not (tmp_path / "a" / "config.json").exists()
+    assert not (tmp_path / "a").exists()  # refused before it wrote anything: no directory left
     msg = refusal(sft, tmp_path / "b", "--data",
                   str(jsonl(tmp_path / "b.jsonl", [long] * 5 + [pc(i) for i in range(3)])))
     assert "5 of 8 records have no token" in msg and "--batching.skip-bad" in msg

@@ -114,13 +114,15 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh) -> RunResult:
             raise SystemExit(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
         if latest is not None:  # refuse other settings before the model loads
             check_settings(ckpt.read_record(latest))
+        train_src, eval_src = setup.sources(cfg, algorithm)  # a missing file: before the model
         lm, module = setup.build_model(cfg, algorithm, echo)
         graphdef, params, frozen_model = model.split(module)
         copy_reference = algorithm.reference_mode == "copy" and not (
             cfg.eval_only and latest is None)  # scoring the starting weights: they are the reference
         memory.check(cfg, lm.module, params, setup.sequences_per_example(algorithm),
                      copy_reference, dict(mesh.shape), echo)
-        train_src, eval_src, transform, skipped = setup.datasets(cfg, lm, algorithm, echo)
+        train_src, eval_src, transform, skipped = setup.datasets(cfg, lm, algorithm, echo,
+                                                                 train_src, eval_src)
 
         frozen = place({"model": frozen_model, "reference": None}, mesh)
         if cfg.eval_only:  # the weights alone: no optimizer state

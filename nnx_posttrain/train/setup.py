@@ -18,21 +18,27 @@ def build_model(cfg, algorithm, echo):
     return lm, module
 
 
-def datasets(cfg, lm, algorithm, echo):
-    """(train source, eval source or None, transform, bad records skipped), every record
-    validated up front."""
-    b = cfg.batching
+def sources(cfg, algorithm):
+    """(train source, eval source or None), opened before the model loads: a missing file or a bad
+    data option is refused in seconds, not after a large model's minutes of loading."""
     kind = algorithm.data_kind
     train_src = data.source(cfg.data, "train", builtin=kind)
     eval_spec = cfg.eval_data or ("builtin" if cfg.data == "builtin" else None)
-    eval_src = data.source(eval_spec, "eval", builtin=kind) if eval_spec else None
+    return train_src, (data.source(eval_spec, "eval", builtin=kind) if eval_spec else None)
+
+
+def datasets(cfg, lm, algorithm, echo, train_src, eval_src):
+    """(train source, eval source or None, transform, bad records skipped) of the opened
+    ``sources``, every record validated up front."""
+    b = cfg.batching
+    kind = algorithm.data_kind
     transform = data.make_transform(train_src, lm.tokenizer, lm.chat_format, b.max_length,
                                     b.truncation, b.max_prompt_length, b.format)
     if b.packing and kind != "sft":
-        raise SystemExit(f"--batching.packing applies to SFT only, not {algorithm.name}")
+        raise SystemExit(f"error: --batching.packing applies to SFT only, not {algorithm.name}")
     if transform.kind != kind:
         raise SystemExit(
-            f"{algorithm.name} needs {kind.replace('_', ' ')} records, but {cfg.data} holds "
+            f"error: {algorithm.name} needs {kind.replace('_', ' ')} records, but {cfg.data} holds "
             f"{transform.kind.replace('_', ' ')} records (columns of the first record: "
             f"{sorted(k for k in train_src[0] if not k.startswith('_'))})"
         )
