@@ -54,8 +54,9 @@ def detect_format(record: dict) -> str:
     null_note = f" (null: {', '.join(repr(k) for k in nulls)})" if nulls else ""
     raise DataError(
         f"{_where(record)}: cannot tell the format from columns {sorted(keys)}{null_note}; "
-        "expected 'messages' or 'text' (language modelling), 'prompt' + 'completion', 'chosen' + 'rejected' "
-        "(preference), 'prompt' + 'completion' + 'label' (unpaired preference), or 'prompt' alone"
+        "expected 'messages' or 'text' (language modelling), 'prompt' + 'completion', 'chosen' + "
+        "'rejected' (preference), 'prompt' + 'completion' + 'label' (unpaired preference), or "
+        "'prompt' alone"
     )
 
 
