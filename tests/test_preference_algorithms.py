@@ -478,9 +478,10 @@ def test_sft_data_for_a_preference_experiment_fails_before_training(tmp_path):
     with pytest.raises(SystemExit) as exc:
         experiment.main("dpo", DPO, DEFAULT, args=args)
     message = str(exc.value.code)
-    assert "trains on preference data" in message and "sft" in message.split("holds")[-1], message
+    assert message.startswith("error: dpo needs preference records"), message
+    assert "sft" in message.split("holds")[-1], message
     assert str(sft) in message
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # refused before it wrote anything: no directory left
 
 
 # ----------------------------------------------------------------------------- 8. command line
