@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from nnx_posttrain import chat
 from nnx_posttrain.data.errors import DataError
+from nnx_posttrain.data.sources import source_name
 
 # Data formats (the ``format`` option; "auto" detects them from the columns).
 FORMATS = ("language_modeling", "prompt_completion", "preference", "unpaired_preference", "prompt_only")
@@ -80,7 +81,7 @@ def data_format(src, format: str = "auto", scan: int = 100) -> str:
             first_error = first_error or exc
     if first_error is not None:
         raise first_error
-    raise DataError(f"{getattr(src, 'path', getattr(src, 'name', src))}: no records")
+    raise DataError(f"{source_name(src)}: no records")
 
 
 def _require_str(record, field, allow_empty=False):

@@ -30,6 +30,11 @@ from nnx_posttrain.data.errors import DataError
 SPLIT_NAMES = {"train": ("train",), "eval": ("eval", "validation", "valid", "test")}
 
 
+
+def source_name(src) -> str:
+    """How a message names a source: its file's path, else its name, else the object."""
+    return str(getattr(src, "path", getattr(src, "name", src)))
+
 class JsonlSource:
     """Random-access JSONL source: line offsets are indexed once, records are read on demand."""
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nnx_posttrain.data.errors import DataError
-from nnx_posttrain.data.sources import Mixture, Subset
+from nnx_posttrain.data.sources import Mixture, Subset, source_name
 
 @dataclass
 class ValidationReport:
@@ -46,7 +46,7 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
     """
     n = len(src)
     if n == 0:
-        raise DataError(f"{_name(src)}: no records")
+        raise DataError(f"{source_name(src)}: no records")
     good, no_loss = np.zeros(n, bool), np.zeros(n, bool)
     bad, examples, truncated, identical = 0, [], 0, 0
     for i in range(n):
@@ -66,13 +66,9 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
             identical += int(np.array_equal(ex["chosen_input_ids"], ex["rejected_input_ids"])
                              and np.array_equal(ex["chosen_loss_mask"], ex["rejected_loss_mask"]))
     if bad == n:
-        raise DataError(f"{_name(src)}: all {n} records are bad; the first: {examples[0]}")
+        raise DataError(f"{source_name(src)}: all {n} records are bad; the first: {examples[0]}")
     return ValidationReport(n, np.flatnonzero(good), bad, examples, truncated,
                             int(no_loss.sum()), np.flatnonzero(no_loss), identical)
-
-
-def _name(src) -> str:
-    return str(getattr(src, "path", getattr(src, "name", src)))
 
 
 def only_good(src, report: ValidationReport, drop_no_loss: bool = False):
@@ -91,7 +87,7 @@ def only_good(src, report: ValidationReport, drop_no_loss: bool = False):
         lo, hi = int(src._offsets[k]), int(src._offsets[k + 1])
         mine = indices[(indices >= lo) & (indices < hi)] - lo
         if not len(mine):
-            raise DataError(f"{_name(part)}: no good records left in this part of the mixture"
+            raise DataError(f"{source_name(part)}: no good records left in this part of the mixture"
                             + (" (bad, or with no loss token left)" if drop_no_loss else ""))
         parts.append(part if len(mine) == len(part) else Subset(part, mine))
     return Mixture(parts, src.weights)
