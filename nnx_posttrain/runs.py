@@ -32,19 +32,20 @@ class LoadedRun:
 
 def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
                 init_from: str | None = None, remat: bool = False, echo=print,
-                chat_format: str | None = None):
-    """(language model, module) of a run: the model loaded, the weights of ``init_from`` copied
-    in, LoRA added, rematerialisation set, and the algorithm's scalar ``head`` (if any) on top.
-    ``init_from`` is checked before the model loads (a mismatch costs no loading time). ``seed``
-    decides every random initialisation: a built-in model's weights, LoRA, the head."""
+                chat_format: str | None = None, init_step: int | None = None):
+    """(language model, module) of a run: the model loaded, the weights of ``init_from``'s
+    checkpoint ``init_step`` (default: its latest) copied in, LoRA added, rematerialisation set,
+    and the algorithm's scalar ``head`` (if any) on top. ``init_from`` is checked before the model
+    loads (a mismatch costs no loading time). ``seed`` decides every random initialisation: a
+    built-in model's weights, LoRA, the head."""
     if init_from:
-        check_init_from(init_from, name)
+        check_init_from(init_from, name, init_step)
     echo(f"loading model {name} ({dtype}) ...")
     start = time.perf_counter()
     lm = model.load(name, dtype=dtype, seed=seed, chat_format=chat_format)
     echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     if init_from:
-        echo(init_weights(lm.module, init_from))
+        echo(init_weights(lm.module, init_from, init_step))
     if lora.rank:
         try:
             model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed)
@@ -113,10 +114,11 @@ def _same_model(a: str, b: str) -> bool:
     return a == b
 
 
-def check_init_from(run_dir: str | Path, name: str) -> dict:
+def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> dict:
     """``run_dir``'s config, after checking, without loading anything, that its weights can
     start a run of model ``name``: a run directory, of the same model, without LoRA, with a
-    complete checkpoint. Each refusal says how to go on."""
+    complete checkpoint (checkpoint ``step``, where a resumed run started from it). Each refusal
+    says how to go on."""
     run_dir = Path(run_dir)
     fresh = "--init-from '' to start from the model's own weights"
     if not (run_dir / "config.json").exists():
@@ -139,16 +141,35 @@ def check_init_from(run_dir: str | Path, name: str) -> dict:
         if ckpt.latest_step() is None:
             raise SystemExit(f"--init-from {run_dir}: no complete checkpoint in "
                              f"{run_dir / 'checkpoints'}; {fresh}")
+        if step is not None and step not in ckpt.all_steps():
+            raise SystemExit(
+                f"--init-from {run_dir}: this run started from its checkpoint at step {step}, "
+                f"which is gone (it has {ckpt.all_steps()}): the starting weights and the "
+                "reference model cannot be rebuilt as they were. Start a new run (another "
+                "--run-dir), or restore that checkpoint.")
     finally:
         ckpt.close()
     return saved
 
 
-def init_weights(module, run_dir: str | Path) -> str:
-    """Copy the weights of ``run_dir``'s latest checkpoint into ``module`` (same architecture),
-    matching variables by their Keras path. Returns a one-line summary."""
+def latest_step(run_dir: str | Path | None) -> int | None:
+    """The latest complete checkpoint step of run ``run_dir`` (None: no run, no checkpoint)."""
+    if not run_dir or not (Path(run_dir) / "checkpoints").is_dir():
+        return None
+    ckpt = checkpoint.Checkpointer(Path(run_dir) / "checkpoints", dataclasses.replace(
+        config_lib.CheckpointConfig(), async_save=False))
+    try:
+        return ckpt.latest_step()
+    finally:
+        ckpt.close()
+
+
+def init_weights(module, run_dir: str | Path, step: int | None = None) -> str:
+    """Copy the weights of ``run_dir``'s checkpoint ``step`` (default: the latest) into
+    ``module`` (same architecture), matching variables by their Keras path. Returns a one-line
+    summary."""
     run_dir = Path(run_dir)
-    loaded = load(run_dir, echo=lambda _: None)
+    loaded = load(run_dir, step, echo=lambda _: None)
     if loaded.config["lora"]["rank"]:
         raise SystemExit(f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first")
     source = model.named_variables(nnx.state(loaded.module))

@@ -197,6 +197,28 @@ def test_changed_settings_are_refused_with_the_list_of_differences(copy):
     assert _files(copy) == before and steps_of(copy) == [2, 4]  # nothing written
 
 
+def test_a_resume_keeps_the_init_from_checkpoint_it_started_from(tmp_path, capsys):
+    """The --init-from run trains on after a DPO run started from it: the resumed DPO run still
+    starts (and takes its reference model) from the checkpoint it began with, and equals a run
+    that was never interrupted; a resume whose starting checkpoint is gone is refused."""
+    base, control, resumed = tmp_path / "base", tmp_path / "control", tmp_path / "resumed"
+    sft(base, "--steps", "2")
+    dpo(control, "--init-from", str(base), "--steps", "4")
+    dpo(resumed, "--init-from", str(base), "--steps", "2")
+    sft(base, "--steps", "4")  # the starting run moves on: its latest is step 4 now
+    capsys.readouterr()
+    dpo(resumed, "--init-from", str(base), "--steps", "4")
+    assert f"initialised from {base} (step 2," in capsys.readouterr().out
+
+    def last(run_dir):
+        return [r for r in metrics_log.read(run_dir) if "loss" in r and "time" not in r][-1]
+
+    assert last(resumed) == last(control) and last(resumed)["step"] == 4
+    shutil.rmtree(base / "checkpoints" / "2")
+    msg = refusal(dpo, resumed, "--init-from", str(base), "--steps", "6")
+    assert "this run started from its checkpoint at step 2, which is gone (it has [4])" in msg
+
+
 def test_named_changes_are_accepted_and_recorded(copy, capsys):
     sft(copy, "--steps", "6", "--optim.learning-rate", "1e-2", "--resume-changed",
         "optim.learning-rate")

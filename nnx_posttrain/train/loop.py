@@ -112,10 +112,15 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh) -> RunResult:
         latest = ckpt.latest_intact_step(echo)  # damaged ones set aside
         if cfg.resume and latest is None:
             raise SystemExit(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+        saved = ckpt.read_record(latest) if latest is not None else {}
         if latest is not None:  # refuse other settings before the model loads
-            check_settings(ckpt.read_record(latest))
+            check_settings(saved)
+        # the --init-from checkpoint a run starts from stays its own when that run trains on
+        pinned = saved.get("init_from_step")
+        record["init_from_step"] = (pinned if pinned is not None and cfg.init_from
+                                    else runs.latest_step(cfg.init_from))
         train_src, eval_src = setup.sources(cfg, algorithm)  # a missing file: before the model
-        lm, module = setup.build_model(cfg, algorithm, echo)
+        lm, module = setup.build_model(cfg, algorithm, echo, record["init_from_step"])
         graphdef, params, frozen_model = model.split(module)
         copy_reference = algorithm.reference_mode == "copy" and not (
             cfg.eval_only and latest is None)  # scoring the starting weights: they are the reference

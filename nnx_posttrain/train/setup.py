@@ -6,11 +6,12 @@ from __future__ import annotations
 from nnx_posttrain import data, model, runs
 
 
-def build_model(cfg, algorithm, echo):
-    """(language model, trained module) of a run, the algorithm's settings resolved on it."""
+def build_model(cfg, algorithm, echo, init_step: int | None = None):
+    """(language model, trained module) of a run, the algorithm's settings resolved on it; the
+    weights of ``--init-from``'s checkpoint ``init_step`` (default: its latest)."""
     lm, module = runs.build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head=algorithm.head,
                                   init_from=cfg.init_from, remat=cfg.remat == "blocks", echo=echo,
-                                  chat_format=cfg.chat_format)
+                                  chat_format=cfg.chat_format, init_step=init_step)
     echo(model.set_attention(lm.module, cfg.attention))
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
