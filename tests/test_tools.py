@@ -229,6 +229,49 @@ def test_sweep_failed_point_is_recorded(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "sweep.json").read_text())["points"][0]["status"] == "failed (exit 2)"
 
 
+def test_sweep_refuses_a_bad_point_before_running_any(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda cmd: calls.append(cmd))
+    with pytest.raises(SystemExit, match=r"sweep point optim.learning_rate=abc: experiments.sft "
+                                         r"refuses its options .*nothing was run"):
+        sweep.sweep("experiments.sft", ["optim.learning_rate=1e-3,abc"], tmp_path, echo=print)
+    assert calls == [] and "could not convert string to float: 'abc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="sweep point optim.lr=1e-3"):
+        sweep.sweep("experiments.sft", ["optim.lr=1e-3"], tmp_path, echo=print)
+    assert calls == []
+
+
+def test_a_complete_point_whose_command_changed_is_run_again(tmp_path, monkeypatch):
+    """A rerun with other options is not skipped as complete: the point's experiment judges it
+    (its resume refuses a new seed, continues with more steps), and sweep.json says what ran."""
+    out = tmp_path / "sw"
+    make_run(out / "seed=0", [{"step": 20, "split": "train", "loss": 1.0}])
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "run",
+                        lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
+    sweep.sweep("experiments.sft", ["seed=0"], out, ["--steps", "20"], compare=False,
+                echo=lambda m: None)
+    assert calls == []  # complete, same command: skipped
+    with pytest.raises(SystemExit, match="1 of 1 sweep points did not complete"):
+        sweep.sweep("experiments.sft", ["seed=0"], out, ["--steps", "20", "--optim.learning-rate",
+                                                         "1e-2"], compare=False, echo=lambda m: None)
+    assert len(calls) == 1 and calls[0][-2:] == ["--optim.learning-rate", "1e-2"]
+    point = json.loads((out / "sweep.json").read_text())["points"][0]
+    assert point["status"] == "failed (exit 1)" and point["command"][-1] == "1e-2"
+
+
+def test_ctrl_c_stops_the_whole_sweep(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "run",
+                        lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 130))
+    with pytest.raises(SystemExit) as info:
+        sweep.sweep("experiments.sft", ["seed=0,1"], tmp_path, echo=print)
+    assert info.value.code == 130 and len(calls) == 1
+    assert "interrupted at point 1/2 (seed=0)" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert [p["status"] for p in saved["points"]] == ["interrupted", "pending"]
+
+
 def test_real_sweep_end_to_end_and_resume(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "tools.sweep", "experiments.sft", "--grid",

@@ -5,11 +5,15 @@
 
 Each point runs ``python -m experiments.simpo --run-dir <out>/<name> --algo.beta 2
 --algo.gamma-beta-ratio 0.3 <extra>`` where name is ``algo.beta=2,algo.gamma_beta_ratio=0.3``.
-Run the same command again to continue a sweep: a point whose run is complete (its last train
-record's step equals the steps in its config.json) is skipped; any other is run again with the
-same command, and the experiment resumes from its latest checkpoint. ``<out>/sweep.json`` records
-the grid and each point's run directory and status; at the end ``tools.compare`` compares every
-point that has metrics (tables printed, plots in ``<out>/compare/``).
+Every point's options are parsed by the experiment before the first point runs (a bad value or
+key is refused up front). Run the same command again to continue a sweep: a point whose run is
+complete (its last train record's step equals the steps in its config.json) and whose command is
+the one ``sweep.json`` recorded is skipped; any other is run again, and the experiment resumes
+from its latest checkpoint (refusing, as it always does, settings a resume cannot change; more
+``--steps`` continue a finished point). Ctrl-C stops the sweep, not only the point it is in.
+``<out>/sweep.json`` records the grid and each point's run directory, command and status; at the
+end ``tools.compare`` compares every point that has metrics (tables printed, plots in
+``<out>/compare/``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import itertools
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +103,35 @@ def is_complete(run_dir: str | Path) -> bool:
     return last is not None and last.get("step") == steps
 
 
+def check_points(module: str, entries: list[dict]) -> None:
+    """Parse every point's options with the experiment's own parser (its DEFAULT / BUILTIN
+    configs), before any point runs: SystemExit naming the point whose options it refuses."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    if not hasattr(mod, "DEFAULT"):
+        return  # not one of our experiments: its own run will judge
+    from nnx_posttrain import experiment
+
+    for entry in entries:
+        args = entry["command"][2:]  # after "-m module"
+        try:
+            experiment.parse_config(
+                experiment.defaults_for(mod.DEFAULT, getattr(mod, "BUILTIN", None), args), args)
+        except SystemExit as exc:
+            detail = "" if isinstance(exc.code, int) else f": {exc.code}"
+            raise SystemExit(f"error: sweep point {entry['name']}: {module} refuses its options"
+                             f"{detail or ' (the message above)'}; nothing was run") from None
+
+
+def _previous_commands(path: Path) -> dict[str, list[str]]:
+    """{point name: command} of an earlier run of the sweep (``sweep.json``), {} if none."""
+    try:
+        return {p["name"]: p["command"] for p in json.loads(path.read_text())["points"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def _module(name: str) -> str:
     return name if "." in name else f"experiments.{name}"
 
@@ -136,6 +170,8 @@ def sweep(experiment: str, grid_specs: list[str], out: str | Path | None = None,
         run_dir = out / point_name(p)
         entries.append({"name": point_name(p), "params": p, "run_dir": str(run_dir),
                         "command": command(module, run_dir, p, extra)[1:], "status": "pending"})
+    check_points(module, entries)
+    previous = _previous_commands(out / "sweep.json")
     state = {
         "experiment": module,
         "grid": grid,
@@ -146,7 +182,7 @@ def sweep(experiment: str, grid_specs: list[str], out: str | Path | None = None,
     failed = 0
     for i, entry in enumerate(state["points"], 1):
         run_dir = Path(entry["run_dir"])
-        if is_complete(run_dir):
+        if is_complete(run_dir) and previous.get(entry["name"], entry["command"]) == entry["command"]:
             entry["status"] = "skipped (complete)"
             echo(f"[sweep {i}/{len(points)}] {entry['name']}: complete, skipped")
         else:
@@ -154,9 +190,18 @@ def sweep(experiment: str, grid_specs: list[str], out: str | Path | None = None,
             entry["status"] = "running"
             _write(out / "sweep.json", state)
             echo(f"[sweep {i}/{len(points)}] {entry['name']}: " + " ".join(cmd[1:]))
-            rc = subprocess.run(cmd).returncode
+            try:
+                rc = subprocess.run(cmd).returncode
+            except KeyboardInterrupt:  # the point had Ctrl-C too and saved what it could
+                rc = 130
             if rc == 0 and is_complete(run_dir):
                 entry["status"] = "done"
+            elif rc in (130, -signal.SIGINT):
+                entry["status"] = "interrupted"
+                _write(out / "sweep.json", state)
+                echo(f"sweep: interrupted at point {i}/{len(points)} ({entry['name']}); run the "
+                     "same command again to continue it")
+                raise SystemExit(130)
             else:
                 entry["status"] = f"failed (exit {rc})" if rc else "incomplete"
                 failed += 1
