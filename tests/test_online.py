@@ -5,6 +5,7 @@ rollouts, and the checks on bad settings."""
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import nnx_posttrain  # noqa: F401
@@ -188,6 +189,34 @@ def test_bad_reward_and_batch_settings_are_refused(tmp_path, prompt_files):
              "--algo.rewards", "exact_match")
     with pytest.raises(ValueError, match="answer"):
         rewards.exact_match(["q"], ["1"])
+
+
+def test_a_reward_module_or_result_a_user_gets_wrong_is_named(tmp_path, monkeypatch):
+    """--algo.rewards module:function from the current directory (as under a console script,
+    whose sys.path lacks it); a file path, a module that fails to import, and a reward that
+    returns one number or strings are refused with the cause."""
+    (tmp_path / "user_rewards_a.py").write_text(
+        "def scalar(prompts, completions):\n    return 1.0\n\n"
+        "def strings(prompts, completions):\n    return ['1'] * len(completions)\n")
+    (tmp_path / "broken_rewards_a.py").write_text("x = [\n")
+    (tmp_path / "raising_rewards_a.py").write_text("raise ValueError('cfg missing')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    [(name, scalar)] = rewards.resolve("user_rewards_a:scalar")
+    [(_, strings)] = rewards.resolve("user_rewards_a:strings")
+    row = lambda i: f"row {i}"  # noqa: E731
+    with pytest.raises(SystemExit, match=r"reward 'scalar' returned a float \(1.0\) for 2 "
+                                         "completions; it must return a list"):
+        rewards.score(name, scalar, ["p"] * 2, ["c"] * 2, {}, row)
+    with pytest.raises(SystemExit, match="reward 'strings' returned '1' on row 0; expected a number"):
+        rewards.score("strings", strings, ["p"] * 2, ["c"] * 2, {}, row)
+    with pytest.raises(SystemExit, match="not a file: e.g. user_rewards_a:scalar"):
+        rewards.resolve("../elsewhere/user_rewards_a.py:scalar")
+    with pytest.raises(SystemExit, match="importing broken_rewards_a failed: SyntaxError"):
+        rewards.resolve("broken_rewards_a:f")
+    with pytest.raises(SystemExit, match=r"importing raising_rewards_a failed at .*raising_rewards_a"
+                                         r"\.py:1: ValueError: cfg missing"):
+        rewards.resolve("raising_rewards_a:f")
 
 
 def test_experiments_dispatch_online_names():

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +89,28 @@ class RewardModelScore:
         return [float(x) for x in np.asarray(self._score(self._state, ids, mask))]
 
 
+def _import(name: str, module_name: str, attr: str):
+    """The function ``attr`` of module ``module_name`` (the current directory importable, as
+    under ``python -m``); SystemExit naming the cause (and where, for an error in the module)."""
+    if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):
+        raise SystemExit(
+            f"error: --algo.rewards {name}: a 'module:function' names an importable module, not "
+            f"a file: e.g. {Path(module_name).stem}:{attr}, run from the file's folder or with it "
+            "on PYTHONPATH")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # a console script's sys.path
+        sys.path.append(os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"error: --algo.rewards {name}: cannot import it ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames and not isinstance(
+            exc, SyntaxError) else ""
+        raise SystemExit(f"error: --algo.rewards {name}: importing {module_name} failed{where}: "
+                         f"{type(exc).__name__}: {exc}") from None
+
+
 def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
     """``--algo.rewards`` -> [(name, function)]; a clear error for a name that is none of the
     three kinds. ``load_run`` (``nnx_posttrain.runs.load``) reads a reward-model run."""
@@ -95,11 +120,7 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
             out.append((name, BUILTIN[name]))
         elif ":" in name and not Path(name).exists():
             module_name, _, attr = name.partition(":")
-            try:
-                fn = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, AttributeError) as exc:
-                raise SystemExit(f"--algo.rewards {name}: cannot import it ({exc})") from None
-            out.append((attr, fn))
+            out.append((attr, _import(name, module_name, attr)))
         elif (Path(name) / "config.json").exists() and load_run is not None:
             out.append((Path(name).name, RewardModelScore(name, load_run(name))))
         else:
@@ -154,22 +175,29 @@ def score(name: str, fn, prompts, completions, columns: dict, describe) -> list:
     the reward and the first row it fails on (``describe(i)``: where row i comes from; called
     only for that message)."""
     try:
-        values = fn(prompts=prompts, completions=completions, **columns)
+        raw = fn(prompts=prompts, completions=completions, **columns)
     except Exception as exc:  # noqa: BLE001 - a user's function: report where it fails
         row = _first_failing_row(fn, prompts, completions, columns)
         at = f" on {describe(row)}" if row is not None else ""
         raise SystemExit(f"error: reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
-    values = list(values) if values is not None else None
+    try:
+        values = None if raw is None or isinstance(raw, (str, bytes)) else list(raw)
+    except TypeError:  # one number, not one per completion
+        values = None
     if values is None or len(values) != len(completions):
-        raise SystemExit(f"error: reward {name!r} returned {'None' if values is None else len(values)}"
-                         f" values for {len(completions)} completions; it must return one number "
-                         "(or None) per completion")
+        got = (f"{len(values)} values" if values is not None
+               else "None" if raw is None else f"a {type(raw).__name__} ({raw!r:.40})")
+        raise SystemExit(f"error: reward {name!r} returned {got} for {len(completions)} "
+                         "completions; it must return a list of one number (or None) per "
+                         "completion")
     out = []
     for i, v in enumerate(values):
         if v is None:
             out.append(np.nan)
             continue
         try:
+            if isinstance(v, (str, bytes)):  # float('1') would pass: a reward returns numbers
+                raise TypeError
             out.append(float(v))
         except (TypeError, ValueError):
             raise SystemExit(f"error: reward {name!r} returned {v!r} on {describe(i)}; expected a "
