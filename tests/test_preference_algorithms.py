@@ -422,6 +422,32 @@ def test_reward_model_reads_the_last_real_token_and_its_loss_is_finite():
     assert {"loss", "accuracy", "margin"} <= set(metrics)
 
 
+def test_the_data_margin_column_reaches_the_reward_loss_and_a_bad_one_is_named():
+    """TRL's optional ``margin`` column: -log sigmoid(r_c - r_r - m) per pair, read from the data
+    (it once never left the file: a margin of 100 trained exactly as none)."""
+    lm = model.load("gemma_micro", seed=0)
+    rm = RewardModel(lm.module, seed=0)
+    plain = _pair_batch(lm, UNEVEN)
+    assert "margin" not in plain
+    margins = [100.0, 0.0, 2.5, -1]
+    batch = _pair_batch(lm, [dict(r, margin=m) for r, m in zip(UNEVEN, margins)])
+    np.testing.assert_array_equal(np.asarray(batch["margin"]), np.float32(margins))
+    total, weight, _ = Reward(Reward.Config(), CHUNK).loss(rm, batch)
+    ids = np.concatenate([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    att = np.concatenate([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+    r = np.asarray(rm(jnp.asarray(ids), jnp.asarray(att)), np.float64)
+    expected = np.logaddexp(0.0, -(r[:4] - r[4:] - np.asarray(margins))).sum()
+    np.testing.assert_allclose(float(total), expected, rtol=1e-5)
+    assert float(total) / float(weight) > 20  # the margin of 100 dominates
+    src = data.ListSource([dict(UNEVEN[0], margin=1.0), UNEVEN[1],
+                           dict(UNEVEN[2], margin="big")], "pairs.jsonl")
+    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, MAX_LEN)
+    with pytest.raises(data.DataError, match="field 'margin' is missing"):
+        transform(src[1])
+    with pytest.raises(data.DataError, match="field 'margin' must be a finite number, got str"):
+        transform(src[2])
+
+
 def test_reward_run_logs_accuracy_and_no_exact_match(tmp_path, pref_files):
     from experiments.reward import DEFAULT
 

@@ -6,7 +6,9 @@ generation prompt.
 
 - ``Tokenize`` (SFT): ``input_ids``, ``attention_mask``, ``loss_mask`` (1 where the token at that
   position is to be predicted), ``truncated``;
-- ``TokenizePreference``: the same three arrays prefixed ``chosen_`` and ``rejected_``, ``truncated``;
+- ``TokenizePreference``: the same three arrays prefixed ``chosen_`` and ``rejected_``, ``truncated``,
+  and ``margin`` where the data has TRL's optional ``margin`` column (a reward model's target
+  margin per pair);
 - ``TokenizeUnpaired``: ``input_ids``, ``attention_mask``, ``loss_mask``, ``label`` (1.0 / 0.0),
   ``truncated``;
 - ``TokenizePrompt``: ``prompt_ids`` left-padded to ``max_prompt_length``, ``prompt_mask``,
@@ -191,9 +193,11 @@ class TokenizePreference(_SequenceTransform):
     """A preference record (``chosen``, ``rejected``, explicit or implicit ``prompt``) -> prompt +
     chosen and prompt + rejected, each ``max_length`` long: ``chosen_input_ids``,
     ``chosen_attention_mask``, ``chosen_loss_mask`` (the completion's tokens only), the same for
-    ``rejected_``, and ``truncated`` (1 if either side was cut)."""
+    ``rejected_``, and ``truncated`` (1 if either side was cut); with ``margin``, the record's
+    ``margin`` (a number in every record)."""
 
     kind: ClassVar[str] = "preference"
+    margin: bool = False
 
     def __call__(self, record: dict) -> dict:
         prompt, chosen, rejected = preference_parts(record)
@@ -206,7 +210,31 @@ class TokenizePreference(_SequenceTransform):
             truncated |= int(ex.pop("truncated"))
             out.update({f"{name}_{k}": v for k, v in ex.items()})
         out["truncated"] = np.int32(truncated)
+        if self.margin:
+            out["margin"] = _margin(record)
         return out
+
+
+def _margin(record: dict) -> np.float32:
+    value = record.get("margin")
+    if value is None:
+        raise DataError(f"{_where(record)}: field 'margin' is missing (the data has a 'margin' "
+                        "column: every record needs one)")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
+            or not np.isfinite(value):
+        raise DataError(f"{_where(record)}: field 'margin' must be a finite number, got "
+                        f"{type(value).__name__} {value!r:.40}")
+    return np.float32(value)
+
+
+def _has_margin(src, scan: int = 100) -> bool:
+    """Whether the first readable record of ``src`` has TRL's ``margin`` column."""
+    for i in range(min(len(src), scan)):
+        try:
+            return "margin" in _columns(src[i])
+        except DataError:
+            continue
+    return False
 
 
 @dataclass
@@ -287,7 +315,8 @@ def make_transform(src, tokenizer, chat_format: str, max_length: int, truncation
     if fmt in ("language_modeling", "prompt_completion"):
         return Tokenize(tokenizer, chat_format, max_length, truncation, max_prompt_length, format)
     if fmt == "preference":
-        return TokenizePreference(tokenizer, chat_format, max_length, truncation, max_prompt_length)
+        return TokenizePreference(tokenizer, chat_format, max_length, truncation, max_prompt_length,
+                                  margin=_has_margin(src))
     if fmt == "unpaired_preference":
         return TokenizeUnpaired(tokenizer, chat_format, max_length, truncation, max_prompt_length)
     return TokenizePrompt(tokenizer, chat_format, max_prompt_length or max_length)
