@@ -83,4 +83,20 @@ class _HidingLoader:
 if os.environ.get("NNX_POSTTRAIN_KERAS_EXTRAS") != "1" and "keras" not in sys.modules:
     sys.meta_path.insert(0, _KerasWithoutExtras())
 
+# Python only prints a KeyboardInterrupt raised inside a garbage-collector callback or a finaliser
+# (JAX registers a gc callback at import): a Ctrl-C while a command starts could land there and be
+# lost. It is noted here (the previous hook still prints it), and a training command started
+# from the command line stops at once (``train.hooks.Interruptible``).
+interrupt_swallowed = False
+
+
+def _note_swallowed_interrupt(unraisable, _previous=sys.unraisablehook):
+    global interrupt_swallowed
+    if issubclass(unraisable.exc_type, KeyboardInterrupt):
+        interrupt_swallowed = True
+    _previous(unraisable)
+
+
+sys.unraisablehook = _note_swallowed_interrupt
+
 __version__ = "0.1.0"

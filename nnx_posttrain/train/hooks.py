@@ -125,6 +125,46 @@ class NonFiniteGuard:
                       "(--optim.on-nonfinite skip)")
 
 
+class Interruptible:
+    """Ctrl-C before and after the training loop (loading, compiling, evaluating; the loop has
+    ``StopSignals``): stop at once. Python drops a ``KeyboardInterrupt`` raised inside a
+    garbage-collector callback ("Exception ignored in ..."; JAX's runs while a model loads), which
+    once let a run interrupted while loading go on to train to its end: the interrupt is recorded
+    too (``interrupted``), and ``check`` raises it again."""
+
+    def __init__(self):
+        self.interrupted = False
+        self._old = None
+
+    def __enter__(self):
+        import nnx_posttrain
+        from nnx_posttrain import host_allocator
+
+        # a command's Ctrl-C lost while it imported (not a notebook's from an earlier cell)
+        self.interrupted = nnx_posttrain.interrupt_swallowed and host_allocator.started_as_command()
+        self._old_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:  # Python's "Exception ignored" page: not for this
+        if not (self.interrupted and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+            self._old_unraisable(unraisable)
+
+    def check(self) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        sys.unraisablehook = self._old_unraisable
+
+
 class StopSignals:
     """SIGTERM (TPU VM preemption) and SIGINT: finish the current step, checkpoint, exit.
 

@@ -30,8 +30,8 @@ from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
 from nnx_posttrain.train import host_memory, memory, resume, rundir, setup
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
-from nnx_posttrain.train.hooks import (Hooks, NonFiniteGuard, NonFiniteStep, StepInfo,
-                                       StopSignals, Throughput)
+from nnx_posttrain.train.hooks import (Hooks, Interruptible, NonFiniteGuard, NonFiniteStep,
+                                       StepInfo, StopSignals, Throughput)
 from nnx_posttrain.train.mesh import (check_micro_batch, cpu_devices_for, initialize_distributed,
                                       make_mesh, place, shard_batch, split_host_cpu)
 
@@ -55,6 +55,20 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
 
     Resumes from the latest complete checkpoint of the run directory when there is one (its
     settings must match: ``resume``); holds the directory's lock throughout (``rundir``)."""
+    interruptible = Interruptible()  # a Ctrl-C from here on stops the run, wherever it lands
+    try:
+        with interruptible:
+            interruptible.check()
+            return _start(cfg, algorithm, experiment, echo, interruptible.check)
+    except KeyboardInterrupt:
+        print(f"interrupted ({'Ctrl-C' if interruptible.interrupted else 'Ctrl-C twice'}): "
+              "stopped without writing a checkpoint; the run resumes from its latest complete "
+              "one" + (", if it has one" if interruptible.interrupted else ""), file=sys.stderr)
+        _exit_aborted()
+
+
+def _start(cfg, algorithm, experiment, echo, interrupted) -> RunResult:
+    """``run`` once Ctrl-C is handled: the devices and mesh, the run directory and its lock."""
     cpu_devices, why = cpu_devices_for(cfg)
     got = split_host_cpu(cpu_devices, cfg.mesh.cpu_devices)  # before anything starts JAX's backends
     if why:
@@ -68,19 +82,16 @@ def run(cfg: config_lib.Config, algorithm, experiment: str = "run", echo=print) 
              f"({mesh.size} {mesh.devices.flat[0].platform} devices)")
     check_micro_batch(cfg, mesh)  # before the run directory exists: a refused run leaves none
     allowed = resume.allowed_keys(cfg.resume_changed)
+    interrupted()  # a Ctrl-C Python swallowed while JAX started
     run_dir = Path(cfg.run_dir or f"runs/{experiment}")
     created = not run_dir.exists()
     run_dir = rundir.prepare(run_dir)
     try:
         lock = rundir.RunLock(run_dir, echo, jax.process_index() == 0)
         with rundir.sigterm_exits(lock.release), lock:
-            return _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh)
-    except KeyboardInterrupt:
-        print("interrupted (Ctrl-C twice): stopped without writing a checkpoint; the run "
-              "resumes from its latest complete one", file=sys.stderr)
-        _exit_aborted()
-    except BaseException:  # refused (bad data, a setting) before writing anything: no directory
-        if created and jax.process_index() == 0:
+            return _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh, interrupted)
+    except BaseException:  # refused (bad data, a setting, Ctrl-C) before writing anything: no
+        if created and jax.process_index() == 0:  # directory
             rundir.remove_if_unused(run_dir)
         raise
 
@@ -97,7 +108,7 @@ def _exit_aborted() -> None:
     raise SystemExit(128 + signal.SIGINT) from None
 
 
-def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh) -> RunResult:
+def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh, interrupted) -> RunResult:
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     closing = [ckpt.close]
     try:
@@ -121,6 +132,7 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh) -> RunResult:
                                     else runs.latest_step(cfg.init_from))
         train_src, eval_src = setup.sources(cfg, algorithm)  # a missing file: before the model
         lm, module = setup.build_model(cfg, algorithm, echo, record["init_from_step"])
+        interrupted()  # a Ctrl-C Python swallowed while the model loaded
         graphdef, params, frozen_model = model.split(module)
         copy_reference = algorithm.reference_mode == "copy" and not (
             cfg.eval_only and latest is None)  # scoring the starting weights: they are the reference
@@ -202,8 +214,9 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh) -> RunResult:
                     f" (no checkpoint in {ckpt.directory})"))
             print(json.dumps(evaluate(start, state, {"eval_only": scored}), indent=2))
             return result
+        interrupted()
         _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, frozen, log,
-               ckpt, record, evaluate, skipped,
+               ckpt, record, evaluate, skipped, interrupted,
                jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr),
                        donate_argnums=(0,),
                        # pinned: without it the state's shardings drift after an update
@@ -217,9 +230,10 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh) -> RunResult:
 
 
 def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, frozen, log, ckpt,
-           record, evaluate, skipped, train_step) -> None:
+           record, evaluate, skipped, interrupted, train_step) -> None:
     if start == 0:
         evaluate(0, state)
+        interrupted()
     bar = progress.bar(total=cfg.steps, initial=start, desc=experiment, unit="step",
                        dynamic_ncols=True)
     throughput = Throughput()
