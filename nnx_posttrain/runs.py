@@ -30,6 +30,31 @@ class LoadedRun:
     # the algorithm's wrapper around it (a reward model's scalar head, a policy's value head)
 
 
+class NotARunError(FileNotFoundError):
+    """A directory given as a run that is none (no config.json, or not a run's)."""
+
+
+def run_config(run_dir: str | Path) -> dict:
+    """The settings a run saved (``config.json``); ``NotARunError`` naming the cause for a
+    directory without one, a file that is not JSON, or one that is not a run's (an exported
+    model's ``config.json``)."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise NotARunError(f"{run_dir}: not a run directory (no config.json)")
+    try:
+        saved = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise NotARunError(f"{path}: not JSON ({exc}); a run writes it whole: it was cut or "
+                           "edited") from None
+    missing = [k for k in ("model", "dtype", "seed", "lora") if not isinstance(saved, dict)
+               or k not in saved]
+    if missing:
+        raise NotARunError(
+            f"{path}: not a run's config.json (no {', '.join(map(repr, missing))}): {run_dir} "
+            "is not a training run's directory (an exported model loads with --model DIR)")
+    return saved
+
+
 def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
                 init_from: str | None = None, remat: bool = False, echo=print,
                 chat_format: str | None = None, init_step: int | None = None):
@@ -63,9 +88,7 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
     from the run's own config, laid out on a mesh of this process's devices. Only the weights (and
     the step and RNG) are read: no optimizer state is built."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{run_dir}: not a run directory (no config.json)")
-    saved_cfg = json.loads((run_dir / "config.json").read_text())
+    saved_cfg = run_config(run_dir)
     cfg = config_lib.Config(
         model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],
         lora=config_lib.LoraConfig(**saved_cfg["lora"]),
@@ -126,7 +149,10 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
             f"--init-from {run_dir}: not a run directory (no config.json). The built-in recipes "
             "of the preference and online experiments start from the SFT run: run `python -m "
             f"experiments.sft` first, or pass --init-from with another run, or {fresh}.")
-    saved = json.loads((run_dir / "config.json").read_text())
+    try:
+        saved = run_config(run_dir)
+    except NotARunError as exc:
+        raise SystemExit(f"error: --init-from {exc}") from None
     if not _same_model(saved["model"], name):
         raise SystemExit(
             f"--init-from {run_dir}: that run trained {saved['model']!r}, this run loads "

@@ -197,6 +197,26 @@ def test_changed_settings_are_refused_with_the_list_of_differences(copy):
     assert _files(copy) == before and steps_of(copy) == [2, 4]  # nothing written
 
 
+def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
+    """An exported model's directory (its config.json is Hugging Face's) or a cut config.json
+    given where a run belongs: runs.load, --init-from, tools.export say what it is."""
+    from tools import export
+
+    hf, cut = tmp_path / "hf", tmp_path / "cut"
+    hf.mkdir(), cut.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["GemmaForCausalLM"]}')
+    (cut / "config.json").write_text('{"model": "gemma_micro", "dty')
+    with pytest.raises(runs.NotARunError, match=r"not a run's config.json \(no 'model', 'dtype'"):
+        runs.load(hf)
+    with pytest.raises(runs.NotARunError, match=r"config.json: not JSON \(Unterminated string"):
+        runs.load(cut)
+    with pytest.raises(SystemExit, match="error: --init-from .*an exported model loads with "
+                                         "--model DIR"):
+        runs.check_init_from(hf, "gemma_micro")
+    with pytest.raises(SystemExit, match=r"export: .*cut/config.json: not JSON"):
+        export.main([str(cut), "--to", str(tmp_path / "out")])
+
+
 def test_a_resume_keeps_the_init_from_checkpoint_it_started_from(tmp_path, capsys):
     """The --init-from run trains on after a DPO run started from it: the resumed DPO run still
     starts (and takes its reference model) from the checkpoint it began with, and equals a run

@@ -82,11 +82,12 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None, fmt: st
         raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if adapters_only and fmt != "hf":
         raise ExportError("--adapters-only writes PEFT's format: use it with --format hf")
-    if not (run_dir / "config.json").exists():
-        raise ExportError(f"{run_dir}: not a run directory (no config.json)")
+    try:
+        saved = runs.run_config(run_dir)
+    except runs.NotARunError as exc:
+        raise ExportError(str(exc)) from None
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise ExportError(f"--to {to}: exists and is not an empty directory; choose a new one")
-    saved = json.loads((run_dir / "config.json").read_text())
     if adapters_only and not saved["lora"]["rank"]:
         raise ExportError(f"--adapters-only: {run_dir} trained every weight (no LoRA adapters)")
     try:
