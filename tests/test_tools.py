@@ -143,6 +143,20 @@ def test_bad_run_dir_is_a_clear_error(tmp_path, two_runs):
         compare.load_run(tmp_path / "missing")
 
 
+def test_compare_names_an_unknown_metric_and_reads_a_killed_runs_cut_last_line(tmp_path):
+    run = make_run(tmp_path / "a", _records([1.0, 0.5], [0.1, 0.2], [1.2, 0.9]))
+    with pytest.raises(SystemExit, match=r"--metrics los: not logged by these runs; they log "
+                                         r"exact_match, grad_norm, loss, perplexity"):
+        compare.compare([run], metrics=["los"], out=tmp_path / "c", echo=lambda m: None)
+    (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() + '{"step": 30, "spl')
+    result = compare.compare([run], metrics=["loss"], out=tmp_path / "c", echo=lambda m: None)
+    assert "0.5" in result["summary"]  # the cut line left out, as a resume drops it
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:1] + ["{oops"] + lines[1:]) + "\n")
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not JSON"):
+        compare.compare([run], out=tmp_path / "c", echo=lambda m: None)
+
+
 # ---- sweep ----
 
 def test_grid_expansion_and_names():

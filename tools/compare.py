@@ -63,15 +63,21 @@ def load_run(path: str | Path) -> Run:
     if not metrics.is_file():
         raise SystemExit(f"error: {path} is not a run directory: no {metrics}")
     records = []
-    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+    lines = metrics.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
+            if n == len(lines):  # cut by a killed process: the run drops it on resume too
+                continue
             raise SystemExit(f"error: {metrics}:{n}: not JSON ({exc.msg})") from None
     config_path = path / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except ValueError as exc:
+        raise SystemExit(f"error: {config_path}: not JSON ({exc})") from None
     return Run(path=path, config=config, records=records, label=path.name or str(path),
                flat_config=flatten(config))
 
@@ -249,6 +255,11 @@ def compare(paths, metrics: list[str] | None = None, out: str | Path | None = No
     if not paths:
         raise SystemExit("error: give at least one run directory")
     runs = load_runs(paths)
+    logged = {m for r in runs for split in ("train", "eval") for m in r.metrics(split)}
+    unknown = [m for m in metrics or [] if m not in logged]
+    if unknown:
+        raise SystemExit(f"error: --metrics {','.join(unknown)}: not logged by these runs; they "
+                         f"log {', '.join(sorted(logged)) or 'nothing yet'}")
     out = Path(out) if out is not None else common_parent([r.path for r in runs]) / "compare"
     summary = summary_table(runs, metrics)
     diff = config_diff_table(runs)
