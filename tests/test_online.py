@@ -33,6 +33,11 @@ def half_none(prompts, completions, **_):
     return [None if i < len(completions) // 2 else 1.0 for i in range(len(completions))]
 
 
+def all_none(prompts, completions, **_):
+    """Test reward that applies to no row."""
+    return [None] * len(completions)
+
+
 @pytest.fixture(scope="module")
 def prompt_files(tmp_path_factory):
     from nnx_posttrain import data
@@ -217,6 +222,14 @@ def test_a_reward_module_or_result_a_user_gets_wrong_is_named(tmp_path, monkeypa
     with pytest.raises(SystemExit, match=r"importing raising_rewards_a failed at .*raising_rewards_a"
                                          r"\.py:1: ValueError: cfg missing"):
         rewards.resolve("raising_rewards_a:f")
+
+
+def test_a_step_where_no_completion_got_a_reward_is_warned(tmp_path, prompt_files):
+    with pytest.warns(RuntimeWarning, match="no completion of the batch got a reward: all_none "
+                                            "returned None"):
+        _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", "--batching.batch-size",
+             "8", "--algo.num-generations", "4", "--algo.rewards", "test_online:all_none",
+             "--eval.every", "0")
 
 
 def test_experiments_dispatch_online_names():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -336,6 +337,11 @@ class Rollouts:
             metrics[f"rewards/{name}/std"] = float(applies.std()) if len(applies) else np.nan
         # [B, functions], NaN where a function returned None
         self.rewards_per_func = np.stack([per_fn[name] for name, _ in self.reward_fns], axis=1)
+        if np.isnan(self.rewards_per_func).all():  # TRL warns too; shown once per run
+            warnings.warn(
+                f"no completion of the batch got a reward: {', '.join(per_fn)} returned None (or "
+                "NaN) for every completion, so this step learns nothing (are the rewards' "
+                "columns those of the data?)", RuntimeWarning, stacklevel=2)
         groups = total.reshape(-1, self.algorithm.cfg.num_generations)
         metrics["reward"] = float(total.mean())
         metrics["reward_std"] = (float(groups.std(axis=1, ddof=1).mean()) if groups.shape[1] > 1
