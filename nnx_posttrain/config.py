@@ -310,7 +310,10 @@ def to_dict(cfg: Config) -> dict:
 
 
 def save(cfg: Config, path: Path) -> None:
-    """Write ``path`` atomically (a temporary file renamed over it): a reader never sees half."""
+    """Write ``path`` atomically (a temporary file renamed over it): a reader never sees half.
+    ``--resume`` (an instruction to one command, not a setting of the run) is saved off, so that
+    the file repeats the run in another --run-dir."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(to_dict(dataclasses.replace(cfg, resume=False)), indent=2,
+                              sort_keys=True) + "\n")
     tmp.replace(path)

@@ -58,6 +58,10 @@ def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
     with pytest.raises(SystemExit) as info:
         config.parse(experiment.config_for(DPO), ["--config", str(tmp_path / "config.json")])
     assert "algo_name SimPOConfig" in str(info.value.code) and "DPOConfig" in str(info.value.code)
+    # a run resumed with --resume saves the run's settings, not that instruction: the file
+    # starts the same run elsewhere instead of asking for a checkpoint there
+    config.save(config.parse(simpo, ["--resume"]), tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text())["resume"] is False
 
 
 @pytest.mark.parametrize("text, expected", [
