@@ -46,8 +46,7 @@ def run_config(run_dir: str | Path) -> dict:
     except (ValueError, UnicodeDecodeError) as exc:
         raise NotARunError(f"{path}: not JSON ({exc}); a run writes it whole: it was cut or "
                            "edited") from None
-    missing = [k for k in ("model", "dtype", "seed", "lora") if not isinstance(saved, dict)
-               or k not in saved]
+    missing = [k for k in ("model", "lora") if not isinstance(saved, dict) or k not in saved]
     if missing:
         raise NotARunError(
             f"{path}: not a run's config.json (no {', '.join(map(repr, missing))}): {run_dir} "
