@@ -94,7 +94,7 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
         checkpoint=dataclasses.replace(config_lib.CheckpointConfig(), async_save=False),
         chat_format=saved_cfg.get("chat_format"),
     )
-    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    ckpt = _reader(run_dir)
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None or step not in ckpt.all_steps():
@@ -160,8 +160,7 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
     if saved["lora"]["rank"]:
         raise SystemExit(f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first "
                          f"(python -m tools.export {run_dir} --to DIR, then --model DIR), or {fresh}")
-    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", dataclasses.replace(
-        config_lib.CheckpointConfig(), async_save=False))
+    ckpt = _reader(run_dir)
     try:
         if ckpt.latest_step() is None:
             raise SystemExit(f"--init-from {run_dir}: no complete checkpoint in "
@@ -177,12 +176,17 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
     return saved
 
 
+def _reader(run_dir: str | Path) -> checkpoint.Checkpointer:
+    """A checkpointer that reads ``run_dir``'s checkpoints (it writes none: no async saves)."""
+    return checkpoint.Checkpointer(Path(run_dir) / "checkpoints", dataclasses.replace(
+        config_lib.CheckpointConfig(), async_save=False))
+
+
 def latest_step(run_dir: str | Path | None) -> int | None:
     """The latest complete checkpoint step of run ``run_dir`` (None: no run, no checkpoint)."""
     if not run_dir or not (Path(run_dir) / "checkpoints").is_dir():
         return None
-    ckpt = checkpoint.Checkpointer(Path(run_dir) / "checkpoints", dataclasses.replace(
-        config_lib.CheckpointConfig(), async_save=False))
+    ckpt = _reader(run_dir)
     try:
         return ckpt.latest_step()
     finally:
