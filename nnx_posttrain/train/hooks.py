@@ -125,6 +125,20 @@ class NonFiniteGuard:
                       "(--optim.on-nonfinite skip)")
 
 
+def _quiet_interrupts(recorded: Callable[[], bool]):
+    """Install a ``sys.unraisablehook`` that drops Python's "Exception ignored" page for a
+    ``KeyboardInterrupt`` once ``recorded()`` (the signal handler noted it, and it is raised again
+    where it can be), passing everything else to the hook it replaces; returns that hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not (recorded() and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    return previous
+
+
 class Interruptible:
     """Ctrl-C before and after the training loop (loading, compiling, evaluating; the loop has
     ``StopSignals``): stop at once. Python drops a ``KeyboardInterrupt`` raised inside a
@@ -142,7 +156,7 @@ class Interruptible:
 
         # a command's Ctrl-C lost while it imported (not a notebook's from an earlier cell)
         self.interrupted = nnx_posttrain.interrupt_swallowed and host_allocator.started_as_command()
-        self._old_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        self._old_unraisable = _quiet_interrupts(lambda: self.interrupted)
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._handle)
         return self
@@ -150,10 +164,6 @@ class Interruptible:
     def _handle(self, signum, frame):
         self.interrupted = True
         raise KeyboardInterrupt
-
-    def _unraisable(self, unraisable) -> None:  # Python's "Exception ignored" page: not for this
-        if not (self.interrupted and issubclass(unraisable.exc_type, KeyboardInterrupt)):
-            self._old_unraisable(unraisable)
 
     def check(self) -> None:
         if self.interrupted:
@@ -189,7 +199,7 @@ class StopSignals:
     def __enter__(self):
         self._old = {}
         logging.getLogger("absl").addFilter(_drop_interrupt_tracebacks)
-        self._old_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        self._old_unraisable = _quiet_interrupts(lambda: self.aborted)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -212,10 +222,6 @@ class StopSignals:
         """Raise the abort again if it landed where Python could not raise it."""
         if self.aborted:
             raise KeyboardInterrupt
-
-    def _unraisable(self, unraisable) -> None:
-        if not (self.aborted and issubclass(unraisable.exc_type, KeyboardInterrupt)):
-            self._old_unraisable(unraisable)
 
     @contextlib.contextmanager
     def saving(self):
