@@ -11,8 +11,9 @@ A file is a mapping with the same names as the options, nested by group (``-`` o
 
 A run's own ``config.json`` is a valid config file (``python -m experiments.simpo --config
 runs/x/config.json --seed 2`` repeats a run): its bookkeeping keys (``algo_name``, see
-``IGNORED``) are checked or skipped. An unknown key or a value of the wrong type is an error that
-names the file, the key and the expected type.
+``IGNORED``) are checked or skipped. An unknown key, a key given twice or a value of the wrong type
+is an error that names the file, the line (YAML; JSON for a key given twice), the key and the
+expected type.
 """
 
 from __future__ import annotations
@@ -56,19 +57,69 @@ def split_arg(args: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+class Lined(dict):
+    """A mapping read from a file, with the line each key is on (``lines``; 1-based)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lines: dict = {}
+
+
+class _Twice(Exception):
+    """A key given twice in one mapping: (key, line of its first, line of its second; None in JSON)."""
+
+
+def _json_mapping(pairs):
+    out = Lined()
+    for key, value in pairs:
+        if key in out:
+            raise _Twice(key, None, None)
+        out[key] = value
+    return out
+
+
+def _yaml_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """YAML's safe loader, with a key given twice refused (PyYAML keeps the last) and each
+        mapping's key lines kept for the messages."""
+
+    def mapping(loader, node):
+        loader.flatten_mapping(node)
+        out = Lined()
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in out.lines:
+                raise _Twice(key, out.lines[key], line)
+            out[key] = loader.construct_object(value_node, deep=True)
+            out.lines[key] = line
+        return out
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
+
+
 def read(path: str | Path) -> dict:
-    """The mapping in a YAML or JSON file (``.json`` is read as JSON, anything else as YAML)."""
+    """The mapping in a YAML or JSON file (``.json`` is read as JSON, anything else as YAML), as
+    ``Lined`` mappings; a key given twice in one mapping is an error."""
     path = Path(path)
     if not path.is_file():
         raise ConfigFileError(path, "no such config file")
     text = path.read_text()
     try:
         if path.suffix == ".json":
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=_json_mapping)
         else:
             import yaml
 
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=_yaml_loader())
+    except _Twice as exc:
+        key, first, second = exc.args
+        where = f"line {second}: " if second else ""
+        also = f" (also on line {first}; one value per key)" if first else " (one value per key)"
+        raise ConfigFileError(path, f"{where}key '{key}' is given twice{also}") from None
     except json.JSONDecodeError as exc:
         raise ConfigFileError(path, f"line {exc.lineno}: malformed JSON ({exc.msg})") from None
     except Exception as exc:  # yaml.YAMLError: the message carries line and column
@@ -89,7 +140,8 @@ def apply(default, path: str | Path):
     if algo_name is not None and hasattr(default, "algo") and algo_name != expected:
         raise ConfigFileError(path, f"written for another algorithm (algo_name {algo_name}); this "
                                     f"experiment's is {expected}: use that algorithm's experiment")
-    values = {k: v for k, v in values.items() if k not in IGNORED}
+    for key in IGNORED:
+        values.pop(key, None)
     return _merge(default, values, path, "")
 
 
@@ -97,33 +149,37 @@ def _merge(obj, values: dict, path, prefix: str):
     hints = typing.get_type_hints(type(obj))
     fields = {f.name: f for f in dataclasses.fields(obj) if f.init}
     changes = {}
+    lines = getattr(values, "lines", {})
     for raw_key, value in values.items():
         key = str(raw_key).replace("-", "_")
         where = prefix + key
+        line = f"line {lines[raw_key]}: " if raw_key in lines else ""
+        if key in changes:
+            raise ConfigFileError(path, f"{line}key '{where}' is given twice ('-' and '_' "
+                                        f"spellings of one option)")
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
             group = f"under '{prefix[:-1]}' " if prefix else ""
-            raise ConfigFileError(path, f"unknown key '{where}'{hint} (keys {group}are: "
+            raise ConfigFileError(path, f"{line}unknown key '{where}'{hint} (keys {group}are: "
                                         f"{', '.join(fields)})")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigFileError(path, f"key '{where}': expected a mapping of "
+                raise ConfigFileError(path, f"{line}key '{where}': expected a mapping of "
                                             f"{type(current).__name__} fields, got "
                                             f"{_shown(value)}")
             changes[key] = _merge(current, value, path, where + ".")
         else:
-            changes[key] = _convert(value, hints.get(key, Any), path, where)
+            changes[key] = _convert(value, hints.get(key, Any), path, line + f"key '{where}'")
     return dataclasses.replace(obj, **changes)
 
 
 def _convert(value, tp, path, where: str):
-    """``value`` as type ``tp``, or an error naming the key and the expected type."""
+    """``value`` as type ``tp``, or an error naming the line, the key and the expected type."""
     ok, out = _check(value, tp)
     if not ok:
-        raise ConfigFileError(path, f"key '{where}': expected {_type_name(tp)}, got "
-                                    f"{_shown(value)}")
+        raise ConfigFileError(path, f"{where}: expected {_type_name(tp)}, got {_shown(value)}")
     return out
 
 

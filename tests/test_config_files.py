@@ -65,9 +65,10 @@ def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("stepz: 3\n", ["c.yaml", "unknown key 'stepz'", "did you mean 'steps'"]),
-    ("optim:\n  lr: 0.1\n", ["unknown key 'optim.lr'", "keys under 'optim' are: learning_rate"]),
-    ("steps: ten\n", ["c.yaml", "key 'steps': expected int, got str 'ten'"]),
+    ("stepz: 3\n", ["c.yaml", "line 1: unknown key 'stepz'", "did you mean 'steps'"]),
+    ("optim:\n  lr: 0.1\n", ["line 2: unknown key 'optim.lr'",
+                             "keys under 'optim' are: learning_rate"]),
+    ("seed: 1\nsteps: ten\n", ["c.yaml", "line 2: key 'steps': expected int, got str 'ten'"]),
     ("steps: 2.5\n", ["key 'steps': expected int, got float 2.5"]),
     ("optim:\n  learning_rate: fast\n", ["key 'optim.learning_rate': expected float"]),
     ("dtype: float16\n", ["key 'dtype': expected one of 'float32', 'bfloat16', 'bfloat16-params'"]),
@@ -77,6 +78,12 @@ def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
     ("algo:\n  betta: 2\n", ["unknown key 'algo.betta'", "did you mean 'algo.beta'"]),
     ("[1, 2]\n", ["expected a mapping of option names to values, got list"]),
     ("steps: [1\n", ["malformed YAML"]),
+    # PyYAML keeps the last of two values silently: a key given twice is refused, both lines named
+    ("steps: 3\nseed: 1\nsteps: 30\n", ["line 3: key 'steps' is given twice (also on line 1"]),
+    ("optim:\n  learning_rate: 1.0e-5\n  learning_rate: 2.0e-5\n",
+     ["line 3: key 'learning_rate' is given twice (also on line 2"]),
+    ("batching:\n  batch-size: 4\n  batch_size: 8\n",
+     ["line 3: key 'batching.batch_size' is given twice ('-' and '_' spellings"]),
 ])
 def test_bad_files_name_the_file_the_key_and_the_type(tmp_path, simpo, text, expected):
     path = _write(tmp_path, text)
@@ -93,6 +100,8 @@ def test_missing_file_and_bad_json(tmp_path, simpo):
         config.parse(simpo, ["--config", str(tmp_path / "nope.yaml")])
     with pytest.raises(SystemExit, match=r"c.json: line 1: malformed JSON"):
         config.parse(simpo, ["--config", _write(tmp_path, "{steps: 1}", "c.json")])
+    with pytest.raises(SystemExit, match=r"c.json: key 'steps' is given twice"):
+        config.parse(simpo, ["--config", _write(tmp_path, '{"steps": 1, "steps": 2}', "c.json")])
     with pytest.raises(SystemExit, match="--config needs a file"):
         config.parse(simpo, ["--config"])
 
