@@ -479,6 +479,35 @@ def test_reward_model_learns_a_learnable_preference(tmp_path):
     assert evals[-1]["accuracy"] >= 0.95 and evals[-1]["loss"] < evals[0]["loss"] / 2, evals
 
 
+def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_path):
+    """A batch (or eval set) without an undesirable example has no rejected metrics: they are
+    left out of the record, as TRL leaves out a class it saw none of, not logged as NaN."""
+    from experiments.kto import DEFAULT
+
+    rows = [{"prompt": f"What is {i} + 1?", "completion": f" {i + 1}", "label": True}
+            for i in range(8)]
+    files = (_write_jsonl(tmp_path / "train.jsonl", rows), _write_jsonl(tmp_path / "eval.jsonl", rows))
+    experiment.main("kto", KTO, DEFAULT, args=_args(
+        tmp_path / "kto", "--steps", "2", "--log-every", "1", "--batching.batch-size", "4",
+        "--eval.batches", "1", "--eval.every", "0", "--eval.exact-match", "0", data_files=files))
+    out = metrics_log.read(tmp_path / "kto")
+    assert {r["split"] for r in out} == {"train", "eval"} and len(out) == 4, out
+    for r in out:
+        assert "rewards/chosen" in r and "logps/chosen" in r, r
+        assert not any(k.endswith("/rejected") for k in r), r
+        assert all(not isinstance(v, str) or k == "split" for k, v in r.items()), r  # no "nan"
+
+
+def test_drop_uncounted_keeps_every_value_of_a_non_finite_step():
+    from nnx_posttrain.train.step import drop_uncounted
+
+    nan = math.nan
+    assert drop_uncounted({"loss": 1.0, "grad_norm": 2.0, "rewards/rejected": nan}) == {
+        "loss": 1.0, "grad_norm": 2.0}
+    for bad in ({"loss": nan, "grad_norm": 2.0, "x": nan}, {"loss": 1.0, "grad_norm": nan, "x": nan}):
+        assert set(drop_uncounted(bad)) == set(bad)
+
+
 # ----------------------------------------------------------------------------- 6. end to end
 # (DPO's end-to-end run is the 'copy' run of the precompute test above.)
 

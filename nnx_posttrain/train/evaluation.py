@@ -77,13 +77,14 @@ class Evaluator:
         result = {}
         if sums is not None:
             _, _, metrics = jax.device_get(sums)
-            result = {k: float(v) for k, v in metric_means(metrics).items()}
+            counted = {k for k, (_, c) in metrics.items() if c > 0}  # as drop_uncounted
+            result = {k: float(v) for k, v in metric_means(metrics).items() if k in counted}
         if self.pairs:
             states = self.algorithm.policy_view(self.run.graphdef, params, frozen["model"])[1]
             result.update(self._generate(states))
             if step is not None and "exact_match" in result and jax.process_index() == 0:
                 self._write_per_problem(step, result["exact_match"])
-        if self.is_nll and math.isfinite(result["loss"]):
+        if self.is_nll and math.isfinite(result.get("loss", math.nan)):
             result["perplexity"] = math.exp(min(result["loss"], 50.0))
         return result
 

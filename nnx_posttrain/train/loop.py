@@ -288,6 +288,7 @@ def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evalua
 
     def log_train(info):
         metrics = {k: float(v) for k, v in jax.device_get(info.metrics).items()}
+        metrics = step_lib.drop_uncounted(metrics)  # KTO's rejected metrics in a batch without any
         nonfinite = metrics.pop("nonfinite")  # this step's flag: not checked by the guard yet
         if cfg.optim.on_nonfinite == "skip":
             metrics["skipped_steps"] = float(guard.skipped + nonfinite)

@@ -12,6 +12,8 @@ they were (its ``nonfinite`` metric is 1; the loop decides whether to stop or go
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -61,6 +63,17 @@ def metric_means(metrics: dict) -> dict:
     return {
         name: jnp.where(c > 0, s / jnp.where(c > 0, c, 1.0), jnp.nan) for name, (s, c) in metrics.items()
     }
+
+
+def drop_uncounted(metrics: dict) -> dict:
+    """A step's host metrics without those nothing was counted for (KTO's ``rewards/rejected``
+    in a batch of desirable examples only): left out, as TRL leaves out a split it saw no
+    example of, instead of logged as NaN. Told by the finite loss: every counted metric comes
+    from the same log-probabilities, so with a finite loss a NaN mean is an empty count; a
+    non-finite loss or gradient norm keeps every value (the step guard reports it)."""
+    if not all(math.isfinite(metrics.get(k, math.nan)) for k in ("loss", "grad_norm")):
+        return metrics
+    return {k: v for k, v in metrics.items() if not math.isnan(v)}
 
 
 def _with_batch(modules, batch):
