@@ -721,15 +721,20 @@ def test_unpaired_preference(tok):
     conv = t({"prompt": [{"role": "user", "content": "What is 2 + 3?"}],
               "completion": [{"role": "assistant", "content": "5"}], "label": np.bool_(True)})
     assert tok.decode(masked_ids(conv)) == "5<end_of_turn>" and conv["label"] == 1.0
+    # 1 / 0 as TRL reads them (a pandas or CSV export's labels)
+    for number, value in ((1, 1.0), (0, 0.0), (np.int64(1), 1.0)):
+        assert t({"prompt": "What is 2 + 3?", "completion": "5", "label": number})["label"] == value
 
 
 @pytest.mark.parametrize(
     "record, message",
     [
-        ({"prompt": "p", "completion": "c", "label": 1},
-         r"^x:2: field 'label' must be a boolean \(true or false\), got int$"),
+        ({"prompt": "p", "completion": "c", "label": 2},
+         r"^x:2: field 'label' must be a boolean \(true or false, or 1 / 0\), got int 2$"),
         ({"prompt": "p", "completion": "c", "label": "yes"},
-         r"^x:2: field 'label' must be a boolean \(true or false\), got str$"),
+         r"^x:2: field 'label' must be a boolean \(true or false, or 1 / 0\), got str$"),
+        ({"prompt": "p", "completion": "c", "label": 1.0},
+         r"^x:2: field 'label' must be a boolean \(true or false, or 1 / 0\), got float$"),
         ({"prompt": "p", "completion": "c"}, r"^x:2: field 'label' is missing$"),
         ({"prompt": "p", "completion": "", "label": True}, r"^x:2: field 'completion' is empty$"),
         ({"completion": "c", "label": True}, r"^x:2: field 'prompt' is missing$"),

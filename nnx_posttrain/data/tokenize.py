@@ -239,7 +239,7 @@ def _has_margin(src, scan: int = 100) -> bool:
 
 @dataclass
 class TokenizeUnpaired(_SequenceTransform):
-    """An unpaired preference record (``prompt``, ``completion``, boolean ``label``) ->
+    """An unpaired preference record (``prompt``, ``completion``, boolean or 1 / 0 ``label``) ->
     ``input_ids``, ``attention_mask``, ``loss_mask`` (completion only), ``label`` (1.0 desirable,
     0.0 undesirable), ``truncated``."""
 
@@ -250,9 +250,12 @@ class TokenizeUnpaired(_SequenceTransform):
         if record.get("label") is None:
             raise DataError(f"{where}: field 'label' is missing")
         label = record["label"]
-        if not isinstance(label, (bool, np.bool_)):
-            raise DataError(f"{where}: field 'label' must be a boolean (true or false), got "
-                            f"{type(label).__name__}")
+        # 1 / 0 as well, as TRL (it tests the label's truth): a pandas or CSV export writes them
+        integral = isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_))
+        if not (isinstance(label, (bool, np.bool_)) or integral and label in (0, 1)):
+            shown = f"int {label}" if integral else type(label).__name__
+            raise DataError(f"{where}: field 'label' must be a boolean (true or false, or 1 / 0), "
+                            f"got {shown}")
         head, tail, add_eos = _prompt_completion(record, "prompt", "completion", self.chat_format)
         ex = _sequence(self.tokenizer, self.chat_format, head, tail, add_eos, self.max_length,
                        self.truncation, self.max_prompt_length)
