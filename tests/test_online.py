@@ -224,6 +224,36 @@ def test_a_reward_module_or_result_a_user_gets_wrong_is_named(tmp_path, monkeypa
         rewards.resolve("raising_rewards_a:f")
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--algo.rewards", "no_such_module_a:f"], "--algo.rewards no_such_module_a:f: cannot import"),
+    (["--algo.rewards", "exact_match,format", "--algo.reward-weights", "1"],
+     "--algo.reward-weights has 1 values for 2 reward functions"),
+    (["--algo.rewards", "exact_match", "--algo.reward-weights", "one"],
+     "--algo.reward-weights 'one': expected numbers separated by commas"),
+    (["--algo.rewards", "test_online:needs_solution"], "reward 'needs_solution' needs column(s) "
+                                                       "'solution'"),
+])
+def test_a_reward_that_cannot_work_is_refused_before_the_model_loads(tmp_path, prompt_files,
+                                                                       extra, message):
+    # the model named here cannot load: the reward's message shows the model was never reached
+    with pytest.raises(SystemExit) as info:
+        _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", *extra,
+             "--model", str(tmp_path / "no_model"))
+    assert message in str(info.value.code) and "no_model" not in str(info.value.code)
+
+
+def test_a_run_directory_given_as_a_reward_must_be_a_reward_models(tmp_path, prompt_files):
+    (tmp_path / "sft_run").mkdir()
+    (tmp_path / "sft_run" / "config.json").write_text('{"algo_name": "SFTConfig"}')
+    with pytest.raises(SystemExit, match="sft_run: not a reward-model run .its algorithm is SFT"):
+        _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
+             "--algo.rewards", str(tmp_path / "sft_run"), "--model", str(tmp_path / "no_model"))
+
+
+def needs_solution(prompts, completions, solution, **_):
+    return [1.0] * len(completions)
+
+
 def test_a_step_where_no_completion_got_a_reward_is_warned(tmp_path, prompt_files):
     with pytest.warns(RuntimeWarning, match="no completion of the batch got a reward: all_none "
                                             "returned None"):

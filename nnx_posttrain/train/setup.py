@@ -20,10 +20,15 @@ def build_model(cfg, algorithm, echo, init_step: int | None = None):
 
 
 def sources(cfg, algorithm):
-    """(train source, eval source or None), opened before the model loads: a missing file or a bad
-    data option is refused in seconds, not after a large model's minutes of loading."""
+    """(train source, eval source or None), opened before the model loads: a missing file, a bad
+    data option or an online run's reward that cannot be found, imported or fed from the data is
+    refused in seconds, not after a large model's minutes of loading."""
     kind = algorithm.data_kind
     train_src = data.source(cfg.data, "train", builtin=kind)
+    if hasattr(algorithm.cfg, "rewards"):
+        from nnx_posttrain.algorithms.online import rewards
+
+        rewards.check(algorithm.cfg, train_src, cfg.data)
     eval_spec = cfg.eval_data or ("builtin" if cfg.data == "builtin" else None)
     return train_src, (data.source(eval_spec, "eval", builtin=kind) if eval_spec else None)
 

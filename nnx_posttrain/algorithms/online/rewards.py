@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import sys
@@ -113,7 +114,8 @@ def _import(name: str, module_name: str, attr: str):
 
 def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
     """``--algo.rewards`` -> [(name, function)]; a clear error for a name that is none of the
-    three kinds. ``load_run`` (``nnx_posttrain.runs.load``) reads a reward-model run."""
+    three kinds. ``load_run`` (``nnx_posttrain.runs.load``) reads a reward-model run; without it
+    a reward-model run is only checked (its ``config.json``'s algorithm) and stands as None."""
     out = []
     for name in (x.strip() for x in spec.split(",") if x.strip()):
         if name in BUILTIN:
@@ -121,8 +123,9 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
         elif ":" in name and not Path(name).exists():
             module_name, _, attr = name.partition(":")
             out.append((attr, _import(name, module_name, attr)))
-        elif (Path(name) / "config.json").exists() and load_run is not None:
-            out.append((Path(name).name, RewardModelScore(name, load_run(name))))
+        elif (Path(name) / "config.json").exists():
+            out.append((Path(name).name, RewardModelScore(name, load_run(name)) if load_run
+                        else _reward_run(name)))
         else:
             raise SystemExit(
                 f"--algo.rewards {name!r}: not a built-in reward ({', '.join(BUILTIN)}), a "
@@ -130,6 +133,30 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
     if not out:
         raise SystemExit("--algo.rewards: give at least one reward function")
     return out
+
+
+def _reward_run(run_dir: str) -> None:
+    """A reward-model run directory checked by its ``config.json`` (before anything loads)."""
+    try:
+        algo = json.loads((Path(run_dir) / "config.json").read_text()).get("algo_name")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise SystemExit(f"--algo.rewards {run_dir}: its config.json cannot be read ({exc})") from None
+    if algo != "RewardConfig":
+        what = f"its algorithm is {algo}" if algo else "its config.json names no algorithm: SFT"
+        raise SystemExit(f"--algo.rewards {run_dir}: not a reward-model run ({what})")
+
+
+def check(cfg, train_src, data_name: str) -> None:
+    """``--algo.rewards`` / ``--algo.reward-weights`` of an online run (``cfg``: its algorithm's
+    config) checked before the model loads: each name found and imported, a reward-model run's
+    algorithm, the weights' count, the rewards' columns in the first record of ``train_src``."""
+    from nnx_posttrain import data
+
+    fns = resolve(cfg.rewards)
+    weights(cfg.reward_weights, len(fns))
+    if len(train_src):
+        check_columns([(n, f) for n, f in fns if f is not None],
+                      data.extra_columns(train_src, [0], exclude=())[0], data_name)
 
 
 # the reward function's own arguments, not dataset columns
@@ -218,7 +245,11 @@ def _first_failing_row(fn, prompts, completions, columns) -> int | None:
 def weights(spec: str | None, n: int) -> np.ndarray:
     if not spec:
         return np.ones(n, np.float32)
-    values = [float(x) for x in spec.split(",")]
+    try:
+        values = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"--algo.reward-weights {spec!r}: expected numbers separated by commas, "
+                         f"one per reward function (e.g. 1.0,0.5)") from None
     if len(values) != n:
         raise SystemExit(f"--algo.reward-weights has {len(values)} values for {n} reward functions")
     return np.asarray(values, np.float32)
