@@ -135,12 +135,22 @@ def test_other_online_algorithms_run_with_their_metrics(tmp_path, prompt_files, 
         "ppo": ("loss", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg",
                 "val/clipfrac_avg", "objective/kl", "objective/scores", "objective/rlhf_reward"),
         "online_dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
-                       "rewards/accuracies", "reward"),
+                       "rewards/accuracies", "reward", "objective/kl", "objective/entropy",
+                       "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
+                       "objective/scores_margin", "val/contain_eos_token", "beta"),
     }[name]
     for key in expected:
         assert all(math.isfinite(r[key]) for r in records), key
     if name == "ppo":  # the value head starts at zero: non-zero returns give it a loss to learn
         assert records[-1]["loss/value_avg"] > 0
+    if name == "online_dpo":  # TRL's relations between its objective/* metrics
+        for r in records:
+            assert r["objective/non_score_reward"] == pytest.approx(-0.1 * r["objective/kl"],
+                                                                  rel=1e-5, abs=1e-7)
+            assert r["objective/rlhf_reward"] == pytest.approx(
+                r["objective/scores"] + r["objective/non_score_reward"], rel=1e-5, abs=1e-6)
+            assert r["objective/entropy"] > 0 and 0 <= r["val/contain_eos_token"] <= 1
+            assert r["beta"] == 0.1
 
 
 def test_resume_between_rollouts_equals_the_uninterrupted_run(tmp_path, prompt_files):

@@ -1,15 +1,24 @@
-"""Online DPO: two samples per prompt, ranked by the reward, DPO loss."""
+"""Online DPO: two samples per prompt, ranked by the reward, DPO loss.
+
+Besides DPO's metrics it logs TRL's OnlineDPOTrainer ones: ``objective/kl`` (the mean over the
+completions of their summed log pi - log pi_ref), ``objective/entropy`` (the mean of -log pi
+summed over each completion), ``objective/non_score_reward`` (-beta times the KL),
+``objective/rlhf_reward`` (the completion's reward plus that), ``objective/scores``,
+``objective/scores_margin``, ``val/contain_eos_token`` and ``beta``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
+import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, SamplingConfig
 from nnx_posttrain.algorithms.preference import pair_logps
 from nnx_posttrain.algorithms.registry import register
+from nnx_posttrain.losses.common import _mean_metric
 from nnx_posttrain.losses.dpo import dpo
 
 
@@ -47,10 +56,23 @@ class OnlineDPO(OnlineAlgorithm):
         for key in ("input_ids", "attention_mask", "loss_mask", "positions"):
             out[f"chosen_{key}"] = batch[key][chosen]
             out[f"rejected_{key}"] = batch[key][rejected]
-        return out, {"objective/scores_margin": float(np.abs(pairs[:, 0] - pairs[:, 1]).mean())}
+        out["chosen_score"] = np.asarray(scores[chosen], np.float32)  # for objective/rlhf_reward
+        out["rejected_score"] = np.asarray(scores[rejected], np.float32)
+        return out, {"objective/scores": float(np.mean(scores)),
+                     "objective/scores_margin": float(np.abs(pairs[:, 0] - pairs[:, 1]).mean()),
+                     "val/contain_eos_token": float(np.mean(finished)), "beta": self.cfg.beta}
 
     def loss(self, module, batch, reference=None):
         lp = pair_logps(module, batch, self.logprob_chunk)
         ref = self.reference(module, reference, lambda m: pair_logps(m, batch, self.logprob_chunk))
-        return dpo(lp["chosen"], lp["rejected"], ref["chosen"], ref["rejected"],
-                   beta=self.cfg.beta, loss_type=self.cfg.loss_type)
+        total, weight, metrics = dpo(lp["chosen"], lp["rejected"], ref["chosen"], ref["rejected"],
+                                     beta=self.cfg.beta, loss_type=self.cfg.loss_type)
+        # TRL's objective/* over both completions of every pair (sequence sums, no gradient)
+        logps = jnp.concatenate([lp["chosen"], lp["rejected"]])
+        kl = logps - jnp.concatenate([ref["chosen"], ref["rejected"]])
+        scores = jnp.concatenate([batch["chosen_score"], batch["rejected_score"]])
+        for name, values in (("objective/kl", kl), ("objective/entropy", -logps),
+                             ("objective/non_score_reward", -self.cfg.beta * kl),
+                             ("objective/rlhf_reward", scores - self.cfg.beta * kl)):
+            metrics[name] = _mean_metric(values)
+        return total, weight, metrics
