@@ -178,8 +178,34 @@ def test_progress_bars_redraw_rarely_where_they_go_to_a_file():
     assert progress.interval(_Stream(False), tqdm_notebook) == progress.TERMINAL_INTERVAL
     import io
 
+    from tqdm.auto import tqdm
+
     out = io.StringIO()  # not a terminal
     with progress.bar(total=3, file=out, desc="steps") as bar:
         assert bar.mininterval == progress.LOGGED_INTERVAL
-        bar.update(3)
-    assert "steps: 100%" in out.getvalue()
+        bar.update(1)
+        bar.refresh()
+        tqdm.write("[eval step 1] loss 1.0", file=out)  # as the loop's messages
+        bar.update(2)
+    # one line per redraw, the message on a line of its own: no carriage return, no blanks
+    lines = out.getvalue().split("\n")
+    assert "\r" not in out.getvalue() and lines[-1] == "", lines
+    assert lines[0].startswith("steps:   0%") and lines[1].startswith("steps:  33%"), lines
+    assert "[eval step 1] loss 1.0" in lines and lines[-2].startswith("steps: 100%"), lines
+    assert all(line == line.strip() and line for line in lines[:-1]), lines
+
+
+def test_a_run_logged_to_a_file_has_its_evaluations_on_their_own_lines(tmp_path):
+    """The loop's bar (stderr) and its evaluation lines (stdout) in one file, as ``> log 2>&1``:
+    no line holds both."""
+    log = tmp_path / "log"
+    with log.open("w") as f:
+        subprocess.run([sys.executable, "-m", "experiments.sft", "--model", "gemma_micro",
+                        "--steps", "4", "--eval.every", "2", "--eval.batches", "1",
+                        "--eval.exact-match", "0", "--run-dir", str(tmp_path / "run")],
+                       stdout=f, stderr=subprocess.STDOUT, check=True, cwd=ROOT)
+    text = log.read_text()
+    assert "\r" not in text, text
+    evals = [line for line in text.splitlines() if "[eval step" in line]
+    assert len(evals) == 3 and all(line.startswith("[eval step") for line in evals), text
+    assert any(line.startswith("sft: 100%") for line in text.splitlines()), text
