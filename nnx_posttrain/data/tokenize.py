@@ -36,6 +36,7 @@ from nnx_posttrain.data.formats import (
     _where,
     data_format,
     detect_format,
+    first_readable,
     preference_parts,
 )
 
@@ -229,12 +230,10 @@ def _margin(record: dict) -> np.float32:
 
 def _has_margin(src, scan: int = 100) -> bool:
     """Whether the first readable record of ``src`` has TRL's ``margin`` column."""
-    for i in range(min(len(src), scan)):
-        try:
-            return "margin" in _columns(src[i])
-        except DataError:
-            continue
-    return False
+    try:
+        return first_readable(src, lambda record: "margin" in _columns(record), scan)
+    except DataError:
+        return False
 
 
 @dataclass
