@@ -446,6 +446,20 @@ def test_the_data_margin_column_reaches_the_reward_loss_and_a_bad_one_is_named()
         transform(src[1])
     with pytest.raises(data.DataError, match="field 'margin' must be a finite number, got str"):
         transform(src[2])
+    # the column is the data's when any early record names it, a null first value too (Parquet);
+    # a margin on a later record only is refused, never dropped
+    for rows in ([UNEVEN[0], dict(UNEVEN[1], margin=2.0)], [dict(UNEVEN[0], margin=None), UNEVEN[1]]):
+        src = data.ListSource(rows, "pairs.jsonl")
+        transform = data.make_transform(src, lm.tokenizer, lm.chat_format, MAX_LEN)
+        assert transform.margin
+        with pytest.raises(data.DataError, match=r"field 'margin' is (missing|null) \(the data"):
+            transform(src[0])
+    src = data.ListSource([UNEVEN[0]] * 100 + [dict(UNEVEN[1], margin=2.0)], "pairs.jsonl")
+    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, MAX_LEN)
+    assert not transform.margin and "margin" not in transform(src[0])
+    with pytest.raises(data.DataError, match="field 'margin' is set here but in none of the data's "
+                                             "first records"):
+        transform(src[100])
 
 
 def test_reward_run_logs_accuracy_and_no_exact_match(tmp_path, pref_files):

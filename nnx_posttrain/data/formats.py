@@ -73,16 +73,10 @@ def data_format(src, format: str = "auto", scan: int = 100) -> str:
         if format not in FORMATS:
             raise ValueError(f"unknown data format {format!r}; expected 'auto' or one of {FORMATS}")
         return format
-    return first_readable(src, lambda record: coarse_format(detect_format(record)), scan)
-
-
-def first_readable(src, read, scan: int = 100):
-    """``read(record)`` of the first of the first ``scan`` records of ``src`` that neither reading
-    nor ``read`` refuses (``DataError``); the first refusal, or 'no records', when all are."""
     first_error = None
     for i in range(min(len(src), scan)):
         try:
-            return read(src[i])
+            return coarse_format(detect_format(src[i]))
         except DataError as exc:
             first_error = first_error or exc
     if first_error is not None:

@@ -36,7 +36,6 @@ from nnx_posttrain.data.formats import (
     _where,
     data_format,
     detect_format,
-    first_readable,
     preference_parts,
 )
 
@@ -213,14 +212,18 @@ class TokenizePreference(_SequenceTransform):
         out["truncated"] = np.int32(truncated)
         if self.margin:
             out["margin"] = _margin(record)
+        elif record.get("margin") is not None:  # never dropped without a word
+            raise DataError(f"{_where(record)}: field 'margin' is set here but in none of the "
+                            "data's first records: give every record a margin, or none")
         return out
 
 
 def _margin(record: dict) -> np.float32:
     value = record.get("margin")
     if value is None:
-        raise DataError(f"{_where(record)}: field 'margin' is missing (the data has a 'margin' "
-                        "column: every record needs one)")
+        state = "null" if "margin" in record else "missing"
+        raise DataError(f"{_where(record)}: field 'margin' is {state} (the data has a 'margin' "
+                        "column: every record needs a number there)")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
             or not np.isfinite(value):
         raise DataError(f"{_where(record)}: field 'margin' must be a finite number, got "
@@ -229,11 +232,16 @@ def _margin(record: dict) -> np.float32:
 
 
 def _has_margin(src, scan: int = 100) -> bool:
-    """Whether the first readable record of ``src`` has TRL's ``margin`` column."""
-    try:
-        return first_readable(src, lambda record: "margin" in _columns(record), scan)
-    except DataError:
-        return False
+    """Whether the data has TRL's ``margin`` column: any of its first ``scan`` records names it
+    (a null there too: a Parquet column with a missing first value). A margin set on a later
+    record only is refused by the transform, so none is dropped silently."""
+    for i in range(min(len(src), scan)):
+        try:
+            if "margin" in src[i]:
+                return True
+        except DataError:
+            continue
+    return False
 
 
 @dataclass
@@ -247,12 +255,12 @@ class TokenizeUnpaired(_SequenceTransform):
     def __call__(self, record: dict) -> dict:
         where = _where(record)
         if record.get("label") is None:
-            raise DataError(f"{where}: field 'label' is missing")
+            raise DataError(f"{where}: field 'label' is {'null' if 'label' in record else 'missing'}")
         label = record["label"]
         # 1 / 0 as well, as TRL (it tests the label's truth): a pandas or CSV export writes them
         integral = isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_))
         if not (isinstance(label, (bool, np.bool_)) or integral and label in (0, 1)):
-            shown = f"int {label}" if integral else type(label).__name__
+            shown = f"{type(label).__name__} {label!r:.40}"
             raise DataError(f"{where}: field 'label' must be a boolean (true or false, or 1 / 0), "
                             f"got {shown}")
         head, tail, add_eos = _prompt_completion(record, "prompt", "completion", self.chat_format)
