@@ -29,6 +29,36 @@ class LoadedRun:
     module: nnx.Module  # the trained model with the checkpoint's weights in it: the backbone, or
     # the algorithm's wrapper around it (a reward model's scalar head, a policy's value head)
 
+    def policy(self) -> nnx.Module:
+        """The language model that generates (and is exported): the backbone, a PPO run's
+        without its value head (TRL's PPO saves the policy alone). A reward model has none:
+        ``NotAPolicyError`` saying how it is used instead."""
+        if isinstance(self.module, heads.RewardModel):
+            raise NotAPolicyError(self.run_dir)
+        if isinstance(self.module, heads.PolicyWithValue):
+            return self.module.backbone
+        return self.module
+
+
+class NotAPolicyError(ValueError):
+    """A run whose model does not generate (a reward model); the message says how it is used."""
+
+    def __init__(self, run_dir):
+        super().__init__(
+            f"{run_dir} is a reward model (a scalar head on the backbone): it scores completions "
+            f"and does not generate, and only language models are exported. Use it as an online "
+            f"run's reward (--algo.rewards {run_dir}), or score token ids with "
+            "runs.load(...).module(ids, mask) in a notebook")
+
+
+def check_policy(run_dir: str | Path) -> dict:
+    """``run_dir``'s config, after checking, before anything loads, that its model generates
+    (``NotARunError``, ``NotAPolicyError``)."""
+    saved = run_config(run_dir)
+    if head_of(saved) == "reward":
+        raise NotAPolicyError(run_dir)
+    return saved
+
 
 class NotARunError(FileNotFoundError):
     """A directory given as a run that is none (no config.json, or not a run's)."""
@@ -96,28 +126,52 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
     )
     ckpt = _reader(run_dir)
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None or step not in ckpt.all_steps():
-            raise FileNotFoundError(
-                f"{run_dir / 'checkpoints'}: no complete checkpoint"
-                + (f" at step {step}; available: {ckpt.all_steps()}" if step is not None else "")
-            )
+        _pick_step(ckpt, run_dir, step)  # a missing checkpoint: before the model is built
         lm, module = build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
-                                 head=_head_of(saved_cfg), echo=echo, chat_format=cfg.chat_format)
+                                 head=head_of(saved_cfg), echo=echo, chat_format=cfg.chat_format)
         _, params, _ = model.split(module)
         mesh = sharding.make_mesh(config_lib.MeshConfig(data=mesh_devices))
         replicated = NamedSharding(mesh, P())
         template = {"params": params, "step": jnp.zeros((), jnp.int32),
                     "rng": jax.random.key_data(jax.random.key(cfg.seed))}
-        state = ckpt.restore_weights(step, checkpoint.abstract(template, replicated),
-                                     checkpoint.model_record(cfg, template))
+        # a run that is still training saves and rotates its checkpoints (--checkpoint.keep)
+        # meanwhile: the latest is picked again once the model is built, and once more if it
+        # is removed while it is read
+        for attempt in range(3):
+            chosen = _pick_step(ckpt, run_dir, step)
+            try:
+                state = ckpt.restore_weights(chosen, checkpoint.abstract(template, replicated),
+                                             checkpoint.model_record(cfg, template))
+                break
+            except FileNotFoundError:
+                if (run_dir / "checkpoints" / str(chosen)).exists():
+                    raise
+                if step is not None or attempt == 2:
+                    raise FileNotFoundError(
+                        f"{run_dir / 'checkpoints'}: checkpoint {chosen} was removed while it "
+                        "was read (a run still training there keeps only its last "
+                        "--checkpoint.keep checkpoints); read it again"
+                        + ("" if step is None else " with a later --step, or without one")
+                    ) from None
+        step = chosen
     finally:
         ckpt.close()
     nnx.update(module, state["params"])
     return LoadedRun(run_dir, saved_cfg, step, lm, state, module)
 
 
-def _head_of(saved_cfg: dict) -> str | None:
+def _pick_step(ckpt, run_dir: Path, step: int | None) -> int:
+    """``step``, or the latest complete checkpoint, as the directory holds them now."""
+    ckpt.manager.reload()
+    step = ckpt.latest_step() if step is None else step
+    if step is None or step not in ckpt.all_steps():
+        raise FileNotFoundError(
+            f"{run_dir / 'checkpoints'}: no complete checkpoint"
+            + (f" at step {step}; available: {ckpt.all_steps()}" if step is not None else ""))
+    return step
+
+
+def head_of(saved_cfg: dict) -> str | None:
     """The scalar head of the algorithm that trained a run (found by its settings' class name)."""
     by_config = {a.Config.__name__: a for a in registry.ALGORITHMS.values()}
     algorithm = by_config.get(saved_cfg.get("algo_name"))

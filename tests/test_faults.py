@@ -217,6 +217,35 @@ def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
         export.main([str(cut), "--to", str(tmp_path / "out")])
 
 
+def test_reading_a_run_whose_checkpoint_rotation_removes_the_latest_meanwhile(copy, monkeypatch):
+    """tools.sample / tools.export / runs.load on a run that is still training: its rotation
+    can remove the checkpoint picked while the model is built (seconds to minutes). The latest
+    is picked again after the build; an explicit --step that is gone is named as removed."""
+    build = runs.build_model
+
+    def build_while_rotating(*args, **kwargs):
+        out = build(*args, **kwargs)
+        if (copy / "checkpoints" / "4").exists():
+            shutil.rmtree(copy / "checkpoints" / "4")  # as the live run's --checkpoint.keep
+        return out
+
+    monkeypatch.setattr(runs, "build_model", build_while_rotating)
+    assert runs.load(copy).step == 2
+    shutil.copytree(copy / "checkpoints" / "2", copy / "checkpoints" / "4")
+    real_restore = checkpoint.Checkpointer.restore_weights
+
+    def removed_while_read(self, step, *args):
+        shutil.rmtree(copy / "checkpoints" / str(step))
+        return real_restore(self, step, *args)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore_weights", removed_while_read)
+    with pytest.raises(FileNotFoundError, match="checkpoint 2 was removed while it was read .a "
+                                                "run still training there keeps only its last "
+                                                "--checkpoint.keep checkpoints.; read it again "
+                                                "with a later --step"):
+        runs.load(copy, step=2)
+
+
 def test_a_resume_keeps_the_init_from_checkpoint_it_started_from(tmp_path, capsys):
     """The --init-from run trains on after a DPO run started from it: the resumed DPO run still
     starts (and takes its reference model) from the checkpoint it began with, and equals a run

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from nnx_posttrain import inspection, model, runs
-from support import experiment_command
+from support import experiment_command, run_command
 from tools import export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +98,39 @@ def test_export_keras_preset_round_trips_with_the_same_logits(which, request, tm
     assert float(jnp.max(jnp.abs(got - expected))) < 1e-5
     task = keras_hub.models.CausalLM.from_preset(str(out))
     np.testing.assert_allclose(model.full_logits(task.backbone, IDS, MASK), expected, atol=1e-5)
+
+
+def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(tmp_path):
+    """PPO trains the backbone with a value head: tools.sample and tools.export take the policy
+    (TRL's PPO saves it alone); a reward model does not generate and is refused, before it
+    loads, with how it is used instead."""
+    from tools import sample
+
+    ppo = tmp_path / "ppo"
+    run_command(experiment_command("ppo", ppo, "--init-from", "", "--steps", "2",
+                                   "--batching.batch-size", "8", "--eval.every", "0",
+                                   "--optim.learning-rate", "1e-2", "--algo.rewards", "length"))
+    loaded = runs.load(ppo)
+    assert type(loaded.module).__name__ == "PolicyWithValue"
+    expected = model.full_logits(loaded.policy(), IDS, MASK)
+    assert len(sample.main([str(ppo), "--prompt", "What is 2 + 3?", "--max-new-tokens", "4"])) == 1
+    export.main([str(ppo), "--to", str(tmp_path / "preset")])
+    got = model.full_logits(model.load(str(tmp_path / "preset")).module, IDS, MASK)
+    assert float(jnp.max(jnp.abs(got - expected))) < 1e-5
+    assert float(jnp.max(jnp.abs(expected - model.full_logits(
+        model.load("gemma_micro").module, IDS, MASK)))) > 1e-4  # trained: not the start's
+
+    rm = tmp_path / "rm"
+    (rm / "checkpoints").mkdir(parents=True)  # refused by its config alone, before any loading
+    (rm / "config.json").write_text(json.dumps(
+        dict(json.loads((ppo / "config.json").read_text()), algo_name="RewardConfig")))
+    for call in (lambda: sample.main([str(rm), "--prompt", "hi"]),
+                 lambda: export.main([str(rm), "--to", str(tmp_path / "rm_out")])):
+        with pytest.raises(SystemExit, match=f"{rm} is a reward model .* does not generate, and "
+                                             f"only language models are exported. Use it as an "
+                                             f"online run's reward .--algo.rewards {rm}."):
+            call()
+    assert not (tmp_path / "rm_out").exists()
 
 
 def test_export_hf_writes_safetensors_and_config(lora_run, tmp_path):

@@ -83,15 +83,17 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None, fmt: st
     if adapters_only and fmt != "hf":
         raise ExportError("--adapters-only writes PEFT's format: use it with --format hf")
     try:
-        saved = runs.run_config(run_dir)
-    except runs.NotARunError as exc:
+        saved = runs.check_policy(run_dir)
+    except (runs.NotARunError, runs.NotAPolicyError) as exc:
         raise ExportError(str(exc)) from None
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
-        raise ExportError(f"--to {to}: exists and is not an empty directory; choose a new one")
+        what = "is not an empty directory" if to.is_dir() else "is a file"
+        raise ExportError(f"--to {to}: exists and {what}; choose a new one")
     if adapters_only and not saved["lora"]["rank"]:
         raise ExportError(f"--adapters-only: {run_dir} trained every weight (no LoRA adapters)")
     try:
         loaded = runs.load(run_dir, step)
+        policy = loaded.policy()  # a PPO run: the policy, without its value head
     except FileNotFoundError as exc:
         raise ExportError(f"{run_dir}: nothing to export: {exc}") from None
     task = loaded.lm.task
@@ -105,7 +107,7 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None, fmt: st
             what = f"the LoRA adapters of step {loaded.step} of {run_dir} ({family}, {dtype})"
             kind = "PEFT adapters"
         else:
-            merged = inspection.merge_lora(loaded.module)
+            merged = inspection.merge_lora(policy)
             if fmt == "keras":
                 to.mkdir(parents=True, exist_ok=True)
                 _cast_task(task, dtype).save_to_preset(str(to))

@@ -23,21 +23,25 @@ def main(argv=None) -> list[str]:
     parser.add_argument("run_dir")
     parser.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="at least 1")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-samples", type=int, default=1, help="answers per prompt")
     args = parser.parse_args(argv)
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or args.num_samples < 1:
-        parser.error("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --num-samples >= 1")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or args.num_samples < 1 \
+            or args.max_new_tokens < 1:
+        parser.error("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --num-samples >= 1, "
+                     "--max-new-tokens >= 1")
     try:
+        runs.check_policy(args.run_dir)  # a reward model: before it loads
         run = runs.load(args.run_dir, args.step)
-    except FileNotFoundError as exc:
+        policy = run.policy()  # a PPO run: the policy, without its value head
+    except (FileNotFoundError, runs.NotAPolicyError) as exc:
         raise SystemExit(f"error: {exc}") from None
     answers = sampler.sample_texts(
-        run.lm, run.module, args.prompt, args.max_new_tokens, temperature=args.temperature,
+        run.lm, policy, args.prompt, args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
     )
     flat = []
