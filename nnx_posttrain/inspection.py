@@ -1,7 +1,7 @@
 """Notebook helpers: what a model holds, what LoRA changed, how far a policy moved, and merging.
 
-Every function takes the NNX module (``lm.module``, ``runs.load(...).module``: a KerasHub backbone)
-and works by Keras variable path (e.g. ``'decoder_block_0/attention/query/kernel'``).
+Every function takes the NNX module (``lm.module``, ``runs.load(...).module``: a KerasHub backbone,
+or a reward model's / PPO policy's scalar-head wrapper around one) and works by Keras variable path (e.g. ``'decoder_block_0/attention/query/kernel'``).
 
     from nnx_posttrain import inspection, runs
     run = runs.load("runs/sft_lora")
@@ -19,8 +19,15 @@ from flax import nnx
 from nnx_posttrain import model
 
 
+def _keras(module):
+    """The Keras backbone of ``module``: itself, or the backbone inside a scalar-head wrapper (a
+    reward model's, a PPO policy's value head), which holds every LoRA layer."""
+    return module if hasattr(module, "_flatten_layers") else module.backbone
+
+
 def _lora_layers(module) -> list:
-    return [l for l in module._flatten_layers(include_self=False) if getattr(l, "lora_enabled", False)]
+    return [l for l in _keras(module)._flatten_layers(include_self=False)
+            if getattr(l, "lora_enabled", False)]
 
 
 def _variables(module) -> dict[str, jnp.ndarray]:
@@ -73,6 +80,7 @@ def merge_lora(module) -> list[str]:
         object.__setattr__(layer, "lora_alpha", None)
         merged.append(layer.path)
     if merged:
+        module = _keras(module)
         module.trainable = True  # enable_lora froze every layer; a plain model trains everything
         for layer in module._flatten_layers(include_self=False):
             layer.trainable = True

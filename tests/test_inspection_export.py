@@ -109,9 +109,11 @@ def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(
     ppo = tmp_path / "ppo"
     run_command(experiment_command("ppo", ppo, "--init-from", "", "--steps", "2",
                                    "--batching.batch-size", "8", "--eval.every", "0",
-                                   "--optim.learning-rate", "1e-2", "--algo.rewards", "length"))
+                                   "--optim.learning-rate", "1e-2", "--algo.rewards", "length",
+                                   "--lora.rank", "2", "--lora.targets", "attention"))
     loaded = runs.load(ppo)
     assert type(loaded.module).__name__ == "PolicyWithValue"
+    assert inspection.lora_delta_norms(loaded.module)  # through the wrapper, to its backbone
     expected = model.full_logits(loaded.policy(), IDS, MASK)
     assert len(sample.main([str(ppo), "--prompt", "What is 2 + 3?", "--max-new-tokens", "4"])) == 1
     export.main([str(ppo), "--to", str(tmp_path / "preset")])
