@@ -493,9 +493,10 @@ def test_reward_model_learns_a_learnable_preference(tmp_path):
     assert evals[-1]["accuracy"] >= 0.95 and evals[-1]["loss"] < evals[0]["loss"] / 2, evals
 
 
-def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_path):
+def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_path, capsys):
     """A batch (or eval set) without an undesirable example has no rejected metrics: they are
-    left out of the record, as TRL leaves out a class it saw none of, not logged as NaN."""
+    left out of the record, as TRL leaves out a class it saw none of, not logged as NaN; the
+    run warns that the data lacks the class."""
     from experiments.kto import DEFAULT
 
     rows = [{"prompt": f"What is {i} + 1?", "completion": f" {i + 1}", "label": True}
@@ -510,6 +511,34 @@ def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_
         assert "rewards/chosen" in r and "logps/chosen" in r, r
         assert not any(k.endswith("/rejected") for k in r), r
         assert all(not isinstance(v, str) or k == "split" for k, v in r.items()), r  # no "nan"
+    out = capsys.readouterr().out
+    assert "train data: 8 records, 0 bad (skipped), 0 truncated" in out
+    assert "8 desirable / 0 undesirable" in out
+    assert "warning: the train data has no undesirable example (8 desirable / 0 undesirable" in out
+
+
+@pytest.mark.parametrize("counts, weights, advice", [
+    ((50, 50), (1.0, 1.0), None),
+    ((60, 50), (1.0, 1.0), None),  # 1.2: inside TRL's [1, 4/3]
+    ((100, 50), (1.0, 1.0), "EITHER --algo.desirable-weight in [0.5, 0.67] OR "
+                            "--algo.undesirable-weight in [1.5, 2]"),
+    ((100, 50), (0.6, 1.0), None),
+    ((20, 80), (1.0, 1.0), "EITHER --algo.desirable-weight in [4, 5.32] OR "
+                           "--algo.undesirable-weight in [0.19, 0.25]"),
+])
+def test_kto_label_balance_follows_trls_advice(counts, weights, advice):
+    from nnx_posttrain.data.validate import ValidationReport
+    from nnx_posttrain.train.setup import _check_label_balance
+
+    said = []
+    report = ValidationReport(sum(counts), np.arange(sum(counts)), 0, desirable=counts[0],
+                              undesirable=counts[1])
+    _check_label_balance(report, KTO.Config(desirable_weight=weights[0],
+                                            undesirable_weight=weights[1]), said.append)
+    if advice is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and advice in said[0] and said[0].startswith("warning: "), said
 
 
 def test_drop_uncounted_keeps_every_value_of_a_non_finite_step():

@@ -31,6 +31,10 @@ class ValidationReport:
     identical_pairs: int = 0
     """Preference pairs whose chosen and rejected sides tokenize to the same sequence (no
     preference to learn)."""
+    desirable: int = 0
+    """Good unpaired-preference records labelled desirable (KTO)."""
+    undesirable: int = 0
+    """... and undesirable."""
 
     def __getitem__(self, key):
         return getattr(self, key)
@@ -48,7 +52,7 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
     if n == 0:
         raise DataError(f"{source_name(src)}: no records")
     good, no_loss = np.zeros(n, bool), np.zeros(n, bool)
-    bad, examples, truncated, identical = 0, [], 0, 0
+    bad, examples, truncated, identical, labels = 0, [], 0, 0, [0, 0]
     for i in range(n):
         try:
             ex = transform(src[i])
@@ -62,13 +66,16 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
         good[i] = True
         truncated += int(ex["truncated"])
         no_loss[i] = any(v.sum() == 0 for k, v in ex.items() if k.endswith("loss_mask"))
+        if "label" in ex:
+            labels[int(ex["label"] > 0)] += 1
         if "chosen_input_ids" in ex:
             identical += int(np.array_equal(ex["chosen_input_ids"], ex["rejected_input_ids"])
                              and np.array_equal(ex["chosen_loss_mask"], ex["rejected_loss_mask"]))
     if bad == n:
         raise DataError(f"{source_name(src)}: all {n} records are bad; the first: {examples[0]}")
     return ValidationReport(n, np.flatnonzero(good), bad, examples, truncated,
-                            int(no_loss.sum()), np.flatnonzero(no_loss), identical)
+                            int(no_loss.sum()), np.flatnonzero(no_loss), identical,
+                            labels[1], labels[0])
 
 
 def only_good(src, report: ValidationReport, drop_no_loss: bool = False):

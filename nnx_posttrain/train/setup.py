@@ -59,8 +59,12 @@ def datasets(cfg, lm, algorithm, echo, train_src, eval_src):
              "no loss token left" + (" (left out)" if report.no_loss_tokens else "")
              + (f", {report.identical_pairs} pairs with chosen == rejected (no preference to "
                 "learn)" if report.identical_pairs else "")
+             + (f", {report.desirable} desirable / {report.undesirable} undesirable"
+                if kind == "unpaired_preference" else "")
              + "".join("\n  skipped: " + m for m in report.bad_examples))
         _check_loss_tokens(name, src, report, cfg, echo)
+        if name == "train" and kind == "unpaired_preference":
+            _check_label_balance(report, algorithm.cfg, echo)
         sources.append(data.only_good(src, report, drop_no_loss=True))
         skipped += report.bad
     return sources[0], sources[1], transform, skipped
@@ -87,6 +91,29 @@ def _check_loss_tokens(name, src, report, cfg, echo) -> None:
                          "--batching.skip-bad to train on the other records")
     echo(f"  {name} data: {empty} records with no loss token left are left out (the first: "
          f"{first})")
+
+
+def _check_label_balance(report, algo_cfg, echo) -> None:
+    """KTO's desirable / undesirable balance, with TRL's advice (KTOTrainer): a class missing, or
+    weights outside the range where desirable_weight x desirable / (undesirable_weight x
+    undesirable) is in [1, 4/3], is warned about (training goes on)."""
+    d, u = report.desirable, report.undesirable
+    wd, wu = algo_cfg.desirable_weight, algo_cfg.undesirable_weight
+    if not (d and u):
+        missing = "undesirable" if d else "desirable"
+        echo(f"warning: the train data has no {missing} example ({d} desirable / {u} undesirable "
+             f"labels): KTO learns from the contrast of both kinds; the {missing} loss term and "
+             "its metrics are empty")
+        return
+    if d == u:
+        return
+    desirable = (round(u * wu / d, 2), round(u * wu / d * 1.33, 2))
+    undesirable = (round(d * wd / u / 1.33, 2), round(d * wd / u, 2))
+    if not (desirable[0] <= wd <= desirable[1] or undesirable[0] <= wu <= undesirable[1]):
+        echo(f"warning: {d} desirable and {u} undesirable examples, weighted {wd:g} / {wu:g}: as "
+             f"TRL advises, set EITHER --algo.desirable-weight in [{desirable[0]:g}, "
+             f"{desirable[1]:g}] OR --algo.undesirable-weight in [{undesirable[0]:g}, "
+             f"{undesirable[1]:g}] (not both)")
 
 
 def sequences_per_example(algorithm) -> int:
