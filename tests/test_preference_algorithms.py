@@ -517,6 +517,30 @@ def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_
     assert "warning: the train data has no undesirable example (8 desirable / 0 undesirable" in out
 
 
+def test_kto_reads_preference_pairs_as_trl_does(tmp_path, pref_files, capsys):
+    """KTO on preference pairs (TRL's maybe_unpair_preference_dataset): each pair a desirable
+    (chosen) and an undesirable (rejected) example, bad pairs named by their side."""
+    src = data.unpaired(data.ListSource(UNEVEN[:2] + [{"chosen": "a", "rejected": 3}], "p.jsonl"))
+    assert len(src) == 6
+    assert [(r["prompt"], r["completion"], r["label"], r["_where"]) for r in (src[0], src[1])] == [
+        ("What is 2 + 2?", "4", True, "p.jsonl[0] (chosen)"),
+        ("What is 2 + 2?", "twenty-two", False, "p.jsonl[0] (rejected)")]
+    with pytest.raises(data.DataError, match=r"p.jsonl\[2\]: field 'rejected' must be"):
+        src[5]
+    from experiments.kto import DEFAULT
+
+    experiment.main("kto", KTO, DEFAULT, args=_args(
+        tmp_path / "kto", "--steps", "2", "--batching.batch-size", "4", "--eval.batches", "4",
+        "--eval.every", "0", "--eval.exact-match", "0", data_files=pref_files))
+    out = capsys.readouterr().out
+    assert "preference pairs read as unpaired examples" in out
+    assert "train data: 48 records" in out and "24 desirable / 24 undesirable" in out
+    records = metrics_log.read(tmp_path / "kto")
+    assert [(r["step"], r["split"]) for r in records] == [(0, "eval"), (2, "train"), (2, "eval")]
+    assert all("rewards/chosen" in r and "rewards/rejected" in r for r in records
+               if r["split"] == "eval")  # the held-out pairs' both sides
+
+
 @pytest.mark.parametrize("counts, weights, advice", [
     ((50, 50), (1.0, 1.0), None),
     ((60, 50), (1.0, 1.0), None),  # 1.2: inside TRL's [1, 4/3]

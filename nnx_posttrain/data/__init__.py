@@ -38,6 +38,7 @@ from nnx_posttrain.data.formats import (
     detect_format,
     implicit_prompt,
     preference_parts,
+    unpaired,
 )
 from nnx_posttrain.data.sources import (
     SPLIT_NAMES,
@@ -90,6 +91,7 @@ __all__ = [
     "detect_format",
     "implicit_prompt",
     "preference_parts",
+    "unpaired",
     # tokenize
     "Tokenize",
     "TokenizePreference",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from nnx_posttrain import chat
 from nnx_posttrain.data.errors import DataError
-from nnx_posttrain.data.sources import source_name
+from nnx_posttrain.data.sources import Mixture, _row_index, source_name
 
 # Data formats (the ``format`` option; "auto" detects them from the columns).
 FORMATS = ("language_modeling", "prompt_completion", "preference", "unpaired_preference", "prompt_only")
@@ -217,3 +217,37 @@ def preference_parts(record: dict):
                 "'chosen' and 'rejected') is removed; give the prompt in a 'prompt' column"
             )
     return prompt, chosen, rejected
+
+
+class Unpaired:
+    """Preference pairs read as unpaired examples, as TRL's KTOTrainer reads them
+    (``maybe_unpair_preference_dataset``): record 2i is pair i's prompt with its chosen completion
+    (``label`` true), 2i + 1 the same prompt with its rejected one (false); the pair's other
+    columns are kept, and ``_where`` says which side."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def __len__(self) -> int:
+        return 2 * len(self.src)
+
+    def __getitem__(self, index: int) -> dict:
+        index = _row_index(index, len(self), source_name(self.src))
+        record = self.src[index // 2]
+        prompt, chosen, rejected = preference_parts(record)
+        side = "rejected" if index % 2 else "chosen"
+        out = {k: v for k, v in record.items() if k not in ("chosen", "rejected", "margin")}
+        out.update(prompt=prompt, completion=rejected if index % 2 else chosen,
+                   label=not index % 2, _where=f"{_where(record)} ({side})")
+        return out
+
+    def __repr__(self):
+        return f"Unpaired({self.src!r})"
+
+
+def unpaired(src):
+    """``src`` (preference pairs) as unpaired examples (``Unpaired``); a mixture part by part,
+    its weights kept."""
+    if isinstance(src, Mixture):
+        return Mixture([Unpaired(part) for part in src.sources], src.weights)
+    return Unpaired(src)

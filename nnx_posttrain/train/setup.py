@@ -38,6 +38,12 @@ def datasets(cfg, lm, algorithm, echo, train_src, eval_src):
     ``sources``, every record validated up front."""
     b = cfg.batching
     kind = algorithm.data_kind
+    if kind == "unpaired_preference" and data.data_format(train_src, b.format) == "preference":
+        # as TRL's KTOTrainer: each pair, a desirable and an undesirable example
+        train_src, eval_src = (data.unpaired(src) if src is not None and data.data_format(
+            src, b.format) == "preference" else src for src in (train_src, eval_src))
+        echo(f"{cfg.data}: preference pairs read as unpaired examples, as TRL's KTO reads them: "
+             "each pair's chosen completion desirable, its rejected one undesirable")
     transform = data.make_transform(train_src, lm.tokenizer, lm.chat_format, b.max_length,
                                     b.truncation, b.max_prompt_length, b.format)
     if b.packing and kind != "sft":
