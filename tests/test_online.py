@@ -260,6 +260,22 @@ def test_a_run_directory_given_as_a_reward_must_be_a_reward_models(tmp_path, pro
              "--algo.rewards", str(tmp_path / "sft_run"), "--model", str(tmp_path / "no_model"))
 
 
+def test_two_rewards_of_one_function_name_stay_two(tmp_path, monkeypatch):
+    """Metrics and per-function rewards are keyed by name: two functions that share one (in two
+    modules) are named by their full 'module:function', not merged into the second's."""
+    (tmp_path / "rew_one_a.py").write_text("def score(prompts, completions, **_):\n"
+                                           "    return [1.0] * len(completions)\n")
+    (tmp_path / "rew_two_a.py").write_text("def score(prompts, completions, **_):\n"
+                                           "    return [2.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    fns = rewards.resolve("rew_one_a:score,rew_two_a:score,length")
+    assert [name for name, _ in fns] == ["rew_one_a:score", "rew_two_a:score", "length"]
+    assert [fn(["p"], ["c"])[0] for _, fn in fns[:2]] == [1.0, 2.0]
+    with pytest.raises(SystemExit, match="rew_one_a:score given twice; weigh one reward with "
+                                         "--algo.reward-weights"):
+        rewards.resolve("rew_one_a:score,rew_one_a:score")
+
+
 def needs_solution(prompts, completions, solution, **_):
     return [1.0] * len(completions)
 

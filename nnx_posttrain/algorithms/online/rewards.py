@@ -132,7 +132,14 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
                 "'module:function' path, or a reward-model run directory")
     if not out:
         raise SystemExit("--algo.rewards: give at least one reward function")
-    return out
+    specs = [x.strip() for x in spec.split(",") if x.strip()]
+    if len(set(specs)) < len(specs):
+        twice = sorted({x for x in specs if specs.count(x) > 1})
+        raise SystemExit(f"--algo.rewards: {', '.join(twice)} given twice; weigh one reward with "
+                         "--algo.reward-weights instead")
+    names = [name for name, _ in out]  # the metrics' and rewards' keys: one per function
+    return [(spec if names.count(name) > 1 else name, fn)
+            for spec, (name, fn) in zip(specs, out)]
 
 
 def _reward_run(run_dir: str) -> None:
