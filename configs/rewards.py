@@ -1,5 +1,6 @@
 """Reward functions used by the shipped configs (TRL's signature: ``f(prompts, completions,
-**columns) -> list[float | None]``; the dataset's other columns arrive as keyword lists)."""
+**columns) -> list[float | None]``; the dataset's other columns arrive as keyword lists, and
+completions of conversational prompts as ``[{"role": "assistant", "content": ...}]``)."""
 
 import re
 
@@ -20,6 +21,8 @@ def boxed_answer(prompts, completions, solution=None, **_):
         if answer is None:
             out.append(None)
             continue
+        if not isinstance(completion, str):  # a conversational completion, as TRL passes it
+            completion = "".join(m["content"] for m in completion)
         found = _BOXED.findall(completion)
         out.append(float(bool(found) and _normalise(found[-1]) == _normalise(answer)))
     return out

@@ -151,6 +151,9 @@ def test_the_shipped_reward_function():
 
     assert boxed_answer(None, ["so \\boxed{42}.", "\\boxed{4} then \\boxed{\\frac{1}{2}}", "42"],
                         solution=["42", "\\frac{1}{2}", "42"]) == [1.0, 1.0, 0.0]
+    # a conversational completion, as TRL passes it for chat prompts
+    assert boxed_answer(None, [[{"role": "assistant", "content": "so \\boxed{7}"}]],
+                        solution=["7"]) == [1.0]
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -24,8 +24,25 @@ ONLINE_MICRO = [*MICRO, "--init-from", "", "--algo.max-completion-length", "4",
 
 
 def digits_reward(prompts, completions, **_):
-    """Test reward: the fraction of digits in the completion (dense: learnable from scratch)."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+    """Test reward: the fraction of digits in the completion (dense: learnable from scratch).
+    The built-in prompts are conversations: completions come as TRL gives them then."""
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in texts]
+
+
+SEEN = []
+
+
+def trl_signature(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
+    """Records what a reward is called with, as TRL's GRPOTrainer calls it."""
+    SEEN.append((prompts, completions, completion_ids, trainer_state.global_step,
+                 trainer_state.max_steps, answer))
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def strict(prompts, completions):
+    """A reward without **kwargs: given only the arguments it names."""
+    return [0.0] * len(completions)
 
 
 def half_none(prompts, completions, **_):
@@ -258,6 +275,25 @@ def test_a_run_directory_given_as_a_reward_must_be_a_reward_models(tmp_path, pro
     with pytest.raises(SystemExit, match="sft_run: not a reward-model run .its algorithm is SFT"):
         _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
              "--algo.rewards", str(tmp_path / "sft_run"), "--model", str(tmp_path / "no_model"))
+
+
+def test_rewards_are_called_as_trl_calls_them(tmp_path, prompt_files):
+    """Conversational prompts: completions as [{"role": "assistant", "content": ...}]; every
+    reward gets completion_ids and trainer_state; one without **kwargs only what it names."""
+    SEEN.clear()
+    _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "2", "--batching.batch-size", "8",
+         "--algo.num-generations", "4", "--algo.rewards", "test_online:trl_signature,"
+         "test_online:strict", "--eval.every", "0", "--eval.exact-match", "0")
+    assert [(s[3], s[4]) for s in SEEN] == [(0, 2), (1, 2)]  # global_step, max_steps
+    prompts, completions, ids, _, _, answer = SEEN[0]
+    assert len(prompts) == len(completions) == len(ids) == len(answer) == 8
+    assert prompts[0][0]["role"] == "user" and isinstance(answer[0], (int, str))
+    assert all(len(c) == 1 and c[0]["role"] == "assistant" for c in completions)
+    assert all(isinstance(i, list) and all(isinstance(t, int) for t in i) for i in ids)
+    records = _train(tmp_path / "grpo")
+    assert records[0]["rewards/trl_signature/mean"] == pytest.approx(
+        np.mean([len(i) for i in ids]))
+    assert records[0]["rewards/strict/mean"] == 0.0
 
 
 def test_two_rewards_of_one_function_name_stay_two(tmp_path, monkeypatch):

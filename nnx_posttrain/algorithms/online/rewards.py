@@ -35,11 +35,19 @@ def first_integer(text: str) -> str | None:
     return match.group(0) if match else None
 
 
+def text_of(completion) -> str:
+    """A completion's text: the string itself, or the content of a conversational completion
+    (TRL's ``[{"role": "assistant", "content": ...}]``, what rewards get for chat prompts)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content", "") for m in completion)
+
+
 def exact_match(prompts, completions, answer=None, **_):
     """1.0 when the completion's first integer equals the ``answer`` column, else 0.0."""
     if answer is None:
         raise ValueError("the exact_match reward needs an 'answer' column in the data")
-    return [None if a is None else float(first_integer(c) == str(a))
+    return [None if a is None else float(first_integer(text_of(c)) == str(a))
             for c, a in zip(completions, answer)]
 
 
@@ -51,12 +59,12 @@ _INTEGER = re.compile(r"\s*-?\d+\s*")
 
 def format_reward(prompts, completions, **_):
     """1.0 when the completion is a bare integer (the task's answer format), else 0.0."""
-    return [float(bool(_INTEGER.fullmatch(c))) for c in completions]
+    return [float(bool(_INTEGER.fullmatch(text_of(c)))) for c in completions]
 
 
 def length_penalty(prompts, completions, **_):
     """-len(completion) / 100: prefers short answers."""
-    return [-len(c) / 100.0 for c in completions]
+    return [-len(text_of(c)) / 100.0 for c in completions]
 
 
 BUILTIN = {"exact_match": exact_match, "format": format_reward, "length": length_penalty}
@@ -203,15 +211,29 @@ def check_columns(reward_fns, columns, data_name: str) -> None:
             "rewards that fit it (a 'module:function' reward receives every column by name).")
 
 
-def score(name: str, fn, prompts, completions, columns: dict, describe) -> list:
-    """``fn``'s rewards of a batch as floats (NaN for None). A reward that raises, or returns
-    something else than one number (or None) per completion, stops the run with a message naming
-    the reward and the first row it fails on (``describe(i)``: where row i comes from; called
-    only for that message)."""
+def _call(fn, prompts, completions, columns: dict, state):
+    """``fn(prompts=, completions=, **columns, trainer_state=)``, as TRL calls a reward; a function
+    without ``**kwargs`` gets only the arguments it names."""
+    kwargs = dict(columns, trainer_state=state)
     try:
-        raw = fn(prompts=prompts, completions=completions, **columns)
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(prompts=prompts, completions=completions, **kwargs)
+
+
+def score(name: str, fn, prompts, completions, columns: dict, describe, state=None) -> list:
+    """``fn``'s rewards of a batch as floats (NaN for None). ``columns``: the data's columns and
+    ``completion_ids``, one per completion; ``state``: TRL's ``trainer_state`` (``global_step``,
+    ``max_steps``). A reward that raises, or returns something else than one number (or None)
+    per completion, stops the run with a message naming the reward and the first row it fails
+    on (``describe(i)``: where row i comes from; called only for that message)."""
+    try:
+        raw = _call(fn, prompts, completions, columns, state)
     except Exception as exc:  # noqa: BLE001 - a user's function: report where it fails
-        row = _first_failing_row(fn, prompts, completions, columns)
+        row = _first_failing_row(fn, prompts, completions, columns, state)
         at = f" on {describe(row)}" if row is not None else ""
         raise SystemExit(f"error: reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
     try:
@@ -239,11 +261,11 @@ def score(name: str, fn, prompts, completions, columns: dict, describe) -> list:
     return out
 
 
-def _first_failing_row(fn, prompts, completions, columns) -> int | None:
+def _first_failing_row(fn, prompts, completions, columns, state) -> int | None:
     for i in range(len(completions)):
         try:
-            fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-               **{k: v[i:i + 1] for k, v in columns.items()})
+            _call(fn, prompts[i:i + 1], completions[i:i + 1],
+                  {k: v[i:i + 1] for k, v in columns.items()}, state)
         except Exception:  # noqa: BLE001
             return i
     return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 import warnings
 
 import jax
@@ -160,6 +161,8 @@ class Rollouts:
                                           algorithm.prompts_per_step(b.batch_size), cfg.seed,
                                           b.shuffle, b.num_workers)
         self.current, self.since_log, self.truncated, self.sample = None, [], 0, []
+        # what TRL passes rewards as trainer_state: the optimizer steps done, of how many
+        self.trainer_state = types.SimpleNamespace(global_step=0, max_steps=cfg.steps)
         self.rewards_per_func = None  # of the latest rollout (for make_batch)
         self.seconds = {"rollout": 0.0, "update": 0.0, "steps": 0, "updates": 0}
         self._last = None  # when the previous rollout ended
@@ -179,6 +182,7 @@ class Rollouts:
             self.seconds["update"] += now - self._last
             self.seconds["updates"] += 1
         if self.fresh(step) or self.current is None:
+            self.trainer_state.global_step = step - 1
             prompts = next(self.prompts)
             self.truncated += int(prompts["truncated"].sum())
             self.current = self.rollout(step, state, prompts)
@@ -309,6 +313,13 @@ class Rollouts:
         columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
         prompts = columns.pop("prompt", [None] * len(texts))
         index = np.asarray(index).reshape(-1)
+        # as TRL calls rewards: conversational prompts get conversational completions, and
+        # every completion its token ids
+        completions = ([[{"role": "assistant", "content": t}] for t in texts]
+                       if prompts and isinstance(prompts[0], list) else texts)
+        columns["completion_ids"] = [row[m > 0].tolist()
+                                     for row, m in zip(np.asarray(completion_ids),
+                                                       np.asarray(completion_mask))]
 
         def describe(i):  # for an error message only: the record's file:line
             j = int(index[i])
@@ -321,7 +332,8 @@ class Rollouts:
                 values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
                                                          completion_ids, completion_mask))
             else:
-                values = rewards_lib.score(name, fn, prompts, texts, columns, describe)
+                values = rewards_lib.score(name, fn, prompts, completions, columns, describe,
+                                           self.trainer_state)
             per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
         total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
         return total, {name: per_fn[:, j] for j, (name, _) in enumerate(self.reward_fns)}
