@@ -129,14 +129,17 @@ def defaults_for(default: config_lib.Config, builtin: dict | None, args: list[st
 
 def for_the_data(cfg: config_lib.Config, algorithm, echo=print) -> config_lib.Config:
     """Settings that depend on the data: exact-match evaluation only where the eval data has
-    reference answers (the built-in task, or an ``answer`` column): a greedy answer compared
-    with a free-text ``chosen`` or ``completion`` measures nothing."""
+    reference answers (the built-in task, or an ``answer`` column in any of its first 100
+    records): a greedy answer compared with a free-text ``chosen`` or ``completion`` measures
+    nothing. Online methods keep their held-out prompts either way: their greedy answers are
+    scored by the run's rewards (exact match only where there is an answer)."""
     from nnx_posttrain import data
 
-    if not cfg.eval.exact_match or not cfg.eval_data or "builtin" in (cfg.data, cfg.eval_data):
+    if not cfg.eval.exact_match or not cfg.eval_data or "builtin" in (cfg.data, cfg.eval_data) \
+            or algorithm.data_kind == "prompt_only":
         return cfg
     src = data.source(cfg.eval_data, "eval", builtin=algorithm.data_kind)
-    if len(src) and src[0].get("answer") is not None:
+    if any(src[i].get("answer") is not None for i in range(min(len(src), 100))):
         return cfg
     echo(f"eval: no exact match: {cfg.eval_data} has no 'answer' column (exact match compares "
          "a greedy answer with a reference answer); eval loss only")

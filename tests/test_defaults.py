@@ -94,6 +94,16 @@ def test_exact_match_only_where_the_eval_data_has_answers(tmp_path, capsys):
     assert on.eval.exact_match == base.eval.exact_match > 0
     builtin = _parsed("dpo", [])
     assert experiment.for_the_data(builtin, _module("dpo").ALGORITHM) == builtin
+    # an answer on a later record counts; an online method keeps its held-out prompts without
+    # any (their greedy answers are scored by the run's rewards)
+    late = _write(tmp_path / "late.jsonl", [{"prompt": "Hi", "chosen": " a", "rejected": " b"},
+                                            {"prompt": "1+1?", "chosen": " 2", "rejected": " 3",
+                                             "answer": 2}])
+    assert experiment.for_the_data(experiment.with_overrides(base, {"eval_data": str(late)}),
+                                   _module("dpo").ALGORITHM).eval.exact_match > 0
+    grpo = experiment.with_overrides(_module("grpo").DEFAULT, {"data": "q.jsonl",
+                                                               "eval_data": str(free)})
+    assert experiment.for_the_data(grpo, _module("grpo").ALGORITHM) == grpo
 
 
 def test_exact_match_compares_with_the_answer_column():
