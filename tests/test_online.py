@@ -259,6 +259,11 @@ def test_a_reward_module_or_result_a_user_gets_wrong_is_named(tmp_path, monkeypa
      "--algo.reward-weights 'one': expected numbers separated by commas"),
     (["--algo.rewards", "test_online:needs_solution"], "reward 'needs_solution' needs column(s) "
                                                        "'solution'"),
+    (["--algo.rewards", "length", "--algo.num-generations", "1", "--batching.batch-size", "4"],
+     "--algo.num-generations must be >= 2 (the advantages compare each completion with the other "
+     "ones of its prompt), got 1"),
+    (["--algo.rewards", "length", "--algo.num-generations", "4", "--batching.batch-size", "6"],
+     "--batching.batch-size 6 must be a multiple of --algo.num-generations 4"),
 ])
 def test_a_reward_that_cannot_work_is_refused_before_the_model_loads(tmp_path, prompt_files,
                                                                        extra, message):

@@ -64,8 +64,10 @@ class Throughput:
         self.t_last, self.tokens = time.perf_counter(), 0
 
     def read(self) -> dict:
+        """``tokens_per_second`` (none when only the compiling step ran since the last log: it
+        is not measured, rather than 0), ``compile_seconds`` once."""
         now = time.perf_counter()
-        out = {"tokens_per_second": self.tokens / (now - self.t_last) if self.tokens else 0.0}
+        out = {"tokens_per_second": self.tokens / (now - self.t_last)} if self.tokens else {}
         if self.compile_seconds is not None:
             out["compile_seconds"], self.compile_seconds = self.compile_seconds, None
         self.t_last, self.tokens = time.perf_counter(), 0

@@ -28,6 +28,7 @@ def sources(cfg, algorithm):
     if hasattr(algorithm.cfg, "rewards"):
         from nnx_posttrain.algorithms.online import rewards
 
+        algorithm.prompts_per_step(cfg.batching.batch_size)  # the sampling settings
         rewards.check(algorithm.cfg, train_src, cfg.data)
     eval_spec = cfg.eval_data or ("builtin" if cfg.data == "builtin" else None)
     return train_src, (data.source(eval_spec, "eval", builtin=kind) if eval_spec else None)

@@ -82,6 +82,7 @@ def scored_rewards(rollouts) -> np.ndarray:
 class GRPO(OnlineAlgorithm):
     name = "grpo"
     Config = GRPOConfig
+    min_generations = 2  # as TRL: a group of one has no advantage
 
     def prompts_per_step(self, batch_size):
         c = self.cfg
@@ -138,6 +139,7 @@ class RLOO(OnlineAlgorithm):
 
     name = "rloo"
     Config = RLOOConfig
+    min_generations = 2  # the leave-one-out baseline needs another completion
 
     def prompts_per_step(self, batch_size):
         clip = self.cfg.reward_clip_range

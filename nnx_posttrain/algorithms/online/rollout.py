@@ -67,6 +67,7 @@ class OnlineAlgorithm(AlgorithmBase):
     give ``make_batch`` (scored rollout -> training batch) and ``loss``."""
 
     data_kind = "prompt_only"
+    min_generations = 1  # completions per prompt the method needs (GRPO's, RLOO's groups: 2)
 
     def __init__(self, cfg, logprob_chunk: int | None = None):
         super().__init__(cfg, logprob_chunk)
@@ -101,10 +102,14 @@ class OnlineAlgorithm(AlgorithmBase):
         return self.cfg.temperature or 1.0
 
     def prompts_per_step(self, batch_size: int) -> int:
-        c, g = self.cfg, self.cfg.num_generations
+        """Prompts per optimizer step, after checking the sampling settings (called before the
+        model loads: ``train.setup.sources``)."""
+        c, g, least = self.cfg, self.cfg.num_generations, self.min_generations
         problems = [f"--algo.{name.replace('_', '-')} must be {rule}, got {getattr(c, name)}"
                     for name, ok, rule in (
-                        ("num_generations", g >= 1, ">= 1"),
+                        ("num_generations", g >= least, f">= {least}" + (
+                            " (the advantages compare each completion with the other ones of "
+                            "its prompt)" if least > 1 else "")),
                         ("max_completion_length", c.max_completion_length >= 1, ">= 1"),
                         ("temperature", c.temperature >= 0, ">= 0"),
                         ("top_k", c.top_k >= 0, ">= 0"),
@@ -356,9 +361,9 @@ class Rollouts:
                 "columns those of the data?)", RuntimeWarning, stacklevel=2)
         groups = total.reshape(-1, self.algorithm.cfg.num_generations)
         metrics["reward"] = float(total.mean())
-        metrics["reward_std"] = (float(groups.std(axis=1, ddof=1).mean()) if groups.shape[1] > 1
-                                 else 0.0)
-        metrics["frac_reward_zero_std"] = float((groups.std(axis=1) == 0).mean())
+        if groups.shape[1] > 1:  # within-group spreads (PPO's groups of one have none)
+            metrics["reward_std"] = float(groups.std(axis=1, ddof=1).mean())
+            metrics["frac_reward_zero_std"] = float((groups.std(axis=1) == 0).mean())
         return total, metrics, per_fn
 
     def _rollout_logps(self, params, frozen, ids, att, positions, with_old: bool, with_ref: bool):
