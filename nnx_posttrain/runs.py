@@ -70,6 +70,11 @@ def run_config(run_dir: str | Path) -> dict:
     model's ``config.json``)."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
+        run = Path(run_dir).parent
+        if run.name == "checkpoints" and (run.parent / "config.json").is_file():
+            raise NotARunError(f"{run_dir}: a checkpoint, not a run directory: give the run, "
+                               f"{run.parent} (its latest checkpoint is read; tools.sample and "
+                               "tools.export take --step N for another)")
         raise NotARunError(f"{run_dir}: not a run directory (no config.json)")
     try:
         saved = json.loads(path.read_text())
@@ -197,7 +202,7 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
     says how to go on."""
     run_dir = Path(run_dir)
     fresh = "--init-from '' to start from the model's own weights"
-    if not (run_dir / "config.json").exists():
+    if not (run_dir / "config.json").exists() and run_dir.parent.name != "checkpoints":
         raise SystemExit(
             f"--init-from {run_dir}: not a run directory (no config.json). The built-in recipes "
             "of the preference and online experiments start from the SFT run: run `python -m "

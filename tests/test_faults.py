@@ -215,6 +215,15 @@ def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
         runs.check_init_from(hf, "gemma_micro")
     with pytest.raises(SystemExit, match=r"export: .*cut/config.json: not JSON"):
         export.main([str(cut), "--to", str(tmp_path / "out")])
+    # a run's checkpoint given for the run
+    step = tmp_path / "run" / "checkpoints" / "40"
+    step.mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text('{"model": "gemma_micro", "lora": {}}')
+    with pytest.raises(runs.NotARunError, match=f"{step}: a checkpoint, not a run directory: give "
+                                                f"the run, {tmp_path / 'run'}"):
+        runs.load(step)
+    with pytest.raises(SystemExit, match="a checkpoint, not a run directory"):
+        runs.check_init_from(step, "gemma_micro")
 
 
 def test_reading_a_run_whose_checkpoint_rotation_removes_the_latest_meanwhile(copy, monkeypatch):
@@ -285,6 +294,9 @@ def test_resume_changed_names_only_settings_a_resume_may_change():
         "optim.learning_rate", "optim.weight_decay"}
     with pytest.raises(SystemExit, match="nonsense: not a setting"):
         resume.allowed_keys("nonsense")
+    with pytest.raises(SystemExit, match=r"optim.lr: not a setting \(did you mean "
+                                         r"optim.learning_rate\?\)"):
+        resume.allowed_keys("optim.lr")
     with pytest.raises(SystemExit, match="batching.batch_size: a resume cannot change it"):
         resume.allowed_keys("batching.batch-size")
     with pytest.raises(SystemExit, match="algo.beta: a resume cannot change it"):

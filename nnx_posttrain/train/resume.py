@@ -25,6 +25,7 @@ checks that every option is).
 
 from __future__ import annotations
 
+import difflib
 import json
 
 from nnx_posttrain import checkpoint
@@ -99,15 +100,31 @@ def allowed_keys(option: str) -> set[str]:
     known = set(flatten(config_lib.to_dict(config_lib.Config())))
     for key in sorted(keys):
         group = key not in known and any(k.startswith(key + ".") for k in known)
+        # the algorithm's settings are not in the base config: judged by their group alone
+        if key not in known and not group and not key.startswith("algo.") and key != "algorithm":
+            close = _suggest(key, known)
+            raise SystemExit(f"error: --resume-changed {key}: not a setting"
+                             + (f" (did you mean {close}?)" if close else "") + "; it names "
+                             + ", ".join(sorted(ALLOWED)) + " (others need no naming: "
+                             + ", ".join(sorted(ANNOUNCED)) + ")")
         kind, reason = classify(key + ".*" if group else key)
         if kind in ("allowed", "announced", "ignored"):
             continue
-        if key not in known and not group and _rule(key, REFUSED) is None:
-            raise SystemExit(f"error: --resume-changed {key}: not a setting; it names "
-                             + ", ".join(sorted(ALLOWED)) + " (others need no naming: "
-                             + ", ".join(sorted(ANNOUNCED)) + ")")
         raise SystemExit(f"error: --resume-changed {key}: a resume cannot change it ({reason})")
     return keys
+
+
+def _suggest(key: str, known: set[str]) -> str | None:
+    """The setting ``key`` most likely abbreviates (``optim.lr``: its letters in order in the
+    name, the same first letter, ``optim.learning_rate``), else the closest spelling."""
+    group, _, name = key.rpartition(".")
+    for candidate in sorted(known, key=lambda k: (k not in ALLOWED, k)):
+        cgroup, _, cname = candidate.rpartition(".")
+        it = iter(cname)
+        if cgroup == group and name and cname[0] == name[0] and all(ch in it for ch in name):
+            return candidate
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return close[0] if close else None
 
 
 def run_record(cfg, algorithm) -> dict:
