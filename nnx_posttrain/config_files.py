@@ -44,6 +44,10 @@ def split_arg(args: list[str]) -> tuple[str | None, list[str]]:
     path, rest, i = None, [], 0
     while i < len(args):
         arg = args[i]
+        if arg == "--config" or arg.startswith("--config="):
+            if path is not None:
+                raise SystemExit(f"error: --config is given twice ({path} and the next); one "
+                                 "file holds a run's settings (flags override it)")
         if arg == "--config":
             if i + 1 >= len(args) or args[i + 1].startswith("--"):
                 raise SystemExit("error: --config needs a file: --config FILE.yaml (or .json)")

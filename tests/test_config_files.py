@@ -102,6 +102,8 @@ def test_missing_file_and_bad_json(tmp_path, simpo):
         config.parse(simpo, ["--config", _write(tmp_path, "{steps: 1}", "c.json")])
     with pytest.raises(SystemExit, match=r"c.json: key 'steps' is given twice"):
         config.parse(simpo, ["--config", _write(tmp_path, '{"steps": 1, "steps": 2}', "c.json")])
+    with pytest.raises(SystemExit, match=r"--config is given twice \(a.yaml and the next\)"):
+        config.parse(simpo, ["--config", "a.yaml", "--config=b.yaml"])
     with pytest.raises(SystemExit, match="--config needs a file"):
         config.parse(simpo, ["--config"])
 

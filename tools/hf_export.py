@@ -421,3 +421,8 @@ def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Pat
     }
     (to / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return sorted(p for p in to.rglob("*") if p.is_file())
+
+
+if __name__ == "__main__":  # a library module: the command is tools.export
+    raise SystemExit("tools.hf_export is the Hugging Face writer behind tools.export; run: python "
+                     "-m tools.export RUN_DIR --to DIR --format hf [--adapters-only]")
