@@ -81,7 +81,8 @@ _train = records
 
 
 GRPO_METRICS = ("loss", "reward", "reward_std", "rewards/exact_match/mean", "kl", "entropy",
-                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
+                "completions/mean_length", "completions/clipped_ratio",
+                "completions/min_terminated_length", "completions/max_terminated_length", "clip_ratio/low_mean",
                 "clip_ratio/high_mean", "clip_ratio/region_mean", "frac_reward_zero_std")
 
 

@@ -414,6 +414,8 @@ def _completion_metrics(mask, finished) -> dict:
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(1.0 - finished.mean()),
         "completions/mean_terminated_length": float(done.mean()) if len(done) else 0.0,
+        "completions/min_terminated_length": float(done.min()) if len(done) else 0.0,
+        "completions/max_terminated_length": float(done.max()) if len(done) else 0.0,
     }
 
 
