@@ -43,8 +43,22 @@ QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assis
 LLAMA31_DATE = "26 Jul 2024"
 
 
+# The official template (nnx_posttrain/chat_templates) that renders each format as ``render``
+# does (tests/test_chat.py): what an exported model's tokenizer_config.json carries.
+HF_TEMPLATES = {"gemma": "gemma3", "llama3": "llama3", "llama3.1": "llama3.1",
+                "qwen2.5": "qwen2.5", "qwen3": "qwen3", "chatml": "chatml", "mistral": "mistral"}
+
+
 class ChatFormatError(ValueError):
     pass
+
+
+def hf_template(fmt: str) -> str:
+    """The Jinja ``chat_template`` of chat format ``fmt`` (``HF_TEMPLATES``), for ``transformers``'
+    ``apply_chat_template``."""
+    from pathlib import Path
+
+    return (Path(__file__).parent / "chat_templates" / f"{HF_TEMPLATES[fmt]}.jinja").read_text()
 
 
 def _check(messages) -> None:

@@ -217,7 +217,7 @@ def test_errors_are_value_errors():
 
 
 # ----------------------------------------------------------------------------- official templates
-# The official Jinja templates (tests/fixtures/chat_templates, written from memory: see the
+# The official Jinja templates (nnx_posttrain/chat_templates, written from memory: see the
 # README there), rendered as transformers renders them, against chat.render: the same string
 # (the BOS token aside, which the tokenizer adds as an id) and the same token ids through the
 # data pipeline, with a tokenizer of the family's kind.
@@ -231,7 +231,7 @@ jinja2 = pytest.importorskip("jinja2")
 import jinja2.ext  # noqa: E402
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+TEMPLATES = Path(chat.__file__).parent / "chat_templates"
 # format -> official templates it must equal, and whether they accept a system message
 OFFICIAL = {
     "gemma": [("gemma", False), ("gemma3", True)],

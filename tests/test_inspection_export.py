@@ -141,6 +141,15 @@ def test_export_hf_writes_safetensors_and_config(lora_run, tmp_path):
     assert (out / "model.safetensors").stat().st_size > 0
     config = json.loads((out / "config.json").read_text())
     assert config.get("model_type") == "gemma"
+    # the run's chat template, as transformers applies it: conversations render as in training
+    from nnx_posttrain import chat
+
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "3 + 3?"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        tok.bos_token + chat.to_text(messages, "gemma", add_generation_prompt=True))
 
 
 def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path):

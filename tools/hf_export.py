@@ -308,8 +308,9 @@ def write_safetensors(path: Path, tensors: dict[str, callable], shapes: dict[str
     return path.stat().st_size
 
 
-def export_model(task, to: Path, dtype: str) -> list[Path]:
-    """Full weights: model.safetensors, config.json, generation_config.json, tokenizer files."""
+def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> list[Path]:
+    """Full weights: model.safetensors, config.json, generation_config.json, tokenizer files;
+    with ``chat_format``, its template as the tokenizer's ``chat_template``."""
     backbone = task.backbone
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
     mapping = weight_map(backbone)
@@ -325,6 +326,13 @@ def export_model(task, to: Path, dtype: str) -> list[Path]:
     (to / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if tokenizer is not None:
         export_tokenizer(tokenizer, to)
+        if chat_format is not None:
+            from nnx_posttrain import chat
+
+            path = to / "tokenizer_config.json"
+            config = json.loads(path.read_text())
+            config["chat_template"] = chat.hf_template(chat_format)
+            path.write_text(json.dumps(config, indent=2) + "\n")
     return sorted(p for p in to.rglob("*") if p.is_file())
 
 
