@@ -613,6 +613,18 @@ def test_keep_best_metric_the_run_never_evaluates_is_refused_before_training(tmp
     assert not (tmp_path / "run" / "config.json").exists()
 
 
+def test_a_runs_checkpoints_folder_given_as_run_dir_is_refused_untouched(copy):
+    before = sorted(p.name for p in (copy / "checkpoints").iterdir())
+    message = refusal(sft, copy / "checkpoints", "--resume")
+    assert f"--run-dir {copy / 'checkpoints'} is the checkpoints folder of the run {copy}: give " \
+           f"the run itself (--run-dir {copy})" in message
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == before
+    # another model into a run: how to go on
+    message = refusal(sft, copy, "--model", "gemma_tiny")
+    assert "model: checkpoint has 'gemma_micro', this run has 'gemma_tiny'" in message
+    assert "start a new run in another --run-dir" in message
+
+
 def test_run_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
     path = tmp_path / "file"
     path.write_text("x")

@@ -169,7 +169,8 @@ def check(saved: dict, current: dict, allowed: set[str], where: str, run_dir) ->
         problems = checkpoint.model_problems(saved["model_record"],
                                              checkpoint.model_settings(_plain(current["config"])))
         if problems:  # another model: what matters first (the other settings follow from it)
-            raise checkpoint.mismatch(where, problems)
+            raise CheckpointMismatchError(str(checkpoint.mismatch(where, problems))
+                                          + _how_to_go_on(run_dir))
     changes = differences(saved, current)
     lines, accepted = [], {}
     for key, (old, new) in changes.items():
@@ -186,10 +187,13 @@ def check(saved: dict, current: dict, allowed: set[str], where: str, run_dir) ->
     if lines:
         raise CheckpointMismatchError(
             f"checkpoint {where} was written with other settings than this command's:\n  "
-            + "\n  ".join(lines)
-            + "\nRun the same command as before to resume it"
-            + (", or name the allowed changes with --resume-changed" if any(
-                "allowed with" in line for line in lines) else "")
-            + f"; or start a new run in another --run-dir (--init-from {run_dir} starts from "
-            "its weights).")
+            + "\n  ".join(lines) + _how_to_go_on(run_dir, any("allowed with" in line
+                                                             for line in lines)))
     return accepted
+
+
+def _how_to_go_on(run_dir, nameable: bool = False) -> str:
+    return ("\nRun the same command as before to resume it"
+            + (", or name the allowed changes with --resume-changed" if nameable else "")
+            + f"; or start a new run in another --run-dir (--init-from {run_dir} starts from "
+            "its weights, where the model is the same).")

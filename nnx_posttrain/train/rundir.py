@@ -31,9 +31,13 @@ HISTORY = "history.jsonl"
 
 
 def prepare(run_dir: Path) -> Path:
-    """``run_dir`` created (with its parents) or refused with a message: a file, not writable."""
+    """``run_dir`` created (with its parents) or refused with a message: a file, not writable, a
+    run's checkpoints folder."""
     if run_dir.exists() and not run_dir.is_dir():
         raise SystemExit(f"error: --run-dir {run_dir} is a file, not a directory")
+    if run_dir.name == "checkpoints" and (run_dir.parent / "config.json").is_file():
+        raise SystemExit(f"error: --run-dir {run_dir} is the checkpoints folder of the run "
+                         f"{run_dir.parent}: give the run itself (--run-dir {run_dir.parent})")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
