@@ -265,7 +265,8 @@ class Config:
         problems.extend(self.mesh.problems())
         problems.extend(report_problems(self.report_to))
         if problems:
-            raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+            source = f" (the flags and {self.config})" if self.config else ""
+            raise SystemExit(f"invalid configuration{source}:\n  " + "\n  ".join(problems))
         return self
 
 

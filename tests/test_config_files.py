@@ -104,6 +104,9 @@ def test_missing_file_and_bad_json(tmp_path, simpo):
         config.parse(simpo, ["--config", _write(tmp_path, '{"steps": 1, "steps": 2}', "c.json")])
     with pytest.raises(SystemExit, match=r"--config is given twice \(a.yaml and the next\)"):
         config.parse(simpo, ["--config", "a.yaml", "--config=b.yaml"])
+    with pytest.raises(SystemExit, match=r"invalid configuration \(the flags and .*r.yaml\):\n  "
+                                         r"--steps must be >= 0"):
+        config.parse(simpo, ["--config", _write(tmp_path, "steps: -3\n", "r.yaml")])
     with pytest.raises(SystemExit, match="--config needs a file"):
         config.parse(simpo, ["--config"])
 
