@@ -167,6 +167,20 @@ def test_entropy_matches_the_full_distribution(micro):
     np.testing.assert_allclose(entropy[:, 1:], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [3, None])
+def test_correct_marks_the_tokens_the_model_ranks_first(micro, chunk):
+    """SFT's mean_token_accuracy: 1 where the token is the argmax of the logits before it."""
+    first = jnp.argmax(model.full_logits(micro.module, IDS, MASK), -1)
+    ids = IDS.at[0, 6].set(first[0, 5]).at[0, 9].set(first[0, 8])  # two tokens the model predicts
+    logits = model.full_logits(micro.module, ids, MASK)
+    expected = np.asarray(jnp.argmax(logits[:, :-1], -1) == ids[:, 1:], np.float32)
+    logp, correct = model.token_logprobs(micro.module, ids, MASK, chunk_size=chunk,
+                                         with_correct=True)
+    np.testing.assert_array_equal(correct[:, 1:], expected)
+    assert correct[0, 6] == correct[0, 9] == 1 and float(correct.sum()) < ids.size / 2
+    np.testing.assert_array_equal(logp, model.token_logprobs(micro.module, ids, MASK, chunk))
+
+
 def test_bfloat16_compute_keeps_float32_weights_and_logprobs():
     lm = model.load("gemma_micro", dtype="bfloat16", seed=0)
     assert all(v.dtype == "float32" for v in lm.module.weights)

@@ -22,8 +22,9 @@ class SFT(AlgorithmBase):
     data_kind = "sft"
 
     def loss(self, module, batch, reference=None):
-        logps = model.token_logprobs(
+        logps, correct = model.token_logprobs(
             module, batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
             segment_ids=batch.get("segment_ids"), positions=batch.get("positions"),
+            with_correct=True,
         )
-        return sft(logps, batch["loss_mask"])
+        return sft(logps, batch["loss_mask"], correct)

@@ -54,7 +54,7 @@ def chunk_positions(chunk_size: int | None, batch: int, length: int, vocab: int)
 
 def token_logprobs(module, token_ids, padding_mask, chunk_size: int | None = None, with_entropy=False,
                    segment_ids=None, temperature: float = 1.0, positions=None,
-                   with_log_sum_sq=False):
+                   with_log_sum_sq=False, with_correct=False):
     """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length].
 
     Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
@@ -72,11 +72,16 @@ def token_logprobs(module, token_ids, padding_mask, chunk_size: int | None = Non
     does the same).
 
     ``with_log_sum_sq`` also returns log sum_v p(v | x_<t)^2 per position, without gradient (WPO's
-    weights; TRL's fused LM head output ``log_sum_sq_probs``), last in the returned tuple.
+    weights; TRL's fused LM head output ``log_sum_sq_probs``), after the entropy.
+
+    ``with_correct`` also returns, last, 1.0 where the token is the model's most likely next token
+    (its logit is the largest; a tie counts as correct) and 0.0 elsewhere, without gradient: SFT's
+    ``mean_token_accuracy``. The largest logit is the one the log-sum-exp already takes, so this
+    costs no pass over the vocabulary.
     """
     h = hidden_states(module, token_ids, padding_mask, segment_ids)
     return logprobs_from_hidden(module, h, token_ids, chunk_size, with_entropy, temperature,
-                                positions, with_log_sum_sq)
+                                positions, with_log_sum_sq, with_correct)
 
 
 def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
@@ -101,7 +106,8 @@ def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
 
 
 def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, with_entropy=False,
-                         temperature: float = 1.0, positions=None, with_log_sum_sq=False):
+                         temperature: float = 1.0, positions=None, with_log_sum_sq=False,
+                         with_correct=False):
     """``token_logprobs`` from the final hidden states ``h`` [batch, length, width] (for models
     that read the hidden states twice, e.g. a policy with a value head)."""
     batch, full_length = token_ids.shape
@@ -133,11 +139,13 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
         zeros = jnp.zeros_like(logp)
         lss = (jax.lax.stop_gradient(jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * log_z)
                if with_log_sum_sq else zeros)
+        correct = (jax.lax.stop_gradient(picked >= jnp.max(logits, axis=-1)).astype(jnp.float32)
+                   if with_correct else zeros)
         if not with_entropy:
-            return logp, zeros, lss
+            return logp, zeros, lss, correct
         probs = jax.nn.softmax(logits, axis=-1)
         entropy = log_z - jnp.sum(probs * logits, axis=-1)
-        return logp, entropy, lss
+        return logp, entropy, lss, correct
 
     if chunk_size > 0:  # recomputed in the backward pass: one chunk of logits alive at a time
         one_chunk = jax.checkpoint(one_chunk)
@@ -149,7 +157,7 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
         from nnx_posttrain.model.frozen import lazy_frozen_call
 
         project = lazy_frozen_call(embedding, project)  # bfloat16 on CPU: see model.frozen
-    logp, entropy, lss = project(h, targets)
+    logp, entropy, lss, correct = project(h, targets)
 
     def unchunk(x):
         x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
@@ -160,6 +168,7 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
 
     out = (unchunk(logp),) + ((unchunk(entropy),) if with_entropy else ())
     out += (unchunk(lss),) if with_log_sum_sq else ()
+    out += (unchunk(correct),) if with_correct else ()
     return out if len(out) > 1 else out[0]
 
 
