@@ -50,8 +50,8 @@ def _wait_for_step(run_dir, step, proc, timeout=300):
     raise AssertionError("timed out")
 
 
-def _losses(run_dir):
-    return [(r["step"], r["loss"]) for r in records(run_dir)]
+def _losses(run_dir):  # with TRL's num_tokens, which a resumed run takes on from its checkpoint
+    return [(r["step"], r["loss"], r["num_tokens"]) for r in records(run_dir)]
 
 
 def _final_params(run_dir):
@@ -78,7 +78,9 @@ def _assert_same_run(run_dir, reference):
 
 def test_reference_run_keeps_the_last_checkpoints(reference):
     run_dir, losses, _ = reference
-    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    assert [s for s, *_ in losses] == list(range(1, STEPS + 1))
+    tokens = [n for *_, n in losses]
+    assert all(0 < a < b for a, b in zip(tokens, tokens[1:]))  # every step's tokens, summed
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [6, 9, 12]  # keep 3, every 3 steps, always the last
 
@@ -86,7 +88,7 @@ def test_reference_run_keeps_the_last_checkpoints(reference):
 def test_exit_then_resume_equals_the_uninterrupted_run(reference, tmp_path):
     run_dir = tmp_path / "run"
     _run(run_dir, STEPS // 2)
-    assert [s for s, _ in _losses(run_dir)][-1] == STEPS // 2
+    assert [s for s, *_ in _losses(run_dir)][-1] == STEPS // 2
     out = _run(run_dir)  # checkpoints present: resumes automatically
     assert "resumed from" in out.stdout + out.stderr
     # a built-in tiny model keeps glibc's defaults (no restart; see test_host_memory)
@@ -131,6 +133,23 @@ def test_an_interrupted_checkpoint_is_never_picked_up(reference, tmp_path):
     shutil.copytree(ckpts / "12", partial)
     (partial / "state" / "manifest.ocdbt").write_bytes(b"truncated")
     assert runs.load(run_dir).step == 12
+
+
+def test_a_log_interval_cut_by_a_crash_averages_the_same_steps_after_the_resume(tmp_path):
+    """Logged every 4 steps (each record the mean of its 4 steps, as TRL's), checkpointed every
+    3: the checkpoint at step 9 holds step 9's metrics, so a run that crashed after it and
+    resumed logs at step 12 the same mean of steps 9-12 as the uninterrupted run."""
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    _run(reference, STEPS, "--log-every", "4")
+    untimed = [{k: v for k, v in r.items() if k not in ("tokens_per_second", "compile_seconds")}
+               for r in records(reference)]
+    assert [r["step"] for r in untimed] == [4, 8, 12]
+    shutil.copytree(reference, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "12")  # as if killed between steps 9 and 12
+    out = _run(crashed, STEPS, "--log-every", "4")
+    assert "(step 9)" in out.stdout + out.stderr
+    assert [{k: v for k, v in r.items() if k not in ("tokens_per_second", "compile_seconds")}
+            for r in records(crashed)] == untimed
 
 
 def test_resume_without_a_checkpoint_fails_clearly(tmp_path):

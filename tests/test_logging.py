@@ -4,6 +4,7 @@ and of online rollouts (completions.jsonl, TensorBoard text), held-out reward of
 
 import glob
 import json
+import math
 import os
 import struct
 import subprocess
@@ -209,3 +210,55 @@ def test_a_run_logged_to_a_file_has_its_evaluations_on_their_own_lines(tmp_path)
     evals = [line for line in text.splitlines() if "[eval step" in line]
     assert len(evals) == 3 and all(line.startswith("[eval step") for line in evals), text
     assert any(line.startswith("sft: 100%") for line in text.splitlines()), text
+
+
+def test_num_tokens_counts_every_attention_mask_and_goes_on_from_a_checkpoint():
+    from nnx_posttrain.train.hooks import Throughput
+
+    pair = {"chosen_attention_mask": np.ones((2, 5)), "rejected_attention_mask": np.ones((2, 3)),
+            "loss_mask": np.ones((2, 5))}  # DPO's two sides; the loss mask is not a token count
+    fresh, resumed, unknown = Throughput(), Throughput(seen=100), Throughput(seen=None)
+    for t in (fresh, resumed, unknown):
+        t.count(pair)
+        t.count({"attention_mask": np.array([[1, 1, 0], [1, 0, 0]])})
+    assert fresh.read()["num_tokens"] == 19 and resumed.read()["num_tokens"] == 119
+    assert "num_tokens" not in unknown.read()  # a checkpoint from before the count: left out
+    assert fresh.read()["num_tokens"] == 19  # cumulative: a later log keeps the total
+
+
+def test_a_log_record_averages_the_steps_since_the_last_log_as_trl():
+    from nnx_posttrain.train.step import interval_means
+
+    nan = float("nan")
+    steps = [
+        {"loss": 1.0, "rewards/rejected": nan, "grad_norm": 5.0, "learning_rate": 0.1, "nonfinite": 0},
+        {"loss": 2.5, "rewards/rejected": 3.0, "grad_norm": 6.0, "learning_rate": 0.2, "nonfinite": 0},
+        {"loss": nan, "rewards/rejected": nan, "grad_norm": nan, "learning_rate": 0.3, "nonfinite": 1},
+    ]
+    out = interval_means(steps)
+    # the mean over the steps that measured it (KTO's uncounted class, a skipped step: not)
+    assert out["loss"] == 1.75 and out["rewards/rejected"] == 3.0
+    assert out["learning_rate"] == 0.3 and out["nonfinite"] == 1  # the logged step's own
+    assert math.isnan(out["grad_norm"])
+    assert interval_means(steps[:1]) == {k: v for k, v in steps[0].items() if k != "rewards/rejected"}
+    only_bad = interval_means(steps[2:])  # nothing finite to average: the values as they are
+    assert math.isnan(only_bad["loss"]) and math.isnan(only_bad["rewards/rejected"])
+
+
+def test_logged_sft_metrics_are_the_means_of_their_steps(tmp_path):
+    from experiments.sft import BUILTIN, DEFAULT
+
+    def run(name, every):
+        args = [*MICRO, "--run-dir", str(tmp_path / name), "--steps", "6", "--log-every", every,
+                "--eval.every", "0", "--eval.exact-match", "0", "--eval.batches", "1",
+                "--batching.batch-size", "4", "--checkpoint.every", "0"]
+        experiment.main("sft", SFT, DEFAULT, args=args, builtin=BUILTIN)
+        return {r["step"]: r for r in records(tmp_path / name)}
+
+    each, every3 = run("each", "1"), run("every3", "3")
+    assert sorted(every3) == [3, 6]
+    for end in (3, 6):
+        for key in ("loss", "mean_token_accuracy"):
+            assert every3[end][key] == math.fsum(each[s][key] for s in range(end - 2, end + 1)) / 3
+        for key in ("grad_norm", "learning_rate", "num_tokens"):
+            assert every3[end][key] == each[end][key]

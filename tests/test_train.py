@@ -25,6 +25,17 @@ def test_sft_loss_hand_computed():
     assert float(s / c) == pytest.approx(5.5 / 3)
 
 
+def test_sft_token_accuracy_counts_the_loss_tokens_predicted_exactly():
+    logps = jnp.array([[0.0, -1.0, -2.0, -3.0], [0.0, -0.5, -7.0, -9.0]])
+    mask = jnp.array([[0, 1, 1, 1], [0, 1, 1, 0]])
+    correct = jnp.array([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]])  # outside the mask: ignored
+    total, weight, metrics = sft(logps, mask, correct)
+    assert float(total) == pytest.approx(1 + 2 + 3 + 0.5 + 7) and float(weight) == 5
+    s, c = metrics["mean_token_accuracy"]
+    assert float(s) == 3 and float(c) == 5  # averaged over tokens, as TRL (not per example)
+    assert "mean_token_accuracy" not in sft(logps, mask)[2]
+
+
 def test_sft_prompt_tokens_carry_no_loss_and_no_gradient():
     mask = jnp.array([[0.0, 0.0, 1.0, 1.0]])
     base = jnp.array([[0.0, -1.0, -2.0, -3.0]])
@@ -178,7 +189,8 @@ def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path, capsys
     assert len(train_losses) == 8
     assert train_losses[-1] < 0.6 * train_losses[0]
     first = next(r for r in records if r["split"] == "train")
-    for key in ("loss", "grad_norm", "learning_rate", "tokens_per_second", "compile_seconds"):
+    for key in ("loss", "grad_norm", "learning_rate", "tokens_per_second", "compile_seconds",
+                "mean_token_accuracy", "num_tokens"):
         assert key in first
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [0, 20, 40]

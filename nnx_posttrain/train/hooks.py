@@ -50,13 +50,19 @@ class Hooks:
 
 
 class Throughput:
-    """Training tokens per second since the last log, the first (compiling) step left out."""
+    """Training tokens per second since the last log, the first (compiling) step left out; and
+    TRL's ``num_tokens``, the tokens of every step so far (a resumed run goes on from its
+    checkpoint's count, ``seen``; None: not known, the metric is left out)."""
 
-    def __init__(self):
+    def __init__(self, seen: int | None = 0):
         self.t_last, self.tokens, self.compile_seconds = time.perf_counter(), 0, None
+        self.seen = seen
 
     def count(self, batch: dict) -> None:
-        self.tokens += sum(int(v.sum()) for k, v in batch.items() if k.endswith("attention_mask"))
+        n = sum(int(v.sum()) for k, v in batch.items() if k.endswith("attention_mask"))
+        self.tokens += n
+        if self.seen is not None:
+            self.seen += n
 
     def first_step_done(self, state) -> None:
         jax.block_until_ready(state)
@@ -65,9 +71,11 @@ class Throughput:
 
     def read(self) -> dict:
         """``tokens_per_second`` (none when only the compiling step ran since the last log: it
-        is not measured, rather than 0), ``compile_seconds`` once."""
+        is not measured, rather than 0), ``num_tokens``, ``compile_seconds`` once."""
         now = time.perf_counter()
         out = {"tokens_per_second": self.tokens / (now - self.t_last)} if self.tokens else {}
+        if self.seen is not None:
+            out["num_tokens"] = float(self.seen)
         if self.compile_seconds is not None:
             out["compile_seconds"], self.compile_seconds = self.compile_seconds, None
         self.t_last, self.tokens = time.perf_counter(), 0

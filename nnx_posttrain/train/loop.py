@@ -215,8 +215,11 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh, interrupted) 
             print(json.dumps(evaluate(start, state, {"eval_only": scored}), indent=2))
             return result
         interrupted()
+        # what the logs go on from: a checkpoint from before num_tokens was counted has none
+        saved = restored[3] if restored is not None else {"num_tokens": 0}
         _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, frozen, log,
-               ckpt, record, evaluate, skipped, interrupted,
+               ckpt, record, evaluate, skipped, interrupted, saved.get("num_tokens"),
+               saved.get("unlogged_metrics", []),
                jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr),
                        donate_argnums=(0,),
                        # pinned: without it the state's shardings drift after an update
@@ -230,18 +233,18 @@ def _run(cfg, algorithm, experiment, echo, run_dir, allowed, mesh, interrupted) 
 
 
 def _train(cfg, experiment, echo, run_dir, result, state, start, source, mesh, frozen, log, ckpt,
-           record, evaluate, skipped, interrupted, train_step) -> None:
+           record, evaluate, skipped, interrupted, seen, unlogged, train_step) -> None:
     if start == 0:
         evaluate(0, state)
         interrupted()
     bar = progress.bar(total=cfg.steps, initial=start, desc=experiment, unit="step",
                        dynamic_ncols=True)
-    throughput = Throughput()
+    throughput = Throughput(seen)
     guard = NonFiniteGuard(cfg.optim.on_nonfinite, _console(echo))
     try:
         with StopSignals(_console(echo)) as stop:
             hooks = _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop,
-                           evaluate, echo, guard)
+                           evaluate, echo, guard, list(unlogged))
             for step in range(start + 1, cfg.steps + 1):
                 host_batch = source.next(step, state)
                 throughput.count(host_batch)
@@ -280,15 +283,24 @@ def _console(echo):
     return lambda line: tqdm.write(line) if echo else None
 
 
+def _host(steps: list[dict]) -> list[dict]:
+    """Steps' device metrics as host floats (one transfer for all)."""
+    return [{k: float(v) for k, v in m.items()} for m in jax.device_get(steps)]
+
+
 def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evaluate, echo,
-           guard) -> Hooks:
-    """Logging every --log-every steps, evaluation every --eval.every, checkpoints every
-    --checkpoint.every (only where the batch source allows one, and only after the step's
-    non-finite check), the stop signal; all at the end."""
+           guard, pending) -> Hooks:
+    """Logging every --log-every steps (each metric the mean of the steps since the last log,
+    ``pending``), evaluation every --eval.every, checkpoints every --checkpoint.every (only
+    where the batch source allows one, and only after the step's non-finite check), the stop
+    signal; all at the end."""
+
+    def collect(info):  # every step's device metrics, fetched when logged
+        pending.append(info.metrics)
 
     def log_train(info):
-        metrics = {k: float(v) for k, v in jax.device_get(info.metrics).items()}
-        metrics = step_lib.drop_uncounted(metrics)  # KTO's rejected metrics in a batch without any
+        metrics = step_lib.interval_means(_host(pending))  # TRL's: the interval's means
+        pending.clear()
         nonfinite = metrics.pop("nonfinite")  # this step's flag: not checked by the guard yet
         if cfg.optim.on_nonfinite == "skip":
             metrics["skipped_steps"] = float(guard.skipped + nonfinite)
@@ -306,7 +318,8 @@ def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evalua
 
     def save(info):
         guard.flush()  # never a checkpoint after an unchecked step
-        saved = {**record, "step": info.step}
+        saved = {**record, "step": info.step, "num_tokens": throughput.seen,
+                 "unlogged_metrics": _host(pending)}  # a resumed run's next log averages them
         with stop.saving():  # (Orbax may wait here for the previous checkpoint)
             ckpt.save(info.step, info.state, source.get_state(), saved, metrics=info.eval or None)
 
@@ -322,6 +335,7 @@ def _hooks(cfg, result, log, bar, throughput, source, ckpt, record, stop, evalua
 
     every = cfg.checkpoint.every
     hooks = Hooks()
+    hooks.add(collect, every=1)
     hooks.add(log_train, every=cfg.log_every, when=lambda i: i.last or i.stopping)
     hooks.add(evaluate_now, every=cfg.eval.every, when=lambda i: i.last)
     hooks.add(save, when=lambda i: (bool(every and i.step % every == 0) or i.stopping) and i.boundary

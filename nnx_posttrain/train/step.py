@@ -76,6 +76,28 @@ def drop_uncounted(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not math.isnan(v)}
 
 
+LAST_STEP = ("grad_norm", "learning_rate", "nonfinite")  # logged as of the logged step
+
+
+def interval_means(steps: list[dict]) -> dict:
+    """The train record of a log from the host metrics of the steps since the previous log, as
+    TRL (transformers' ``Trainer``) logs: each metric the mean of the steps' values,
+    ``grad_norm``, ``learning_rate`` (and ``nonfinite``) the last step's. A step counts for a
+    metric it measured (``drop_uncounted``); a non-finite step (its update not applied, or the
+    run stops) counts for none, as the Trainer's ``logging_nan_inf_filter``, unless every step
+    of the interval is one: then the record is the last step's own values, non-finite ones
+    shown."""
+    kept = [drop_uncounted(m) for m in steps]
+    finite = [m for m, raw in zip(kept, steps) if not raw.get("nonfinite")]
+    if not finite:
+        return dict(kept[-1])
+    names = dict.fromkeys(k for m in finite for k in m)
+    out = {k: math.fsum(m[k] for m in finite if k in m) / sum(k in m for m in finite)
+           for k in names if k not in LAST_STEP}
+    out.update({k: steps[-1][k] for k in LAST_STEP if k in steps[-1]})
+    return out
+
+
 def _with_batch(modules, batch):
     module, reference = modules
     return module, batch, reference
