@@ -150,7 +150,8 @@ def test_other_online_algorithms_run_with_their_metrics(tmp_path, prompt_files, 
     expected = {
         "rloo": ("loss", "reward", "kl", "clip_ratio/region_mean"),
         "ppo": ("loss", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg",
-                "val/clipfrac_avg", "objective/kl", "objective/scores", "objective/rlhf_reward"),
+                "val/clipfrac_avg", "objective/kl", "objective/scores", "objective/rlhf_reward",
+                "objective/entropy", "val/num_eos_tokens"),
         "online_dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
                        "rewards/accuracies", "reward", "objective/kl", "objective/entropy",
                        "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
@@ -160,6 +161,8 @@ def test_other_online_algorithms_run_with_their_metrics(tmp_path, prompt_files, 
         assert all(math.isfinite(r[key]) for r in records), key
     if name == "ppo":  # the value head starts at zero: non-zero returns give it a loss to learn
         assert records[-1]["loss/value_avg"] > 0
+        assert all(r["objective/entropy"] > 0 and 0 <= r["val/num_eos_tokens"] <= 8
+                   and r["val/num_eos_tokens"] == int(r["val/num_eos_tokens"]) for r in records)
     if name == "online_dpo":  # TRL's relations between its objective/* metrics
         for r in records:
             assert r["objective/non_score_reward"] == pytest.approx(-0.1 * r["objective/kl"],

@@ -70,7 +70,10 @@ class PPO(OnlineAlgorithm):
         scores = scores.astype(np.float32)
         if c.missing_eos_penalty is not None:
             scores = scores - c.missing_eos_penalty * (~finished)
-        metrics = {"objective/scores": float(scores.mean())}
+        # TRL's: the sampled completions' negative log-likelihood, and how many ended with EOS
+        metrics = {"objective/scores": float(scores.mean()),
+                   "objective/entropy": float((-old_logps * mask).sum(axis=1).mean()),
+                   "val/num_eos_tokens": float(np.sum(finished))}
         ref = (rollouts.logps(batch, state, False, True)["ref_logps"]
                if self.reference_mode is not None else None)
         per_token, kl = (np.asarray(x) for x in rl.ppo_rewards(
