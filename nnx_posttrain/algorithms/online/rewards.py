@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nnx_posttrain import data
+
 _INTEGER_IN = re.compile(r"-?\d+")
 
 
@@ -259,6 +261,52 @@ def score(name: str, fn, prompts, completions, columns: dict, describe, state=No
             raise SystemExit(f"error: reward {name!r} returned {v!r} on {describe(i)}; expected a "
                              "number or None") from None
     return out
+
+
+def score_batch(reward_fns, reward_weights, src, index, prompt_ids, prompt_mask, completion_ids,
+                completion_mask, texts, state=None):
+    """The completions ``texts`` of the records of ``src`` at ``index`` -> ([B] sum of the rewards
+    times ``reward_weights``, NaN-ignoring as TRL; {name: [B] rewards, NaN where a function does
+    not apply}). Each function is called as TRL calls it (``score``): the records' columns,
+    conversational completions for conversational prompts, every completion's token ids; a
+    reward model reads the prompt and completion tokens."""
+    records = data.extra_columns(src, index, exclude=())
+    columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
+    prompts = columns.pop("prompt", [None] * len(texts))
+    index = np.asarray(index).reshape(-1)
+    completions = ([[{"role": "assistant", "content": t}] for t in texts]
+                   if prompts and isinstance(prompts[0], list) else texts)
+    columns["completion_ids"] = [row[m > 0].tolist() for row, m in
+                                 zip(np.asarray(completion_ids), np.asarray(completion_mask))]
+
+    def describe(i):  # for an error message only: the record's file:line
+        j = int(index[i])
+        where = src[j].get("_where", f"record {j}") if j >= 0 else "padding"
+        return f"completion {i} ({where}, prompt {str(prompts[i])[:80]!r})"
+
+    per_fn = np.zeros((len(texts), len(reward_fns)), np.float32)
+    for j, (name, fn) in enumerate(reward_fns):
+        if getattr(fn, "needs_tokens", False):
+            values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
+                                                     completion_ids, completion_mask))
+        else:
+            values = score(name, fn, prompts, completions, columns, describe, state)
+        per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
+    total = np.nansum(per_fn * reward_weights[None, :], axis=1)
+    return total, {name: per_fn[:, j] for j, (name, _) in enumerate(reward_fns)}
+
+
+def _right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Left-padded prompt + completion -> right-padded rows (for models reading the last token)."""
+    ids = np.concatenate([prompt_ids, completion_ids], axis=1)
+    mask = np.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
+    out = np.zeros_like(ids)
+    out_mask = np.zeros_like(ids, dtype=np.int32)
+    for i in range(len(ids)):
+        row = ids[i][mask[i]]
+        out[i, : len(row)] = row
+        out_mask[i, : len(row)] = 1
+    return out, out_mask
 
 
 def _first_failing_row(fn, prompts, completions, columns, state) -> int | None:

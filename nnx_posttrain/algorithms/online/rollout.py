@@ -312,36 +312,11 @@ class Rollouts:
 
     def score(self, src, index, prompt_ids, prompt_mask, completion_ids, completion_mask, texts):
         """Completions of the records of ``src`` at ``index`` -> ([B] weighted reward sum,
-        NaN-ignoring as TRL; {function name: [B] rewards, NaN where it does not apply}). Rollouts
-        score with it, and evaluation scores greedy answers to held-out prompts."""
-        records = data.extra_columns(src, index, exclude=())
-        columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
-        prompts = columns.pop("prompt", [None] * len(texts))
-        index = np.asarray(index).reshape(-1)
-        # as TRL calls rewards: conversational prompts get conversational completions, and
-        # every completion its token ids
-        completions = ([[{"role": "assistant", "content": t}] for t in texts]
-                       if prompts and isinstance(prompts[0], list) else texts)
-        columns["completion_ids"] = [row[m > 0].tolist()
-                                     for row, m in zip(np.asarray(completion_ids),
-                                                       np.asarray(completion_mask))]
-
-        def describe(i):  # for an error message only: the record's file:line
-            j = int(index[i])
-            where = src[j].get("_where", f"record {j}") if j >= 0 else "padding"
-            return f"completion {i} ({where}, prompt {str(prompts[i])[:80]!r})"
-
-        per_fn = np.zeros((len(texts), len(self.reward_fns)), np.float32)
-        for j, (name, fn) in enumerate(self.reward_fns):
-            if getattr(fn, "needs_tokens", False):
-                values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
-                                                         completion_ids, completion_mask))
-            else:
-                values = rewards_lib.score(name, fn, prompts, completions, columns, describe,
-                                           self.trainer_state)
-            per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
-        total = np.nansum(per_fn * self.reward_weights[None, :], axis=1)
-        return total, {name: per_fn[:, j] for j, (name, _) in enumerate(self.reward_fns)}
+        {function name: [B] rewards, NaN where it does not apply}) (``rewards.score_batch``).
+        Rollouts score with it, and evaluation scores greedy answers to held-out prompts."""
+        return rewards_lib.score_batch(self.reward_fns, self.reward_weights, src, index,
+                                       prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                       texts, self.trainer_state)
 
     def _rewards(self, prompt_ids, prompt_mask, completion_ids, completion_mask, texts, index):
         """[B] weighted reward sum, the per-function metrics, the per-function rewards."""
@@ -390,19 +365,6 @@ class Rollouts:
         out = self._logps_jit(state["params"], self.frozen, batch["input_ids"],
                               batch["attention_mask"], batch["positions"], with_old, with_ref)
         return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
-
-
-def _right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Left-padded prompt + completion -> right-padded rows (for models reading the last token)."""
-    ids = np.concatenate([prompt_ids, completion_ids], axis=1)
-    mask = np.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-    out = np.zeros_like(ids)
-    out_mask = np.zeros_like(ids, dtype=np.int32)
-    for i in range(len(ids)):
-        row = ids[i][mask[i]]
-        out[i, : len(row)] = row
-        out_mask[i, : len(row)] = 1
-    return out, out_mask
 
 
 def _completion_metrics(mask, finished) -> dict:
