@@ -609,7 +609,7 @@ def test_bad_counts_are_refused_up_front(args, text):
 def test_keep_best_metric_the_run_never_evaluates_is_refused_before_training(tmp_path):
     msg = refusal(sft, tmp_path / "run", "--checkpoint.keep-best", "exact_mtch")
     assert "--checkpoint.keep-best exact_mtch: the run never evaluates it" in msg
-    assert "loss, perplexity" in msg
+    assert "loss, mean_token_accuracy, perplexity" in msg
     assert not (tmp_path / "run" / "config.json").exists()
 
 

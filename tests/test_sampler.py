@@ -260,7 +260,9 @@ def test_tools_sample_samples_with_options(micro_sampler, monkeypatch, capsys):
     from tools import sample as sample_tool
 
     lm = micro_sampler[0]
-    monkeypatch.setattr(sample_tool.runs, "load", lambda run_dir, step: SimpleNamespace(lm=lm, module=lm.module))
+    monkeypatch.setattr(sample_tool.runs, "check_policy", lambda run_dir: None)
+    monkeypatch.setattr(sample_tool.runs, "load", lambda run_dir, step: SimpleNamespace(
+        lm=lm, module=lm.module, policy=lambda: lm.module))
     argv = ["RUN", "--prompt", "What is 1 + 2?", "--prompt", "Hi", "--max-new-tokens", "4",
             "--temperature", "0.9", "--top-k", "5", "--top-p", "0.9", "--seed", "3", "--num-samples", "2"]
     answers = sample_tool.main(argv)
