@@ -126,8 +126,9 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
     """``--algo.rewards`` -> [(name, function)]; a clear error for a name that is none of the
     three kinds. ``load_run`` (``nnx_posttrain.runs.load``) reads a reward-model run; without it
     a reward-model run is only checked (its ``config.json``'s algorithm) and stands as None."""
+    specs = [x.strip() for x in spec.split(",") if x.strip()]
     out = []
-    for name in (x.strip() for x in spec.split(",") if x.strip()):
+    for name in specs:
         if name in BUILTIN:
             out.append((name, BUILTIN[name]))
         elif ":" in name and not Path(name).exists():
@@ -142,7 +143,6 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
                 "'module:function' path, or a reward-model run directory")
     if not out:
         raise SystemExit("--algo.rewards: give at least one reward function")
-    specs = [x.strip() for x in spec.split(",") if x.strip()]
     if len(set(specs)) < len(specs):
         twice = sorted({x for x in specs if specs.count(x) > 1})
         raise SystemExit(f"--algo.rewards: {', '.join(twice)} given twice; weigh one reward with "
@@ -167,8 +167,6 @@ def check(cfg, train_src, data_name: str) -> None:
     """``--algo.rewards`` / ``--algo.reward-weights`` of an online run (``cfg``: its algorithm's
     config) checked before the model loads: each name found and imported, a reward-model run's
     algorithm, the weights' count, the rewards' columns in the first record of ``train_src``."""
-    from nnx_posttrain import data
-
     fns = resolve(cfg.rewards)
     weights(cfg.reward_weights, len(fns))
     if len(train_src):
