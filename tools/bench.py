@@ -140,19 +140,22 @@ def tokens_per_step(spec: dict, case: str) -> int:
     return rows * spec["seq"]
 
 
-def model_flops(spec: dict, case: str) -> float:
+def model_flops(spec: dict, case: str, tokens: int | None = None) -> float:
     """Model FLOPs of one step (PaLM's convention: 6 per parameter and token for forward and
     backward, the attention scores' 12 * layers * seq * heads * head_dim per token; the embedding
     lookup not counted; a reference forward adds 2 per parameter and token). The LM head counts
     only at the positions that carry loss: every token for SFT, the completions for DPO (both
-    TRL's fused LM head and ours skip the prompt positions)."""
+    TRL's fused LM head and ours skip the prompt positions). ``tokens``: the tokens the side's
+    forward actually runs where that is not every row's (ours with each DPO prompt once,
+    ``algorithms.shared_prompt``: batch x the shared row's length), each counted at ``seq`` keys."""
     d, layers, heads, kv, hd = (spec[k] for k in ("hidden_dim", "num_layers", "num_query_heads",
                                                    "num_key_value_heads", "head_dim"))
     ff = spec["intermediate_dim"] // 2  # KerasHub's intermediate_dim is twice each MLP branch
     per_layer = 2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ff
-    tokens = tokens_per_step(spec, case)
+    rows = tokens_per_step(spec, case)
+    tokens = tokens or rows
     sft = case.startswith("sft")
-    head_tokens = tokens if sft else tokens // spec["seq"] * (spec["seq"] - spec["prompt"])
+    head_tokens = rows if sft else rows // spec["seq"] * (spec["seq"] - spec["prompt"])
     # packed rows: each example attends within itself only
     seen = spec["seq"] / PACK if case == "sft_packed" else spec["seq"]
     attention = 12 * layers * seen * heads * hd * tokens
@@ -443,10 +446,11 @@ def main(argv=None) -> list[dict]:
     for r in results:
         if "ms_per_step" in r:
             spec = spec_of(r["size"], args.batch, args.seq)
-            r["model_tflops_per_s"] = model_flops(spec, r["case"]) / (r["ms_per_step"] / 1000) / 1e12
+            flops = model_flops(spec, r["case"], r.get("forward_tokens"))
+            r["model_tflops_per_s"] = flops / (r["ms_per_step"] / 1000) / 1e12
             peak = peaks.get(r["size"], {}).get("peak_gflops")
             if peak:  # every model FLOP at the best matmul speed of this machine
-                r["bound_ms"] = model_flops(spec, r["case"]) / (peak * 1e9) * 1000
+                r["bound_ms"] = flops / (peak * 1e9) * 1000
             if args.peak_tflops:
                 r["mfu"] = r["model_tflops_per_s"] / args.peak_tflops
                 print(f"{r['size']:8s} {r['case']:15s} {r['side']:5s} "
@@ -479,6 +483,13 @@ def main(argv=None) -> list[dict]:
                 allocators.setdefault(r["host_allocator"], []).append(r["size"])
         for line, sizes in allocators.items():
             notes.append(f"ours, {', '.join(dict.fromkeys(sizes))}: {line}")
+        for r in merged:
+            if r["side"] == "ours" and r.get("forward_tokens", 0) < tokens_per_step(
+                    spec_of(r["size"], args.batch, args.seq), r["case"]):
+                notes.append(f"ours, {r['size']} {r['case']}: each prompt once "
+                             f"(algorithms.shared_prompt), {r['forward_tokens']:,} tokens through "
+                             f"the model per step instead of {tokens_per_step(spec_of(r['size'], args.batch, args.seq), r['case']):,}; "
+                             "tokens/s counts the pairs' rows, the matmul bound the tokens run")
         for n in (n for n in cpu_devices if n > 1):
             notes.append(f"ours, rows '{n} CPU devices': --mesh.cpu-devices {n} (the host CPU as "
                          f"{n} XLA devices, each batch split over them); the peers' columns "

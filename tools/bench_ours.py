@@ -75,6 +75,8 @@ def _apply_flags(flags: list[str], algorithm) -> None:
             jax.config.update("jax_default_matmul_precision", flag.split("=", 1)[1])
         elif flag == "split_pair":
             algorithm.pair_forward = "separate"  # chosen and rejected in two forwards
+        elif flag == "concatenated_pair":
+            algorithm.pair_forward = "concatenated"  # each prompt twice (no shared_prompt rows)
         elif flag == "full_logits":
             algorithm.logprob_chunk = 0  # --logprob-chunk 0: every position's logits at once
             algorithm.scored_positions_only = False
@@ -159,6 +161,9 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     out = summarize(times, warmup, cpu)
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
+        # the tokens the forward runs: each DPO prompt once with shared rows (shared_prompt)
+        forward_tokens=(int(host[0]["shared_input_ids"].size) if "shared_input_ids" in host[0]
+                        else tokens_per_step(spec, case)),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,
         rss_before_steps_mb=rss_before, precompute_s=precompute_s,
         params=model.count_params(nnx_posttrain_params(graphdef, params, frozen_model)),

@@ -1,6 +1,7 @@
 """What the pairwise preference algorithms share: chosen and rejected through the model in ONE
-concatenated forward (``pair_logps``), the reference's log-probs the configured way, and the
-host-side ``nll_scale`` that keeps TRL's token-mean NLL terms exact under gradient accumulation.
+forward (``pair_logps``: each prompt once, ``shared_prompt``, else the two rows concatenated), the
+reference's log-probs the configured way, and the host-side ``nll_scale`` that keeps TRL's
+token-mean NLL terms exact under gradient accumulation.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain import model
+from nnx_posttrain.algorithms import shared_prompt
 from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.losses.common import token_mean_terms
 
@@ -26,7 +28,11 @@ def sequence_logps(module, ids, attention, loss_mask, chunk, positions=None):
 def _side_logps(module, ids, attention, loss_mask, chunk, positions, with_log_sum_sq):
     out = model.token_logprobs(module, ids, attention, chunk, positions=positions,
                                with_log_sum_sq=with_log_sum_sq)
-    token, lss = out if with_log_sum_sq else (out, None)
+    return _side(out if with_log_sum_sq else (out, None), loss_mask, with_log_sum_sq)
+
+
+def _side(token_and_lss, loss_mask, with_log_sum_sq):
+    token, lss = token_and_lss
     mask = loss_mask.astype(jnp.float32)
     summed = jnp.sum(token * mask, axis=-1)
     lengths = jnp.sum(mask, axis=-1)
@@ -35,13 +41,20 @@ def _side_logps(module, ids, attention, loss_mask, chunk, positions, with_log_su
 
 
 def pair_logps(module, batch, chunk, concatenated: bool = True, with_log_sum_sq: bool = False):
-    """Chosen and rejected log-probs. ``concatenated`` runs both through the model in ONE forward
-    (the default); False runs two (a benchmark variant). Returns a dict of ``[batch]`` arrays
+    """Chosen and rejected log-probs. A batch with shared rows (``shared_prompt.layout``) runs
+    each pair as one row; else ``concatenated`` runs both rows through the model in ONE forward,
+    False in two (a benchmark variant). Returns a dict of ``[batch]`` arrays
     ``chosen`` / ``rejected`` (summed over the completion), ``*_avg`` (averaged), ``*_len``
     (completion tokens), and of ``[batch, length]`` arrays ``*_tokens`` (per-token log-probs:
     LD-DPO's split, NLL terms), ``*_mask`` (the loss mask as float) and, with
     ``with_log_sum_sq``, ``*_lss`` (log sum_v p_v^2 per position: WPO's weights)."""
     out = {}
+    if "shared_input_ids" in batch:
+        sides = shared_prompt.pair_logps(module, batch, chunk, with_log_sum_sq)
+        for name, token_and_lss in sides.items():
+            side = _side(token_and_lss, batch[f"{name}_loss_mask"], with_log_sum_sq)
+            out.update({name + k: v for k, v in side.items()})
+        return out
     if not concatenated:
         for name in ("chosen", "rejected"):
             side = _side_logps(module, batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"],
@@ -74,12 +87,27 @@ def nll_terms(batch, nll_sums, nll_tokens):
 
 
 class PairAlgorithm(AlgorithmBase):
-    """Trains on chosen / rejected pairs; ``pair_forward`` "separate" is a benchmark variant."""
+    """Trains on chosen / rejected pairs. ``pair_forward``: "shared" (each prompt once where the
+    model's rotary layers take positions and the batch allows, ``shared_prompt``; else
+    concatenated), "concatenated" and "separate" (benchmark variants)."""
 
-    pair_forward = "concatenated"
+    pair_forward = "shared"
     with_log_sum_sq = False  # WPO's per-token log sum p^2 from the policy forward
+    longest_shared = 0  # set by setup: shared_prompt.longest_row of the model (0: never)
+
+    def setup(self, module):
+        super().setup(module)
+        self.longest_shared = (shared_prompt.longest_row(module)
+                               if self.pair_forward == "shared" else 0)
 
     def prepare(self, batch):
+        batch = self.prepare_pairs(batch)
+        if self.longest_shared != 0 and "chosen_loss_mask" in batch:
+            batch.update(shared_prompt.layout(batch, self.longest_shared) or {})
+        return batch
+
+    def prepare_pairs(self, batch):
+        """``prepare`` before the shared rows: scored positions, NLL scale."""
         batch = super().prepare(batch)
         if "chosen_loss_mask" in batch:
             batch = dict(batch, nll_scale=nll_scale(self.nll_mask(batch)))

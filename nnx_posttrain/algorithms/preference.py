@@ -278,12 +278,12 @@ class ORPO(PairAlgorithm):
         mask[:, 0] = 0  # the first token has no prediction
         return mask
 
-    def prepare(self, batch):
+    def prepare_pairs(self, batch):
         if self.cfg.nll_tokens == "completion" or "chosen_loss_mask" not in batch:
-            return super().prepare(batch)
+            return super().prepare_pairs(batch)
         nll = self.nll_mask(batch)
         # project the vocabulary at the NLL tokens; the loss masks stay the completions'
-        prepared = super().prepare(dict(batch, chosen_loss_mask=nll))
+        prepared = super().prepare_pairs(dict(batch, chosen_loss_mask=nll))
         return dict(prepared, chosen_loss_mask=batch["chosen_loss_mask"], chosen_nll_mask=nll)
 
     def loss(self, module, batch, reference=None):

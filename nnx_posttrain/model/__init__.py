@@ -28,6 +28,7 @@ from nnx_posttrain.model.blocks import (
     override_blocks,
     segment_attention_mask,
     set_remat,
+    takes_positions,
 )
 from nnx_posttrain.model.heads import PolicyWithValue, RewardModel
 from nnx_posttrain.model.load import (
@@ -73,7 +74,7 @@ __all__ = [
     # attention
     "ATTENTION_IMPLEMENTATIONS", "attention_of", "set_attention",
     # blocks
-    "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat",
+    "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
     # logprobs
     "full_logits", "hidden_states", "logprobs_from_hidden", "scored_positions", "token_logprobs",
     # heads

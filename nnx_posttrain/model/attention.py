@@ -369,14 +369,18 @@ def overridden(module, shape, kernel, training: bool = True):
 
 
 @contextlib.contextmanager
-def scope(module, padding_mask, segment_ids=None):
+def scope(module, padding_mask, segment_ids=None, branched: bool = False):
     """While active, ``module``'s forward pass uses its chosen attention path (``set_attention``)
     with ``segment_ids`` (packed rows) or the padding mask as segments. Yields whether the path is
-    active (False: ``keras``, and KerasHub builds its masks as usual)."""
+    active (False: ``keras``, and KerasHub builds its masks as usual). ``branched``: the segment
+    ids have shared-prefix branches (``flash.BRANCH``), which splash's segment ids cannot express:
+    that path takes ``xla`` instead."""
     choice = attention_of(module)
     if choice.implementation == "keras":
         yield False
         return
+    if branched and choice.implementation == "splash":
+        choice = dataclasses.replace(choice, implementation="xla")
     segments = padding_mask if segment_ids is None else segment_ids
     segments = jnp.asarray(segments).astype(jnp.int32)
     with overridden(module, segments.shape,

@@ -70,13 +70,52 @@ def mask_method(block) -> str | None:
 
 
 def segment_attention_mask(segment_ids):
-    """[batch, T, T] causal mask that never crosses examples of a packed row (segment 0 = padding;
-    a padding query sees itself only, so no softmax row is empty)."""
+    """[batch, T, T] causal mask that never crosses examples of a packed row, nor the branches of
+    a shared-prefix row (``flash.allowed``; segment 0 = padding; a padding query sees itself only,
+    so no softmax row is empty)."""
+    from nnx_posttrain.model.flash import allowed
+
     seg = segment_ids
     t = seg.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), bool))[None]
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
-    return ((same & causal) | jnp.eye(t, dtype=bool)[None]).astype(jnp.int32)
+    pos = jnp.arange(t)
+    ok = allowed(seg, seg, pos, pos, None) & (seg[:, None, :] != 0)
+    return (ok | jnp.eye(t, dtype=bool)[None]).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- rotary positions
+
+
+def rope_layers(module) -> list:
+    """The rotary-embedding layers of every decoder block (any KerasHub family)."""
+    from keras_hub.src.layers.modeling.rotary_embedding import RotaryEmbedding
+
+    out = []
+    for block in decoder_blocks(module):
+        out += [layer for layer in block._flatten_layers(include_self=False)
+                if isinstance(layer, RotaryEmbedding)]
+    return out
+
+
+def takes_positions(module) -> bool:
+    """Whether every rotary layer of ``module`` accepts per-token ``positions`` (KerasHub's
+    ``RotaryEmbedding.call(inputs, start_index, positions)``) and there is at least one."""
+    import inspect
+
+    layers = rope_layers(module)
+    return bool(layers) and all("positions" in inspect.signature(layer.call).parameters
+                                for layer in layers)
+
+
+@contextlib.contextmanager
+def rope_positions(module, positions):
+    """While active, every rotary layer of ``module`` rotates at ``positions`` [batch, T] (the
+    position of each token within its example) instead of ``0 .. T - 1``."""
+    def make(layer, original):
+        return lambda inputs, start_index=0, positions=None: original(inputs, positions=pos)
+
+    pos = positions
+    with shadowed(rope_layers(module), "call", make):
+        yield
 
 
 def _attention_mask_override(module, mask):

@@ -24,11 +24,23 @@ import jax
 import jax.numpy as jnp
 
 NEG = -1e30  # a masked score: finite (no NaN), exp(NEG - max) = 0 in float32
+# Segment ids of a shared-prefix row (``algorithms.shared_prompt``): ``s`` is example s's shared
+# prefix (a preference pair's prompt), ``s + k * BRANCH`` (k = 1, 2) its k-th branch (the chosen /
+# rejected completion), which sees the prefix and itself but not the other branch.
+BRANCH = 2**20
+
+
+def example_of(seg):
+    """The example a segment id belongs to (its branches' ids carry ``BRANCH`` multiples)."""
+    return jnp.where(seg > 0, seg % BRANCH, seg)
 
 
 def allowed(seg_q, seg_k, pos_q, pos_k, window):
-    """[batch, Tq, S] bool: same segment, key not later, within the window."""
-    ok = (seg_q[:, :, None] == seg_k[:, None, :]) & (pos_k[None, None, :] <= pos_q[None, :, None])
+    """[batch, Tq, S] bool: same segment (or the key in the shared prefix of the query's branch,
+    ``BRANCH``), key not later, within the window."""
+    sq, sk = seg_q[:, :, None], seg_k[:, None, :]
+    same = (sq == sk) | ((sq > BRANCH) & (sk == sq % BRANCH))
+    ok = same & (pos_k[None, None, :] <= pos_q[None, :, None])
     if window:
         ok &= pos_q[None, :, None] - pos_k[None, None, :] < window
     return ok
@@ -47,11 +59,11 @@ def _first_block(i, block, window):
 
 
 def _needed(seg, block):
-    """[blocks, blocks] bool: some query of block i and key of block j share a segment id in some
+    """[blocks, blocks] bool: some query of block i and key of block j share an example in some
     batch row (tested on each block's [min, max] segment range: packed rows' tiles between two
     different examples are skipped, as a varlen kernel skips them)."""
     b, t = seg.shape
-    tiles = seg.reshape(b, t // block, block)
+    tiles = example_of(seg).reshape(b, t // block, block)
     low, high = tiles.min(-1), tiles.max(-1)  # [B, blocks]
     overlap = (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])
     return jnp.any(overlap, axis=0)

@@ -8,6 +8,8 @@ when asked (``scored_positions``).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +20,20 @@ from nnx_posttrain.model.blocks import (
     _remat_scope,
     segment_attention_mask,
 )
+from nnx_posttrain.model.blocks import rope_positions as rope_positions_scope
 
 
-def hidden_states(module, token_ids, padding_mask, segment_ids=None):
+def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positions=None):
     """Final hidden states. With ``segment_ids`` (packed rows), attention stays within each
     example. Positions are not restarted per example: every supported family uses rotary
-    embeddings, whose attention scores depend only on relative positions within an example."""
-    with _remat_scope(module), dense.overridden(module), \
-            attention.scope(module, padding_mask, segment_ids) as own:
+    embeddings, whose attention scores depend only on relative positions within an example.
+    ``rope_positions`` [batch, T] are the rotary positions where that does not hold (a shared-prefix
+    row, whose second branch continues the prefix: ``algorithms.shared_prompt``)."""
+    rope = (contextlib.nullcontext() if rope_positions is None
+            else rope_positions_scope(module, rope_positions))
+    branched = rope_positions is not None
+    with _remat_scope(module), dense.overridden(module), rope, \
+            attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
             return module({"token_ids": token_ids, "padding_mask": padding_mask})
         if own:  # the attention path compares the segment ids itself (model.set_attention)
@@ -107,16 +115,23 @@ def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
 
 def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, with_entropy=False,
                          temperature: float = 1.0, positions=None, with_log_sum_sq=False,
-                         with_correct=False):
+                         with_correct=False, gather=None):
     """``token_logprobs`` from the final hidden states ``h`` [batch, length, width] (for models
-    that read the hidden states twice, e.g. a policy with a value head)."""
+    that read the hidden states twice, e.g. a policy with a value head). ``gather`` (sources,
+    targets, places, out_length), each [batch, k] but the last: the token at index ``targets``
+    predicted from the hidden state at ``sources``, its results placed at ``places`` (out of
+    range: dropped) of [batch, out_length] arrays; ``positions`` p is the gather (p - 1, p, p,
+    length)."""
     batch, full_length = token_ids.shape
-    if positions is None:
-        h, targets = h[:, :-1], token_ids[:, 1:]
-    else:  # position t is predicted from the hidden state at t - 1
+    if positions is not None:  # position t is predicted from the hidden state at t - 1
         clipped = jnp.clip(positions, 1, full_length - 1)
-        h = jnp.take_along_axis(h, (clipped - 1)[..., None], axis=1)
-        targets = jnp.take_along_axis(token_ids, clipped, axis=1)
+        gather = (clipped - 1, clipped, positions, full_length)
+    if gather is None:
+        h, targets = h[:, :-1], token_ids[:, 1:]
+    else:
+        sources, targets, places, full_length = gather
+        h = jnp.take_along_axis(h, sources[..., None], axis=1)
+        targets = jnp.take_along_axis(token_ids, targets, axis=1)
     length, width = h.shape[1], h.shape[2]
     embedding = module.token_embedding
     chunk_size = chunk_positions(chunk_size, batch, length, int(embedding.input_dim))
@@ -161,10 +176,10 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
 
     def unchunk(x):
         x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
-        if positions is None:
+        if gather is None:
             return jnp.pad(x, ((0, 0), (1, 0)))
         rows = jnp.arange(batch)[:, None]
-        return jnp.zeros((batch, full_length), x.dtype).at[rows, positions].set(x, mode="drop")
+        return jnp.zeros((batch, full_length), x.dtype).at[rows, places].set(x, mode="drop")
 
     out = (unchunk(logp),) + ((unchunk(entropy),) if with_entropy else ())
     out += (unchunk(lss),) if with_log_sum_sq else ()
