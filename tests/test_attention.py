@@ -1,7 +1,5 @@
 """The attention paths (model/attention.py) equal KerasHub's attention, per family, packed and not."""
 
-import contextlib
-
 import keras_hub
 import numpy as np
 import pytest
@@ -39,23 +37,31 @@ def _inputs(packed: bool, length: int = SEQ):
     return ids, mask, None
 
 
+def _kerashub_hidden(bb, ids, mask, seg):
+    """KerasHub's own attention as its layers are written (the reference)."""
+    window = getattr(model.decoder_blocks(bb)[0], "sliding_window", None)
+    if seg is not None and window:
+        # Mistral's window lives in the block's mask method, which KerasHub's packed-row mask
+        # (blocks.segment_attention_mask) replaces: the reference applies both
+        pos = np.arange(ids.shape[1])
+        band = (pos[:, None] - pos[None, :] < window)[None]
+        packed_mask = model.segment_attention_mask(jnp.asarray(seg)) * band
+        with blocks._attention_mask_override(bb, packed_mask):
+            return bb({"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)})
+    with support.kerashub_as_written():
+        return model.hidden_states(bb, jnp.asarray(ids), jnp.asarray(mask),
+                                   None if seg is None else jnp.asarray(seg))
+
+
 def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
     ids, mask, seg = _inputs(packed, length)
     model.set_attention(bb, implementation, platform="cpu", interpret=interpret)
     try:
-        window = getattr(model.decoder_blocks(bb)[0], "sliding_window", None)
-        if implementation == "keras" and seg is not None and window:
-            # Mistral's window lives in the block's mask method, which KerasHub's packed-row mask
-            # (blocks.segment_attention_mask) replaces: the reference applies both
-            pos = np.arange(length)
-            band = (pos[:, None] - pos[None, :] < window)[None]
-            packed_mask = model.segment_attention_mask(jnp.asarray(seg)) * band
-            with blocks._attention_mask_override(bb, packed_mask):
-                h = bb({"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)})
+        if implementation == "keras":
+            h = _kerashub_hidden(bb, ids, mask, seg)
         else:
-            with support.kerashub_as_written() if implementation == "keras" else contextlib.nullcontext():
-                h = model.hidden_states(bb, jnp.asarray(ids), jnp.asarray(mask),
-                                        None if seg is None else jnp.asarray(seg))
+            h = model.hidden_states(bb, jnp.asarray(ids), jnp.asarray(mask),
+                                    None if seg is None else jnp.asarray(seg))
     finally:
         model.set_attention(bb, "keras")
     real = (seg if seg is not None else mask) != 0
@@ -80,18 +86,20 @@ def test_splash_kernel_equals_kerashub_attention(backbone, packed):
 def test_gradients_equal_kerashub_attention(backbone):
     """The backward pass too (packed rows, the chunked path with chunks of 8 positions)."""
     ids, mask, seg = _inputs(packed=True)
-    graphdef, params, rest = nnx.split(backbone, nnx.Param, ...)
+    graphdef, params, rest = model.split(backbone)
 
     def loss(params, implementation, chunk):
         module = nnx.merge(graphdef, params, rest)
         model.set_attention(module, implementation, platform="cpu")
         object.__setattr__(module, attention._ATTRIBUTE,
                            attention.Choice(attention.attention_of(module).implementation, chunk))
-        h = model.hidden_states(module, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(seg))
+        if implementation == "keras":
+            h = _kerashub_hidden(module, ids, mask, seg)
+        else:
+            h = model.hidden_states(module, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(seg))
         return jnp.sum(jnp.where(jnp.asarray(seg)[..., None] != 0, h, 0.0) ** 2)
 
-    with support.kerashub_as_written():
-        want = jax.grad(loss)(params, "keras", 512)
+    want = jax.grad(loss)(params, "keras", 512)
     for chunk in (512, 8):
         got = jax.grad(loss)(params, "xla", chunk)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

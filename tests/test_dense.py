@@ -25,7 +25,7 @@ def _inputs():
     return {"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)}
 
 
-def _grads(bb, own: bool, split=lambda bb: nnx.split(bb, nnx.Param, ...)):
+def _grads(bb, own: bool, split=model.split):
     graphdef, params, rest = split(bb)
     inputs = _inputs()
 
