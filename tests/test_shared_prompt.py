@@ -16,6 +16,7 @@ from nnx_posttrain.algorithms import shared_prompt
 from nnx_posttrain.algorithms.preference import CPOConfig, ORPOConfig, SimPOConfig
 from nnx_posttrain.algorithms.preference import CPO, ORPO, SimPO
 from nnx_posttrain.model import attention
+from tools.check_gpu import ragged_pairs
 
 SEQ, PROMPT = 24, 10
 SIDES = ("chosen", "rejected")
@@ -24,18 +25,8 @@ SIDES = ("chosen", "rejected")
 def _pairs(seq=SEQ, prompt=PROMPT, left_padded=False):
     """Two pairs of ragged, right-padded rows (row 0: the chosen answer shorter; row 1: the
     rejected one, and a shorter prompt), loss on the answers."""
-    rng = np.random.default_rng(0)
-    prompts, ends = [prompt, prompt - 3], {"chosen": [seq - 5, seq], "rejected": [seq, seq - 7]}
-    batch = {}
-    for side in SIDES:
-        ids = rng.integers(1, 64, size=(2, seq)).astype(np.int32)
-        att, loss = np.zeros((2, seq), np.int32), np.zeros((2, seq), np.float32)
-        for row, (p, end) in enumerate(zip(prompts, ends[side])):
-            att[row, :end], loss[row, p:end] = 1, 1
-        batch.update({f"{side}_input_ids": ids * att, f"{side}_attention_mask": att,
-                      f"{side}_loss_mask": loss})
-    for row, p in enumerate(prompts):  # the same prompt on both sides
-        batch["rejected_input_ids"][row, :p] = batch["chosen_input_ids"][row, :p]
+    batch = ragged_pairs(seq, [prompt, prompt - 3], {"chosen": [seq - 5, seq],
+                                                     "rejected": [seq, seq - 7]})
     if left_padded:
         for k in batch:
             batch[k] = np.roll(batch[k], 3, axis=1)

@@ -143,16 +143,18 @@ def check_attention(family: str, path: str, results: list) -> None:
         check(f"{label} gradients", *grad_err, results)
 
 
-def pairs_batch():
-    """Two right-padded ragged pairs sharing their prompts (the shared-prompt rows apply)."""
+def ragged_pairs(seq: int, prompts: list[int], ends: dict) -> dict:
+    """Right-padded pairs of random ids (vocabulary 64) sharing their prompts: row r's prompt has
+    ``prompts[r]`` tokens and its ``side`` row ends at ``ends[side][r]``; loss on the answers.
+    (Also the pairs of ``tests/test_shared_prompt.py``.)"""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    prompts, ends = [16, 12], {"chosen": [SEQ - 6, SEQ], "rejected": [SEQ, SEQ - 9]}
     batch = {}
     for side in ("chosen", "rejected"):
-        ids = rng.integers(1, 64, size=(2, SEQ)).astype(np.int32)
-        att, loss = np.zeros((2, SEQ), np.int32), np.zeros((2, SEQ), np.float32)
+        ids = rng.integers(1, 64, size=(len(prompts), seq)).astype(np.int32)
+        att = np.zeros((len(prompts), seq), np.int32)
+        loss = np.zeros((len(prompts), seq), np.float32)
         for row, (p, end) in enumerate(zip(prompts, ends[side])):
             att[row, :end], loss[row, p:end] = 1, 1
         batch.update({f"{side}_input_ids": ids * att, f"{side}_attention_mask": att,
@@ -163,8 +165,8 @@ def pairs_batch():
 
 
 def check_shared_prompt(path: str, results: list) -> None:
-    """The chosen / rejected log-probs (SimPO's; DPO's are the same) from shared-prompt rows (branch segment ids through
-    cuDNN's mask) against the float32 concatenated forward."""
+    """The chosen / rejected log-probs (SimPO's; DPO's are the same) from shared-prompt rows
+    (branch segment ids through cuDNN's mask) against the float32 concatenated forward."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -175,7 +177,8 @@ def check_shared_prompt(path: str, results: list) -> None:
     f32, bf16 = pair("gemma")
     algorithm = SimPO(SimPOConfig())
     algorithm.setup(bf16)
-    shared = algorithm.prepare(pairs_batch())
+    shared = algorithm.prepare(ragged_pairs(SEQ, [16, 12], {"chosen": [SEQ - 6, SEQ],
+                                                             "rejected": [SEQ, SEQ - 9]}))
     if "shared_input_ids" not in shared:
         raise SystemExit("the check's pairs did not take the shared-prompt rows")
     concatenated = {k: v for k, v in shared.items() if k not in shared_prompt.KEYS}

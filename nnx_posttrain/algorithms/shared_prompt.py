@@ -63,8 +63,8 @@ def _prompt_lengths(batch: dict, n_c, n_r) -> np.ndarray:
 
 def layout(batch: dict, longest: int | None = None, granule: int | None = None) -> dict | None:
     """Host side: the shared rows of a prepared pair batch (``KEYS``), or None where they do not
-    apply, would not pay or would be longer than ``longest``. Rows are padded to a multiple of ``granule`` (default: a quarter of
-    the pair rows' length), so that few shapes compile. Each side's gather is [batch, 3, k]:
+    apply, would not pay or would be longer than ``longest``. Rows are padded to a multiple of
+    ``granule`` (default: a quarter of the pair rows' length), so that few shapes compile. Each side's gather is [batch, 3, k]:
     the hidden state that predicts, the token predicted (indices into the shared row) and the
     position of that token in the side's own row (``*_positions`` when the batch has them, else
     every position; out of range: padding)."""
@@ -98,7 +98,7 @@ def layout(batch: dict, longest: int | None = None, granule: int | None = None) 
         places = np.where(places >= 1, places, t)  # position 0 has no prediction
         valid = places < np.where(rejected, n_r, n_c)[:, None]
         target = places
-        if rejected:  # after the prompt, the rejected tokens follow the chosen row in the shared row
+        if rejected:  # past the prompt, the rejected tokens follow the chosen row's
             target = np.where(places >= p[:, None], places - p[:, None] + n_c[:, None], places)
         source = target - 1
         if rejected:  # its first token is predicted from the prompt's last one
