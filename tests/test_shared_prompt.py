@@ -135,6 +135,22 @@ def test_batches_it_cannot_take_keep_the_concatenated_forward():
     assert shared_prompt.layout(different) is None
 
 
+def test_a_batch_it_cannot_take_runs_both_rows_in_one_forward(monkeypatch):
+    """The fallback is the concatenated forward (one pass over 2 x batch rows), not two."""
+    from nnx_posttrain.algorithms import pairs
+
+    bb = support.tiny_backbone("gemma")
+    algorithm = SimPO(SimPOConfig())
+    algorithm.setup(bb)
+    batch = algorithm.prepare(_pairs(left_padded=True))
+    assert "shared_input_ids" not in batch
+    forwards, side_logps = [], pairs._side_logps
+    monkeypatch.setattr(pairs, "_side_logps", lambda module, ids, *a: (
+        forwards.append(ids.shape) or side_logps(module, ids, *a)))
+    algorithm.pair_logps(bb, jax.tree.map(jnp.asarray, batch))
+    assert forwards == [(4, SEQ)]
+
+
 @pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen2"])
 def test_a_sliding_window_bounds_the_shared_row(family):
     """A window counts positions in the row: rows longer than the shortest window are not shared

@@ -118,7 +118,7 @@ class PairAlgorithm(AlgorithmBase):
         return batch["chosen_loss_mask"]
 
     def pair_logps(self, module, batch, with_log_sum_sq=None):
-        return pair_logps(module, batch, self.logprob_chunk, self.pair_forward == "concatenated",
+        return pair_logps(module, batch, self.logprob_chunk, self.pair_forward != "separate",
                           self.with_log_sum_sq if with_log_sum_sq is None else with_log_sum_sq)
 
     def chosen_nll(self, batch, lp):
