@@ -483,13 +483,13 @@ def main(argv=None) -> list[dict]:
                 allocators.setdefault(r["host_allocator"], []).append(r["size"])
         for line, sizes in allocators.items():
             notes.append(f"ours, {', '.join(dict.fromkeys(sizes))}: {line}")
-        for r in merged:
-            if r["side"] == "ours" and r.get("forward_tokens", 0) < tokens_per_step(
-                    spec_of(r["size"], args.batch, args.seq), r["case"]):
+        for r in (r for r in merged if r["side"] == "ours"):
+            rows = tokens_per_step(spec_of(r["size"], args.batch, args.seq), r["case"])
+            if r.get("forward_tokens", rows) < rows:
                 notes.append(f"ours, {r['size']} {r['case']}: each prompt once "
                              f"(algorithms.shared_prompt), {r['forward_tokens']:,} tokens through "
-                             f"the model per step instead of {tokens_per_step(spec_of(r['size'], args.batch, args.seq), r['case']):,}; "
-                             "tokens/s counts the pairs' rows, the matmul bound the tokens run")
+                             f"the model per step instead of {rows:,}; tokens/s counts the pairs' "
+                             "rows, the matmul bound the tokens run")
         for n in (n for n in cpu_devices if n > 1):
             notes.append(f"ours, rows '{n} CPU devices': --mesh.cpu-devices {n} (the host CPU as "
                          f"{n} XLA devices, each batch split over them); the peers' columns "

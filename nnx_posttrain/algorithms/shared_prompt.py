@@ -64,10 +64,10 @@ def _prompt_lengths(batch: dict, n_c, n_r) -> np.ndarray:
 def layout(batch: dict, longest: int | None = None, granule: int | None = None) -> dict | None:
     """Host side: the shared rows of a prepared pair batch (``KEYS``), or None where they do not
     apply, would not pay or would be longer than ``longest``. Rows are padded to a multiple of
-    ``granule`` (default: a quarter of the pair rows' length), so that few shapes compile. Each side's gather is [batch, 3, k]:
-    the hidden state that predicts, the token predicted (indices into the shared row) and the
-    position of that token in the side's own row (``*_positions`` when the batch has them, else
-    every position; out of range: padding)."""
+    ``granule`` (default: a quarter of the pair rows' length), so that few shapes compile. Each
+    side's gather is [batch, 3, k]: the hidden state that predicts, the token predicted (indices
+    into the shared row) and the position of that token in the side's own row (``*_positions``
+    when the batch has them, else every position; out of range: padding)."""
     att_c, att_r = batch["chosen_attention_mask"], batch["rejected_attention_mask"]
     (n_c, ok_c), (n_r, ok_r) = _right_padded(att_c), _right_padded(att_r)
     if not (ok_c and ok_r) or att_c.shape != att_r.shape:
