@@ -1,5 +1,6 @@
 """tools.bench's own logic at a trivial size (skipped without the bench extra)."""
 
+import json
 import os
 
 import numpy as np
@@ -29,6 +30,10 @@ def test_batches_are_the_same_on_both_sides_and_well_formed():
 def test_summary_and_table():
     s = bench.summarize([5.0, 1.0, 0.2, 0.1, 0.3], warmup=1)
     assert s["ms_per_step"] == pytest.approx(200.0) and s["compile_s"] == pytest.approx(4.8)
+    assert "page_faults_per_step" not in s
+    # page faults per step: the median over the measured steps, the first 1 + warmup left out
+    s = bench.summarize([5.0, 1.0, 0.2, 0.1, 0.3], warmup=1, faults=[90000, 500, 12, 7, 3000])
+    assert s["page_faults_per_step"] == 12
     rows = [dict(size="micro", case="sft", side="ours", ms_per_step=10.0, tokens_per_s=100.0,
                  peak_rss_mb=1.0, compile_s=1.0),
             dict(size="micro", case="sft", side="trl", ms_per_step=40.0, tokens_per_s=25.0,
@@ -66,6 +71,38 @@ def test_tunix_side_is_skipped_with_a_note_without_its_python(tmp_path):
     assert python is None and "does not exist" in note
 
 
+def test_host_allocator_option_takes_a_mode_or_glibc_tunables():
+    import argparse
+
+    from nnx_posttrain import host_allocator
+
+    for value in ("auto", "tuned", "default", "glibc.malloc.mmap_max=0"):
+        assert bench.host_allocator_option(value) == value
+    with pytest.raises(argparse.ArgumentTypeError, match="GLIBC_TUNABLES string.*'huge'"):
+        bench.host_allocator_option("huge")
+
+    def ours(value, size):
+        return bench.ours_allocator(bench.spec_of(size), argparse.Namespace(host_allocator=value))
+
+    assert ours("auto", "micro") is None  # as a training command on a model this small
+    assert ours("auto", "medium") == "tuned" and host_allocator.worth_it(
+        bench.spec_of("medium")["vocab"], bench.spec_of("medium")["hidden_dim"])
+    assert ours("default", "medium") is None and ours("tuned", "micro") == "tuned"
+    assert ours("glibc.malloc.mmap_max=0", "micro") == "glibc.malloc.mmap_max=0"
+
+
+def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
+    """``--host-allocator glibc...``: our measured process runs with exactly that string (its
+    result line says so) and reports its page faults per step."""
+    tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
+    args = ["--spec", json.dumps(bench.spec_of("micro")), "--case", "sft", "--steps", "2",
+            "--warmup", "0"]
+    r = bench._run_worker("tools.bench_ours", args, 600, allocator=tunables)
+    assert "error" not in r, r
+    assert r["host_allocator"] == f"host allocator: GLIBC_TUNABLES={tunables} (the user's)"
+    assert r["page_faults_per_step"] >= 0
+
+
 def test_end_to_end_micro(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("torch")
@@ -79,6 +116,7 @@ def test_end_to_end_micro(tmp_path):
             r = by[(case, side)]
             assert "error" not in r, r
             assert r["ms_per_step"] > 0 and r["peak_rss_mb"] > 0 and r["steps_measured"] == 2
+            assert r["page_faults_per_step"] >= 0
     for case in ("sft", "dpo"):  # the matmul bound: model FLOPs at this machine's best matmul
         assert 0 < by[(case, "ours")]["bound_ms"] < by[(case, "ours")]["ms_per_step"]
     # ours kept glibc's defaults, as a training command on a model this small does

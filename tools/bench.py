@@ -29,7 +29,8 @@ AdamW (constant learning rate, clipping at 1.0, float32, no gradient checkpointi
 Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
 shardings, ``--attention auto``; in a process with the host allocator a training command of ours
 has for a model of the size, ``nnx_posttrain.host_allocator``, as is the matmul peak's; the peers
-keep their defaults; ``--host-allocator tuned|default`` forces it either way) with
+keep their defaults; ``--host-allocator tuned|default`` forces it either way, and a
+``GLIBC_TUNABLES`` string such as ``glibc.malloc.mmap_max=0`` runs ours with that instead) with
 ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
 ``on_step_end`` (forward, backward, clipping, optimizer step; the batch is already collated);
 Tunix's over its own loop (see ``tools.bench_tunix``). Reported: median ms/step over the measured
@@ -181,10 +182,21 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def summarize(times: list[float], warmup: int, cpu_times: list[float] | None = None) -> dict:
+def minor_faults() -> int:
+    """The process's minor page faults so far (memory the kernel mapped in on first touch)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def summarize(times: list[float], warmup: int, cpu_times: list[float] | None = None,
+              faults: list[int] | None = None) -> dict:
     """median ms of the steps after the first ``1 + warmup``; compile = first step - median.
     ``cpu_times`` (process CPU seconds per step, all threads) gives ``cpu_ms_per_step``: less
-    sensitive than wall time to other processes on a shared machine."""
+    sensitive than wall time to other processes on a shared machine. ``faults`` (minor page
+    faults per step, ``minor_faults`` differences) gives ``page_faults_per_step``: the host
+    allocator's work (a step whose buffers are mapped in afresh every step pays for each 4 KB
+    page, see ``nnx_posttrain.host_allocator``)."""
     import statistics
 
     measured = times[1 + warmup:]
@@ -194,6 +206,8 @@ def summarize(times: list[float], warmup: int, cpu_times: list[float] | None = N
            "ms_min": 1000 * min(measured), "ms_max": 1000 * max(measured)}
     if cpu_times:
         out["cpu_ms_per_step"] = 1000 * statistics.median(cpu_times[1 + warmup:])
+    if faults:
+        out["page_faults_per_step"] = statistics.median(faults[1 + warmup:])
     return out
 
 
@@ -209,17 +223,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_worker(module: str, args: list[str], timeout: float, python: str | None = None,
-                tuned: bool = False) -> dict:
+                allocator: str | None = None) -> dict:
     """Run ``python -m module args`` (this interpreter by default) from the repository root and
-    read its ``BENCH_RESULT`` line. ``tuned``: with the host allocator a training command of ours
-    runs with (``nnx_posttrain.host_allocator``; the peers run with their defaults)."""
+    read its ``BENCH_RESULT`` line. ``allocator``: ``tuned``, with the host allocator a training
+    command of ours runs with (``nnx_posttrain.host_allocator``; the peers run with their
+    defaults), or a ``GLIBC_TUNABLES`` string; None: glibc's defaults."""
     from nnx_posttrain import host_allocator
 
     cmd = [python or sys.executable, "-m", module, *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    if tuned:
+    if allocator == "tuned":
         env = host_allocator.tuned_environment(env) or env
+    elif allocator:
+        env["GLIBC_TUNABLES"] = allocator
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -236,20 +253,30 @@ def _run_worker(module: str, args: list[str], timeout: float, python: str | None
     return {"error": f"{module} exited {proc.returncode} without a result", "log_tail": tail}
 
 
-def tuned_allocator(spec: dict, args) -> bool:
-    """Whether ours runs with the host allocator's tunables: as a training command of ours would
-    for a model of this size (``--host-allocator auto``), or as asked."""
+def ours_allocator(spec: dict, args) -> str | None:
+    """The allocator ours runs with (``_run_worker``): the host allocator's tunables where a
+    training command of ours would take them for a model of this size (``--host-allocator
+    auto``), or as asked: ``tuned``, None (glibc's defaults) or the ``GLIBC_TUNABLES`` given."""
     from nnx_posttrain import host_allocator
 
     if args.host_allocator == "auto":
-        return host_allocator.worth_it(spec["vocab"], spec["hidden_dim"])
-    return args.host_allocator == "tuned"
+        return "tuned" if host_allocator.worth_it(spec["vocab"], spec["hidden_dim"]) else None
+    return None if args.host_allocator == "default" else args.host_allocator
+
+
+def host_allocator_option(value: str) -> str:
+    """``--host-allocator``: auto, tuned, default, or a ``GLIBC_TUNABLES`` string."""
+    if value in ("auto", "tuned", "default") or value.startswith("glibc."):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"expected auto, tuned, default or a GLIBC_TUNABLES string (glibc.malloc.NAME=VALUE:...), "
+        f"got {value!r}")
 
 
 def matmul_peak(spec: dict, args) -> dict:
     return _run_worker("tools.bench_ours", ["--matmul-peak", "--spec", json.dumps(spec), "--device",
                                             args.device, "--dtype", args.dtype], args.timeout,
-                       tuned=tuned_allocator(spec, args))
+                       allocator=ours_allocator(spec, args))
 
 
 def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) -> dict:
@@ -268,7 +295,7 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str, cpu_devices: in
         if args.ours_flags:
             extra += ["--flags", args.ours_flags]
         return _run_worker("tools.bench_ours", common + extra, args.timeout,
-                           tuned=tuned_allocator(spec, args))
+                           allocator=ours_allocator(spec, args))
     if side == "tunix":
         return _run_worker("tools.bench_tunix", common + ["--hf-dir", hf_dir], args.timeout,
                            python=args.tunix_python)
@@ -375,10 +402,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cpu-devices", default="1",
                         help="our --mesh.cpu-devices, comma-separated: the host CPU as this many "
                              "devices, the batch split over them; each count > 1 adds a row")
-    parser.add_argument("--host-allocator", choices=("auto", "tuned", "default"), default="auto",
+    parser.add_argument("--host-allocator", type=host_allocator_option, default="auto",
                         help="ours and the matmul peak with glibc tuned as our training commands "
                              "run a model of the size (auto; nnx_posttrain.host_allocator), always "
-                             "tuned, or glibc's defaults")
+                             "tuned, glibc's defaults, or with this GLIBC_TUNABLES string (e.g. "
+                             "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824)")
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak (e.g. 989 for an H100/H200 in dense bfloat16): "

@@ -20,8 +20,8 @@ import json
 import os
 import time
 
-from tools.bench import (BACKBONE_KEYS, LEARNING_RATE, emit, make_batches, peak_rss_mb, rss_now_mb,
-                         summarize, tokens_per_step)
+from tools.bench import (BACKBONE_KEYS, LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb,
+                         rss_now_mb, summarize, tokens_per_step)
 
 
 def _setup_platform(device: str) -> None:
@@ -148,17 +148,18 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         out_shardings=(sharding.tree_shardings(state, mesh), NamedSharding(mesh, P())),
     )
     rss_before = rss_now_mb()
-    times, cpu, losses = [], [], []
+    times, cpu, faults, losses = [], [], [], []
     for i in range(total):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
         state, metrics = step_fn(state, frozen, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        faults.append(minor_faults() - f0)
         if i == 0:
             losses.append(float(metrics["loss"]))
     losses.append(float(metrics["loss"]))
-    out = summarize(times, warmup, cpu)
+    out = summarize(times, warmup, cpu, faults)
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         # the tokens the forward runs: each DPO prompt once with shared rows (shared_prompt)

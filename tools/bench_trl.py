@@ -17,8 +17,8 @@ import os
 import tempfile
 import time
 
-from tools.bench import (LEARNING_RATE, emit, make_batches, peak_rss_mb, rss_now_mb, summarize,
-                         tokens_per_step)
+from tools.bench import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
+                         summarize, tokens_per_step)
 
 
 def _datasets(spec: dict, kind: str, n_batches: int, seed: int):
@@ -60,18 +60,20 @@ def measure(spec: dict, case: str, hf_dir: str, steps: int, warmup: int, device:
     model = GemmaForCausalLM.from_pretrained(hf_dir, **load)
     times: list[float] = []
     cpu: list[float] = []
+    faults: list[int] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if not use_cpu:
                 torch.cuda.synchronize()
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
+            self.t0, self.c0, self.f0 = time.perf_counter(), time.process_time(), minor_faults()
 
         def on_step_end(self, args, state, control, **kw):
             if not use_cpu:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
             cpu.append(time.process_time() - self.c0)
+            faults.append(minor_faults() - self.f0)
 
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="trl_bench_"), per_device_train_batch_size=spec["batch"],
@@ -114,7 +116,7 @@ def measure(spec: dict, case: str, hf_dir: str, steps: int, warmup: int, device:
     train_out = trainer.train()
     if len(times) != total:
         raise RuntimeError(f"timed {len(times)} steps, expected {total}")
-    out = summarize(times, warmup, cpu)
+    out = summarize(times, warmup, cpu, faults)
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,

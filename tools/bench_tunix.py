@@ -28,8 +28,8 @@ import os
 import tempfile
 import time
 
-from tools.bench import (LEARNING_RATE, emit, make_batches, peak_rss_mb, rss_now_mb, summarize,
-                         tokens_per_step)
+from tools.bench import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
+                         summarize, tokens_per_step)
 
 
 def tunix_config(spec: dict):
@@ -101,6 +101,7 @@ class _Feed:
         self.batches = list(batches)
         self.stamps: list[float] = []
         self.cpu: list[float] = []  # process CPU seconds (less sensitive to a shared machine)
+        self.faults: list[int] = []  # the process's minor page faults so far
         outer = self
 
         class Feed(hooks.DataHooks):
@@ -111,6 +112,7 @@ class _Feed:
                 jax.block_until_ready(nnx.state(trainer.model))
                 outer.stamps.append(time.perf_counter())
                 outer.cpu.append(time.process_time())
+                outer.faults.append(minor_faults())
                 i = len(outer.stamps) - 1
                 return outer.batches[i] if i < len(outer.batches) else None
 
@@ -124,6 +126,9 @@ class _Feed:
 
     def cpu_times(self) -> list[float]:
         return [b - a for a, b in zip(self.cpu, self.cpu[1:])]
+
+    def fault_counts(self) -> list[int]:
+        return [b - a for a, b in zip(self.faults, self.faults[1:])]
 
 
 def _sft_inputs(batches):
@@ -193,7 +198,7 @@ def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, 
         losses = [float(v) for v in next(iter(history.values()))["loss"]]
     except Exception:  # noqa: BLE001 - the loss history is informative only
         losses = []
-    out = summarize(times, warmup, feed.cpu_times())
+    out = summarize(times, warmup, feed.cpu_times(), feed.fault_counts())
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         peak_rss_mb=peak_rss_mb(), rss_after_imports_mb=rss_imports,
