@@ -147,17 +147,18 @@ def for_the_data(cfg: config_lib.Config, algorithm, echo=print) -> config_lib.Co
 
 
 def host_allocator_for(model_name: str) -> str:
-    """Restart this command with glibc tuned for XLA:CPU's large step buffers (no return), unless
-    its model's steps have none (a built-in tiny model: ``host_allocator.worth_it``) or it runs
-    inside another program; else the log line saying which allocator the run has."""
+    """Restart this command with glibc tuned for XLA:CPU's step buffers (no return): huge pages
+    where its model's steps have blocks of 32 MB or more, every block from the heap for a built-in
+    tiny model (``host_allocator.tunables_for``); nothing when it runs inside another program.
+    Else the log line saying which allocator the run has."""
     from nnx_posttrain import host_allocator, tasks
     from nnx_posttrain.tasks import tokenizer
 
     dims = tasks.MODELS.get(model_name)
-    if dims and not host_allocator.worth_it(tokenizer.VOCAB_SIZE, dims["hidden_dim"]):
-        return host_allocator.describe(reason=f"{model_name}'s steps have no block >= 32 MB")
+    tunables = (host_allocator.tunables_for(tokenizer.VOCAB_SIZE, dims["hidden_dim"]) if dims
+                else host_allocator.TUNABLES)
     if host_allocator.started_as_command("experiments"):
-        host_allocator.restart_tuned()
+        host_allocator.restart_tuned(tunables)
     return host_allocator.describe()
 
 

@@ -76,7 +76,7 @@ def test_host_allocator_option_takes_a_mode_or_glibc_tunables():
 
     from nnx_posttrain import host_allocator
 
-    for value in ("auto", "tuned", "default", "glibc.malloc.mmap_max=0"):
+    for value in ("auto", "tuned", "heap", "default", "glibc.malloc.mmap_max=0"):
         assert bench.host_allocator_option(value) == value
     with pytest.raises(argparse.ArgumentTypeError, match="GLIBC_TUNABLES string.*'huge'"):
         bench.host_allocator_option("huge")
@@ -84,17 +84,23 @@ def test_host_allocator_option_takes_a_mode_or_glibc_tunables():
     def ours(value, size):
         return bench.ours_allocator(bench.spec_of(size), argparse.Namespace(host_allocator=value))
 
-    assert ours("auto", "micro") is None  # as a training command on a model this small
-    assert ours("auto", "medium") == "tuned" and host_allocator.worth_it(
-        bench.spec_of("medium")["vocab"], bench.spec_of("medium")["hidden_dim"])
-    assert ours("default", "medium") is None and ours("tuned", "micro") == "tuned"
+    # auto: what a training command of ours restarts with for a model of the size, where it can
+    ha = host_allocator
+    assert ours("auto", "micro") == (ha.HEAP if ha.tuned_environment(tunables=ha.HEAP) else None)
+    assert ours("auto", "medium") == (ha.TUNABLES if ha.tuned_environment() else None)
+    assert ha.tunables_for(bench.spec_of("medium")["vocab"], bench.spec_of("medium")["hidden_dim"]) \
+        == ha.TUNABLES
+    assert ha.tunables_for(bench.spec_of("tiny")["vocab"], bench.spec_of("tiny")["hidden_dim"]) \
+        == ha.HEAP
+    assert ours("default", "medium") is None and ours("tuned", "micro") == ha.TUNABLES
+    assert ours("heap", "medium") == ha.HEAP
     assert ours("glibc.malloc.mmap_max=0", "micro") == "glibc.malloc.mmap_max=0"
 
 
 def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
     """``--host-allocator glibc...``: our measured process runs with exactly that string (its
     result line says so) and reports its page faults per step."""
-    tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
+    tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=536870912"
     args = ["--spec", json.dumps(bench.spec_of("micro")), "--case", "sft", "--steps", "2",
             "--warmup", "0"]
     r = bench._run_worker("tools.bench_ours", args, 600, allocator=tunables)
@@ -119,14 +125,11 @@ def test_end_to_end_micro(tmp_path):
             assert r["page_faults_per_step"] >= 0
     for case in ("sft", "dpo"):  # the matmul bound: model FLOPs at this machine's best matmul
         assert 0 < by[(case, "ours")]["bound_ms"] < by[(case, "ours")]["ms_per_step"]
-    # ours kept glibc's defaults, as a training command on a model this small does
-    from nnx_posttrain import host_allocator
+    # ours ran with every block from the heap, as a training command on a model this small does
+    from nnx_posttrain import host_allocator as ha
 
-    assert not host_allocator.worth_it(bench.spec_of("micro")["vocab"],
-                                       bench.spec_of("micro")["hidden_dim"])
-    assert by[("sft", "ours")]["host_allocator"] == host_allocator.describe(os.environ)
-    assert host_allocator.worth_it(bench.spec_of("medium")["vocab"],
-                                   bench.spec_of("medium")["hidden_dim"])
+    env = ha.tuned_environment(tunables=ha.HEAP) or os.environ
+    assert by[("sft", "ours")]["host_allocator"] == ha.describe(env)
 
 
 def test_profile_breakdown_attributes_the_step_to_model_components():

@@ -91,9 +91,9 @@ def test_exit_then_resume_equals_the_uninterrupted_run(reference, tmp_path):
     assert [s for s, *_ in _losses(run_dir)][-1] == STEPS // 2
     out = _run(run_dir)  # checkpoints present: resumes automatically
     assert "resumed from" in out.stdout + out.stderr
-    # a built-in tiny model keeps glibc's defaults (no restart; see test_host_memory)
-    assert host_allocator.describe(reason="gemma_micro's steps have no block >= 32 MB") \
-        in out.stdout
+    # a built-in tiny model's command restarts with every block from the heap (test_host_memory)
+    env = host_allocator.tuned_environment(tunables=host_allocator.HEAP) or os.environ
+    assert host_allocator.describe(env) in out.stdout
     _assert_same_run(run_dir, reference)
 
 

@@ -119,6 +119,16 @@ def test_the_tunables_apply_only_where_they_can_and_the_user_has_not_decided(tmp
     assert ha.describe({"GLIBC_TUNABLES": "x=1"}) == "host allocator: GLIBC_TUNABLES=x=1 (the user's)"
     assert ha.describe({ha.SWITCH: "default"}) == \
         f"host allocator: glibc defaults ({ha.SWITCH}=default)"
+    # the heap setting (models without blocks of 32 MB) needs no huge pages, else the same rules
+    thp.write_text("always madvise [never]\n")
+    env = ha.tuned_environment({"PATH": "/bin"}, str(thp), ha.HEAP)
+    assert env == ({"PATH": "/bin", "GLIBC_TUNABLES": ha.HEAP} if linux_glibc else None)
+    assert ha.why_not({"GLIBC_TUNABLES": "x=1"}, str(thp), ha.HEAP) == "GLIBC_TUNABLES set by the user"
+    assert ha.why_not({ha.SWITCH: "default"}, str(thp), ha.HEAP) == f"{ha.SWITCH}=default"
+    assert ha.describe({"GLIBC_TUNABLES": ha.HEAP}) == \
+        "host allocator: glibc tuned for XLA:CPU (every block from the heap, kept between steps)"
+    assert "mmap_max=0" in ha.HEAP and "hugetlb" not in ha.HEAP
+    assert ha.tunables_for(512, 128) == ha.HEAP and ha.tunables_for(32000, 512) == ha.TUNABLES
 
 
 def test_a_command_restarts_once_with_the_tunables_keeping_its_arguments(tmp_path):
@@ -160,10 +170,11 @@ def test_a_command_restarts_once_with_the_tunables_keeping_its_arguments(tmp_pat
     assert len([l for l in off if l.startswith("START")]) == 1 and off[-1].endswith(" None")
 
 
-def test_a_training_command_restarts_tuned_for_a_real_model_not_for_a_built_in_one(tmp_path):
+def test_a_training_command_restarts_with_huge_pages_for_a_real_model(tmp_path):
     """``experiment.main`` decides once the command line is parsed, before the model loads: a
     model that is not a built-in tiny one (here a preset directory that does not exist: the run
-    then fails with its own message) restarts the command tuned; gemma_micro does not."""
+    then fails with its own message) restarts the command with huge pages (a built-in tiny
+    model's command restarts with the heap setting: tests/test_checkpoint.py)."""
     from nnx_posttrain import experiment, host_allocator as ha
 
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", ha.SWITCH)}
@@ -174,6 +185,5 @@ def test_a_training_command_restarts_tuned_for_a_real_model_not_for_a_built_in_o
     lines = out.stdout.splitlines()
     assert lines[0] == ha.describe(ha.tuned_environment(env) or env), lines
     # in-process (a test, a notebook): the line only, never a restart
-    assert experiment.host_allocator_for("gemma_micro") == \
-        ha.describe(reason="gemma_micro's steps have no block >= 32 MB")
+    assert experiment.host_allocator_for("gemma_micro") == ha.describe()
     assert experiment.host_allocator_for(str(tmp_path / "preset")) == ha.describe()

@@ -29,7 +29,7 @@ AdamW (constant learning rate, clipping at 1.0, float32, no gradient checkpointi
 Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
 shardings, ``--attention auto``; in a process with the host allocator a training command of ours
 has for a model of the size, ``nnx_posttrain.host_allocator``, as is the matmul peak's; the peers
-keep their defaults; ``--host-allocator tuned|default`` forces it either way, and a
+keep their defaults; ``--host-allocator tuned|heap|default`` forces one, and a
 ``GLIBC_TUNABLES`` string such as ``glibc.malloc.mmap_max=0`` runs ours with that instead) with
 ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
 ``on_step_end`` (forward, backward, clipping, optimizer step; the batch is already collated);
@@ -225,17 +225,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_worker(module: str, args: list[str], timeout: float, python: str | None = None,
                 allocator: str | None = None) -> dict:
     """Run ``python -m module args`` (this interpreter by default) from the repository root and
-    read its ``BENCH_RESULT`` line. ``allocator``: ``tuned``, with the host allocator a training
-    command of ours runs with (``nnx_posttrain.host_allocator``; the peers run with their
-    defaults), or a ``GLIBC_TUNABLES`` string; None: glibc's defaults."""
-    from nnx_posttrain import host_allocator
-
+    read its ``BENCH_RESULT`` line. ``allocator``: the ``GLIBC_TUNABLES`` it runs with
+    (``ours_allocator``; the peers run with glibc's defaults), None: glibc's defaults."""
     cmd = [python or sys.executable, "-m", module, *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    if allocator == "tuned":
-        env = host_allocator.tuned_environment(env) or env
-    elif allocator:
+    if allocator:
         env["GLIBC_TUNABLES"] = allocator
     t0 = time.perf_counter()
     try:
@@ -254,23 +249,27 @@ def _run_worker(module: str, args: list[str], timeout: float, python: str | None
 
 
 def ours_allocator(spec: dict, args) -> str | None:
-    """The allocator ours runs with (``_run_worker``): the host allocator's tunables where a
-    training command of ours would take them for a model of this size (``--host-allocator
-    auto``), or as asked: ``tuned``, None (glibc's defaults) or the ``GLIBC_TUNABLES`` given."""
+    """The ``GLIBC_TUNABLES`` ours runs with (None: glibc's defaults): what a training command of
+    ours would restart with for a model of this size (``--host-allocator auto``: huge pages or
+    the heap, ``nnx_posttrain.host_allocator.tunables_for``, where they apply here), or as asked:
+    ``tuned`` (huge pages), ``heap``, ``default``, or the string given."""
     from nnx_posttrain import host_allocator
 
-    if args.host_allocator == "auto":
-        return "tuned" if host_allocator.worth_it(spec["vocab"], spec["hidden_dim"]) else None
-    return None if args.host_allocator == "default" else args.host_allocator
+    choice = args.host_allocator
+    if choice == "auto":
+        tunables = host_allocator.tunables_for(spec["vocab"], spec["hidden_dim"])
+        return tunables if host_allocator.tuned_environment(tunables=tunables) else None
+    return {"tuned": host_allocator.TUNABLES, "heap": host_allocator.HEAP,
+            "default": None}.get(choice, choice)
 
 
 def host_allocator_option(value: str) -> str:
     """``--host-allocator``: auto, tuned, default, or a ``GLIBC_TUNABLES`` string."""
-    if value in ("auto", "tuned", "default") or value.startswith("glibc."):
+    if value in ("auto", "tuned", "heap", "default") or value.startswith("glibc."):
         return value
     raise argparse.ArgumentTypeError(
-        f"expected auto, tuned, default or a GLIBC_TUNABLES string (glibc.malloc.NAME=VALUE:...), "
-        f"got {value!r}")
+        "expected auto, tuned, heap, default or a GLIBC_TUNABLES string "
+        f"(glibc.malloc.NAME=VALUE:...), got {value!r}")
 
 
 def matmul_peak(spec: dict, args) -> dict:
@@ -404,8 +403,9 @@ def main(argv=None) -> list[dict]:
                              "devices, the batch split over them; each count > 1 adds a row")
     parser.add_argument("--host-allocator", type=host_allocator_option, default="auto",
                         help="ours and the matmul peak with glibc tuned as our training commands "
-                             "run a model of the size (auto; nnx_posttrain.host_allocator), always "
-                             "tuned, glibc's defaults, or with this GLIBC_TUNABLES string (e.g. "
+                             "run a model of the size (auto; nnx_posttrain.host_allocator), huge "
+                             "pages (tuned), every block from the heap (heap), glibc's defaults, "
+                             "or with this GLIBC_TUNABLES string (e.g. "
                              "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824)")
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,
