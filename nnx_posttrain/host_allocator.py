@@ -120,13 +120,12 @@ def restart_tuned(tunables: str = TUNABLES) -> None:
         print(f"host allocator: glibc defaults (restart failed: {e})", file=sys.stderr)
 
 
-def describe(environ=None, reason: str | None = None) -> str:
-    """One line for the run's log: the allocator settings this process runs with (``reason``:
-    why it keeps glibc's defaults, where the caller decided that)."""
+def describe(environ=None) -> str:
+    """One line for the run's log: the allocator settings this process runs with."""
     environ = os.environ if environ is None else environ
     if environ.get("GLIBC_TUNABLES") in SETTINGS:
         return f"host allocator: glibc tuned for XLA:CPU ({SETTINGS[environ['GLIBC_TUNABLES']]})"
     if "GLIBC_TUNABLES" in environ:
         return f"host allocator: GLIBC_TUNABLES={environ['GLIBC_TUNABLES']} (the user's)"
-    why = why_not(environ) or reason
+    why = why_not(environ)
     return "host allocator: glibc defaults" + (f" ({why})" if why else "")
