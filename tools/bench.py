@@ -264,7 +264,7 @@ def ours_allocator(spec: dict, args) -> str | None:
 
 
 def host_allocator_option(value: str) -> str:
-    """``--host-allocator``: auto, tuned, default, or a ``GLIBC_TUNABLES`` string."""
+    """``--host-allocator``: auto, tuned, heap, default, or a ``GLIBC_TUNABLES`` string."""
     if value in ("auto", "tuned", "heap", "default") or value.startswith("glibc."):
         return value
     raise argparse.ArgumentTypeError(
