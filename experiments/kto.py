@@ -2,16 +2,12 @@
 
 With no arguments: starts from the default SFT run (runs/sft) on the built-in task's unpaired
 examples (half labelled desirable with the correct sum, half undesirable with a wrong one).
+
+Defaults: ``kto``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
+``nnx_posttrain/tasks/recipes/kto.yaml`` (the built-in task's, ``--data builtin``).
 """
 
-from nnx_posttrain import experiment
-from nnx_posttrain.algorithms import KTO
-
-ALGORITHM = KTO
-# A user's data: TRL's defaults (learning rate 1e-6 as TRL's trainer).
-DEFAULT = experiment.config_for(KTO, experiment.PREFERENCE_DATA, optim=dict(learning_rate=1e-6))
-# The built-in task (--data builtin, the default): its tuned recipe, from the default SFT run.
-BUILTIN = experiment.recipe(experiment.BUILTIN_PREFERENCE, algo=dict(beta=1.0))
+from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment.main("kto", KTO, DEFAULT, __doc__, builtin=BUILTIN)
+    experiment("kto")

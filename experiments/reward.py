@@ -2,16 +2,12 @@
 
 With no arguments: starts from the default SFT run (runs/sft) on the built-in preference pairs;
 the eval metric `accuracy` is how often the correct answer gets the higher reward.
+
+Defaults: ``reward``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
+``nnx_posttrain/tasks/recipes/reward.yaml`` (the built-in task's, ``--data builtin``).
 """
 
-from nnx_posttrain import experiment
-from nnx_posttrain.algorithms import Reward
-
-ALGORITHM = Reward
-# A user's data: TRL's defaults (learning rate 1e-4 as TRL's trainer).
-DEFAULT = experiment.config_for(Reward, experiment.PREFERENCE_DATA, optim=dict(learning_rate=1e-4))
-# The built-in task (--data builtin, the default): its tuned recipe, from the default SFT run.
-BUILTIN = experiment.BUILTIN_PREFERENCE
+from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment.main("reward", Reward, DEFAULT, __doc__, builtin=BUILTIN)
+    experiment("reward")

@@ -24,6 +24,8 @@ part of the assistant segment.
 
 from __future__ import annotations
 
+from nnx_posttrain import errors
+
 FORMATS = ("gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "chatml", "mistral")
 
 # Marker that ends an assistant turn, per format (generation stops there).
@@ -49,8 +51,8 @@ HF_TEMPLATES = {"gemma": "gemma3", "llama3": "llama3", "llama3.1": "llama3.1",
                 "qwen2.5": "qwen2.5", "qwen3": "qwen3", "chatml": "chatml", "mistral": "mistral"}
 
 
-class ChatFormatError(ValueError):
-    pass
+class ChatFormatError(errors.DataError):
+    """A conversation or a chat format that cannot be rendered; the message says why."""
 
 
 def hf_template(fmt: str) -> str:

@@ -29,11 +29,11 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, errors
 from nnx_posttrain import model
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(errors.CheckpointError):
     """A checkpoint does not fit the model being restored; the message names the differences."""
 
 

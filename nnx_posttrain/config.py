@@ -1,10 +1,11 @@
-"""Typed run configuration and its command line.
+"""Typed run configuration: the settings every run has (``Config``), with the algorithm's own
+under ``algo`` (``nnx_posttrain.api.config_type``), and their validation.
 
-Every experiment is a ``Config`` with its own defaults; ``tyro`` turns it into a command line where
-every field is an option (``--steps 200``, ``--optim.learning-rate 3e-4``, ``--lora.rank 8``),
-with the field's docstring as help, and rejects unknown or ill-typed options by name.
-The common options (``--model``, ``--data``, ``--run-dir``, ``--steps``, ``--seed``, ``--resume``,
-``--eval-only``) are top-level fields, so they have the same names in every experiment.
+The command line (``nnx_posttrain.cli``, through ``tyro``) makes every field an option
+(``--steps 200``, ``--optim.learning-rate 3e-4``, ``--lora.rank 8``) with the field's docstring
+as help; the Python API (``nnx_posttrain.configure``) takes the same names as keywords. The
+common options (``--model``, ``--data``, ``--run-dir``, ``--steps``, ``--seed``, ``--resume``,
+``--eval-only``) are top-level fields, so they have the same names in every algorithm.
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import tyro
-
-from nnx_posttrain import config_files
+from nnx_posttrain import errors
 
 
 @dataclasses.dataclass
@@ -194,9 +192,11 @@ class Config:
     report_to: str = "tensorboard,jsonl"
     """Where metrics go, comma-separated: tensorboard (runs/<name>/tb), jsonl (metrics.jsonl, completions.jsonl), wandb (Weights & Biases: WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline), or none."""
     config: str | None = None
-    """YAML or JSON file of option values (configs/*.yaml, or a run's config.json); options on the command line override it."""
+    """YAML or JSON file of option values (experiments/configs/*.yaml, or a run's config.json); options on the command line override it."""
     remat: Literal["none", "blocks"] = "none"
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    host_allocator: Literal["auto", "heap", "default"] = "auto"
+    """On CPU, glibc's allocator for XLA's step buffers: 'heap' serves every block from the heap and keeps its freed pages between steps (no page faults per step); 'auto' does that for models whose steps have no block of 32 MB (the built-in tiny ones); 'default' leaves glibc's settings. A GLIBC_TUNABLES set by the user wins."""
     attention: Literal["auto", "keras", "xla", "cudnn", "splash"] = "auto"
     """Attention kernel of the training forward: auto = splash on TPU, cuDNN on GPU, the exact XLA formulation otherwise; keras = KerasHub's own. A kernel that cannot do a layer's feature falls back to keras; the run prints the path it took."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -209,7 +209,8 @@ class Config:
     """Algorithm settings (a dataclass per algorithm)."""
 
     def validate(self) -> "Config":
-        """Every problem of the settings at once, as one SystemExit ('invalid configuration')."""
+        """Every problem of the settings at once, as one ``ConfigError`` ('invalid
+        configuration'); returns ``self``."""
         problems = [f"{option} must be a finite number, got {value}"
                     for option, value in _floats(self) if not math.isfinite(value)]
         if self.steps < 0:
@@ -266,7 +267,7 @@ class Config:
         problems.extend(report_problems(self.report_to))
         if problems:
             source = f" (the flags and {self.config})" if self.config else ""
-            raise SystemExit(f"invalid configuration{source}:\n  " + "\n  ".join(problems))
+            raise errors.ConfigError(f"invalid configuration{source}:\n  " + "\n  ".join(problems))
         return self
 
 
@@ -291,17 +292,6 @@ def _floats(cfg, prefix="--"):
             yield from _floats(value, option + ".")
         elif isinstance(value, float):
             yield option, value
-
-
-def parse(default: Config, args: list[str] | None = None, description: str | None = None,
-          prog: str | None = None) -> Config:
-    """Command line -> Config, starting from an experiment's defaults; ``--config FILE`` replaces
-    those defaults by the file's values first (``config_files``), so flags override the file."""
-    path, args = config_files.split_arg(sys.argv[1:] if args is None else list(args))
-    if path is not None:
-        default = dataclasses.replace(config_files.apply(default, path), config=path)
-    cfg = tyro.cli(type(default), default=default, args=args, description=description, prog=prog)
-    return cfg.validate()
 
 
 def to_dict(cfg: Config) -> dict:

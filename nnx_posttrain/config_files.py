@@ -26,17 +26,19 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from nnx_posttrain import errors
+
 # Keys a run's config.json carries besides the options: not options, never applied.
 # ``algo_name`` is checked against the experiment's algorithm; ``config`` (the file a run was
 # configured from) is not followed.
 IGNORED = ("algo_name", "config")
 
 
-class ConfigFileError(SystemExit):
+class ConfigFileError(errors.ConfigError):
     """A config file that cannot be applied; its message names the file and the key."""
 
     def __init__(self, path, message: str):
-        super().__init__(f"error: {path}: {message}")
+        super().__init__(f"{path}: {message}")
 
 
 def split_arg(args: list[str]) -> tuple[str | None, list[str]]:
@@ -46,11 +48,12 @@ def split_arg(args: list[str]) -> tuple[str | None, list[str]]:
         arg = args[i]
         if arg == "--config" or arg.startswith("--config="):
             if path is not None:
-                raise SystemExit(f"error: --config is given twice ({path} and the next); one "
-                                 "file holds a run's settings (flags override it)")
+                raise errors.ConfigError(
+                    f"--config is given twice ({path} and the next); one "
+                    "file holds a run's settings (flags override it)")
         if arg == "--config":
             if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise SystemExit("error: --config needs a file: --config FILE.yaml (or .json)")
+                raise errors.ConfigError("--config needs a file: --config FILE.yaml (or .json)")
             path, i = args[i + 1], i + 2
             continue
         if arg.startswith("--config="):
@@ -146,10 +149,13 @@ def apply(default, path: str | Path):
                                     f"experiment's is {expected}: use that algorithm's experiment")
     for key in IGNORED:
         values.pop(key, None)
-    return _merge(default, values, path, "")
+    return merge(default, values, path)
 
 
-def _merge(obj, values: dict, path, prefix: str):
+def merge(obj, values: dict, path, prefix: str = ""):
+    """``obj`` (a config dataclass) with ``values`` (a mapping of its field names, nested by
+    group) applied, each checked against the field's type; ``path`` names where they come from
+    in the errors."""
     hints = typing.get_type_hints(type(obj))
     fields = {f.name: f for f in dataclasses.fields(obj) if f.init}
     changes = {}
@@ -173,7 +179,7 @@ def _merge(obj, values: dict, path, prefix: str):
                 raise ConfigFileError(path, f"{line}key '{where}': expected a mapping of "
                                             f"{type(current).__name__} fields, got "
                                             f"{_shown(value)}")
-            changes[key] = _merge(current, value, path, where + ".")
+            changes[key] = merge(current, value, path, where + ".")
         else:
             changes[key] = _convert(value, hints.get(key, Any), path, line + f"key '{where}'")
     return dataclasses.replace(obj, **changes)

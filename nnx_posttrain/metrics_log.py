@@ -25,19 +25,16 @@ import math
 import os
 from pathlib import Path
 
-from nnx_posttrain import hidden_modules
+from nnx_posttrain import errors
 
 # Completions shown in a TensorBoard text summary (completions.jsonl has all of them).
 TEXT_ROWS = 16
 
 
 def _summary_writer():
-    """tensorboardX's SummaryWriter. tensorboardX imports torch whenever it is installed (only to
-    accept torch tensors, which never reach it here): ~1,200 modules, seconds of start-up and
-    resident memory in every training process of an environment that also has torch (e.g. the
-    bench extra). Hidden from that import unless something already imported it."""
-    with hidden_modules(["torch"]):
-        from tensorboardX import SummaryWriter
+    """tensorboardX's SummaryWriter, imported when a run first logs to TensorBoard."""
+    from tensorboardX import SummaryWriter
+
     return SummaryWriter
 
 
@@ -180,7 +177,8 @@ class WandbWriter:
         try:
             import wandb
         except ImportError:
-            raise SystemExit("error: --report-to wandb needs the wandb package: pip install wandb") \
+            raise errors.ConfigError(
+                "--report-to wandb needs the wandb package: pip install wandb") \
                 from None
         self._wandb = wandb
         id_file = run_dir / "wandb" / "run_id"
@@ -218,8 +216,9 @@ def writers(report_to: str, run_dir: Path, keep_until: int | None, config: dict 
         elif name == "wandb":
             out.append(WandbWriter(run_dir, config, resuming=keep_until != -1))
         else:
-            raise SystemExit(f"error: --report-to: unknown destination {name!r} "
-                             "(tensorboard, jsonl, wandb or none)")
+            raise errors.ConfigError(
+                f"--report-to: unknown destination {name!r} "
+                "(tensorboard, jsonl, wandb or none)")
     return out
 
 

@@ -70,3 +70,9 @@ def bar(iterable=None, **kwargs):
     if not issubclass(tqdm, tqdm_notebook) and not _is_terminal(stream):
         kwargs.update(file=Lines(stream), dynamic_ncols=False)  # no terminal to fit
     return tqdm(iterable, **kwargs)
+
+
+def console(echo):
+    """``echo`` for lines printed while a progress bar may be drawn (``tqdm.write``, which keeps
+    the bar whole); None stays silent."""
+    return lambda line: tqdm.write(line) if echo else None

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import checkpoint, config as config_lib, model, sharding
+from nnx_posttrain import checkpoint, config as config_lib, errors, model, sharding
 from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models and data)
 from nnx_posttrain.algorithms import registry
 from nnx_posttrain.model import heads
@@ -40,7 +40,7 @@ class LoadedRun:
         return self.module
 
 
-class NotAPolicyError(ValueError):
+class NotAPolicyError(errors.RunDirError, ValueError):
     """A run whose model does not generate (a reward model); the message says how it is used."""
 
     def __init__(self, run_dir):
@@ -60,8 +60,12 @@ def check_policy(run_dir: str | Path) -> dict:
     return saved
 
 
-class NotARunError(FileNotFoundError):
+class NotARunError(errors.RunDirError, FileNotFoundError):
     """A directory given as a run that is none (no config.json, or not a run's)."""
+
+
+class NoCheckpointError(errors.CheckpointError, FileNotFoundError):
+    """A run without the checkpoint asked for (none complete, or not that step)."""
 
 
 def run_config(run_dir: str | Path) -> dict:
@@ -73,8 +77,8 @@ def run_config(run_dir: str | Path) -> dict:
         run = Path(run_dir).parent
         if run.name == "checkpoints" and (run.parent / "config.json").is_file():
             raise NotARunError(f"{run_dir}: a checkpoint, not a run directory: give the run, "
-                               f"{run.parent} (its latest checkpoint is read; tools.sample and "
-                               "tools.export take --step N for another)")
+                               f"{run.parent} (its latest checkpoint is read; nnx-posttrain sample and "
+                               "export take --step N for another)")
         raise NotARunError(f"{run_dir}: not a run directory (no config.json)")
     try:
         saved = json.loads(path.read_text())
@@ -109,7 +113,7 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
         try:
             model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed)
         except ValueError as exc:  # e.g. targets that name no layer of this model
-            raise SystemExit(f"error: --lora.targets {lora.targets}: {exc}") from None
+            raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
     # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local
     model.set_remat(lm.module, remat, lazy_frozen=dtype != "float32"
                     and jax.default_backend() == "cpu")
@@ -152,7 +156,7 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
                 if (run_dir / "checkpoints" / str(chosen)).exists():
                     raise
                 if step is not None or attempt == 2:
-                    raise FileNotFoundError(
+                    raise NoCheckpointError(
                         f"{run_dir / 'checkpoints'}: checkpoint {chosen} was removed while it "
                         "was read (a run still training there keeps only its last "
                         "--checkpoint.keep checkpoints); read it again"
@@ -170,7 +174,7 @@ def _pick_step(ckpt, run_dir: Path, step: int | None) -> int:
     ckpt.manager.reload()
     step = ckpt.latest_step() if step is None else step
     if step is None or step not in ckpt.all_steps():
-        raise FileNotFoundError(
+        raise NoCheckpointError(
             f"{run_dir / 'checkpoints'}: no complete checkpoint"
             + (f" at step {step}; available: {ckpt.all_steps()}" if step is not None else ""))
     return step
@@ -203,29 +207,31 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
     run_dir = Path(run_dir)
     fresh = "--init-from '' to start from the model's own weights"
     if not (run_dir / "config.json").exists() and run_dir.parent.name != "checkpoints":
-        raise SystemExit(
+        raise errors.CheckpointError(
             f"--init-from {run_dir}: not a run directory (no config.json). The built-in recipes "
             "of the preference and online experiments start from the SFT run: run `python -m "
             f"experiments.sft` first, or pass --init-from with another run, or {fresh}.")
     try:
         saved = run_config(run_dir)
     except NotARunError as exc:
-        raise SystemExit(f"error: --init-from {exc}") from None
+        raise errors.CheckpointError(f"--init-from {exc}") from None
     if not _same_model(saved["model"], name):
-        raise SystemExit(
+        raise errors.CheckpointError(
             f"--init-from {run_dir}: that run trained {saved['model']!r}, this run loads "
             f"{name!r}. Pass {fresh}, or --init-from a run of {name!r}, or --model "
             f"{saved['model']!r}.")
     if saved["lora"]["rank"]:
-        raise SystemExit(f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first "
-                         f"(python -m tools.export {run_dir} --to DIR, then --model DIR), or {fresh}")
+        raise errors.CheckpointError(
+            f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first "
+            f"(nnx-posttrain export {run_dir} --to DIR, then --model DIR), or {fresh}")
     ckpt = _reader(run_dir)
     try:
         if ckpt.latest_step() is None:
-            raise SystemExit(f"--init-from {run_dir}: no complete checkpoint in "
-                             f"{run_dir / 'checkpoints'}; {fresh}")
+            raise errors.CheckpointError(
+                f"--init-from {run_dir}: no complete checkpoint in "
+                f"{run_dir / 'checkpoints'}; {fresh}")
         if step is not None and step not in ckpt.all_steps():
-            raise SystemExit(
+            raise errors.CheckpointError(
                 f"--init-from {run_dir}: this run started from its checkpoint at step {step}, "
                 f"which is gone (it has {ckpt.all_steps()}): the starting weights and the "
                 "reference model cannot be rebuilt as they were. Start a new run (another "
@@ -259,13 +265,15 @@ def init_weights(module, run_dir: str | Path, step: int | None = None) -> str:
     run_dir = Path(run_dir)
     loaded = load(run_dir, step, echo=lambda _: None)
     if loaded.config["lora"]["rank"]:
-        raise SystemExit(f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first")
+        raise errors.CheckpointError(
+            f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first")
     source = model.named_variables(nnx.state(loaded.module))
     target = {v.path: v for v in module.weights}
     missing = sorted(set(target) - set(source))
     if missing or any(tuple(source[k].shape) != tuple(target[k].shape) for k in target):
-        raise SystemExit(f"--init-from {run_dir}: its model ({loaded.config['model']}) does not "
-                         f"match this one; e.g. {missing[:1] or 'shapes differ'}")
+        raise errors.CheckpointError(
+            f"--init-from {run_dir}: its model ({loaded.config['model']}) does not "
+            f"match this one; e.g. {missing[:1] or 'shapes differ'}")
     for path, variable in target.items():
         variable.assign(source[path])
     return f"initialised from {run_dir} (step {loaded.step}, {len(target)} variables)"

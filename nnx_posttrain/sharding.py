@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, errors
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
@@ -202,18 +202,19 @@ def describe(tree, mesh) -> dict[str, str]:
 
 
 def mesh_shape(cfg: config_lib.MeshConfig, n_devices: int) -> dict[str, int]:
-    """{data, fsdp, tensor} sizes for ``n_devices``, the -1 axis taking the rest; SystemExit with
-    the reason when they do not multiply to the device count."""
+    """{data, fsdp, tensor} sizes for ``n_devices``, the -1 axis taking the rest;
+    ``ConfigError`` with the reason when they do not multiply to the device count."""
     sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
     fixed = math.prod(v for v in sizes.values() if v != -1)
     rest = [k for k, v in sizes.items() if v == -1]
     if rest:
         if n_devices % fixed:
-            raise SystemExit(f"mesh {sizes}: {n_devices} device(s) do not divide by the fixed axes' "
-                             f"product {fixed}")
+            raise errors.ConfigError(
+                f"mesh {sizes}: {n_devices} device(s) do not divide by the fixed axes' "
+                f"product {fixed}")
         sizes[rest[0]] = n_devices // fixed
     if math.prod(sizes.values()) != n_devices:
-        raise SystemExit(
+        raise errors.ConfigError(
             f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
             f"{math.prod(sizes.values())} devices, but {n_devices} are available "
             f"({jax.process_count()} process(es)); the product must equal the device count "

@@ -6,12 +6,42 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nnx_posttrain import metrics_log
+import pytest
+
+from nnx_posttrain import api, config_files, errors, metrics_log
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # the micro model on short sequences: what most end-to-end tests train
 MICRO = ["--model", "gemma_micro", "--batching.max-length", "24"]
+
+
+def train_run(algorithm: str, *args, recipe: bool = True, echo=print):
+    """``nnx-posttrain ALGORITHM ARGS`` in this process, parsed and run as the command does;
+    returns what it computed (the ``RunResult``, or ``--eval-only``'s metrics). A problem raises
+    its ``UserError``. ``recipe=False``: the defaults of a user's data even on the built-in
+    data (no built-in recipe)."""
+    from nnx_posttrain import train
+    from nnx_posttrain.cli import train_command
+
+    args = [str(a) for a in args]
+    cfg = (train_command.config_from(algorithm, args, algorithm) if recipe else
+           train_command.parse(api.defaults(algorithm, data="own data"), args))
+    with train.prepare(cfg, api.build(cfg), echo) as run:
+        return train.evaluate_only(run) if cfg.eval_only else train.train(run)
+
+
+def refusal(algorithm: str, *args, error=errors.UserError, recipe: bool = True) -> str:
+    """The message of the ``error`` that ``train_run(algorithm, *args)`` must raise."""
+    with pytest.raises(error) as info:
+        train_run(algorithm, *args, recipe=recipe)
+    return str(info.value)
+
+
+def bare_config(algorithm, **settings):
+    """The common ``Config`` of ``algorithm`` (no algorithm defaults, no recipe) with
+    ``settings`` (nested dicts) applied."""
+    return config_files.merge(api.config_type(algorithm)(), settings, "test")
 
 
 def experiment_command(algorithm: str, run_dir, *extra) -> list[str]:

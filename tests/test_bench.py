@@ -1,7 +1,6 @@
 """tools.bench's own logic at a trivial size (skipped without the bench extra)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -74,27 +73,21 @@ def test_tunix_side_is_skipped_with_a_note_without_its_python(tmp_path):
 def test_host_allocator_option_takes_a_mode_or_glibc_tunables():
     import argparse
 
-    from nnx_posttrain import host_allocator
-
     for value in ("auto", "tuned", "heap", "default", "glibc.malloc.mmap_max=0"):
         assert bench.host_allocator_option(value) == value
     with pytest.raises(argparse.ArgumentTypeError, match="GLIBC_TUNABLES string.*'huge'"):
         bench.host_allocator_option("huge")
 
-    def ours(value, size):
-        return bench.ours_allocator(bench.spec_of(size), argparse.Namespace(host_allocator=value))
+    def ours(value):
+        return bench.ours_allocator(argparse.Namespace(host_allocator=value))
 
-    # auto: what a training command of ours restarts with for a model of the size, where it can
-    ha = host_allocator
-    assert ours("auto", "micro") == (ha.HEAP if ha.tuned_environment(tunables=ha.HEAP) else None)
-    assert ours("auto", "medium") == (ha.TUNABLES if ha.tuned_environment() else None)
-    assert ha.tunables_for(bench.spec_of("medium")["vocab"], bench.spec_of("medium")["hidden_dim"]) \
-        == ha.TUNABLES
-    assert ha.tunables_for(bench.spec_of("tiny")["vocab"], bench.spec_of("tiny")["hidden_dim"]) \
-        == ha.HEAP
-    assert ours("default", "medium") is None and ours("tuned", "micro") == ha.TUNABLES
-    assert ours("heap", "medium") == ha.HEAP
-    assert ours("glibc.malloc.mmap_max=0", "micro") == "glibc.malloc.mmap_max=0"
+    # the library's settings apply in our worker's process, as a run applies them
+    for value in ("auto", "heap", "default"):
+        assert ours(value) == (["--host-allocator", value], None)
+    # huge pages and other glibc tunables are environment settings, read when a process starts
+    assert ours("tuned") == (["--host-allocator", "default"], bench.HUGE_PAGES)
+    assert ours("glibc.malloc.mmap_max=0") == (["--host-allocator", "default"],
+                                               "glibc.malloc.mmap_max=0")
 
 
 def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
@@ -102,8 +95,8 @@ def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
     result line says so) and reports its page faults per step."""
     tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=536870912"
     args = ["--spec", json.dumps(bench.spec_of("micro")), "--case", "sft", "--steps", "2",
-            "--warmup", "0"]
-    r = bench._run_worker("tools.bench_ours", args, 600, allocator=tunables)
+            "--warmup", "0", "--host-allocator", "heap"]
+    r = bench._run_worker("tools.bench_ours", args, 600, tunables=tunables)
     assert "error" not in r, r
     assert r["host_allocator"] == f"host allocator: GLIBC_TUNABLES={tunables} (the user's)"
     assert r["page_faults_per_step"] >= 0
@@ -125,11 +118,9 @@ def test_end_to_end_micro(tmp_path):
             assert r["page_faults_per_step"] >= 0
     for case in ("sft", "dpo"):  # the matmul bound: model FLOPs at this machine's best matmul
         assert 0 < by[(case, "ours")]["bound_ms"] < by[(case, "ours")]["ms_per_step"]
-    # ours ran with every block from the heap, as a training command on a model this small does
-    from nnx_posttrain import host_allocator as ha
-
-    env = ha.tuned_environment(tunables=ha.HEAP) or os.environ
-    assert by[("sft", "ours")]["host_allocator"] == ha.describe(env)
+    # ours ran with every block from the heap, as a training run on a model this small does
+    assert by[("sft", "ours")]["host_allocator"] == (
+        "host allocator: every block from the heap, kept between steps")
 
 
 def test_profile_breakdown_attributes_the_step_to_model_components():

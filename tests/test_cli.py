@@ -1,4 +1,5 @@
-"""Run configuration and its command line (config.py + experiment.py), and the SFT entry point."""
+"""Run configuration and its command line (config.py + cli/train_command.py), and the SFT entry
+point."""
 
 import dataclasses
 import json
@@ -11,23 +12,25 @@ from pathlib import Path
 import pytest
 
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
-from nnx_posttrain import config, experiment  # noqa: E402
+from nnx_posttrain import api, config, errors  # noqa: E402
 from nnx_posttrain.algorithms import SFT, SFTConfig  # noqa: E402
+from nnx_posttrain.cli.train_command import parse  # noqa: E402
+from support import bare_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def default():
-    return experiment.config_for(SFT, steps=7, optim=dict(learning_rate=0.01, warmup_steps=3))
+    return bare_config(SFT, steps=7, optim=dict(learning_rate=0.01, warmup_steps=3))
 
 
 # ----------------------------------------------------------------------------- defaults
 
 
 def test_config_type_is_cached_and_carries_algo_settings():
-    cls = experiment.config_type(SFT)
-    assert cls is experiment.config_type(SFT)
+    cls = api.config_type(SFT)
+    assert cls is api.config_type(SFT) and cls is api.config_type("sft")
     assert cls.__name__ == "SFTRunConfig"
     assert issubclass(cls, config.Config)
     assert isinstance(cls().algo, SFTConfig)
@@ -40,15 +43,15 @@ def test_config_for_overrides_only_named_fields(default):
     assert default.optim.schedule == base.schedule and default.optim.b2 == base.b2
     assert default.batching == config.DataConfig()
     # a fresh default is not affected by another experiment's overrides
-    assert experiment.config_for(SFT).optim.learning_rate == config.OptimConfig().learning_rate
+    assert bare_config(SFT).optim.learning_rate == config.OptimConfig().learning_rate
 
 
 def test_parse_without_args_returns_the_defaults(default):
-    assert config.parse(default, args=[]) == default
+    assert parse(default, args=[]) == default
 
 
 def test_overrides_top_level_and_nested(default):
-    cfg = config.parse(
+    cfg = parse(
         default,
         args=["--steps", "5", "--optim.learning-rate", "0.5", "--lora.rank", "4",
               "--batching.max-length", "16", "--seed", "3", "--data", "chats.jsonl"],
@@ -63,7 +66,7 @@ def test_overrides_top_level_and_nested(default):
 
 
 def test_flags_and_choices(default):
-    cfg = config.parse(
+    cfg = parse(
         default,
         args=["--resume", "--eval-only", "--batching.no-shuffle", "--batching.truncation", "keep_end",
               "--dtype", "bfloat16", "--eval-data", "held.jsonl", "--lora.alpha", "16"],
@@ -78,30 +81,30 @@ def test_flags_and_choices(default):
 
 def test_unknown_option_is_rejected_by_name(default, capsys):
     with pytest.raises(SystemExit) as info:
-        config.parse(default, args=["--no-such-option", "1"])
+        parse(default, args=["--no-such-option", "1"])
     assert info.value.code != 0
     assert "--no-such-option" in capsys.readouterr().err
 
 
 def test_ill_typed_value_is_rejected_by_name(default, capsys):
     with pytest.raises(SystemExit) as info:
-        config.parse(default, args=["--steps", "x"])
+        parse(default, args=["--steps", "x"])
     assert info.value.code != 0
     assert "--steps" in capsys.readouterr().err
 
 
 def test_invalid_choice_is_rejected(default, capsys):
     with pytest.raises(SystemExit):
-        config.parse(default, args=["--dtype", "float16"])
+        parse(default, args=["--dtype", "float16"])
     assert "--dtype" in capsys.readouterr().err
 
 
 def test_validate_batch_size_multiple_of_grad_accum(default):
-    with pytest.raises(SystemExit) as info:
-        config.parse(default, args=["--batching.batch-size", "6", "--batching.grad-accum", "4"])
-    msg = str(info.value.code)
+    with pytest.raises(errors.ConfigError) as info:
+        parse(default, args=["--batching.batch-size", "6", "--batching.grad-accum", "4"])
+    msg = str(info.value)
     assert "--batching.batch-size (6)" in msg and "--batching.grad-accum (4)" in msg
-    cfg = config.parse(default, args=["--batching.batch-size", "8", "--batching.grad-accum", "4"])
+    cfg = parse(default, args=["--batching.batch-size", "8", "--batching.grad-accum", "4"])
     assert (cfg.batching.batch_size, cfg.batching.grad_accum) == (8, 4)
 
 
@@ -113,9 +116,9 @@ def test_validate_reports_every_problem_at_once(default):
         lora=dataclasses.replace(default.lora, rank=-2),
         batching=dataclasses.replace(default.batching, max_length=1, grad_accum=0),
     )
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(errors.ConfigError) as info:
         bad.validate()
-    msg = str(info.value.code)
+    msg = str(info.value)
     assert msg.startswith("invalid configuration:")
     for option in ("--steps", "--log-every", "--lora.rank", "--batching.max-length", "--batching.grad-accum"):
         assert option in msg
@@ -132,13 +135,13 @@ def test_validate_reports_every_problem_at_once(default):
     ],
 )
 def test_parse_validates(default, args, option):
-    with pytest.raises(SystemExit) as info:
-        config.parse(default, args=args)
-    assert option in str(info.value.code)
+    with pytest.raises(errors.ConfigError) as info:
+        parse(default, args=args)
+    assert option in str(info.value)
 
 
 def test_save_writes_the_full_config(default, tmp_path):
-    cfg = config.parse(default, args=["--lora.rank", "4"])
+    cfg = parse(default, args=["--lora.rank", "4"])
     path = tmp_path / "config.json"
     config.save(cfg, path)
     saved = json.loads(path.read_text())

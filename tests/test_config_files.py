@@ -1,6 +1,7 @@
 """--config FILE.yaml|json (config_files.py): the file's values become the defaults, flags override
 them, a run's config.json repeats the run, bad keys and types are refused with file, key and
-type; every shipped configs/*.yaml is valid for its experiment; the command-line entry points."""
+type; every shipped experiments/configs/*.yaml is valid for its experiment; the command-line
+entry points."""
 
 import dataclasses
 import importlib
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import nnx_posttrain  # noqa: F401
-from nnx_posttrain import algorithms, config, experiment
-from nnx_posttrain.algorithms import DPO, SFT, SimPO
+from nnx_posttrain import algorithms, api, cli, config, errors
+from nnx_posttrain.algorithms import DPO
+from nnx_posttrain.cli.train_command import parse
 from nnx_posttrain.data import hub
 model_load = importlib.import_module("nnx_posttrain.model.load")
 
@@ -23,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def simpo():
-    return importlib.import_module("experiments.simpo").DEFAULT
+    return api.defaults("simpo", data="my.jsonl")  # a user's data: no recipe
 
 
 def _write(tmp_path, text, name="c.yaml"):
@@ -35,32 +37,32 @@ def _write(tmp_path, text, name="c.yaml"):
 def test_yaml_sets_defaults_and_flags_override(tmp_path, simpo):
     path = _write(tmp_path, "model: gemma_micro\nsteps: 12\noptim:\n  learning-rate: 2e-5\n"
                             "  warmup_steps: 3\nlora: {rank: 8}\nalgo:\n  beta: 2.5\n")
-    cfg = config.parse(simpo, ["--config", path, "--steps", "3", "--optim.warmup-steps", "1"])
+    cfg = parse(simpo, ["--config", path, "--steps", "3", "--optim.warmup-steps", "1"])
     assert cfg.model == "gemma_micro" and cfg.lora.rank == 8 and cfg.algo.beta == 2.5
     assert cfg.optim.learning_rate == 2e-5  # YAML 1.1 reads 2e-5 as a string: accepted as a float
     assert (cfg.steps, cfg.optim.warmup_steps) == (3, 1)  # flags win, before or after --config
     assert cfg.batching == simpo.batching  # untouched keys keep the experiment's defaults
     assert cfg.config == path
-    assert config.parse(simpo, [f"--config={path}"]).steps == 12
-    assert config.parse(simpo, ["--steps", "5", "--config", path]).steps == 5
+    assert parse(simpo, [f"--config={path}"]).steps == 12
+    assert parse(simpo, ["--steps", "5", "--config", path]).steps == 5
 
 
 def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
-    cfg = config.parse(simpo, ["--steps", "9", "--lora.rank", "4", "--algo.gamma", "0.7",
+    cfg = parse(simpo, ["--steps", "9", "--lora.rank", "4", "--algo.gamma", "0.7",
                                "--batching.max-prompt-length", "12", "--dtype", "bfloat16"])
     config.save(cfg, tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["algo_name"] == "SimPOConfig"  # bookkeeping keys are accepted
-    again = config.parse(simpo, ["--config", str(tmp_path / "config.json"), "--seed", "2"])
+    again = parse(simpo, ["--config", str(tmp_path / "config.json"), "--seed", "2"])
     assert dataclasses.replace(again, seed=cfg.seed, config=None) == cfg
     assert again.seed == 2
     # written by another algorithm: refused by name rather than half applied
-    with pytest.raises(SystemExit) as info:
-        config.parse(experiment.config_for(DPO), ["--config", str(tmp_path / "config.json")])
-    assert "algo_name SimPOConfig" in str(info.value.code) and "DPOConfig" in str(info.value.code)
+    with pytest.raises(errors.ConfigError) as info:
+        parse(api.config_type(DPO)(), ["--config", str(tmp_path / "config.json")])
+    assert "algo_name SimPOConfig" in str(info.value) and "DPOConfig" in str(info.value)
     # a run resumed with --resume saves the run's settings, not that instruction: the file
     # starts the same run elsewhere instead of asking for a checkpoint there
-    config.save(config.parse(simpo, ["--resume"]), tmp_path / "config.json")
+    config.save(parse(simpo, ["--resume"]), tmp_path / "config.json")
     assert json.loads((tmp_path / "config.json").read_text())["resume"] is False
 
 
@@ -87,43 +89,43 @@ def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
 ])
 def test_bad_files_name_the_file_the_key_and_the_type(tmp_path, simpo, text, expected):
     path = _write(tmp_path, text)
-    with pytest.raises(SystemExit) as info:
-        config.parse(simpo, ["--config", path])
-    msg = str(info.value.code)
-    assert msg.startswith(f"error: {path}: "), msg
+    with pytest.raises(errors.ConfigError) as info:
+        parse(simpo, ["--config", path])
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: "), msg
     for part in expected:
         assert part in msg, (part, msg)
 
 
 def test_missing_file_and_bad_json(tmp_path, simpo):
-    with pytest.raises(SystemExit, match="no such config file"):
-        config.parse(simpo, ["--config", str(tmp_path / "nope.yaml")])
-    with pytest.raises(SystemExit, match=r"c.json: line 1: malformed JSON"):
-        config.parse(simpo, ["--config", _write(tmp_path, "{steps: 1}", "c.json")])
-    with pytest.raises(SystemExit, match=r"c.json: key 'steps' is given twice"):
-        config.parse(simpo, ["--config", _write(tmp_path, '{"steps": 1, "steps": 2}', "c.json")])
-    with pytest.raises(SystemExit, match=r"--config is given twice \(a.yaml and the next\)"):
-        config.parse(simpo, ["--config", "a.yaml", "--config=b.yaml"])
-    with pytest.raises(SystemExit, match=r"invalid configuration \(the flags and .*r.yaml\):\n  "
+    with pytest.raises(errors.ConfigError, match="no such config file"):
+        parse(simpo, ["--config", str(tmp_path / "nope.yaml")])
+    with pytest.raises(errors.ConfigError, match=r"c.json: line 1: malformed JSON"):
+        parse(simpo, ["--config", _write(tmp_path, "{steps: 1}", "c.json")])
+    with pytest.raises(errors.ConfigError, match=r"c.json: key 'steps' is given twice"):
+        parse(simpo, ["--config", _write(tmp_path, '{"steps": 1, "steps": 2}', "c.json")])
+    with pytest.raises(errors.ConfigError, match=r"--config is given twice \(a.yaml and the next\)"):
+        parse(simpo, ["--config", "a.yaml", "--config=b.yaml"])
+    with pytest.raises(errors.ConfigError, match=r"invalid configuration \(the flags and .*r.yaml\):\n  "
                                          r"--steps must be >= 0"):
-        config.parse(simpo, ["--config", _write(tmp_path, "steps: -3\n", "r.yaml")])
-    with pytest.raises(SystemExit, match="--config needs a file"):
-        config.parse(simpo, ["--config"])
+        parse(simpo, ["--config", _write(tmp_path, "steps: -3\n", "r.yaml")])
+    with pytest.raises(errors.ConfigError, match="--config needs a file"):
+        parse(simpo, ["--config"])
 
 
 def test_report_to_is_checked(simpo):
-    assert config.parse(simpo, ["--report-to", "jsonl,wandb"]).report_to == "jsonl,wandb"
-    with pytest.raises(SystemExit, match="--report-to must be"):
-        config.parse(simpo, ["--report-to", "tensorbored"])
+    assert parse(simpo, ["--report-to", "jsonl,wandb"]).report_to == "jsonl,wandb"
+    with pytest.raises(errors.ConfigError, match="--report-to must be"):
+        parse(simpo, ["--report-to", "tensorbored"])
 
 
 def _algorithm_of(stem: str) -> str:
     names = [n for n in algorithms.names() if f"_{n}_" in f"_{stem}_"]
-    assert names, f"configs/{stem}.yaml: name it <model>_<algorithm>[_...].yaml"
+    assert names, f"experiments/configs/{stem}.yaml: name it <model>_<algorithm>[_...].yaml"
     return max(names, key=len)
 
 
-SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+SHIPPED = sorted((REPO / "experiments" / "configs").glob("*.yaml"))
 
 
 def test_the_shipped_configs_cover_the_issue():
@@ -137,14 +139,14 @@ def test_every_shipped_config_is_valid_for_its_experiment(path):
     """Loaded and validated as its experiment would (no model or data is downloaded): a real
     model's short name, Hub datasets that parse, commented."""
     name = _algorithm_of(path.stem)
-    default = importlib.import_module(f"experiments.{name}").DEFAULT
-    cfg = config.parse(default, ["--config", str(path)])
+    cfg = parse(api.defaults(name, data="my.jsonl"), ["--config", str(path)])
     assert cfg.model in model_load.PRESETS, cfg.model
     for spec in filter(None, [cfg.data, cfg.eval_data]):
         if spec.startswith("hf://"):
             hub.parse_handle(spec)
+    algo = api.build(cfg)
+    algo.check(cfg)  # the algorithm's own checks, as a run makes them before loading anything
     if name in ("grpo", "rloo", "ppo", "online_dpo"):
-        algo = algorithms.get(name)(cfg.algo, cfg.logprob_chunk)
         assert algo.prompts_per_step(cfg.batching.batch_size) >= 1
     assert cfg.batching.batch_size % cfg.batching.grad_accum == 0
     assert sum(line.lstrip().startswith("#") or " # " in line
@@ -152,7 +154,7 @@ def test_every_shipped_config_is_valid_for_its_experiment(path):
 
 
 def test_the_shipped_reward_function():
-    from configs.rewards import boxed_answer
+    from experiments.configs.rewards import boxed_answer
 
     assert boxed_answer(None, ["so \\boxed{42}.", "\\boxed{4} then \\boxed{\\frac{1}{2}}", "42"],
                         solution=["42", "\\frac{1}{2}", "42"]) == [1.0, 1.0, 0.0]
@@ -176,7 +178,7 @@ def test_experiments_help_exits_0_and_lists_each_algorithm():
         line = next(l for l in out.stdout.splitlines() if l.strip().startswith(name + " "))
         assert len(line.split(None, 1)[1]) > 10, line  # a one-line description
     bad = _run([sys.executable, "-m", "experiments", "nosuch"])
-    assert bad.returncode != 0 and "unknown algorithm 'nosuch'" in bad.stderr
+    assert bad.returncode != 0 and "unknown command 'nosuch'" in bad.stderr
 
 
 def test_usage_line_names_the_module_not_a_file():
@@ -193,10 +195,8 @@ def test_console_script_is_declared():
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["nnx-posttrain"] == "experiments.__main__:console"
+    assert project["scripts"]["nnx-posttrain"] == "nnx_posttrain.cli:console"
     assert set(project["optional-dependencies"]) >= {"cuda", "tpu", "test"}
-    from experiments import __main__ as entry
-
     with pytest.raises(SystemExit) as info:
-        entry.main(["nosuch"], prog="nnx-posttrain")
-    assert "usage: nnx-posttrain ALGORITHM" in str(info.value.code)
+        cli.main(["nosuch"], prog="nnx-posttrain")
+    assert "usage: nnx-posttrain COMMAND" in str(info.value.code)

@@ -1,26 +1,23 @@
-"""Defaults by data (experiment.DEFAULT / BUILTIN), the --init-from check before loading, and the
-online methods' checks of their rewards before the first rollout."""
+"""Defaults in one place per algorithm (its ``defaults`` for a user's data, the built-in task's
+recipe file for ``--data builtin``), the --init-from check before loading, and the online
+methods' checks of their rewards before the first rollout."""
 
 import json
 
 import pytest
 
 import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
-from nnx_posttrain import config, experiment
-from nnx_posttrain.algorithms import GRPO, SFT, SimPO
-from support import MICRO, records
+from nnx_posttrain import algorithms, api, cli, config, config_files, errors, tasks
+from nnx_posttrain.algorithms.base import AlgorithmBase
+from nnx_posttrain.cli.train_command import config_from
+from support import MICRO, records, refusal, train_run
 
 EXPERIMENTS = ("sft", "dpo", "simpo", "cpo", "orpo", "kto", "reward", "grpo", "rloo", "ppo",
                "online_dpo")
 
 
-def _module(name):
-    return __import__(f"experiments.{name}", fromlist=["DEFAULT"])
-
-
 def _parsed(name, args):
-    m = _module(name)
-    return experiment.parse_config(experiment.defaults_for(m.DEFAULT, m.BUILTIN, args), args)
+    return config_from(name, args, name)
 
 
 def _write(path, rows):
@@ -30,11 +27,12 @@ def _write(path, rows):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_builtin_recipe_only_with_builtin_data(name):
-    m = _module(name)
-    assert isinstance(m.BUILTIN, dict)  # a plain literal dict of overrides
+    own_defaults = api.defaults(name, data="mine.jsonl")
     builtin, own = _parsed(name, []), _parsed(name, ["--data", "mine.jsonl"])
-    assert builtin == experiment.with_overrides(m.DEFAULT, m.BUILTIN)
-    assert own == experiment.with_overrides(m.DEFAULT, {"data": "mine.jsonl"})
+    assert builtin == config_files.apply(own_defaults, tasks.recipe(name))
+    assert own == config_files.merge(own_defaults, {"data": "mine.jsonl"}, "test")
+    # the Python API gets the same defaults as the command line
+    assert api.configure(name) == builtin and api.configure(name, data="mine.jsonl") == own
     # the built-in recipe: short sequences of the arithmetic task, from the SFT run
     assert builtin.batching.max_length == (24 if name == "sft" else 32)
     assert (builtin.init_from == "runs/sft") == (name != "sft")
@@ -45,12 +43,32 @@ def test_builtin_recipe_only_with_builtin_data(name):
     assert own.batching.max_length == (512 if name in ("grpo", "rloo", "ppo", "online_dpo") else 1024)
 
 
+def test_the_recipe_applies_where_the_data_is_builtin_from_the_flag_or_the_file(tmp_path):
+    own = _write(tmp_path / "own.yaml", [])
+    own.write_text("data: mine.jsonl\nsteps: 7\n")
+    builtin_file = tmp_path / "builtin.yaml"
+    builtin_file.write_text("steps: 7\n")
+    assert _parsed("sft", ["--config", str(own)]).batching.max_length == 1024
+    assert _parsed("sft", ["--config", str(builtin_file)]).batching.max_length == 24
+    assert _parsed("sft", ["--config", str(own), "--data", "builtin"]).batching.max_length == 24
+    assert _parsed("sft", ["--data=mine.jsonl"]).batching.max_length == 1024
+    assert api.configure("sft", config=str(own)).batching.max_length == 1024
+
+
+def test_every_algorithm_has_its_run_defaults_and_a_recipe():
+    for name in EXPERIMENTS:
+        cls = algorithms.get(name)
+        assert "defaults" in vars(cls), f"{name}: its defaults for a user's data"
+        assert tasks.recipe(name) is not None, f"{name}: its built-in recipe"
+    assert vars(AlgorithmBase)["defaults"]["batching"]["max_length"] == 1024
+
+
 def test_learning_rates_are_trls_per_trainer():
-    lr = {name: _module(name).DEFAULT.optim.learning_rate for name in EXPERIMENTS}
+    lr = {name: api.defaults(name, data="x.jsonl").optim.learning_rate for name in EXPERIMENTS}
     assert lr == {"sft": 2e-5, "dpo": 1e-6, "simpo": 1e-6, "cpo": 1e-6, "orpo": 1e-6, "kto": 1e-6,
                   "reward": 1e-4, "grpo": 1e-6, "rloo": 1e-6, "ppo": 3e-6, "online_dpo": 5e-7}
     for name in ("grpo", "rloo", "ppo", "online_dpo"):
-        own = _module(name).DEFAULT.algo
+        own = api.defaults(name, data="x.jsonl").algo
         assert own.rewards == "" and own.max_completion_length == 512
         assert _parsed(name, []).algo.rewards == "exact_match"
 
@@ -59,8 +77,7 @@ def test_help_lists_the_defaults_of_the_run_it_describes(capsys):
     for args, length, init in ((["--help"], "32", "runs/sft"),
                                (["--data", "x.jsonl", "--help"], "1024", "None")):
         with pytest.raises(SystemExit) as info:
-            experiment.main("simpo", SimPO, _module("simpo").DEFAULT, args=args,
-                            builtin=_module("simpo").BUILTIN)
+            cli.main(["simpo", *args])
         assert info.value.code == 0
         text = capsys.readouterr().out
         block = text[text.index("--batching.max-length"):][:300]
@@ -68,6 +85,21 @@ def test_help_lists_the_defaults_of_the_run_it_describes(capsys):
         assert f"(default: {init})" in text[text.index("--init-from"):][:400]
         assert ("defaults below are the built-in task's recipe" in " ".join(text.split())) == (
             length == "32")
+
+
+def test_configure_takes_nested_and_dotted_settings_and_refuses_unknown_ones():
+    cfg = api.configure("dpo", data="x.jsonl", optim={"learning_rate": 3e-6},
+                        **{"algo.beta": 0.5, "batching.max_length": 64})
+    assert (cfg.optim.learning_rate, cfg.algo.beta, cfg.batching.max_length) == (3e-6, 0.5, 64)
+    assert cfg.optim.warmup_ratio == 0.1  # the algorithm's default, untouched
+    with pytest.raises(errors.ConfigError, match="unknown key 'optim.lr'"):
+        api.configure("dpo", optim={"lr": 1.0})
+    with pytest.raises(errors.ConfigError, match="key 'steps': expected int"):
+        api.configure("sft", steps="many")
+    with pytest.raises(errors.ConfigError, match="--steps must be >= 0"):
+        api.configure("sft", steps=-1)
+    with pytest.raises(errors.ConfigError, match="unknown algorithm 'dpoo'"):
+        api.configure("dpoo")
 
 
 def test_warmup_ratio_and_explicit_steps():
@@ -82,28 +114,32 @@ def test_warmup_ratio_and_explicit_steps():
 
 
 def test_exact_match_only_where_the_eval_data_has_answers(tmp_path, capsys):
-    base = experiment.with_overrides(_module("dpo").DEFAULT, {"data": "train.jsonl"})
+    dpo, grpo = api.build(api.configure("dpo")), api.build(api.configure("grpo"))
+    base = api.configure("dpo", data="train.jsonl")
     free = _write(tmp_path / "free.jsonl", [{"prompt": "Hi", "chosen": " a", "rejected": " b"}])
     answered = _write(tmp_path / "ans.jsonl", [{"prompt": "1+1?", "chosen": " 2", "rejected": " 3",
                                                  "answer": 2}])
-    off = experiment.for_the_data(experiment.with_overrides(base, {"eval_data": str(free)}),
-                                  _module("dpo").ALGORITHM)
+
+    def resolved(cfg, algorithm, eval_data):
+        cfg = config_files.merge(cfg, {"eval_data": str(eval_data)}, "test")
+        return algorithm.settings_for_data(cfg, print)
+
+    off = resolved(base, dpo, free)
     assert off.eval.exact_match == 0 and "no 'answer' column" in capsys.readouterr().out
-    on = experiment.for_the_data(experiment.with_overrides(base, {"eval_data": str(answered)}),
-                                 _module("dpo").ALGORITHM)
+    on = resolved(base, dpo, answered)
     assert on.eval.exact_match == base.eval.exact_match > 0
     builtin = _parsed("dpo", [])
-    assert experiment.for_the_data(builtin, _module("dpo").ALGORITHM) == builtin
+    assert dpo.settings_for_data(builtin, print) == builtin
     # an answer on a later record counts; an online method keeps its held-out prompts without
     # any (their greedy answers are scored by the run's rewards)
     late = _write(tmp_path / "late.jsonl", [{"prompt": "Hi", "chosen": " a", "rejected": " b"},
                                             {"prompt": "1+1?", "chosen": " 2", "rejected": " 3",
                                              "answer": 2}])
-    assert experiment.for_the_data(experiment.with_overrides(base, {"eval_data": str(late)}),
-                                   _module("dpo").ALGORITHM).eval.exact_match > 0
-    grpo = experiment.with_overrides(_module("grpo").DEFAULT, {"data": "q.jsonl",
-                                                               "eval_data": str(free)})
-    assert experiment.for_the_data(grpo, _module("grpo").ALGORITHM) == grpo
+    assert resolved(base, dpo, late).eval.exact_match > 0
+    online = config_files.merge(api.configure("grpo", data="q.jsonl",
+                                              algo={"rewards": "exact_match"}),
+                                {"eval_data": str(free)}, "test")
+    assert grpo.settings_for_data(online, print) == online
 
 
 def test_exact_match_compares_with_the_answer_column():
@@ -118,27 +154,22 @@ def test_exact_match_compares_with_the_answer_column():
 
 
 def test_init_from_is_checked_before_the_model_loads(tmp_path, capsys):
-    m = _module("simpo")
     pairs = _write(tmp_path / "p.jsonl", [{"prompt": "Hi", "chosen": " a", "rejected": " b"}] * 4)
     base = [*MICRO, "--data", str(pairs), "--run-dir", str(tmp_path / "run"), "--steps", "1"]
-    with pytest.raises(SystemExit) as info:
-        experiment.main("simpo", SimPO, m.DEFAULT, args=[*base, "--init-from", str(tmp_path / "no")])
-    assert "not a run directory" in str(info.value) and "--init-from ''" in str(info.value)
+    message = refusal("simpo", *base, "--init-from", tmp_path / "no", error=errors.CheckpointError)
+    assert "not a run directory" in message and "--init-from ''" in message
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model": "gemma_tiny", "lora": {"rank": 0}}))
-    with pytest.raises(SystemExit) as info:
-        experiment.main("simpo", SimPO, m.DEFAULT, args=[*base, "--init-from", str(other)])
-    message = str(info.value)
+    message = refusal("simpo", *base, "--init-from", other, error=errors.CheckpointError)
     assert "trained 'gemma_tiny'" in message and "'gemma_micro'" in message
     assert "--init-from ''" in message
     assert "loading model" not in capsys.readouterr().out  # refused before any loading
 
 
 def test_loading_line_names_the_model_and_its_time(tmp_path, capsys):
-    experiment.main("sft", SFT, _module("sft").DEFAULT, args=[
-        *MICRO, "--run-dir", str(tmp_path / "run"), "--steps", "1", "--eval.every", "0",
-        "--eval.exact-match", "0", "--batching.batch-size", "4"])
+    train_run("sft", *MICRO, "--run-dir", tmp_path / "run", "--steps", "1", "--eval.every", "0",
+              "--eval.exact-match", "0", "--batching.batch-size", "4")
     out = capsys.readouterr().out
     assert "loading model gemma_micro (float32) ..." in out
     assert "loaded gemma_micro in " in out and out.index("loading model") < out.index("loaded ")
@@ -164,9 +195,9 @@ def exploding_reward(prompts, completions, **_):
 
 def test_grpo_on_own_data_needs_rewards_before_loading(tmp_path, capsys):
     prompts = _write(tmp_path / "q.jsonl", [{"prompt": f"Question {i}?"} for i in range(8)])
-    with pytest.raises(SystemExit, match="needs --algo.rewards"):
-        experiment.main("grpo", GRPO, _module("grpo").DEFAULT,
-                        args=[*ONLINE, "--data", str(prompts), "--run-dir", str(tmp_path / "r")])
+    message = refusal("grpo", *ONLINE, "--data", prompts, "--run-dir", tmp_path / "r",
+                      error=errors.ConfigError)
+    assert "needs --algo.rewards" in message
     assert "loading model" not in capsys.readouterr().out
 
 
@@ -174,27 +205,21 @@ def test_grpo_on_own_data_needs_rewards_before_loading(tmp_path, capsys):
                                             ("test_defaults:solution_reward", "'solution'")])
 def test_reward_columns_are_checked_before_the_first_rollout(tmp_path, reward, missing):
     prompts = _write(tmp_path / "q.jsonl", [{"prompt": f"Question {i}?"} for i in range(8)])
-    with pytest.raises(SystemExit) as info:
-        experiment.main("grpo", GRPO, _module("grpo").DEFAULT, args=[
-            *ONLINE, "--data", str(prompts), "--run-dir", str(tmp_path / "r"),
-            "--algo.rewards", reward])
-    assert f"needs column(s) {missing}" in str(info.value) and str(prompts) in str(info.value)
+    message = refusal("grpo", *ONLINE, "--data", prompts, "--run-dir", tmp_path / "r",
+                      "--algo.rewards", reward, error=errors.RewardError)
+    assert f"needs column(s) {missing}" in message and str(prompts) in message
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 def test_reward_failure_names_the_reward_and_the_row_and_time_is_logged(tmp_path):
     prompts = _write(tmp_path / "q.jsonl", [{"prompt": f"Question {i}?", "solution": "1"}
                                             for i in range(8)])
-    experiment.main("grpo", GRPO, _module("grpo").DEFAULT, args=[
-        *ONLINE, "--data", str(prompts), "--run-dir", str(tmp_path / "ok"),
-        "--algo.rewards", "test_defaults:solution_reward", "--batching.no-shuffle"])
+    train_run("grpo", *ONLINE, "--data", prompts, "--run-dir", tmp_path / "ok",
+              "--algo.rewards", "test_defaults:solution_reward", "--batching.no-shuffle")
     rows = records(tmp_path / "ok")
     assert all(r["time/rollout"] > 0 for r in rows) and rows[-1]["time/update"] > 0
-    with pytest.raises(SystemExit) as info:
-        experiment.main("grpo", GRPO, _module("grpo").DEFAULT, args=[
-            *ONLINE, "--data", str(prompts), "--run-dir", str(tmp_path / "bad"),
-            "--algo.rewards", "test_defaults:exploding_reward", "--batching.no-shuffle",
-            "--steps", "4"])
-    message = str(info.value)
-    assert message.startswith("error: reward 'exploding_reward' failed on completion ")
+    message = refusal("grpo", *ONLINE, "--data", prompts, "--run-dir", tmp_path / "bad",
+                      "--algo.rewards", "test_defaults:exploding_reward", "--batching.no-shuffle",
+                      "--steps", "4", error=errors.RewardError)
+    assert message.startswith("reward 'exploding_reward' failed on completion ")
     assert "Question 3" in message and "ZeroDivisionError" in message and str(prompts) in message

@@ -18,35 +18,29 @@ import nnx_posttrain  # noqa: F401
 import numpy as np
 import pytest
 
-from nnx_posttrain import checkpoint, config, data, experiment, metrics_log, runs
-from nnx_posttrain.algorithms import DPO, GRPO, SFT, registry
+from nnx_posttrain import api, checkpoint, cli, config, data, errors, metrics_log, runs
+from nnx_posttrain.algorithms import DPO, SFT, registry
+from nnx_posttrain.cli.train_command import parse
 from nnx_posttrain.train import hooks, resume, rundir
-from support import MICRO, ROOT, records
+from support import MICRO, ROOT, records, train_run
 
 FAST = [*MICRO, "--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval.batches", "1",
         "--eval.exact-match", "0", "--batching.batch-size", "4", "--checkpoint.every", "2"]
 
 
 def sft(run_dir, *extra):
-    from experiments.sft import BUILTIN, DEFAULT
-
-    return experiment.main("sft", SFT, DEFAULT, args=[*FAST, "--run-dir", str(run_dir), *extra],
-                           builtin=BUILTIN)
+    return train_run("sft", *FAST, "--run-dir", run_dir, *extra)
 
 
 def dpo(run_dir, *extra):
-    from experiments.dpo import BUILTIN, DEFAULT
-
-    return experiment.main("dpo", DPO, DEFAULT, args=[*FAST, "--run-dir", str(run_dir),
-                                                      "--init-from", "", *extra], builtin=BUILTIN)
+    return train_run("dpo", *FAST, "--run-dir", run_dir, "--init-from", "", *extra)
 
 
 def refusal(fn, *args) -> str:
-    """The message of the SystemExit that ``fn(*args)`` ends with (it must end with one)."""
-    with pytest.raises(SystemExit) as info:
+    """The message of the ``UserError`` that ``fn(*args)`` raises (it must raise one)."""
+    with pytest.raises(errors.UserError) as info:
         fn(*args)
-    assert not isinstance(info.value.code, int), info.value.code
-    return str(info.value.code)
+    return str(info.value)
 
 
 def steps_of(run_dir) -> list[int]:
@@ -95,9 +89,9 @@ def _files(run):
     (["--algo.beta", "nan"], "--algo.beta"),
 ])
 def test_non_finite_option_values_are_refused_up_front(args, option):
-    with pytest.raises(SystemExit) as info:
-        config.parse(experiment.config_for(DPO), args=args)
-    assert f"{option} must be a finite number" in str(info.value.code)
+    with pytest.raises(errors.ConfigError) as info:
+        parse(api.config_type(DPO)(), args=args)
+    assert f"{option} must be a finite number" in str(info.value)
 
 
 def test_non_finite_training_stops_naming_the_step_and_keeps_only_good_checkpoints(tmp_path, capsys):
@@ -174,7 +168,7 @@ def test_a_non_finite_step_changes_neither_weights_nor_optimizer_state(micro):
 
 def test_every_setting_of_every_algorithm_is_classified_for_resume():
     for name in registry.names():
-        cfg = experiment.config_type(registry.get(name))()
+        cfg = api.config_type(registry.get(name))()
         for key in resume.flatten(config.to_dict(cfg)):
             assert "not classified" not in resume.classify(key)[1], (name, key)
 
@@ -199,9 +193,7 @@ def test_changed_settings_are_refused_with_the_list_of_differences(copy):
 
 def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
     """An exported model's directory (its config.json is Hugging Face's) or a cut config.json
-    given where a run belongs: runs.load, --init-from, tools.export say what it is."""
-    from tools import export
-
+    given where a run belongs: runs.load, --init-from, nnx-posttrain export say what it is."""
     hf, cut = tmp_path / "hf", tmp_path / "cut"
     hf.mkdir(), cut.mkdir()
     (hf / "config.json").write_text('{"architectures": ["GemmaForCausalLM"]}')
@@ -210,11 +202,11 @@ def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
         runs.load(hf)
     with pytest.raises(runs.NotARunError, match=r"config.json: not JSON \(Unterminated string"):
         runs.load(cut)
-    with pytest.raises(SystemExit, match="error: --init-from .*an exported model loads with "
-                                         "--model DIR"):
+    with pytest.raises(errors.CheckpointError, match="--init-from .*an exported model loads "
+                                                     "with --model DIR"):
         runs.check_init_from(hf, "gemma_micro")
-    with pytest.raises(SystemExit, match=r"export: .*cut/config.json: not JSON"):
-        export.main([str(cut), "--to", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=r"error: .*cut/config.json: not JSON"):
+        cli.main(["export", str(cut), "--to", str(tmp_path / "out")])
     # a run's checkpoint given for the run
     step = tmp_path / "run" / "checkpoints" / "40"
     step.mkdir(parents=True)
@@ -222,12 +214,12 @@ def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
     with pytest.raises(runs.NotARunError, match=f"{step}: a checkpoint, not a run directory: give "
                                                 f"the run, {tmp_path / 'run'}"):
         runs.load(step)
-    with pytest.raises(SystemExit, match="a checkpoint, not a run directory"):
+    with pytest.raises(errors.CheckpointError, match="a checkpoint, not a run directory"):
         runs.check_init_from(step, "gemma_micro")
 
 
 def test_reading_a_run_whose_checkpoint_rotation_removes_the_latest_meanwhile(copy, monkeypatch):
-    """tools.sample / tools.export / runs.load on a run that is still training: its rotation
+    """sample / export / runs.load on a run that is still training: its rotation
     can remove the checkpoint picked while the model is built (seconds to minutes). The latest
     is picked again after the build; an explicit --step that is gone is named as removed."""
     build = runs.build_model
@@ -292,14 +284,14 @@ def test_named_changes_are_accepted_and_recorded(copy, capsys):
 def test_resume_changed_names_only_settings_a_resume_may_change():
     assert resume.allowed_keys("--optim.learning-rate, optim.weight_decay") == {
         "optim.learning_rate", "optim.weight_decay"}
-    with pytest.raises(SystemExit, match="nonsense: not a setting"):
+    with pytest.raises(errors.ConfigError, match="nonsense: not a setting"):
         resume.allowed_keys("nonsense")
-    with pytest.raises(SystemExit, match=r"optim.lr: not a setting \(did you mean "
+    with pytest.raises(errors.ConfigError, match=r"optim.lr: not a setting \(did you mean "
                                          r"optim.learning_rate\?\)"):
         resume.allowed_keys("optim.lr")
-    with pytest.raises(SystemExit, match="batching.batch_size: a resume cannot change it"):
+    with pytest.raises(errors.ConfigError, match="batching.batch_size: a resume cannot change it"):
         resume.allowed_keys("batching.batch-size")
-    with pytest.raises(SystemExit, match="algo.beta: a resume cannot change it"):
+    with pytest.raises(errors.ConfigError, match="algo.beta: a resume cannot change it"):
         resume.allowed_keys("algo.beta")
 
 
@@ -382,11 +374,8 @@ def test_eval_only_without_checkpoint_keeps_the_log_and_says_it_scores_the_initi
 
 
 def test_eval_only_of_an_online_method_says_how_it_evaluates(tmp_path):
-    from experiments.grpo import DEFAULT
-
-    msg = refusal(experiment.main, "grpo", GRPO, DEFAULT, None, [
-        *FAST, "--run-dir", str(tmp_path / "run"), "--init-from", "", "--eval-only",
-        "--algo.num-generations", "2", "--algo.rewards", "exact_match"])
+    msg = refusal(train_run, "grpo", *FAST, "--run-dir", tmp_path / "run", "--init-from", "",
+                  "--eval-only", "--algo.num-generations", "2", "--algo.rewards", "exact_match")
     assert "evaluated by generation" in msg and "--eval.exact-match" in msg
 
 
@@ -601,9 +590,9 @@ def test_every_checkpoint_damaged_and_resume_asked_is_refused(copy):
     (["--checkpoint.keep-best", "exact_match", "--eval.exact-match", "0"], "needs exact-match"),
 ])
 def test_bad_counts_are_refused_up_front(args, text):
-    with pytest.raises(SystemExit) as info:
-        config.parse(experiment.config_for(SFT), args=args)
-    assert text in str(info.value.code)
+    with pytest.raises(errors.ConfigError) as info:
+        parse(api.config_type(SFT)(), args=args)
+    assert text in str(info.value)
 
 
 def test_keep_best_metric_the_run_never_evaluates_is_refused_before_training(tmp_path):
@@ -711,7 +700,7 @@ def test_one_ctrl_c_that_python_swallows_while_the_model_loads_stops_the_run(
 
     monkeypatch.setattr(setup, "build_model", loading)
     with pytest.raises(SystemExit) as info:
-        sft(tmp_path / "run")
+        cli.main(["sft", *FAST, "--run-dir", str(tmp_path / "run")])
     assert info.value.code == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C): stopped without writing a checkpoint" in err
@@ -720,33 +709,27 @@ def test_one_ctrl_c_that_python_swallows_while_the_model_loads_stops_the_run(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
-def test_a_commands_ctrl_c_python_swallowed_while_importing_stops_its_run(monkeypatch):
-    """The package notes a KeyboardInterrupt Python only printed (a gc callback's, while a command
-    imported); a command's run then stops at once, a notebook's run (not a command) does not."""
-    import nnx_posttrain
-    from nnx_posttrain import host_allocator
-
+def test_a_commands_ctrl_c_python_swallowed_while_importing_stops_it(monkeypatch, capsys):
+    """The command line notes a KeyboardInterrupt Python only printed (a gc callback's, while
+    the command imported) and stops at once; importing the library alone installs nothing."""
     import types
 
-    monkeypatch.setattr(nnx_posttrain, "interrupt_swallowed", False)
-    # what Python hands sys.unraisablehook for a Ctrl-C inside a gc callback (pytest has its own
-    # hook installed during a test: the package's is called as Python would)
-    nnx_posttrain._note_swallowed_interrupt(types.SimpleNamespace(
-        exc_type=ValueError, exc_value=ValueError(), exc_traceback=None, err_msg=None,
-        object=None), lambda u: None)
-    assert not nnx_posttrain.interrupt_swallowed
-    nnx_posttrain._note_swallowed_interrupt(types.SimpleNamespace(
-        exc_type=KeyboardInterrupt, exc_value=KeyboardInterrupt(), exc_traceback=None,
-        err_msg="Exception ignored in", object=None), lambda u: None)
-    assert nnx_posttrain.interrupt_swallowed
-    for command, stops in ((True, True), (False, False)):
-        monkeypatch.setattr(host_allocator, "started_as_command", lambda *a, c=command: c)
-        with hooks.Interruptible() as interruptible:
-            if stops:
-                with pytest.raises(KeyboardInterrupt):
-                    interruptible.check()
-            else:
-                interruptible.check()
+    imports = cli._Imports()
+    imports._previous = lambda unraisable: None
+    for exc_type, noted in ((ValueError, False), (KeyboardInterrupt, True)):
+        imports._note(types.SimpleNamespace(exc_type=exc_type, exc_value=exc_type(),
+                                            exc_traceback=None, err_msg=None, object=None))
+        assert imports.interrupted is noted
+
+    class Interrupted(cli._Imports):
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            self.interrupted = True
+
+    monkeypatch.setattr(cli, "_Imports", Interrupted)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["sft", "--help"])
+    assert info.value.code == 130 and "interrupted (Ctrl-C)" in capsys.readouterr().err
 
 
 def test_ctrl_c_twice_in_a_real_run_exits_cleanly_and_every_checkpoint_restores(tmp_path):
@@ -774,17 +757,17 @@ MID = dict(num_layers=4, num_query_heads=4, num_key_value_heads=4, hidden_dim=25
 _MEASURE = f"""
 import json, resource, sys
 import nnx_posttrain, jax
-from nnx_posttrain import experiment, model
-from nnx_posttrain.algorithms import registry
+from nnx_posttrain import api, model, train
+from nnx_posttrain.cli import train_command
 from nnx_posttrain.tasks import tokenizer
 model.register_builtin("gemma_mid", {MID!r}, tokenizer.builtin_proto)
-name = sys.argv[1]
-default = __import__(f"experiments.{{name}}", fromlist=["DEFAULT"]).DEFAULT
-result = experiment.main(name, registry.get(name), default, args=sys.argv[2:])
-print("MEASURE " + json.dumps({{
-    "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    "live": sum({{x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays()}}.values()),
-    "weights": sum(x.nbytes for x in jax.tree.leaves(result.state["params"]))}}))
+cfg = train_command.config_from(sys.argv[1], sys.argv[2:], sys.argv[1])
+with train.prepare(cfg, api.build(cfg)) as run:
+    train.evaluate_only(run) if cfg.eval_only else train.train(run)
+    print("MEASURE " + json.dumps({{
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "live": sum({{x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays()}}.values()),
+        "weights": sum(x.nbytes for x in jax.tree.leaves(run.state["params"]))}}))
 """
 
 
@@ -815,31 +798,36 @@ def test_eval_only_holds_the_weights_without_optimizer_state_or_reference_copy(t
 
 STALLED_EXIT = """
 import os, signal, sys, threading, time
-from pathlib import Path
-from nnx_posttrain.train import rundir
-done = Path(sys.argv[1])
-with rundir.sigterm_exits(lambda: done.write_text("released"), grace_s=1.0):
-    threading.Thread(target=time.sleep, args=(3600,)).start()  # never ends, not a daemon
+from nnx_posttrain import cli
+from nnx_posttrain.train import setup
+threading.Thread(target=time.sleep, args=(3600,)).start()  # never ends, not a daemon
+
+def loading(*args, **kwargs):  # SIGTERM while the model loads
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(3600)
+
+setup.build_model = loading
+cli.main(["sft", *sys.argv[1:]], own_process=True)
 """
 
 
-def test_sigterm_ends_the_process_even_when_its_clean_exit_stalls(tmp_path):
-    # A thread that never ends keeps the interpreter from exiting after SystemExit: the timer
-    # armed by the signal releases the lock and ends the process anyway.
-    done = tmp_path / "released"
+def test_sigterm_before_training_ends_the_process_even_when_its_clean_exit_stalls(tmp_path):
+    # A thread that never ends keeps the interpreter from exiting after SystemExit: the
+    # command ends its process itself once the run is closed (the lock released).
+    run = tmp_path / "run"
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", STALLED_EXIT, str(done)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", STALLED_EXIT, *FAST, "--run-dir", str(run)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
-    assert done.read_text() == "released" and time.time() - start < 60
+    assert "stopped by SIGTERM while no training step was running" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (run / "run.lock").exists()
+    assert time.time() - start < 240
 
 
 STALLED_TRAINING_EXIT = """
 import runpy, sys, threading, time
-from nnx_posttrain.train import rundir
-rundir.EXIT_GRACE_S = 2.0
+from nnx_posttrain.cli import train_command
+train_command.EXIT_GRACE_S = 2.0
 threading.Thread(target=time.sleep, args=(3600,)).start()  # never ends, not a daemon
 sys.argv = ["experiments.sft", *sys.argv[1:]]
 runpy.run_module("experiments.sft", run_name="__main__")  # python -m experiments.sft ...
@@ -868,6 +856,7 @@ def test_sigterm_during_training_checkpoints_then_ends_even_when_the_exit_stalls
 
 SIGTERM_IN_GC_CALLBACK = """
 import gc, os, signal, time
+from nnx_posttrain import errors
 from nnx_posttrain.train import rundir
 hit = []
 
@@ -878,17 +867,20 @@ def callback(phase, info):  # as JAX's: Python prints and ignores what escapes a
         for _ in range(10000):  # bytecodes: the signal's handler runs in here
             pass
 
-with rundir.sigterm_exits():
-    gc.callbacks.append(callback)
-    gc.collect()
-    time.sleep(10)
-    print("still running after SIGTERM")
+try:
+    with rundir.sigterm_exits():
+        gc.callbacks.append(callback)
+        gc.collect()
+        time.sleep(10)
+        print("still running after SIGTERM")
+except errors.Stopped as stop:
+    os._exit(stop.exit_code)
 """
 
 
 def test_sigterm_inside_a_gc_callback_still_ends_the_process():
     """A signal whose handler runs inside a garbage-collector callback (seen once: JAX's, while
-    the model loaded) cannot end the process there (the SystemExit would be printed and ignored,
+    the model loaded) cannot end the run there (the exception would be printed and ignored,
     and the run would go on into training): it is sent again a moment later."""
     proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_GC_CALLBACK], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

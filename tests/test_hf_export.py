@@ -1,4 +1,4 @@
-"""Hugging Face export (tools.hf_export) verified by a logits round trip against transformers.
+"""Hugging Face export (nnx_posttrain.export.hf) verified by a logits round trip against transformers.
 
 Tiny random backbones of every exported family and configuration (multi-KV-head, soft caps,
 sliding windows, post norms, tied and untied embeddings, biases, q/k norms, scaled rotary
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from nnx_posttrain import model
-from tools import hf_export, make_preset
+from nnx_posttrain.export import hf as hf_export
+from tools import make_preset
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

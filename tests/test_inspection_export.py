@@ -1,4 +1,5 @@
-"""Notebook inspection helpers (nnx_posttrain.inspection) and tools.export, on tiny real runs."""
+"""Notebook inspection helpers (nnx_posttrain.inspection), export (nnx_posttrain.export and
+``nnx-posttrain export``) and ``nnx-posttrain inspect``, on tiny real runs."""
 
 import json
 import subprocess
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_posttrain import inspection, model, runs
+from nnx_posttrain import cli, errors, export, inspection, model, runs
+from nnx_posttrain.cli import sample
 from support import experiment_command, run_command
-from tools import export
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = jnp.array([[2, 17, 30, 41, 52, 63, 74, 85, 96, 11, 12, 13, 14], [2, 9, 8, 7, 6, 5, 4, 0, 0, 0, 0, 0, 0]])
@@ -90,7 +91,7 @@ def test_export_keras_preset_round_trips_with_the_same_logits(which, request, tm
     expected_module = runs.load(run_dir).module
     expected = model.full_logits(expected_module, IDS, MASK)  # LoRA (unmerged) or full weights
     out = tmp_path / "preset"
-    files = export.main([str(run_dir), "--to", str(out)])
+    files = export.export(run_dir, out)
     assert out / "config.json" in files
     assert "lora" not in (out / "config.json").read_text()
     exported = model.load(str(out))
@@ -101,11 +102,9 @@ def test_export_keras_preset_round_trips_with_the_same_logits(which, request, tm
 
 
 def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(tmp_path):
-    """PPO trains the backbone with a value head: tools.sample and tools.export take the policy
-    (TRL's PPO saves it alone); a reward model does not generate and is refused, before it
-    loads, with how it is used instead."""
-    from tools import sample
-
+    """PPO trains the backbone with a value head: sample and export take the policy (TRL's PPO
+    saves it alone); a reward model does not generate and is refused, before it loads, with how
+    it is used instead (the command line says it as an error)."""
     ppo = tmp_path / "ppo"
     run_command(experiment_command("ppo", ppo, "--init-from", "", "--steps", "2",
                                    "--batching.batch-size", "8", "--eval.every", "0",
@@ -115,8 +114,8 @@ def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(
     assert type(loaded.module).__name__ == "PolicyWithValue"
     assert inspection.lora_delta_norms(loaded.module)  # through the wrapper, to its backbone
     expected = model.full_logits(loaded.policy(), IDS, MASK)
-    assert len(sample.main([str(ppo), "--prompt", "What is 2 + 3?", "--max-new-tokens", "4"])) == 1
-    export.main([str(ppo), "--to", str(tmp_path / "preset")])
+    assert len(sample.answers(ppo, ["What is 2 + 3?"], max_new_tokens=4)) == 1
+    assert cli.main(["export", str(ppo), "--to", str(tmp_path / "preset")]) == 0
     got = model.full_logits(model.load(str(tmp_path / "preset")).module, IDS, MASK)
     assert float(jnp.max(jnp.abs(got - expected))) < 1e-5
     assert float(jnp.max(jnp.abs(expected - model.full_logits(
@@ -126,18 +125,20 @@ def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(
     (rm / "checkpoints").mkdir(parents=True)  # refused by its config alone, before any loading
     (rm / "config.json").write_text(json.dumps(
         dict(json.loads((ppo / "config.json").read_text()), algo_name="RewardConfig")))
-    for call in (lambda: sample.main([str(rm), "--prompt", "hi"]),
-                 lambda: export.main([str(rm), "--to", str(tmp_path / "rm_out")])):
-        with pytest.raises(SystemExit, match=f"{rm} is a reward model .* does not generate, and "
-                                             f"only language models are exported. Use it as an "
-                                             f"online run's reward .--algo.rewards {rm}."):
-            call()
+    refusal = (f"{rm} is a reward model .* does not generate, and only language models are "
+               f"exported. Use it as an online run's reward .--algo.rewards {rm}.")
+    with pytest.raises(errors.RunDirError, match=refusal):
+        sample.answers(rm, ["hi"])
+    with pytest.raises(errors.UserError, match=refusal):
+        export.export(rm, tmp_path / "rm_out")
+    with pytest.raises(SystemExit, match="error: " + refusal):
+        cli.main(["sample", str(rm), "--prompt", "hi"])
     assert not (tmp_path / "rm_out").exists()
 
 
 def test_export_hf_writes_safetensors_and_config(lora_run, tmp_path):
     out = tmp_path / "hf"
-    export.main([str(lora_run), "--to", str(out), "--format", "hf"])
+    export.export(lora_run, out, fmt="hf")
     assert (out / "model.safetensors").stat().st_size > 0
     config = json.loads((out / "config.json").read_text())
     assert config.get("model_type") == "gemma"
@@ -156,19 +157,18 @@ def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path):
     empty = tmp_path / "run"
     empty.mkdir()
     (empty / "config.json").write_text((full_run / "config.json").read_text())
-    with pytest.raises(SystemExit, match="no complete checkpoint"):
-        export.main([str(empty), "--to", str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match="not a run directory"):
-        export.main([str(tmp_path / "nothing"), "--to", str(tmp_path / "out")])
+    with pytest.raises(errors.UserError, match="no complete checkpoint"):
+        export.export(empty, tmp_path / "out")
+    with pytest.raises(SystemExit, match="error: .*not a run directory"):
+        cli.main(["export", str(tmp_path / "nothing"), "--to", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
 def test_export_dtype_defaults_to_the_source_and_can_be_chosen(lora_run, tmp_path):
     from safetensors import safe_open
 
-    export.main([str(lora_run), "--to", str(tmp_path / "f32"), "--format", "hf"])
-    export.main([str(lora_run), "--to", str(tmp_path / "bf16"), "--format", "hf",
-                 "--dtype", "bfloat16"])
+    export.export(lora_run, tmp_path / "f32", fmt="hf")
+    export.export(lora_run, tmp_path / "bf16", fmt="hf", dtype="bfloat16")
     for name, dtype in (("f32", "float32"), ("bf16", "bfloat16")):
         assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == dtype
         with safe_open(tmp_path / name / "model.safetensors", "np") as f:
@@ -190,8 +190,7 @@ def test_export_dtype_defaults_to_the_source_and_can_be_chosen(lora_run, tmp_pat
 def test_export_adapters_only_writes_peft_files(lora_run, full_run, tmp_path):
     from safetensors.numpy import load_file
 
-    files = export.main([str(lora_run), "--to", str(tmp_path / "a"), "--format", "hf",
-                         "--adapters-only"])
+    files = export.export(lora_run, tmp_path / "a", fmt="hf", adapters_only=True)
     assert sorted(p.name for p in files) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 2
@@ -203,7 +202,23 @@ def test_export_adapters_only_writes_peft_files(lora_run, full_run, tmp_path):
     assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"].shape == (2, 32)
     assert tensors["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"].shape == (32, 2)
     assert config["rank_pattern"] == {"q_proj": 4}
-    with pytest.raises(SystemExit, match="trained every weight"):
-        export.main([str(full_run), "--to", str(tmp_path / "b"), "--format", "hf", "--adapters-only"])
-    with pytest.raises(SystemExit, match="use it with --format hf"):
-        export.main([str(lora_run), "--to", str(tmp_path / "c"), "--adapters-only"])
+    with pytest.raises(errors.UserError, match="trained every weight"):
+        export.export(full_run, tmp_path / "b", fmt="hf", adapters_only=True)
+    with pytest.raises(errors.UserError, match="use it with --format hf"):
+        export.export(lora_run, tmp_path / "c", adapters_only=True)
+
+
+def test_inspect_reports_the_checkpoint_its_parameters_and_last_metrics(lora_run, tmp_path,
+                                                                        capsys):
+    from nnx_posttrain.cli import inspect_command
+
+    lines = inspect_command.report(lora_run)
+    assert lines[0].startswith(f"{lora_run}: SFT on gemma_micro (float32), checkpoint ")
+    total = inspection.param_counts(runs.load(lora_run).module)["total"]
+    assert any(line.split() == ["total", f"{total:,}"] for line in lines)
+    assert any(line.startswith("LoRA update norms (") for line in lines)
+    assert any(line.startswith("last train record (step ") for line in lines)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(lora_run), "--html", str(tmp_path / "state.html")]) == 0
+    assert "treescope" in (tmp_path / "state.html").read_text()[:100000].lower()
+    assert capsys.readouterr().out.startswith(lines[0])

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 import nnx_posttrain  # noqa: F401
-from nnx_posttrain import experiment, metrics_log, progress
-from nnx_posttrain.algorithms import SFT, online
-from support import MICRO, ROOT, records
+from nnx_posttrain import metrics_log, progress
+from support import MICRO, ROOT, records, train_run
 
 
 def tensorboard_events(run_dir) -> list:
@@ -42,11 +41,9 @@ def _text_tags(run_dir) -> dict:
 
 
 def test_sft_eval_logs_its_completions(tmp_path):
-    module = __import__("experiments.sft", fromlist=["DEFAULT"])
     run_dir = tmp_path / "sft"
-    experiment.main("sft", SFT, module.DEFAULT, args=[
-        *MICRO, "--run-dir", str(run_dir), "--steps", "2", "--batching.batch-size", "4",
-        "--eval.batches", "1", "--eval.exact-match", "6", "--eval.every", "0"])
+    train_run("sft", *MICRO, "--run-dir", run_dir, "--steps", "2", "--batching.batch-size", "4",
+              "--eval.batches", "1", "--eval.exact-match", "6", "--eval.every", "0", recipe=False)
     rows = metrics_log.read_completions(run_dir)
     assert [r["step"] for r in rows] == [0] * 6 + [2] * 6  # every eval, every held-out prompt
     for row in rows:
@@ -73,15 +70,13 @@ def test_online_rollouts_are_logged_and_eval_reports_the_held_out_reward(tmp_pat
         path.write_text("".join(json.dumps({k: v for k, v in src[i].items()
                                             if not k.startswith("_")}) + "\n" for i in range(n)))
         files.append(str(path))
-    module = __import__("experiments.grpo", fromlist=["DEFAULT"])
     run_dir = tmp_path / "grpo"
-    experiment.main("grpo", online.GRPO, module.DEFAULT, args=[
-        *MICRO, "--init-from", "", "--run-dir", str(run_dir), "--data", files[0],
-        "--eval-data", files[1], "--steps", "2", "--batching.batch-size", "8",
-        "--algo.num-generations", "4", "--algo.max-completion-length", "4",
-        "--algo.rewards", "exact_match,length", "--algo.log-completions", "3",
-        "--eval.exact-match", "6", "--eval.every", "0", "--log-every", "1",
-        "--checkpoint.every", "0"])
+    train_run("grpo", *MICRO, "--init-from", "", "--run-dir", run_dir, "--data", files[0],
+              "--eval-data", files[1], "--steps", "2", "--batching.batch-size", "8",
+              "--algo.num-generations", "4", "--algo.max-completion-length", "4",
+              "--algo.rewards", "exact_match,length", "--algo.log-completions", "3",
+              "--eval.exact-match", "6", "--eval.every", "0", "--log-every", "1",
+              "--checkpoint.every", "0")
     rows = metrics_log.read_completions(run_dir)
     train = [r for r in rows if r["split"] == "train"]
     assert [r["step"] for r in train] == [1, 1, 1, 2, 2, 2]  # a sample of each logged step
@@ -246,13 +241,11 @@ def test_a_log_record_averages_the_steps_since_the_last_log_as_trl():
 
 
 def test_logged_sft_metrics_are_the_means_of_their_steps(tmp_path):
-    from experiments.sft import BUILTIN, DEFAULT
-
     def run(name, every):
         args = [*MICRO, "--run-dir", str(tmp_path / name), "--steps", "6", "--log-every", every,
                 "--eval.every", "0", "--eval.exact-match", "0", "--eval.batches", "1",
                 "--batching.batch-size", "4", "--checkpoint.every", "0"]
-        experiment.main("sft", SFT, DEFAULT, args=args, builtin=BUILTIN)
+        train_run("sft", *args)
         return {r["step"]: r for r in records(tmp_path / name)}
 
     each, every3 = run("each", "1"), run("every3", "3")

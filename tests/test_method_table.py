@@ -148,15 +148,11 @@ def test_default_run_table_range_and_plateau_from_finished_runs(tmp_path):
 
 @pytest.mark.parametrize("method", T.METHODS)
 def test_every_row_is_a_command_its_experiment_accepts(method):
-    import importlib
-
-    from nnx_posttrain import experiment
+    from nnx_posttrain.cli.train_command import config_from
 
     name, args = T.method_command(method, 20)
-    module = importlib.import_module(f"experiments.{name}")
     args = ["--seed", "1", "--init-from", "runs/x", *args]
-    cfg = experiment.parse_config(experiment.defaults_for(module.DEFAULT, module.BUILTIN, args),
-                                  args)
+    cfg = config_from(name, args, name)
     assert cfg.steps == 20 and cfg.seed == 1
     if method in T.VARIANTS:  # the variant's own setting reached its algorithm's config
         option, value = T.VARIANTS[method][1]

@@ -13,9 +13,7 @@ from pathlib import Path
 import nnx_posttrain  # noqa: F401
 import numpy as np
 
-from nnx_posttrain import experiment
-from support import MICRO, losses as _losses
-from nnx_posttrain.algorithms import SFT
+from support import MICRO, losses as _losses, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,9 +34,7 @@ def _free_port():
 
 
 def _sft(args):
-    from experiments import sft
-
-    return experiment.main("sft", SFT, sft.DEFAULT, args=args)
+    return train_run("sft", *args, recipe=False)
 
 
 def test_two_processes_train_and_save_one_process_resumes(tmp_path):

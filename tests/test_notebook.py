@@ -1,7 +1,6 @@
 """The inspection notebook runs in a real Jupyter kernel on a run made by an experiment, and
-tools.sample answers from a checkpoint."""
+``nnx-posttrain sample`` answers from a checkpoint."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,11 +40,11 @@ def test_inspect_run_notebook_executes_without_error(run_dir, monkeypatch):
 
 
 def test_sample_answers_from_a_checkpoint(run_dir):
-    out = subprocess.run([sys.executable, "-m", "tools.sample", str(run_dir), "--prompt",
+    out = subprocess.run([sys.executable, "-m", "nnx_posttrain.cli", "sample", str(run_dir), "--prompt",
                           "What is 1 + 2?", "--prompt", "What is 3 + 4?", "--max-new-tokens", "3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("> What is") == 2
-    missing = subprocess.run([sys.executable, "-m", "tools.sample", str(run_dir.parent / "nope"),
+    missing = subprocess.run([sys.executable, "-m", "nnx_posttrain.cli", "sample", str(run_dir.parent / "nope"),
                               "--prompt", "hi"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert missing.returncode != 0 and "nope: not a run directory (no config.json)" in missing.stderr

@@ -12,8 +12,8 @@ import nnx_posttrain  # noqa: F401
 import numpy as np
 import pytest
 
-from nnx_posttrain import experiment, metrics_log
-from support import MICRO, records
+from nnx_posttrain import errors, metrics_log
+from support import MICRO, records, train_run
 from nnx_posttrain.algorithms import online
 from nnx_posttrain.algorithms.online import rewards
 
@@ -71,10 +71,11 @@ def prompt_files(tmp_path_factory):
 
 
 def _run(name, algorithm_cls, tmp_path, files, *extra):
-    module = __import__(f"experiments.{name}", fromlist=["DEFAULT"])
-    args = [*ONLINE_MICRO, "--data", files[0], "--eval-data", files[1],
-            "--run-dir", str(tmp_path / name), *extra]
-    return experiment.main(name, algorithm_cls, module.DEFAULT, args=args)
+    """``name`` on the prompt files with the defaults of a user's data (``algorithm_cls``: the
+    algorithm the command runs)."""
+    assert algorithm_cls.name == name
+    return train_run(name, *ONLINE_MICRO, "--data", files[0], "--eval-data", files[1],
+                     "--run-dir", tmp_path / name, *extra, recipe=False)
 
 
 _train = records
@@ -194,13 +195,10 @@ def test_resume_between_rollouts_equals_the_uninterrupted_run(tmp_path, prompt_f
 
 
 def test_reward_model_run_as_reward(tmp_path, prompt_files):
-    from experiments import reward as reward_experiment
-    from nnx_posttrain.algorithms import Reward
-
-    experiment.main("reward", Reward, reward_experiment.DEFAULT, args=[
-        "--model", "gemma_micro", "--init-from", "", "--steps", "2", "--batching.batch-size", "4",
-        "--batching.max-length", "24", "--eval.exact-match", "0", "--eval.batches", "1",
-        "--run-dir", str(tmp_path / "rm"), "--checkpoint.every", "0"])
+    train_run("reward", "--model", "gemma_micro", "--init-from", "", "--steps", "2",
+              "--batching.batch-size", "4", "--batching.max-length", "24", "--eval.exact-match",
+              "0", "--eval.batches", "1", "--run-dir", tmp_path / "rm", "--checkpoint.every", "0",
+              recipe=False)
     _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", "--batching.batch-size", "8",
          "--algo.num-generations", "4", "--algo.rewards", f"{tmp_path / 'rm'},test_online:half_none",
          "--eval.every", "0")
@@ -210,15 +208,15 @@ def test_reward_model_run_as_reward(tmp_path, prompt_files):
 
 
 def test_bad_reward_and_batch_settings_are_refused(tmp_path, prompt_files):
-    with pytest.raises(SystemExit, match="not a built-in reward"):
+    with pytest.raises(errors.UserError, match="not a built-in reward"):
         rewards.resolve("exactmatch")
-    with pytest.raises(SystemExit, match="cannot import"):
+    with pytest.raises(errors.UserError, match="cannot import"):
         rewards.resolve("no_such_module:f")
-    with pytest.raises(SystemExit, match="must be a multiple of --algo.num-generations 3"):
+    with pytest.raises(errors.UserError, match="must be a multiple of --algo.num-generations 3"):
         _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
              "--batching.batch-size", "8", "--algo.num-generations", "3",
              "--algo.rewards", "exact_match")
-    with pytest.raises(SystemExit, match="precompute does not apply"):
+    with pytest.raises(errors.UserError, match="precompute does not apply"):
         _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", "--algo.beta", "0.1",
              "--algo.reference", "precompute", "--batching.batch-size", "8",
              "--algo.rewards", "exact_match")
@@ -240,16 +238,16 @@ def test_a_reward_module_or_result_a_user_gets_wrong_is_named(tmp_path, monkeypa
     [(name, scalar)] = rewards.resolve("user_rewards_a:scalar")
     [(_, strings)] = rewards.resolve("user_rewards_a:strings")
     row = lambda i: f"row {i}"  # noqa: E731
-    with pytest.raises(SystemExit, match=r"reward 'scalar' returned a float \(1.0\) for 2 "
+    with pytest.raises(errors.UserError, match=r"reward 'scalar' returned a float \(1.0\) for 2 "
                                          "completions; it must return a list"):
         rewards.score(name, scalar, ["p"] * 2, ["c"] * 2, {}, row)
-    with pytest.raises(SystemExit, match="reward 'strings' returned '1' on row 0; expected a number"):
+    with pytest.raises(errors.UserError, match="reward 'strings' returned '1' on row 0; expected a number"):
         rewards.score("strings", strings, ["p"] * 2, ["c"] * 2, {}, row)
-    with pytest.raises(SystemExit, match="not a file: e.g. user_rewards_a:scalar"):
+    with pytest.raises(errors.UserError, match="not a file: e.g. user_rewards_a:scalar"):
         rewards.resolve("../elsewhere/user_rewards_a.py:scalar")
-    with pytest.raises(SystemExit, match="importing broken_rewards_a failed: SyntaxError"):
+    with pytest.raises(errors.UserError, match="importing broken_rewards_a failed: SyntaxError"):
         rewards.resolve("broken_rewards_a:f")
-    with pytest.raises(SystemExit, match=r"importing raising_rewards_a failed at .*raising_rewards_a"
+    with pytest.raises(errors.UserError, match=r"importing raising_rewards_a failed at .*raising_rewards_a"
                                          r"\.py:1: ValueError: cfg missing"):
         rewards.resolve("raising_rewards_a:f")
 
@@ -271,16 +269,16 @@ def test_a_reward_module_or_result_a_user_gets_wrong_is_named(tmp_path, monkeypa
 def test_a_reward_that_cannot_work_is_refused_before_the_model_loads(tmp_path, prompt_files,
                                                                        extra, message):
     # the model named here cannot load: the reward's message shows the model was never reached
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(errors.UserError) as info:
         _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1", *extra,
              "--model", str(tmp_path / "no_model"))
-    assert message in str(info.value.code) and "no_model" not in str(info.value.code)
+    assert message in str(info.value) and "no_model" not in str(info.value)
 
 
 def test_a_run_directory_given_as_a_reward_must_be_a_reward_models(tmp_path, prompt_files):
     (tmp_path / "sft_run").mkdir()
     (tmp_path / "sft_run" / "config.json").write_text('{"algo_name": "SFTConfig"}')
-    with pytest.raises(SystemExit, match="sft_run: not a reward-model run .its algorithm is SFT"):
+    with pytest.raises(errors.UserError, match="sft_run: not a reward-model run .its algorithm is SFT"):
         _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
              "--algo.rewards", str(tmp_path / "sft_run"), "--model", str(tmp_path / "no_model"))
 
@@ -315,7 +313,7 @@ def test_two_rewards_of_one_function_name_stay_two(tmp_path, monkeypatch):
     fns = rewards.resolve("rew_one_a:score,rew_two_a:score,length")
     assert [name for name, _ in fns] == ["rew_one_a:score", "rew_two_a:score", "length"]
     assert [fn(["p"], ["c"])[0] for _, fn in fns[:2]] == [1.0, 2.0]
-    with pytest.raises(SystemExit, match="rew_one_a:score given twice; weigh one reward with "
+    with pytest.raises(errors.UserError, match="rew_one_a:score given twice; weigh one reward with "
                                          "--algo.reward-weights"):
         rewards.resolve("rew_one_a:score,rew_one_a:score")
 

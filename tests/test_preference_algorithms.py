@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_posttrain import config, data, experiment, metrics_log, model, train
+from nnx_posttrain import config, data, errors, metrics_log, model, train
 from nnx_posttrain.algorithms import preference, reference
 from nnx_posttrain.algorithms.base import RunContext
-from nnx_posttrain.algorithms.preference import DPO, KTO, Reward, SimPO
+from nnx_posttrain.algorithms import DPO, KTO, Reward
 from nnx_posttrain.model.heads import RewardModel
-from support import MICRO, records
+from support import MICRO, bare_config, records, refusal, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 24
@@ -155,7 +155,7 @@ def test_lora_base_reference_is_the_model_before_lora():
 
 def test_lora_base_needs_lora():
     lm = model.load("gemma_micro", seed=0)
-    with pytest.raises(SystemExit, match="lora_base needs LoRA"):
+    with pytest.raises(errors.ConfigError, match="lora_base needs LoRA"):
         DPO(DPO.Config(reference="lora_base"), CHUNK).setup(lm.module)
     algo = DPO(DPO.Config(), CHUNK)
     algo.setup(lm.module)
@@ -237,12 +237,10 @@ def _assert_learns_and_logs_trl_metrics(records, steps=20):
 def test_precomputed_reference_is_cached_reused_and_joined_to_the_right_examples(
         tmp_path, capsys, pref_files):
     """Also DPO's end-to-end run: the 'copy' run below learns and logs TRL's metrics."""
-    from experiments.dpo import DEFAULT
-
     runs = tmp_path / "runs"
 
     def dpo_run(name, reference):
-        experiment.main("dpo", DPO, DEFAULT, args=_args(
+        train_run("dpo", *_args(
             runs / name, *LEARNING_RUN, "--batching.grad-accum", "2", "--eval.batches", "0",
             "--algo.beta", "1.0", "--algo.reference", reference, data_files=pref_files))
         return capsys.readouterr().out
@@ -311,8 +309,8 @@ def test_reference_cache_key_includes_the_init_from_checkpoint(tmp_path):
         (d / "checkpoints" / "100").mkdir(parents=True)
 
     def precompute(init_from):
-        cfg = experiment.config_for(DPO, model="gemma_micro", init_from=init_from,
-                                    batching=dict(batch_size=4, max_length=MAX_LEN))
+        cfg = bare_config(DPO, model="gemma_micro", init_from=init_from,
+                          batching=dict(batch_size=4, max_length=MAX_LEN))
         algo = DPO(DPO.Config(reference="precompute"), CHUNK)
         algo.reference_mode = "precompute"
         said = []
@@ -463,11 +461,9 @@ def test_the_data_margin_column_reaches_the_reward_loss_and_a_bad_one_is_named()
 
 
 def test_reward_run_logs_accuracy_and_no_exact_match(tmp_path, pref_files):
-    from experiments.reward import DEFAULT
-
     args = _args(tmp_path / "rm", "--steps", "4", "--batching.batch-size", "4",
                  "--eval.batches", "1", "--eval.every", "0", data_files=pref_files)
-    experiment.main("reward", Reward, DEFAULT, args=args)
+    train_run("reward", *args, recipe=False)
     records = metrics_log.read(tmp_path / "rm")
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4]
@@ -485,9 +481,7 @@ def test_reward_model_learns_a_learnable_preference(tmp_path):
              for a in words for b in words if a != b]
     files = (_write_jsonl(tmp_path / "train.jsonl", pairs[::2]),
              _write_jsonl(tmp_path / "eval.jsonl", pairs[1::2][:32]))
-    from experiments.reward import DEFAULT
-
-    experiment.main("reward", Reward, DEFAULT, args=_args(
+    train_run("reward", *_args(
         tmp_path / "rm", *LEARNING_RUN, "--eval.batches", "8", data_files=files))
     evals = [r for r in metrics_log.read(tmp_path / "rm") if r["split"] == "eval"]
     assert evals[-1]["accuracy"] >= 0.95 and evals[-1]["loss"] < evals[0]["loss"] / 2, evals
@@ -497,12 +491,10 @@ def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_
     """A batch (or eval set) without an undesirable example has no rejected metrics: they are
     left out of the record, as TRL leaves out a class it saw none of, not logged as NaN; the
     run warns that the data lacks the class."""
-    from experiments.kto import DEFAULT
-
     rows = [{"prompt": f"What is {i} + 1?", "completion": f" {i + 1}", "label": True}
             for i in range(8)]
     files = (_write_jsonl(tmp_path / "train.jsonl", rows), _write_jsonl(tmp_path / "eval.jsonl", rows))
-    experiment.main("kto", KTO, DEFAULT, args=_args(
+    train_run("kto", *_args(
         tmp_path / "kto", "--steps", "2", "--log-every", "1", "--batching.batch-size", "4",
         "--eval.batches", "1", "--eval.every", "0", "--eval.exact-match", "0", data_files=files))
     out = metrics_log.read(tmp_path / "kto")
@@ -527,9 +519,7 @@ def test_kto_reads_preference_pairs_as_trl_does(tmp_path, pref_files, capsys):
         ("What is 2 + 2?", "twenty-two", False, "p.jsonl[0] (rejected)")]
     with pytest.raises(data.DataError, match=r"p.jsonl\[2\]: field 'rejected' must be"):
         src[5]
-    from experiments.kto import DEFAULT
-
-    experiment.main("kto", KTO, DEFAULT, args=_args(
+    train_run("kto", *_args(
         tmp_path / "kto", "--steps", "2", "--batching.batch-size", "4", "--eval.batches", "4",
         "--eval.every", "0", "--eval.exact-match", "0", data_files=pref_files))
     out = capsys.readouterr().out
@@ -552,13 +542,12 @@ def test_kto_reads_preference_pairs_as_trl_does(tmp_path, pref_files, capsys):
 ])
 def test_kto_label_balance_follows_trls_advice(counts, weights, advice):
     from nnx_posttrain.data.validate import ValidationReport
-    from nnx_posttrain.train.setup import _check_label_balance
 
     said = []
     report = ValidationReport(sum(counts), np.arange(sum(counts)), 0, desirable=counts[0],
                               undesirable=counts[1])
-    _check_label_balance(report, KTO.Config(desirable_weight=weights[0],
-                                            undesirable_weight=weights[1]), said.append)
+    KTO(KTO.Config(desirable_weight=weights[0], undesirable_weight=weights[1])).check_train_data(
+        report, said.append)
     if advice is None:
         assert said == []
     else:
@@ -580,9 +569,7 @@ def test_drop_uncounted_keeps_every_value_of_a_non_finite_step():
 
 
 def test_short_simpo_run_learns_and_logs_trl_metrics(tmp_path, pref_files):
-    from experiments.simpo import DEFAULT
-
-    experiment.main("simpo", SimPO, DEFAULT, args=_args(
+    train_run("simpo", *_args(
         tmp_path / "simpo", *LEARNING_RUN, "--eval.batches", "1", "--algo.beta", "2.0",
         data_files=pref_files))
     _assert_learns_and_logs_trl_metrics(_train_records(tmp_path / "simpo"))
@@ -592,15 +579,11 @@ def test_short_simpo_run_learns_and_logs_trl_metrics(tmp_path, pref_files):
 
 
 def test_sft_data_for_a_preference_experiment_fails_before_training(tmp_path):
-    from experiments.dpo import DEFAULT
-
     sft = _write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "What is 1 + 2?", "completion": "3"}] * 4)
     args = ["--model", "gemma_micro", "--init-from", "", "--data", str(sft), "--steps", "2",
             "--run-dir", str(tmp_path / "run")]
-    with pytest.raises(SystemExit) as exc:
-        experiment.main("dpo", DPO, DEFAULT, args=args)
-    message = str(exc.value.code)
-    assert message.startswith("error: dpo needs preference records"), message
+    message = refusal("dpo", *args, error=errors.DataError)
+    assert message.startswith("dpo needs preference records"), message
     assert "sft" in message.split("holds")[-1], message
     assert str(sft) in message
     assert not (tmp_path / "run").exists()  # refused before it wrote anything: no directory left

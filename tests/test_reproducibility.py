@@ -7,11 +7,9 @@ import random
 
 import numpy as np
 
-from nnx_posttrain import experiment, model
-from nnx_posttrain.algorithms import SFT
-from nnx_posttrain.algorithms.online import GRPO
+from nnx_posttrain import model
 from nnx_posttrain.model import heads
-from support import MICRO, records
+from support import MICRO, records, train_run
 
 TIMING = ("tokens_per_second", "compile_seconds", "time/rollout", "time/update")
 
@@ -25,12 +23,10 @@ def _per_problem(run_dir):
 
 
 def _sft(tmp_path, name, seed, *extra):
-    from experiments.sft import BUILTIN, DEFAULT
-
     args = [*MICRO, "--run-dir", str(tmp_path / name), "--seed", str(seed), "--steps", "6",
             "--log-every", "2", "--eval.every", "0", "--eval.exact-match", "8",
             "--eval.batches", "1", "--batching.batch-size", "8", "--checkpoint.every", "0", *extra]
-    experiment.main("sft", SFT, DEFAULT, args=args, builtin=BUILTIN)
+    train_run("sft", *args)
     return tmp_path / name
 
 
@@ -72,15 +68,13 @@ def test_reward_head_initialisation_follows_the_seed(micro):
 
 
 def test_online_rollouts_follow_the_seed(tmp_path):
-    from experiments.grpo import BUILTIN, DEFAULT
-
     def grpo(name, seed):
         args = [*MICRO, "--run-dir", str(tmp_path / name), "--init-from", "",
                 "--seed", str(seed), "--steps", "2", "--log-every", "1", "--eval.every", "0",
                 "--eval.exact-match", "0", "--batching.batch-size", "8",
                 "--algo.num-generations", "2", "--algo.max-completion-length", "4",
                 "--algo.rewards", "length", "--checkpoint.every", "0"]
-        experiment.main("grpo", GRPO, DEFAULT, args=args, builtin=BUILTIN)
+        train_run("grpo", *args)
         return _untimed(tmp_path / name)
 
     a, b, c = grpo("a", 0), grpo("b", 0), grpo("c", 1)

@@ -256,17 +256,20 @@ def _until_stop(row, stops):
     return out
 
 
-def test_tools_sample_samples_with_options(micro_sampler, monkeypatch, capsys):
-    from tools import sample as sample_tool
+def test_the_sample_command_samples_with_options(micro_sampler, monkeypatch, capsys):
+    from nnx_posttrain import cli
+    from nnx_posttrain.cli import sample as sample_command
 
     lm = micro_sampler[0]
-    monkeypatch.setattr(sample_tool.runs, "check_policy", lambda run_dir: None)
-    monkeypatch.setattr(sample_tool.runs, "load", lambda run_dir, step: SimpleNamespace(
+    monkeypatch.setattr(sample_command.runs, "check_policy", lambda run_dir: None)
+    monkeypatch.setattr(sample_command.runs, "load", lambda run_dir, step: SimpleNamespace(
         lm=lm, module=lm.module, policy=lambda: lm.module))
-    argv = ["RUN", "--prompt", "What is 1 + 2?", "--prompt", "Hi", "--max-new-tokens", "4",
-            "--temperature", "0.9", "--top-k", "5", "--top-p", "0.9", "--seed", "3", "--num-samples", "2"]
-    answers = sample_tool.main(argv)
+    argv = ["sample", "RUN", "--prompt", "What is 1 + 2?", "--prompt", "Hi", "--max-new-tokens",
+            "4", "--temperature", "0.9", "--top-k", "5", "--top-p", "0.9", "--seed", "3",
+            "--num-samples", "2"]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert len(answers) == 4 and all(isinstance(a, str) for a in answers)
-    assert out.count("> ") == 2 and out.count("[2] ") == 2
-    assert sample_tool.main(argv) == answers  # same seed, same samples
+    answers = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[")]
+    assert len(answers) == 4 and out.count("> ") == 2 and out.count("[2] ") == 2
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == out  # same seed, same samples

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from nnx_posttrain import config, model, sharding, train
+from nnx_posttrain import config, errors, model, sharding, train
 from nnx_posttrain.algorithms import SFT
+from nnx_posttrain.cli.train_command import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = {"data": 1, "fsdp": 4, "tensor": 2}
@@ -135,18 +136,18 @@ def test_mesh_sizes_and_their_validation():
     assert train.mesh_shape(mc(), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
     assert train.mesh_shape(mc(data=1, fsdp=-1, tensor=2), 8) == {"data": 1, "fsdp": 4, "tensor": 2}
     assert train.mesh_shape(mc(data=-1, fsdp=2, tensor=2), 8)["data"] == 2
-    with pytest.raises(SystemExit, match="product must equal the device count"):
+    with pytest.raises(errors.ConfigError, match="product must equal the device count"):
         train.mesh_shape(mc(data=2, fsdp=2, tensor=1), 8)
-    with pytest.raises(SystemExit, match="do not divide"):
+    with pytest.raises(errors.ConfigError, match="do not divide"):
         train.mesh_shape(mc(data=-1, fsdp=3), 8)
     default = config.Config()
-    with pytest.raises(SystemExit, match="at most one of --mesh.data"):
-        config.parse(default, args=["--mesh.fsdp", "-1"])
-    with pytest.raises(SystemExit, match="--mesh.tensor must be a positive"):
-        config.parse(default, args=["--mesh.tensor", "0"])
-    with pytest.raises(SystemExit, match="--mesh.process-id must be in"):
-        config.parse(default, args=["--mesh.num-processes", "2", "--mesh.process-id", "2"])
-    cfg = config.parse(default, args=["--mesh.fsdp", "4", "--mesh.tensor", "2", "--remat", "blocks"])
+    with pytest.raises(errors.ConfigError, match="at most one of --mesh.data"):
+        parse(default, args=["--mesh.fsdp", "-1"])
+    with pytest.raises(errors.ConfigError, match="--mesh.tensor must be a positive"):
+        parse(default, args=["--mesh.tensor", "0"])
+    with pytest.raises(errors.ConfigError, match="--mesh.process-id must be in"):
+        parse(default, args=["--mesh.num-processes", "2", "--mesh.process-id", "2"])
+    cfg = parse(default, args=["--mesh.fsdp", "4", "--mesh.tensor", "2", "--remat", "blocks"])
     assert (cfg.mesh.fsdp, cfg.mesh.tensor, cfg.remat) == (4, 2, "blocks")
 
 
@@ -356,7 +357,7 @@ def test_cpu_devices_once_jax_has_started_name_the_option_and_the_fix():
     have = len(jax.devices("cpu"))  # JAX's backends are up in this process
     assert split_host_cpu(have, have) == have  # what it has: fine
     assert split_host_cpu(have + 1, "auto") == have  # auto takes what it has
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(errors.ConfigError) as err:
         split_host_cpu(have + 1, have + 1)
     message = str(err.value)
     assert f"--mesh.cpu-devices {have + 1}: this process already started JAX with {have} CPU" in message

@@ -6,7 +6,6 @@ This module stays light to import (no keras): Grain worker processes import it t
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np

@@ -10,9 +10,10 @@ from flax import nnx
 import optax
 import pytest
 
-from nnx_posttrain import config, experiment, metrics_log, model, train
+from nnx_posttrain import cli, config, metrics_log, model, train
 from nnx_posttrain.losses.sft import sft
 from nnx_posttrain.algorithms import SFT
+from support import train_run
 
 
 def test_sft_loss_hand_computed():
@@ -174,9 +175,7 @@ def _sft_args(tmp_path, *extra):
 
 
 def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path, capsys):
-    from experiments.sft import DEFAULT
-
-    result = experiment.main("sft", SFT, DEFAULT, args=_sft_args(tmp_path))
+    result = train_run("sft", *_sft_args(tmp_path), recipe=False)
     # stderr is not a terminal here (as in a log file): the bar is drawn when it starts, around
     # the two evaluations' lines and when it closes, not every 0.1 s nor at every log (tqdm's
     # defaults drew it 15 times in this run)
@@ -201,9 +200,7 @@ def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path, capsys
 
 
 def test_eval_only_prints_json_metrics_and_logs_them(tmp_path, capsys):
-    from experiments.sft import DEFAULT
-
-    experiment.main("sft", SFT, DEFAULT, args=_sft_args(tmp_path, "--eval-only"))
+    assert cli.main(["sft", *_sft_args(tmp_path, "--eval-only")]) == 0
     out = capsys.readouterr().out
     metrics = json.loads(out[out.index("{") :])
     assert set(metrics) >= {"loss", "exact_match", "perplexity"}
@@ -241,9 +238,8 @@ def test_packed_sft_batch_gives_the_same_loss_as_its_examples_unpacked():
 
 
 def test_end_to_end_packed_sft_run(tmp_path):
-    from experiments.sft import DEFAULT
-
-    result = experiment.main("sft", SFT, DEFAULT, args=_sft_args(
-        tmp_path, "--batching.packing", "--batching.max-length", "64", "--eval.exact-match", "0"))
+    result = train_run("sft", *_sft_args(
+        tmp_path, "--batching.packing", "--batching.max-length", "64", "--eval.exact-match", "0"),
+        recipe=False)
     losses_ = [r["loss"] for r in result.train]
     assert losses_[-1] < 0.6 * losses_[0]

@@ -13,10 +13,9 @@ import numpy as np
 import optax
 import pytest
 
-from nnx_posttrain import data, experiment, model, train
-from nnx_posttrain.algorithms import online
-from nnx_posttrain.algorithms.preference import CPO, DPO, KTO, ORPO, SimPO
-from support import MICRO, records
+from nnx_posttrain import data, errors, model, train
+from nnx_posttrain.algorithms import CPO, DPO, KTO, ORPO, SimPO
+from support import MICRO, records, train_run
 
 CHUNK = 8
 UNEVEN = [
@@ -123,9 +122,9 @@ def test_dpo_options_are_checked_before_training(lm):
                        (dict(loss_type="bco_pair", f_divergence_type="forward_kl"), "only applies"),
                        (dict(loss_type="aot", use_weighting=True), "aot"),
                        (dict(ld_alpha=1.5), "ld-alpha")):
-        with pytest.raises(SystemExit, match=match):
+        with pytest.raises(errors.ConfigError, match=match):
             DPO(DPO.Config(**cfg), CHUNK).setup(lm.module)
-    with pytest.raises(SystemExit, match="precompute"):
+    with pytest.raises(errors.ConfigError, match="precompute"):
         KTO(KTO.Config(reference="precompute"), CHUNK).setup(lm.module)
     KTO(KTO.Config(reference="precompute", loss_type="apo_zero_unpaired"), CHUNK).setup(lm.module)
 
@@ -186,16 +185,14 @@ RUNS = {
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_new_options_train_from_the_command_line(tmp_path, files, run):
     name, kind, extra = RUNS[run]
-    module = __import__(f"experiments.{name}", fromlist=["DEFAULT", "ALGORITHM"])
     train_file, eval_file = files[kind]
     batch = ["--batching.batch-size", "8" if kind == "prompt_only" else "4"]
     if kind == "prompt_only":
         batch += ["--algo.max-completion-length", "4"]
         if name == "grpo":
             batch += ["--algo.num-generations", "4"]
-    experiment.main(name, module.ALGORITHM, module.DEFAULT, args=[
-        *COMMON, "--data", train_file, "--eval-data", eval_file, "--run-dir", str(tmp_path / run),
-        *batch, *extra])
+    train_run(name, *COMMON, "--data", train_file, "--eval-data", eval_file, "--run-dir",
+              tmp_path / run, *batch, *extra)
     rows = records(tmp_path / run)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -28,7 +28,7 @@ AdamW (constant learning rate, clipping at 1.0, float32, no gradient checkpointi
 
 Ours is timed around the jitted step (as ``train.run`` builds it: donated state, pinned output
 shardings, ``--attention auto``; in a process with the host allocator a training command of ours
-has for a model of the size, ``nnx_posttrain.host_allocator``, as is the matmul peak's; the peers
+has for a model of the size, ``nnx_posttrain.train.host_memory``, as is the matmul peak's; the peers
 keep their defaults; ``--host-allocator tuned|heap|default`` forces one, and a
 ``GLIBC_TUNABLES`` string such as ``glibc.malloc.mmap_max=0`` runs ours with that instead) with
 ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
@@ -196,7 +196,7 @@ def summarize(times: list[float], warmup: int, cpu_times: list[float] | None = N
     sensitive than wall time to other processes on a shared machine. ``faults`` (minor page
     faults per step, ``minor_faults`` differences) gives ``page_faults_per_step``: the host
     allocator's work (a step whose buffers are mapped in afresh every step pays for each 4 KB
-    page, see ``nnx_posttrain.host_allocator``)."""
+    page, see ``nnx_posttrain.train.host_memory``)."""
     import statistics
 
     measured = times[1 + warmup:]
@@ -223,15 +223,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_worker(module: str, args: list[str], timeout: float, python: str | None = None,
-                allocator: str | None = None) -> dict:
+                tunables: str | None = None) -> dict:
     """Run ``python -m module args`` (this interpreter by default) from the repository root and
-    read its ``BENCH_RESULT`` line. ``allocator``: the ``GLIBC_TUNABLES`` it runs with
-    (``ours_allocator``; the peers run with glibc's defaults), None: glibc's defaults."""
+    read its ``BENCH_RESULT`` line. ``tunables``: a ``GLIBC_TUNABLES`` it starts with (glibc reads
+    them only at start-up; None: the environment's)."""
     cmd = [python or sys.executable, "-m", module, *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    if allocator:
-        env["GLIBC_TUNABLES"] = allocator
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -248,19 +248,18 @@ def _run_worker(module: str, args: list[str], timeout: float, python: str | None
     return {"error": f"{module} exited {proc.returncode} without a result", "log_tail": tail}
 
 
-def ours_allocator(spec: dict, args) -> str | None:
-    """The ``GLIBC_TUNABLES`` ours runs with (None: glibc's defaults): what a training command of
-    ours would restart with for a model of this size (``--host-allocator auto``: huge pages or
-    the heap, ``nnx_posttrain.host_allocator.tunables_for``, where they apply here), or as asked:
-    ``tuned`` (huge pages), ``heap``, ``default``, or the string given."""
-    from nnx_posttrain import host_allocator
+HUGE_PAGES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:"
+              "glibc.malloc.trim_threshold=1073741824")  # an environment setting (docs: Scaling)
 
+
+def ours_allocator(args) -> tuple[list[str], str | None]:
+    """(our worker's ``--host-allocator`` arguments, the ``GLIBC_TUNABLES`` it starts with) for
+    ``--host-allocator``: ``auto`` / ``heap`` / ``default``, the library's option, applied in the
+    worker as a run applies it; ``tuned``, glibc's huge pages; or a ``GLIBC_TUNABLES`` string."""
     choice = args.host_allocator
-    if choice == "auto":
-        tunables = host_allocator.tunables_for(spec["vocab"], spec["hidden_dim"])
-        return tunables if host_allocator.tuned_environment(tunables=tunables) else None
-    return {"tuned": host_allocator.TUNABLES, "heap": host_allocator.HEAP,
-            "default": None}.get(choice, choice)
+    if choice in ("auto", "heap", "default"):
+        return ["--host-allocator", choice], None
+    return ["--host-allocator", "default"], HUGE_PAGES if choice == "tuned" else choice
 
 
 def host_allocator_option(value: str) -> str:
@@ -273,9 +272,10 @@ def host_allocator_option(value: str) -> str:
 
 
 def matmul_peak(spec: dict, args) -> dict:
+    option, tunables = ours_allocator(args)
     return _run_worker("tools.bench_ours", ["--matmul-peak", "--spec", json.dumps(spec), "--device",
-                                            args.device, "--dtype", args.dtype], args.timeout,
-                       allocator=ours_allocator(spec, args))
+                                            args.device, "--dtype", args.dtype, *option],
+                       args.timeout, tunables=tunables)
 
 
 def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) -> dict:
@@ -293,8 +293,9 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str, cpu_devices: in
             extra += ["--logprob-chunk", str(args.logprob_chunk)]
         if args.ours_flags:
             extra += ["--flags", args.ours_flags]
-        return _run_worker("tools.bench_ours", common + extra, args.timeout,
-                           allocator=ours_allocator(spec, args))
+        option, tunables = ours_allocator(args)
+        return _run_worker("tools.bench_ours", common + extra + option, args.timeout,
+                           tunables=tunables)
     if side == "tunix":
         return _run_worker("tools.bench_tunix", common + ["--hf-dir", hf_dir], args.timeout,
                            python=args.tunix_python)
@@ -402,10 +403,9 @@ def main(argv=None) -> list[dict]:
                         help="our --mesh.cpu-devices, comma-separated: the host CPU as this many "
                              "devices, the batch split over them; each count > 1 adds a row")
     parser.add_argument("--host-allocator", type=host_allocator_option, default="auto",
-                        help="ours and the matmul peak with glibc tuned as our training commands "
-                             "run a model of the size (auto; nnx_posttrain.host_allocator), huge "
-                             "pages (tuned), every block from the heap (heap), glibc's defaults, "
-                             "or with this GLIBC_TUNABLES string (e.g. "
+                        help="ours and the matmul peak with our --host-allocator (auto, heap, "
+                             "default: train.host_memory, in process), glibc's huge pages "
+                             "(tuned), or this GLIBC_TUNABLES string (e.g. "
                              "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824)")
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,

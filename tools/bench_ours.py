@@ -94,7 +94,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from nnx_posttrain import config as config_lib, host_allocator, model, sharding, train
+    from nnx_posttrain import config as config_lib, model, sharding, train
     from nnx_posttrain.algorithms import SFT, SFTConfig
     from nnx_posttrain.algorithms.preference import DPO, DPOConfig
     from nnx_posttrain.train import host_memory
@@ -171,7 +171,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         trainable_params=model.count_params(params), loss_first=losses[0], loss_last=losses[-1],
         device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
         flags=flags, logprob_chunk=logprob_chunk, times_s=times, attention=attention_line,
-        host_allocator=host_allocator.describe(), cpu_devices=len(mesh.devices.flat),
+        host_allocator=ALLOCATOR["line"], cpu_devices=len(mesh.devices.flat),
     )
     if profile_steps:
         import tempfile
@@ -225,6 +225,18 @@ def matmul_peak(spec: dict, dtype: str = "float32", repeats: int = 10) -> dict:
     return {"matmul_gflops": out, "peak_gflops": max(out.values())}
 
 
+ALLOCATOR = {"line": "host allocator: glibc defaults"}
+
+
+def set_allocator(option: str, spec: dict) -> None:
+    """The host allocator a run of this size has (``--host-allocator``), as ``train.prepare``
+    sets it, in this process (a ``GLIBC_TUNABLES`` from the environment wins, as in a run)."""
+    from nnx_posttrain.train import host_memory
+
+    setting = host_memory.choose(option, spec["vocab"], spec["hidden_dim"])
+    ALLOCATOR["line"] = host_memory.set_allocator(setting)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True)
@@ -242,11 +254,14 @@ def main(argv=None):
     p.add_argument("--cpu-devices", type=int, default=1,
                    help="--mesh.cpu-devices of the run: the host CPU as this many devices, the batch "
                         "split over them")
+    p.add_argument("--host-allocator", default="auto", choices=("auto", "heap", "default"),
+                   help="--host-allocator of the run (train.host_memory), applied in this process")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after measuring, trace N steps and print where the time goes")
     args = p.parse_args(argv)
     _setup_platform(args.device)
     spec = json.loads(args.spec)
+    set_allocator(args.host_allocator, spec)
     if args.export:
         emit(export(spec, args.export, args.seed))
         return

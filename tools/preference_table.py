@@ -31,7 +31,6 @@ paired). Written to results/<--record>.json (``tools.readme.record``; rendered i
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -1,7 +1,7 @@
 """Algorithms: what a training step computes, as a loss over a batch, and where its batches come
 from. ``base`` declares what the loop may call (``Algorithm``, ``BatchSource``); ``registry``
 holds every algorithm by name; ``reference`` the reference-model modes; ``sft``, ``preference``
-and ``online/`` the algorithms. May import model, data, losses and sampling — never train.
+(DPO, SimPO, CPO, ORPO), ``kto``, ``reward`` and ``online/`` the algorithms. May import model, data, losses and sampling — never train.
 
 Importing this package registers every algorithm.
 """
@@ -9,14 +9,17 @@ Importing this package registers every algorithm.
 # registers them, in the order they are listed (sft, the preference methods, the online ones)
 from nnx_posttrain.algorithms import sft  # noqa: F401  isort: skip
 from nnx_posttrain.algorithms import preference  # noqa: F401  isort: skip
+from nnx_posttrain.algorithms import kto  # noqa: F401  isort: skip
+from nnx_posttrain.algorithms import reward  # noqa: F401  isort: skip
 from nnx_posttrain.algorithms import online  # noqa: F401  isort: skip
 from nnx_posttrain.algorithms.base import (Algorithm, AlgorithmBase, BatchSource, Inputs,
                                            RunContext)
 from nnx_posttrain.algorithms.online import (GRPO, PPO, RLOO, GRPOConfig, OnlineDPO,
                                              OnlineDPOConfig, PPOConfig, RLOOConfig)
-from nnx_posttrain.algorithms.preference import (CPO, DPO, KTO, ORPO, CPOConfig, DPOConfig,
-                                                 KTOConfig, ORPOConfig, Reward, RewardConfig,
+from nnx_posttrain.algorithms.kto import KTO, KTOConfig
+from nnx_posttrain.algorithms.preference import (CPO, DPO, ORPO, CPOConfig, DPOConfig, ORPOConfig,
                                                  SimPO, SimPOConfig)
+from nnx_posttrain.algorithms.reward import Reward, RewardConfig
 from nnx_posttrain.algorithms.registry import ALGORITHMS, get, names, register
 from nnx_posttrain.algorithms.sft import SFT, SFTConfig
 

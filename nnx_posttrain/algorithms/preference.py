@@ -14,7 +14,8 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain.algorithms.base import AlgorithmBase
+from nnx_posttrain import errors
+from nnx_posttrain.algorithms.base import USER_DATA, merged
 from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequence_logps: re-exported)
     PairAlgorithm,
     nll_terms,
@@ -109,26 +110,6 @@ class ORPOConfig:
     """Tokens of the chosen NLL term: TRL's (every token of prompt and answer) or the answer's."""
 
 
-@dataclasses.dataclass
-class KTOConfig:
-    """Kahneman-Tversky Optimization on unpaired desirable / undesirable examples."""
-
-    beta: float = 0.1
-    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
-    """kto, or apo_zero_unpaired (APO-zero on unpaired data: no KL reference point)."""
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-    reference: Reference = "auto"
-
-
-@dataclasses.dataclass
-class RewardConfig:
-    """Bradley-Terry reward model: a scalar head on the backbone, trained on preference pairs."""
-
-    center_rewards_coefficient: float | None = None
-    """Weight of the reward-centering term (mean squared reward); none by default."""
-
-
 # ----------------------------------------------------------------------------- pairwise
 
 
@@ -151,18 +132,19 @@ class DPO(PairAlgorithm):
 
     name = "dpo"
     Config = DPOConfig
+    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DPOTrainer
 
     def setup(self, module):
         super().setup(module)
         c = self.cfg
         self.with_log_sum_sq = c.use_weighting
         if c.ld_alpha is not None and not 0.0 <= c.ld_alpha <= 1.0:
-            raise SystemExit(f"--algo.ld-alpha must be in [0, 1], got {c.ld_alpha}")
+            raise errors.ConfigError(f"--algo.ld-alpha must be in [0, 1], got {c.ld_alpha}")
         try:  # the loss's own argument checks, before any data is read
             one = jnp.ones(1)
             dpo(one, one, one, one, **self._options(one, one, one, one))
         except ValueError as e:
-            raise SystemExit(f"dpo: {e} (--algo.loss-type / --algo.*)") from None
+            raise errors.ConfigError(f"dpo: {e} (--algo.loss-type / --algo.*)") from None
 
     def _options(self, chosen_nll, chosen_lengths, rejected_lengths, pair_weights):
         c = self.cfg
@@ -226,6 +208,7 @@ class DPO(PairAlgorithm):
 class SimPO(PairAlgorithm):
     name = "simpo"
     Config = SimPOConfig
+    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer (SimPO)
 
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
@@ -245,6 +228,7 @@ class CPO(PairAlgorithm):
 
     name = "cpo"
     Config = CPOConfig
+    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer
 
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
@@ -270,6 +254,7 @@ class ORPO(PairAlgorithm):
 
     name = "orpo"
     Config = ORPOConfig
+    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's ORPOTrainer
 
     def nll_mask(self, batch):
         if self.cfg.nll_tokens == "completion":
@@ -294,97 +279,3 @@ class ORPO(PairAlgorithm):
             mask = batch["chosen_nll_mask"].astype(jnp.float32)
             nll = nll_terms(batch, -jnp.sum(lp["chosen_tokens"] * mask, axis=-1), mask.sum(-1))
         return pl.orpo(lp["chosen_avg"], lp["rejected_avg"], nll, beta=self.cfg.beta)
-
-
-@register
-class KTO(AlgorithmBase):
-    """KTO's KL reference point uses mismatched completions: each prompt of the batch with the
-    next example's completion (as TRL), built on the host by ``prepare``. Those pairs depend on
-    the shuffled batch, so their reference log-probs cannot be precomputed (apo_zero_unpaired
-    has no KL rows: it can)."""
-
-    name = "kto"
-    Config = KTOConfig
-    data_kind = "unpaired_preference"
-
-    def setup(self, module):
-        super().setup(module)
-        if self.reference_mode == "precompute" and self.calculate_kl:
-            raise SystemExit("kto: --algo.reference precompute is not supported (the KL pairs are "
-                             "formed within each shuffled batch); use lora_base or copy, or "
-                             "--algo.loss-type apo_zero_unpaired (no KL pairs)")
-
-    @property
-    def calculate_kl(self) -> bool:
-        """TRL's ``calculate_KL``: apo_zero_unpaired needs no KL rows (z0 = 0)."""
-        return self.cfg.loss_type == "kto"
-
-    def prepare(self, batch):
-        if not self.calculate_kl:
-            return super().prepare(batch)
-        ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        n, width = ids.shape
-        kl_ids = np.zeros_like(ids)
-        kl_att = np.zeros_like(att)
-        kl_mask = np.zeros_like(mask)
-        for i in range(n):
-            j = (i + 1) % n
-            # the prompt is what precedes the completion: not the template's tokens after it
-            loss_i = np.flatnonzero(mask[i] > 0)
-            start = int(loss_i[0]) if len(loss_i) else width
-            prompt = ids[i][:start][att[i][:start] > 0]
-            completion = ids[j][(att[j] > 0) & (mask[j] > 0)]
-            row = np.concatenate([prompt, completion])[:width]
-            kl_ids[i, : len(row)] = row
-            kl_att[i, : len(row)] = 1
-            kl_mask[i, len(prompt) : len(row)] = 1
-        return super().prepare(dict(batch, kl_input_ids=kl_ids, kl_attention_mask=kl_att,
-                                    kl_loss_mask=kl_mask))
-
-    def _forward(self, m, batch):
-        if not self.calculate_kl:
-            summed, _, _ = sequence_logps(m, batch["input_ids"], batch["attention_mask"],
-                                          batch["loss_mask"], self.logprob_chunk,
-                                          batch.get("positions"))
-            return summed, None
-        cat = lambda k: jnp.concatenate([batch[k], batch[f"kl_{k}"]], axis=0)
-        summed, _, _ = sequence_logps(m, cat("input_ids"), cat("attention_mask"),
-                                      cat("loss_mask"), self.logprob_chunk,
-                                      cat("positions") if "positions" in batch else None)
-        n = batch["input_ids"].shape[0]
-        return summed[:n], summed[n:]
-
-    def loss(self, module, batch, reference=None):
-        policy, kl_policy = self._forward(module, batch)
-        if self.reference_mode == "precompute":
-            ref, kl_ref = batch["ref_logps"], batch.get("ref_kl_logps")
-        else:
-            ref, kl_ref = self.reference(module, reference, lambda m: self._forward(m, batch))
-        return pl.kto(
-            policy, ref, batch["label"], kl_policy, kl_ref, beta=self.cfg.beta,
-            desirable_weight=self.cfg.desirable_weight, undesirable_weight=self.cfg.undesirable_weight,
-            loss_type=self.cfg.loss_type,
-        )
-
-    def reference_logps(self, module, batch):
-        ref, kl_ref = self._forward(module, batch)
-        return {"ref_logps": ref} if kl_ref is None else {"ref_logps": ref, "ref_kl_logps": kl_ref}
-
-
-@register
-class Reward(AlgorithmBase):
-    name = "reward"
-    Config = RewardConfig
-    head = "reward"  # nnx_posttrain.model.heads.RewardModel
-    generates = False
-
-    def prepare(self, batch):
-        return batch  # the reward head reads hidden states: no vocabulary projection
-
-    def loss(self, module, batch, reference=None):
-        ids = jnp.concatenate([batch["chosen_input_ids"], batch["rejected_input_ids"]], axis=0)
-        att = jnp.concatenate([batch["chosen_attention_mask"], batch["rejected_attention_mask"]], 0)
-        rewards = module(ids, att)
-        n = batch["chosen_input_ids"].shape[0]
-        return pl.reward_bt(rewards[:n], rewards[n:], margin=batch.get("margin"),
-                            center_rewards_coefficient=self.cfg.center_rewards_coefficient)

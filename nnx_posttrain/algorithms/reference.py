@@ -20,7 +20,7 @@ from typing import Literal
 import jax
 import numpy as np
 
-from nnx_posttrain import data, model, progress
+from nnx_posttrain import data, errors, model, progress
 
 Reference = Literal["auto", "lora_base", "copy", "precompute"]
 
@@ -32,7 +32,7 @@ def resolve_mode(mode: str | None, module) -> str | None:
     if mode == "auto":
         mode = "lora_base" if model.has_lora(module) else "copy"
     if mode == "lora_base" and not model.has_lora(module):
-        raise SystemExit("--algo.reference lora_base needs LoRA (--lora.rank > 0)")
+        raise errors.ConfigError("--algo.reference lora_base needs LoRA (--lora.rank > 0)")
     return mode
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from nnx_posttrain import model
-from nnx_posttrain.algorithms.base import AlgorithmBase
+from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
 from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses.sft import sft
 
@@ -20,6 +21,9 @@ class SFT(AlgorithmBase):
     name = "sft"
     Config = SFTConfig
     data_kind = "sft"
+    sequences_per_example = 1
+    packs = True
+    defaults = merged(USER_DATA, optim=dict(learning_rate=2e-5))  # TRL's SFTConfig
 
     def loss(self, module, batch, reference=None):
         logps, correct = model.token_logprobs(
@@ -28,3 +32,12 @@ class SFT(AlgorithmBase):
             with_correct=True,
         )
         return sft(logps, batch["loss_mask"], correct)
+
+    def eval_metrics(self, metrics):
+        """The loss is the mean NLL per token: its exponential is the perplexity."""
+        if math.isfinite(metrics.get("loss", math.nan)):
+            metrics = dict(metrics, perplexity=math.exp(min(metrics["loss"], 50.0)))
+        return metrics
+
+    def eval_metric_names(self, names):
+        return names | {"perplexity"} if "loss" in names else names

@@ -17,7 +17,6 @@ sharing would not save ``MIN_SAVING`` of the tokens, keeps the concatenated forw
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain import model

@@ -1,5 +1,5 @@
-"""The one error type of ``nnx_posttrain.data``."""
+"""The one error type of ``nnx_posttrain.data`` (``nnx_posttrain.errors.DataError``)."""
 
+from nnx_posttrain.errors import DataError
 
-class DataError(ValueError):
-    """Bad input data; the message names the file, the line (or row) and the field."""
+__all__ = ["DataError"]

@@ -22,7 +22,7 @@ import keras
 import keras_hub
 from flax import nnx
 
-from nnx_posttrain import chat
+from nnx_posttrain import chat, errors
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 # Short names -> KerasHub preset handles (checked against keras_hub.models.CausalLM.presets).
@@ -72,7 +72,7 @@ def _build_builtin(name: str, policy: str, seed: int):
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(errors.ModelError, RuntimeError):
     """A model could not be loaded; the message says what to do."""
 
 

@@ -1,4 +1,4 @@
-"""A compiled, batched sampler with a KV cache: rollouts for RL, greedy evaluation, ``tools.sample``.
+"""A compiled, batched sampler with a KV cache: rollouts for RL, greedy evaluation, ``nnx-posttrain sample``.
 
 ``make_sampler(graphdef, max_new_tokens, top_k=...)`` returns ``sample(states, prompt_ids,
 prompt_mask, rng, temperature, top_p, stop_ids)``, compiled once per (batch, prompt width,

@@ -3,8 +3,10 @@ an exact checker (``arithmetic``), its SentencePiece
 tokenizer (``tokenizer``) and the tiny Gemma configurations trained on it. A *user* of the
 library: importing this package registers the task's data (``--data builtin``, with
 ``nnx_posttrain.data.register_builtin``) and its models (``gemma_tiny``, ``gemma2_tiny``,
-``gemma_micro``, with ``nnx_posttrain.model.register_builtin``). The library's lower layers never
-import it; ``nnx_posttrain.runs`` (and so the training loop) does.
+``gemma_micro``, with ``nnx_posttrain.model.register_builtin``). Its recipes, one file per
+algorithm (``recipes/<algorithm>.yaml``), are the settings a run on the built-in data gets over
+the algorithm's defaults (``recipe``). The library's lower layers never import it;
+``nnx_posttrain.runs`` (and so the training loop) does.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ def records(kind: str, split: str) -> list[dict]:
     if (kind, split) == ("sft", "train"):
         return [arithmetic.demonstration_record(a, b) for a, b in arithmetic.demonstrations()]
     return [_RECORDS[kind](a, b) for a, b in arithmetic.problems(split)]
+
+
+RECIPES = Path(__file__).parent / "recipes"
+
+
+def recipe(algorithm: str) -> Path | None:
+    """The built-in task's recipe file for ``algorithm`` (None: it has none)."""
+    path = RECIPES / f"{algorithm}.yaml"
+    return path if path.is_file() else None
 
 
 # the generator's code is the data: its hash changes whenever the records may

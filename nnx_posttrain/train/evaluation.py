@@ -25,42 +25,40 @@ import numpy as np
 from nnx_posttrain import chat, data
 from nnx_posttrain.sampling import generate, sampler
 from nnx_posttrain.train.mesh import shard_batch
-from nnx_posttrain.train.step import _sum_tree, metric_means
+from nnx_posttrain.train.step import _sum_tree, make_eval_step, metric_means
 
 
 class Evaluator:
     """``evaluator(params, frozen) -> {metric: value}`` ({} when there is no eval data)."""
 
-    def __init__(self, run, algorithm, loss_batches: list[dict], eval_step, mesh, states,
-                 source=None):
-        """``loss_batches``: prepared held-out batches (``Inputs.eval``); ``eval_step``: the
-        jitted ``step.make_eval_step``; ``states``: (params, frozen model) to build the greedy
-        decoder's graph from; ``source``: the training batch source, whose ``score`` (the
-        rollout engine's reward functions, online methods) gives the held-out reward."""
-        self.run, self.algorithm, self.eval_step, self.mesh = run, algorithm, eval_step, mesh
-        self.batches = loss_batches
+    def __init__(self, run, algorithm, inputs, mesh, params):
+        """``run``: the algorithm's ``RunContext``; ``inputs``: its ``Inputs`` (the prepared
+        held-out batches of the eval loss, and the training batch source, whose ``score`` (the
+        rollout engine's reward functions, online methods) gives the held-out reward);
+        ``params``: the trainable weights, to build the greedy decoder's graph from."""
+        self.run, self.algorithm, self.mesh = run, algorithm, mesh
+        self.eval_step = jax.jit(make_eval_step(run.graphdef, algorithm.loss))
+        self.batches = inputs.eval
         self.enabled = run.eval_src is not None
         cfg = run.cfg
         self.pairs, self.greedy, self.completions = [], None, []
-        self.scorer = getattr(source, "score", None) if algorithm.generates else None
+        self.scorer = getattr(inputs.train, "score", None) if algorithm.generates else None
         if self.enabled and algorithm.generates and cfg.eval.exact_match:
             if self.scorer is not None:  # every held-out prompt, answered or not: (segs, ref, index)
                 self.pairs = held_out_prompts(run.eval_src, run.lm.chat_format, cfg.eval.exact_match)
             else:
                 self.pairs = [(segs, ref, None) for segs, ref in data.prompts_and_answers(
                     run.eval_src, run.lm.chat_format, cfg.eval.exact_match)]
-            graphdef = algorithm.policy_view(run.graphdef, *states)[0]
+            graphdef = algorithm.policy_view(run.graphdef, params, run.frozen["model"])[0]
             self.greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
-        self.is_nll = algorithm.data_kind == "sft"  # SFT's loss is the mean NLL per token
 
     def metric_names(self, params, frozen) -> set[str]:
         """The names of the metrics a call returns (the loss's traced, not computed)."""
         names = {"exact_match"} if self.pairs else set()
         if self.enabled and self.batches:
             sharded = jax.tree.map(lambda x: x[0], shard_batch(self.batches[0], self.mesh, 1))
-            names |= set(jax.eval_shape(self.eval_step, params, frozen, sharded)[2])
-            if self.is_nll:
-                names.add("perplexity")
+            names |= self.algorithm.eval_metric_names(
+                set(jax.eval_shape(self.eval_step, params, frozen, sharded)[2]))
         return names
 
     def __call__(self, params, frozen, step: int | None = None) -> dict:
@@ -84,9 +82,7 @@ class Evaluator:
             result.update(self._generate(states))
             if step is not None and "exact_match" in result and jax.process_index() == 0:
                 self._write_per_problem(step, result["exact_match"])
-        if self.is_nll and math.isfinite(result.get("loss", math.nan)):
-            result["perplexity"] = math.exp(min(result["loss"], 50.0))
-        return result
+        return self.algorithm.eval_metrics(result)
 
     def _generate(self, states) -> dict:
         """Greedy answers to the held-out prompts: exact match, the held-out reward (online

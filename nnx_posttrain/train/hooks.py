@@ -161,11 +161,6 @@ class Interruptible:
         self._old = None
 
     def __enter__(self):
-        import nnx_posttrain
-        from nnx_posttrain import host_allocator
-
-        # a command's Ctrl-C lost while it imported (not a notebook's from an earlier cell)
-        self.interrupted = nnx_posttrain.interrupt_swallowed and host_allocator.started_as_command()
         self._old_unraisable = _quiet_interrupts(lambda: self.interrupted)
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._handle)

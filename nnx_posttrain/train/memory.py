@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from nnx_posttrain import errors
 from nnx_posttrain.model.logprobs import chunk_positions
 
 GiB = 1 << 30
@@ -79,21 +80,20 @@ def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: 
     return out
 
 
-def check(cfg, backbone, params, sequences_per_example: int, reference_copy: bool,
-          mesh_shape: dict, echo=print) -> None:
-    """SystemExit with the estimate when a step clearly cannot fit (``--no-memory-check``: skip)."""
+def check(cfg, parts: dict[str, int], echo=print) -> None:
+    """``ConfigError`` with the estimate ``parts`` (``estimate``) when a step clearly cannot fit
+    in the memory available (``--no-memory-check``: skip)."""
     if not cfg.memory_check:
         return
     free = available_bytes()
     if free is None:
         return
-    parts = estimate(cfg, backbone, params, sequences_per_example, reference_copy, mesh_shape)
     need = sum(parts.values())
     if need <= free:
         return
     shown = ", ".join(f"{k} {v / GiB:,.2f}" for k, v in parts.items())
-    raise SystemExit(
-        f"error: a {'forward' if cfg.eval_only else 'training'} step needs an estimated "
+    raise errors.ConfigError(
+        f"a {'forward' if cfg.eval_only else 'training'} step needs an estimated "
         f"{need / GiB:,.2f} GiB more per device, and {free / GiB:,.2f} GiB are free on "
         f"{jax.local_devices()[0].platform} ({shown} GiB; --batching.max-length "
         f"{cfg.batching.max_length}, micro-batch {cfg.batching.batch_size // cfg.batching.grad_accum}"

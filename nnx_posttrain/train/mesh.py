@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, errors
 from nnx_posttrain import sharding
 from nnx_posttrain.sharding import make_mesh, mesh_shape  # noqa: F401  (the loop builds it)
 
@@ -40,7 +40,7 @@ def split_host_cpu(n: int, option: int | str | None = None) -> int:
     """JAX's CPU backend as ``n`` devices (``jax_num_cpu_devices``), so that the mesh's data axis
     splits each batch over the cores. Must run before JAX starts its backends; in a process where
     it already has (a notebook, a test), the CPU device count must already be ``n``, else
-    SystemExit naming the option (``--mesh.cpu-devices n``, or ``option``'s value) and the fix;
+    ``ConfigError`` naming the option (``--mesh.cpu-devices n``, or ``option``'s value) and the fix;
     with ``option`` "auto", the count it has is taken instead. Returns the CPU device count."""
     if n == 1 and option != "auto":
         return n
@@ -51,7 +51,7 @@ def split_host_cpu(n: int, option: int | str | None = None) -> int:
         if option == "auto":
             return have
         if have != n:
-            raise SystemExit(
+            raise errors.ConfigError(
                 f"--mesh.cpu-devices {n}: this process already started JAX with {have} CPU "
                 f"device{'s' * (have != 1)}; set it before any JAX operation (e.g. run the "
                 f"experiment as a command, or call jax.config.update('jax_num_cpu_devices', {n}) "
@@ -94,8 +94,8 @@ def check_micro_batch(cfg: config_lib.Config, mesh: Mesh) -> None:
         split_cpu = mesh.devices.flat[0].platform == "cpu" and cfg.mesh.cpu_devices != 1
         where = (f"--mesh.cpu-devices {cfg.mesh.cpu_devices}" if split_cpu
                  else "--mesh.data x --mesh.fsdp")
-        raise SystemExit(
-            f"error: micro-batch {b.batch_size // b.grad_accum} (--batching.batch-size "
+        raise errors.ConfigError(
+            f"micro-batch {b.batch_size // b.grad_accum} (--batching.batch-size "
             f"{b.batch_size} / --batching.grad-accum {b.grad_accum}) does not divide over the "
             f"{shards} batch shards ({where}); choose a batch size whose micro-batch they divide"
         )

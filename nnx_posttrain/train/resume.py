@@ -28,7 +28,7 @@ from __future__ import annotations
 import difflib
 import json
 
-from nnx_posttrain import checkpoint
+from nnx_posttrain import checkpoint, errors
 from nnx_posttrain import config as config_lib
 from nnx_posttrain import data
 from nnx_posttrain.checkpoint import CheckpointMismatchError
@@ -36,6 +36,7 @@ from nnx_posttrain.checkpoint import CheckpointMismatchError
 IGNORED = {
     "run_dir", "resume", "eval_only", "resume_changed", "memory_check", "mesh.*",
     "batching.num_workers", "checkpoint.async_save", "algo_name", "config", "report_to",
+    "host_allocator",
 }
 ANNOUNCED = {
     "steps", "log_every", "logprob_chunk", "remat", "attention", "eval_data", "eval.*", "checkpoint.*",
@@ -103,14 +104,15 @@ def allowed_keys(option: str) -> set[str]:
         # the algorithm's settings are not in the base config: judged by their group alone
         if key not in known and not group and not key.startswith("algo.") and key != "algorithm":
             close = _suggest(key, known)
-            raise SystemExit(f"error: --resume-changed {key}: not a setting"
-                             + (f" (did you mean {close}?)" if close else "") + "; it names "
-                             + ", ".join(sorted(ALLOWED)) + " (others need no naming: "
-                             + ", ".join(sorted(ANNOUNCED)) + ")")
+            raise errors.ConfigError(
+                f"--resume-changed {key}: not a setting"
+                + (f" (did you mean {close}?)" if close else "") + "; it names "
+                + ", ".join(sorted(ALLOWED)) + " (others need no naming: "
+                + ", ".join(sorted(ANNOUNCED)) + ")")
         kind, reason = classify(key + ".*" if group else key)
         if kind in ("allowed", "announced", "ignored"):
             continue
-        raise SystemExit(f"error: --resume-changed {key}: a resume cannot change it ({reason})")
+        raise errors.ConfigError(f"--resume-changed {key}: a resume cannot change it ({reason})")
     return keys
 
 

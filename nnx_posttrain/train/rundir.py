@@ -26,6 +26,8 @@ import sys
 import threading
 from pathlib import Path
 
+from nnx_posttrain import errors
+
 LOCK = "run.lock"
 HISTORY = "history.jsonl"
 
@@ -34,14 +36,16 @@ def prepare(run_dir: Path) -> Path:
     """``run_dir`` created (with its parents) or refused with a message: a file, not writable, a
     run's checkpoints folder."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise SystemExit(f"error: --run-dir {run_dir} is a file, not a directory")
+        raise errors.RunDirError(f"--run-dir {run_dir} is a file, not a directory")
     if run_dir.name == "checkpoints" and (run_dir.parent / "config.json").is_file():
-        raise SystemExit(f"error: --run-dir {run_dir} is the checkpoints folder of the run "
-                         f"{run_dir.parent}: give the run itself (--run-dir {run_dir.parent})")
+        raise errors.RunDirError(
+            f"--run-dir {run_dir} is the checkpoints folder of the run "
+            f"{run_dir.parent}: give the run itself (--run-dir {run_dir.parent})")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SystemExit(f"error: --run-dir {run_dir}: cannot create it ({exc.strerror})") from None
+        raise errors.RunDirError(
+            f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
     return run_dir
 
 
@@ -88,14 +92,15 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
-                raise SystemExit(f"error: --run-dir {run_dir} is not writable ({exc.strerror})") from None
+                raise errors.RunDirError(
+                    f"--run-dir {run_dir} is not writable ({exc.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise SystemExit(
-                    f"error: {run_dir} is in use by another process ({_describe(holder)}); wait "
+                raise errors.RunDirError(
+                    f"{run_dir} is in use by another process ({_describe(holder)}); wait "
                     "for it to finish or stop it, or choose another --run-dir") from None
             try:  # the previous holder may have removed the file after we opened it: retry
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
@@ -115,7 +120,8 @@ class RunLock:
             os.pwrite(fd, json.dumps(me).encode(), 0)
         except OSError as exc:
             os.close(fd)
-            raise SystemExit(f"error: --run-dir {run_dir} is not writable ({exc.strerror})") from None
+            raise errors.RunDirError(
+                f"--run-dir {run_dir} is not writable ({exc.strerror})") from None
         self.fd = fd
 
     def release(self) -> None:
@@ -125,24 +131,6 @@ class RunLock:
             os.unlink(self.path)  # while still holding it: the next process finds no file
         os.close(self.fd)
         self.fd = None
-
-
-EXIT_GRACE_S = 60.0
-"""How long the clean exit after SIGTERM may take before the process ends regardless."""
-
-
-def exit_within(code: int, last=lambda: None, grace_s: float | None = None) -> None:
-    """Arm a timer: ``grace_s`` (default ``EXIT_GRACE_S``) seconds from now, ``last()`` (the
-    lock's release) runs and the process ends with ``code``, whatever it was doing. Armed before
-    a clean exit that could stall (a library thread that never ends, a C call it waits behind)."""
-    def force():
-        with contextlib.suppress(Exception):
-            last()
-        os._exit(code)
-
-    timer = threading.Timer(EXIT_GRACE_S if grace_s is None else grace_s, force)
-    timer.daemon = True
-    timer.start()
 
 
 RETRY_S = 0.05  # a signal that arrived where its exception would be swallowed is sent again
@@ -161,40 +149,28 @@ def _swallowing(frame) -> bool:
 
 
 @contextlib.contextmanager
-def sigterm_exits(last=lambda: None, grace_s: float | None = None):
-    """SIGTERM before training starts (while the model loads, say) ends the process through
-    ``SystemExit(143)``, so that ``finally`` blocks run: the lock is released, nothing is left
-    half-written. (During training ``hooks.StopSignals`` takes over: checkpoint, then the same
-    ``SystemExit(143)``.)
-
-    A clean exit can still stall, so either way ``exit_within(143, last, grace_s)`` is armed: by
-    the signal itself before training (the unwinding may be what stalls), when the exit leaves
-    this block after a checkpoint. Not after Ctrl-C (130): a notebook's kernel lives on. A signal
-    that lands inside a garbage-collector callback or a ``__del__``, where Python would print and
-    ignore the ``SystemExit``, is sent again ``RETRY_S`` later instead."""
+def sigterm_exits():
+    """SIGTERM before training starts (while the model loads, say) raises ``errors.Stopped``
+    (exit status 143 on the command line), so that ``finally`` blocks run: the lock is released,
+    nothing is left half-written. (During training ``hooks.StopSignals`` takes over: checkpoint,
+    then the run returns, stopped.) A signal that lands inside a garbage-collector callback or a
+    ``__del__``, where Python would print and ignore the exception, is sent again ``RETRY_S``
+    later instead."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    armed = False
 
     def handler(signum, frame):
-        nonlocal armed
-        if _swallowing(frame):  # the exit would be printed and ignored: again in a moment
+        if _swallowing(frame):  # the exception would be printed and ignored: again in a moment
             threading.Timer(RETRY_S, os.kill, (os.getpid(), signum)).start()
             return
-        exit_within(128 + signum, last, grace_s)
-        armed = True
         print(f"stopped by {signal.Signals(signum).name} while no training step was running: "
               "nothing new to checkpoint", file=sys.stderr)
-        raise SystemExit(128 + signum)
+        raise errors.Stopped(signum)
 
     old = signal.signal(signal.SIGTERM, handler)
     try:
         yield
-    except SystemExit as stop:
-        if stop.code == 128 + signal.SIGTERM and not armed:
-            exit_within(stop.code, last, grace_s)
-        raise
     finally:
         signal.signal(signal.SIGTERM, old)
 

@@ -1,9 +1,19 @@
 """What a run builds before its first step, the model and the validated data, and the checks
-that need them (records with no loss token, --checkpoint.keep-best, --eval-only)."""
+that need them (records with no loss token, --checkpoint.keep-best, --eval-only). What differs
+between algorithms is asked of the algorithm (``algorithms.base.AlgorithmBase``)."""
 
 from __future__ import annotations
 
-from nnx_posttrain import data, model, runs
+import dataclasses
+
+from nnx_posttrain import data, errors, model, runs
+
+
+def settings_for_data(cfg, algorithm, echo):
+    """``cfg`` checked by the algorithm (before any data or model loads) and with the settings
+    that depend on the data resolved (``algorithm.settings_for_data``)."""
+    algorithm.check(cfg)
+    return algorithm.settings_for_data(cfg, echo)
 
 
 def build_model(cfg, algorithm, echo, init_step: int | None = None):
@@ -19,62 +29,46 @@ def build_model(cfg, algorithm, echo, init_step: int | None = None):
     return lm, module
 
 
-def sources(cfg, algorithm):
-    """(train source, eval source or None), opened before the model loads: a missing file, a bad
-    data option or an online run's reward that cannot be found, imported or fed from the data is
-    refused in seconds, not after a large model's minutes of loading."""
-    kind = algorithm.data_kind
-    train_src = data.source(cfg.data, "train", builtin=kind)
-    if hasattr(algorithm.cfg, "rewards"):
-        from nnx_posttrain.algorithms.online import rewards
-
-        algorithm.prompts_per_step(cfg.batching.batch_size)  # the sampling settings
-        rewards.check(algorithm.cfg, train_src, cfg.data)
-    eval_spec = cfg.eval_data or ("builtin" if cfg.data == "builtin" else None)
-    return train_src, (data.source(eval_spec, "eval", builtin=kind) if eval_spec else None)
+@dataclasses.dataclass
+class Datasets:
+    train: object
+    eval: object  # None without eval data
+    transform: object
+    skipped: int  # bad records skipped (--batching.skip-bad)
 
 
-def datasets(cfg, lm, algorithm, echo, train_src, eval_src):
-    """(train source, eval source or None, transform, bad records skipped) of the opened
-    ``sources``, every record validated up front."""
+def datasets(cfg, lm, algorithm, echo, train_src, eval_src) -> Datasets:
+    """The opened sources read as the algorithm reads them, tokenized, every record validated
+    up front (bad ones refused, or skipped with --batching.skip-bad)."""
     b = cfg.batching
-    kind = algorithm.data_kind
-    if kind == "unpaired_preference" and data.data_format(train_src, b.format) == "preference":
-        # as TRL's KTOTrainer: each pair, a desirable and an undesirable example
-        train_src, eval_src = (data.unpaired(src) if src is not None and data.data_format(
-            src, b.format) == "preference" else src for src in (train_src, eval_src))
-        echo(f"{cfg.data}: preference pairs read as unpaired examples, as TRL's KTO reads them: "
-             "each pair's chosen completion desirable, its rejected one undesirable")
+    train_src, eval_src = algorithm.read_data(cfg, train_src, eval_src, echo)
     transform = data.make_transform(train_src, lm.tokenizer, lm.chat_format, b.max_length,
                                     b.truncation, b.max_prompt_length, b.format)
-    if b.packing and kind != "sft":
-        raise SystemExit(f"error: --batching.packing applies to SFT only, not {algorithm.name}")
-    if transform.kind != kind:
-        raise SystemExit(
-            f"error: {algorithm.name} needs {kind.replace('_', ' ')} records, but {cfg.data} holds "
-            f"{transform.kind.replace('_', ' ')} records (columns of the first record: "
-            f"{sorted(k for k in train_src[0] if not k.startswith('_'))})"
-        )
-    sources, skipped = [], 0
+    algorithm.check_records(cfg, transform, train_src)
+    kept, skipped = {}, 0
     for name, src in (("train", train_src), ("eval", eval_src)):
         if src is None or (cfg.eval_only and name == "train"):
-            sources.append(src)
+            kept[name] = src
             continue
         report = data.validate(src, transform, skip_bad=b.skip_bad)
-        echo(f"{name} data: {report.records} records, {report.bad} bad (skipped), "
-             f"{report.truncated} truncated to {b.max_length} tokens, {report.no_loss_tokens} with "
-             "no loss token left" + (" (left out)" if report.no_loss_tokens else "")
-             + (f", {report.identical_pairs} pairs with chosen == rejected (no preference to "
-                "learn)" if report.identical_pairs else "")
-             + (f", {report.desirable} desirable / {report.undesirable} undesirable"
-                if kind == "unpaired_preference" else "")
-             + "".join("\n  skipped: " + m for m in report.bad_examples))
+        echo(_report_line(name, report, cfg, algorithm))
         _check_loss_tokens(name, src, report, cfg, echo)
-        if name == "train" and kind == "unpaired_preference":
-            _check_label_balance(report, algorithm.cfg, echo)
-        sources.append(data.only_good(src, report, drop_no_loss=True))
+        if name == "train":
+            algorithm.check_train_data(report, echo)
+        kept[name] = data.only_good(src, report, drop_no_loss=True)
         skipped += report.bad
-    return sources[0], sources[1], transform, skipped
+    return Datasets(kept["train"], kept["eval"], transform, skipped)
+
+
+def _report_line(name, report, cfg, algorithm) -> str:
+    return (f"{name} data: {report.records} records, {report.bad} bad (skipped), "
+            f"{report.truncated} truncated to {cfg.batching.max_length} tokens, "
+            f"{report.no_loss_tokens} with no loss token left"
+            + (" (left out)" if report.no_loss_tokens else "")
+            + (f", {report.identical_pairs} pairs with chosen == rejected (no preference to "
+               "learn)" if report.identical_pairs else "")
+            + algorithm.describe_data(report)
+            + "".join("\n  skipped: " + m for m in report.bad_examples))
 
 
 def _check_loss_tokens(name, src, report, cfg, echo) -> None:
@@ -90,42 +84,15 @@ def _check_loss_tokens(name, src, report, cfg, echo) -> None:
               if cfg.batching.max_prompt_length else "")
            + ", or shorten the prompts")
     if empty == n:
-        raise SystemExit(f"error: {name} data: none of the {n} records has a token to learn "
-                         f"from within the length limits (the first: {first}); {fix}")
+        raise errors.DataError(f"{name} data: none of the {n} records has a token to learn "
+                               f"from within the length limits (the first: {first}); {fix}")
     if name == "train" and 2 * empty > n and not cfg.batching.skip_bad:
-        raise SystemExit(f"error: {name} data: {empty} of {n} records have no token to learn from "
-                         f"within the length limits (the first: {first}); {fix}, or pass "
-                         "--batching.skip-bad to train on the other records")
+        raise errors.DataError(
+            f"{name} data: {empty} of {n} records have no token to learn from within the length "
+            f"limits (the first: {first}); {fix}, or pass --batching.skip-bad to train on the "
+            "other records")
     echo(f"  {name} data: {empty} records with no loss token left are left out (the first: "
          f"{first})")
-
-
-def _check_label_balance(report, algo_cfg, echo) -> None:
-    """KTO's desirable / undesirable balance, with TRL's advice (KTOTrainer): a class missing, or
-    weights outside the range where desirable_weight x desirable / (undesirable_weight x
-    undesirable) is in [1, 4/3], is warned about (training goes on)."""
-    d, u = report.desirable, report.undesirable
-    wd, wu = algo_cfg.desirable_weight, algo_cfg.undesirable_weight
-    if not (d and u):
-        missing = "undesirable" if d else "desirable"
-        echo(f"warning: the train data has no {missing} example ({d} desirable / {u} undesirable "
-             f"labels): KTO learns from the contrast of both kinds; the {missing} loss term and "
-             "its metrics are empty")
-        return
-    if d == u:
-        return
-    desirable = (round(u * wu / d, 2), round(u * wu / d * 1.33, 2))
-    undesirable = (round(d * wd / u / 1.33, 2), round(d * wd / u, 2))
-    if not (desirable[0] <= wd <= desirable[1] or undesirable[0] <= wu <= undesirable[1]):
-        echo(f"warning: {d} desirable and {u} undesirable examples, weighted {wd:g} / {wu:g}: as "
-             f"TRL advises, set EITHER --algo.desirable-weight in [{desirable[0]:g}, "
-             f"{desirable[1]:g}] OR --algo.undesirable-weight in [{undesirable[0]:g}, "
-             f"{undesirable[1]:g}] (not both)")
-
-
-def sequences_per_example(algorithm) -> int:
-    """Sequences one example puts through the model (chosen + rejected, completion + KL pair)."""
-    return 2 if algorithm.data_kind in ("preference", "unpaired_preference") else 1
 
 
 def check_evaluation(cfg, algorithm, evaluator, params, frozen) -> None:
@@ -133,20 +100,20 @@ def check_evaluation(cfg, algorithm, evaluator, params, frozen) -> None:
     --eval-only has something to evaluate."""
     if cfg.eval_only and not (evaluator.enabled and (evaluator.batches or evaluator.pairs)):
         if not evaluator.enabled:
-            raise SystemExit("error: --eval-only: no eval data; pass --eval-data FILE (with "
-                             "--data builtin the built-in task's eval split is used)")
+            raise errors.ConfigError("--eval-only: no eval data; pass --eval-data FILE (with "
+                                     "--data builtin the built-in task's eval split is used)")
         why = ("--eval.exact-match is 0; pass a number of prompts, e.g. --eval.exact-match 200"
                if not cfg.eval.exact_match else
                "the eval data hold no answers to compare with (an 'answer' column with the "
                "prompts, a completion, or the chosen side of a pair)")
-        raise SystemExit(
-            f"error: --eval-only: nothing to evaluate: {algorithm.name} is evaluated by "
+        raise errors.ConfigError(
+            f"--eval-only: nothing to evaluate: {algorithm.name} is evaluated by "
             f"generation (exact match of greedy answers to the eval prompts), and {why}")
     best = cfg.checkpoint.keep_best
     if best and not cfg.eval_only:
         names = evaluator.metric_names(params, frozen) if evaluator.enabled else set()
         if best not in names:
-            raise SystemExit(
-                f"error: --checkpoint.keep-best {best}: the run never evaluates it; "
+            raise errors.ConfigError(
+                f"--checkpoint.keep-best {best}: the run never evaluates it; "
                 + (f"its eval metrics are {', '.join(sorted(names))}" if names else
                    "it has no eval data (--eval-data)"))

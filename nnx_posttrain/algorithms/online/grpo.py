@@ -8,6 +8,7 @@ from typing import Literal
 import jax
 import numpy as np
 
+from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, SamplingConfig
 from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses import rl
@@ -82,9 +83,10 @@ def scored_rewards(rollouts) -> np.ndarray:
 class GRPO(OnlineAlgorithm):
     name = "grpo"
     Config = GRPOConfig
+    defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's GRPOTrainer
     min_generations = 2  # as TRL: a group of one has no advantage
 
-    def prompts_per_step(self, batch_size):
+    def problems(self):
         c = self.cfg
         problems = [f"--algo.{name.replace('_', '-')} must be {rule}, got {getattr(c, name)}"
                     for name, ok, rule in (
@@ -93,9 +95,7 @@ class GRPO(OnlineAlgorithm):
                     if not ok]
         if c.loss_type == "dr_grpo" and c.max_completion_length < 1:
             problems.append("--algo.loss-type dr_grpo needs --algo.max-completion-length >= 1")
-        if problems:
-            raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
-        return super().prompts_per_step(batch_size)
+        return problems + super().problems()
 
     def advantages(self, rollouts):
         c = self.cfg
@@ -139,13 +139,14 @@ class RLOO(OnlineAlgorithm):
 
     name = "rloo"
     Config = RLOOConfig
+    defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's RLOOTrainer
     min_generations = 2  # the leave-one-out baseline needs another completion
 
-    def prompts_per_step(self, batch_size):
+    def problems(self):
         clip = self.cfg.reward_clip_range
-        if clip is not None and clip[0] > clip[1]:
-            raise SystemExit(f"--algo.reward-clip-range: min {clip[0]} > max {clip[1]}")
-        return super().prompts_per_step(batch_size)
+        own = ([f"--algo.reward-clip-range: min {clip[0]} > max {clip[1]}"]
+               if clip is not None and clip[0] > clip[1] else [])
+        return own + super().problems()
 
     def make_batch(self, batch, scores, finished, rollouts, state):
         c = self.cfg

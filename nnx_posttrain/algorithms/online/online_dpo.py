@@ -15,6 +15,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, SamplingConfig
 from nnx_posttrain.algorithms.preference import pair_logps
 from nnx_posttrain.algorithms.registry import register
@@ -37,15 +38,15 @@ class OnlineDPO(OnlineAlgorithm):
 
     name = "online_dpo"
     Config = OnlineDPOConfig
+    defaults = merged(ONLINE_DATA, optim=dict(learning_rate=5e-7))  # TRL's OnlineDPOTrainer
 
     def needs_reference(self):
         return True
 
-    def prompts_per_step(self, batch_size):
-        if self.cfg.num_generations != 2:
-            raise SystemExit("online_dpo samples exactly 2 completions per prompt "
-                             "(--algo.num-generations 2)")
-        return super().prompts_per_step(batch_size)
+    def problems(self):
+        own = (["online_dpo samples exactly 2 completions per prompt (--algo.num-generations 2)"]
+               if self.cfg.num_generations != 2 else [])
+        return own + super().problems()
 
     def make_batch(self, batch, scores, finished, rollouts, state):
         pairs = scores.reshape(-1, 2)

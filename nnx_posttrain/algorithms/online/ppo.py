@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, SamplingConfig
 from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses import rl
@@ -43,6 +44,7 @@ class PPOConfig(SamplingConfig):
 class PPO(OnlineAlgorithm):
     name = "ppo"
     Config = PPOConfig
+    defaults = merged(ONLINE_DATA, optim=dict(learning_rate=3e-6))  # TRL's PPOTrainer
     head = "value"  # nnx_posttrain.model.heads.PolicyWithValue
 
     def needs_reference(self):

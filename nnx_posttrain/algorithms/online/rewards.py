@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nnx_posttrain import data
+from nnx_posttrain import data, errors
 
 _INTEGER_IN = re.compile(r"-?\d+")
 
@@ -86,8 +86,9 @@ class RewardModelScore:
         from flax import nnx
 
         if not hasattr(loaded.module, "head"):
-            raise SystemExit(f"--algo.rewards {run_dir}: not a reward-model run "
-                             f"(its algorithm is {loaded.config.get('algo_name')})")
+            raise errors.RewardError(
+                f"--algo.rewards {run_dir}: not a reward-model run "
+                f"(its algorithm is {loaded.config.get('algo_name')})")
         self.run_dir = str(run_dir)
         self.tokenizer = loaded.lm.tokenizer
         graphdef, state = nnx.split(loaded.module)
@@ -102,10 +103,10 @@ class RewardModelScore:
 
 def _import(name: str, module_name: str, attr: str):
     """The function ``attr`` of module ``module_name`` (the current directory importable, as
-    under ``python -m``); SystemExit naming the cause (and where, for an error in the module)."""
+    under ``python -m``); ``RewardError`` naming the cause (and where, for an error in the module)."""
     if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):
-        raise SystemExit(
-            f"error: --algo.rewards {name}: a 'module:function' names an importable module, not "
+        raise errors.RewardError(
+            f"--algo.rewards {name}: a 'module:function' names an importable module, not "
             f"a file: e.g. {Path(module_name).stem}:{attr}, run from the file's folder or with it "
             "on PYTHONPATH")
     if "" not in sys.path and os.getcwd() not in sys.path:  # a console script's sys.path
@@ -113,13 +114,14 @@ def _import(name: str, module_name: str, attr: str):
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"error: --algo.rewards {name}: cannot import it ({exc})") from None
+        raise errors.RewardError(f"--algo.rewards {name}: cannot import it ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames and not isinstance(
             exc, SyntaxError) else ""
-        raise SystemExit(f"error: --algo.rewards {name}: importing {module_name} failed{where}: "
-                         f"{type(exc).__name__}: {exc}") from None
+        raise errors.RewardError(
+            f"--algo.rewards {name}: importing {module_name} failed{where}: "
+            f"{type(exc).__name__}: {exc}") from None
 
 
 def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
@@ -138,15 +140,16 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
             out.append((Path(name).name, RewardModelScore(name, load_run(name)) if load_run
                         else _reward_run(name)))
         else:
-            raise SystemExit(
+            raise errors.RewardError(
                 f"--algo.rewards {name!r}: not a built-in reward ({', '.join(BUILTIN)}), a "
                 "'module:function' path, or a reward-model run directory")
     if not out:
-        raise SystemExit("--algo.rewards: give at least one reward function")
+        raise errors.RewardError("--algo.rewards: give at least one reward function")
     if len(set(specs)) < len(specs):
         twice = sorted({x for x in specs if specs.count(x) > 1})
-        raise SystemExit(f"--algo.rewards: {', '.join(twice)} given twice; weigh one reward with "
-                         "--algo.reward-weights instead")
+        raise errors.RewardError(
+            f"--algo.rewards: {', '.join(twice)} given twice; weigh one reward with "
+            "--algo.reward-weights instead")
     names = [name for name, _ in out]  # the metrics' and rewards' keys: one per function
     return [(spec if names.count(name) > 1 else name, fn)
             for spec, (name, fn) in zip(specs, out)]
@@ -157,10 +160,11 @@ def _reward_run(run_dir: str) -> None:
     try:
         algo = json.loads((Path(run_dir) / "config.json").read_text()).get("algo_name")
     except (OSError, ValueError, AttributeError) as exc:
-        raise SystemExit(f"--algo.rewards {run_dir}: its config.json cannot be read ({exc})") from None
+        raise errors.RewardError(
+            f"--algo.rewards {run_dir}: its config.json cannot be read ({exc})") from None
     if algo != "RewardConfig":
         what = f"its algorithm is {algo}" if algo else "its config.json names no algorithm: SFT"
-        raise SystemExit(f"--algo.rewards {run_dir}: not a reward-model run ({what})")
+        raise errors.RewardError(f"--algo.rewards {run_dir}: not a reward-model run ({what})")
 
 
 def check(cfg, train_src, data_name: str) -> None:
@@ -205,8 +209,8 @@ def check_columns(reward_fns, columns, data_name: str) -> None:
         if missing:
             problems.append(f"reward {name!r} needs column(s) {', '.join(map(repr, missing))}")
     if problems:
-        raise SystemExit(
-            f"error: --algo.rewards: {'; '.join(problems)}, which {data_name} does not have (its "
+        raise errors.RewardError(
+            f"--algo.rewards: {'; '.join(problems)}, which {data_name} does not have (its "
             f"columns: {', '.join(have) or 'none'}). Add the column(s) to the data, or choose "
             "rewards that fit it (a 'module:function' reward receives every column by name).")
 
@@ -235,7 +239,8 @@ def score(name: str, fn, prompts, completions, columns: dict, describe, state=No
     except Exception as exc:  # noqa: BLE001 - a user's function: report where it fails
         row = _first_failing_row(fn, prompts, completions, columns, state)
         at = f" on {describe(row)}" if row is not None else ""
-        raise SystemExit(f"error: reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
+        raise errors.RewardError(
+            f"reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
     try:
         values = None if raw is None or isinstance(raw, (str, bytes)) else list(raw)
     except TypeError:  # one number, not one per completion
@@ -243,9 +248,10 @@ def score(name: str, fn, prompts, completions, columns: dict, describe, state=No
     if values is None or len(values) != len(completions):
         got = (f"{len(values)} values" if values is not None
                else "None" if raw is None else f"a {type(raw).__name__} ({raw!r:.40})")
-        raise SystemExit(f"error: reward {name!r} returned {got} for {len(completions)} "
-                         "completions; it must return a list of one number (or None) per "
-                         "completion")
+        raise errors.RewardError(
+            f"reward {name!r} returned {got} for {len(completions)} "
+            "completions; it must return a list of one number (or None) per "
+            "completion")
     out = []
     for i, v in enumerate(values):
         if v is None:
@@ -256,8 +262,9 @@ def score(name: str, fn, prompts, completions, columns: dict, describe, state=No
                 raise TypeError
             out.append(float(v))
         except (TypeError, ValueError):
-            raise SystemExit(f"error: reward {name!r} returned {v!r} on {describe(i)}; expected a "
-                             "number or None") from None
+            raise errors.RewardError(
+                f"reward {name!r} returned {v!r} on {describe(i)}; expected a "
+                "number or None") from None
     return out
 
 
@@ -323,8 +330,10 @@ def weights(spec: str | None, n: int) -> np.ndarray:
     try:
         values = [float(x) for x in spec.split(",")]
     except ValueError:
-        raise SystemExit(f"--algo.reward-weights {spec!r}: expected numbers separated by commas, "
-                         f"one per reward function (e.g. 1.0,0.5)") from None
+        raise errors.RewardError(
+            f"--algo.reward-weights {spec!r}: expected numbers separated by commas, "
+            f"one per reward function (e.g. 1.0,0.5)") from None
     if len(values) != n:
-        raise SystemExit(f"--algo.reward-weights has {len(values)} values for {n} reward functions")
+        raise errors.RewardError(
+            f"--algo.reward-weights has {len(values)} values for {n} reward functions")
     return np.asarray(values, np.float32)

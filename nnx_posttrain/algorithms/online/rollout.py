@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain import data, model
+from nnx_posttrain import data, errors, model
 from nnx_posttrain.algorithms.base import AlgorithmBase, Inputs, RunContext, device_batch
 from nnx_posttrain.algorithms.online import rewards as rewards_lib
 from nnx_posttrain.algorithms.reference import Reference
@@ -67,26 +67,66 @@ class OnlineAlgorithm(AlgorithmBase):
     give ``make_batch`` (scored rollout -> training batch) and ``loss``."""
 
     data_kind = "prompt_only"
+    sequences_per_example = 1
     min_generations = 1  # completions per prompt the method needs (GRPO's, RLOO's groups: 2)
 
     def __init__(self, cfg, logprob_chunk: int | None = None):
         super().__init__(cfg, logprob_chunk)
         if not cfg.rewards.strip():  # checked before the model loads
-            raise SystemExit(
-                f"error: {self.name} needs --algo.rewards: the functions that score each "
+            raise errors.ConfigError(
+                f"{self.name} needs --algo.rewards: the functions that score each "
                 "completion, comma-separated: 'module:function' (TRL's signature f(prompts, "
                 "completions, **columns) -> list[float | None]; the data's other columns arrive "
                 "by name), a built-in (exact_match: the completion's first integer equals the "
                 "'answer' column; format; length), or a reward-model run directory. The built-in "
                 "task's recipe (--data builtin) uses exact_match.")
 
+    def check(self, run_cfg) -> None:
+        """The sampling settings, before anything loads (one ``ConfigError`` listing all)."""
+        super().check(run_cfg)
+        problems = self.problems()
+        g = self.cfg.num_generations
+        if g >= 1 and run_cfg.batching.batch_size % g:
+            problems.append(f"--batching.batch-size {run_cfg.batching.batch_size} must be a "
+                            f"multiple of --algo.num-generations {g}")
+        if problems:
+            raise errors.ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+    def problems(self) -> list[str]:
+        """What is wrong with the algorithm's settings (subclasses add their own)."""
+        c, g, least = self.cfg, self.cfg.num_generations, self.min_generations
+        return [f"--algo.{name.replace('_', '-')} must be {rule}, got {getattr(c, name)}"
+                for name, ok, rule in (
+                    ("num_generations", g >= least, f">= {least}" + (
+                        " (the advantages compare each completion with the other ones of "
+                        "its prompt)" if least > 1 else "")),
+                    ("max_completion_length", c.max_completion_length >= 1, ">= 1"),
+                    ("temperature", c.temperature >= 0, ">= 0"),
+                    ("top_k", c.top_k >= 0, ">= 0"),
+                    ("top_p", 0 < c.top_p <= 1, "in (0, 1]"),
+                    ("num_iterations", c.num_iterations >= 1, ">= 1"))
+                if not ok]
+
+    def open_sources(self, run_cfg):
+        """The sources, and the reward functions checked against them (found, importable, the
+        columns they read present)."""
+        train, held_out = super().open_sources(run_cfg)
+        rewards_lib.check(self.cfg, train, run_cfg.data)
+        return train, held_out
+
+    def settings_for_data(self, run_cfg, echo):
+        """Held-out prompts are kept whatever their columns: their greedy answers are scored by
+        the run's rewards (exact match only where there is an answer)."""
+        return run_cfg
+
     def setup(self, module):
         if not self.needs_reference():
             return  # reference-free: no second copy of the weights
         super().setup(self.policy(module))
         if self.reference_mode == "precompute":
-            raise SystemExit(f"{self.name}: --algo.reference precompute does not apply to online "
-                             "methods (the completions are new at every step); use lora_base or copy")
+            raise errors.ConfigError(
+                f"{self.name}: --algo.reference precompute does not apply to online methods "
+                "(the completions are new at every step); use lora_base or copy")
 
     def needs_reference(self) -> bool:
         return bool(getattr(self.cfg, "beta", 0.0))
@@ -102,26 +142,8 @@ class OnlineAlgorithm(AlgorithmBase):
         return self.cfg.temperature or 1.0
 
     def prompts_per_step(self, batch_size: int) -> int:
-        """Prompts per optimizer step, after checking the sampling settings (called before the
-        model loads: ``train.setup.sources``)."""
-        c, g, least = self.cfg, self.cfg.num_generations, self.min_generations
-        problems = [f"--algo.{name.replace('_', '-')} must be {rule}, got {getattr(c, name)}"
-                    for name, ok, rule in (
-                        ("num_generations", g >= least, f">= {least}" + (
-                            " (the advantages compare each completion with the other ones of "
-                            "its prompt)" if least > 1 else "")),
-                        ("max_completion_length", c.max_completion_length >= 1, ">= 1"),
-                        ("temperature", c.temperature >= 0, ">= 0"),
-                        ("top_k", c.top_k >= 0, ">= 0"),
-                        ("top_p", 0 < c.top_p <= 1, "in (0, 1]"),
-                        ("num_iterations", c.num_iterations >= 1, ">= 1"))
-                    if not ok]
-        if problems:
-            raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
-        if batch_size % g:
-            raise SystemExit(f"--batching.batch-size {batch_size} must be a multiple of "
-                             f"--algo.num-generations {g}")
-        return batch_size // g
+        """Prompts per optimizer step (``batch_size`` counts completions)."""
+        return batch_size // self.cfg.num_generations
 
     def inputs(self, run: RunContext, params) -> Inputs:
         # the loss needs rollouts: held-out data is evaluated by generation only
@@ -303,8 +325,8 @@ class Rollouts:
             except Exception as exc:  # noqa: BLE001 - a tokenizer failure names the row and ids
                 size = self.lm.tokenizer.vocab_size
                 bad = [t for t in kept if not 0 <= t < size]
-                raise SystemExit(
-                    f"error: the tokenizer cannot decode completion {i} of the rollout "
+                raise errors.ModelError(
+                    f"the tokenizer cannot decode completion {i} of the rollout "
                     f"({type(exc).__name__}: {exc}); ids {kept[:16]}"
                     + (f", of which {bad[:8]} are outside the tokenizer's {size} ids" if bad else "")
                 ) from None

@@ -1,6 +1,7 @@
-"""Compare runs: final and best eval metrics, config differences, and metric curves.
+"""Compare runs: final and best eval metrics, config differences, and metric curves
+(``nnx-posttrain compare``, ``compare.compare``).
 
-    python -m tools.compare RUN_DIR [RUN_DIR ...] [--metrics loss,exact_match] [--out DIR]
+    nnx-posttrain compare RUN_DIR [RUN_DIR ...] [--metrics loss,exact_match] [--out DIR]
 
 Reads each run's ``config.json`` and ``metrics.jsonl`` and prints
 (a) a Markdown table, one row per run: for each eval metric its final value and its best value
@@ -16,12 +17,13 @@ metric and the plots ``loss`` and ``exact_match`` (those present).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nnx_posttrain import errors
 
 MIN_MARKERS = ("loss", "perplexity", "kl", "rejected")  # TRL's rewards/ logps/rejected: lower
 DEFAULT_PLOTS = ("loss", "exact_match")
@@ -57,11 +59,11 @@ def _num(value) -> float:
 
 
 def load_run(path: str | Path) -> Run:
-    """A run directory -> Run. SystemExit naming the path if it has no metrics.jsonl."""
+    """A run directory -> Run; ``RunDirError`` naming the path if it has no metrics.jsonl."""
     path = Path(path)
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
-        raise SystemExit(f"error: {path} is not a run directory: no {metrics}")
+        raise errors.RunDirError(f"{path} is not a run directory: no {metrics}")
     records = []
     lines = metrics.read_text().splitlines()
     for n, line in enumerate(lines, 1):
@@ -72,12 +74,12 @@ def load_run(path: str | Path) -> Run:
         except json.JSONDecodeError as exc:
             if n == len(lines):  # cut by a killed process: the run drops it on resume too
                 continue
-            raise SystemExit(f"error: {metrics}:{n}: not JSON ({exc.msg})") from None
+            raise errors.RunDirError(f"{metrics}:{n}: not JSON ({exc.msg})") from None
     config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     except ValueError as exc:
-        raise SystemExit(f"error: {config_path}: not JSON ({exc})") from None
+        raise errors.RunDirError(f"{config_path}: not JSON ({exc})") from None
     return Run(path=path, config=config, records=records, label=path.name or str(path),
                flat_config=flatten(config))
 
@@ -205,18 +207,18 @@ def _safe(metric: str) -> str:
 
 
 def plot(runs: list[Run], metrics: list[str], out: str | Path) -> list[Path]:
-    """One PNG per metric in ``out``: a line per run over steps, train solid, eval dashed."""
+    """One PNG per metric in ``out``: a line per run over steps, train solid, eval dashed.
+    Drawn on matplotlib ``Figure`` objects: pyplot's global state and backend stay as they were."""
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for metric in metrics:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig = Figure(figsize=(7, 4.5))
+        ax = fig.subplots()
         drawn = False
         for i, r in enumerate(runs):
             color = colors[i % len(colors)]
@@ -229,7 +231,6 @@ def plot(runs: list[Run], metrics: list[str], out: str | Path) -> list[Path]:
                     ax.plot(steps, values, color=color, label=f"{r.label} ({split})", **style)
                     drawn = True
         if not drawn:
-            plt.close(fig)
             continue
         ax.set_xlabel("step")
         ax.set_ylabel(metric)
@@ -239,7 +240,6 @@ def plot(runs: list[Run], metrics: list[str], out: str | Path) -> list[Path]:
         fig.tight_layout()
         path = out / f"{_safe(metric)}.png"
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         written.append(path)
     return written
 
@@ -253,13 +253,13 @@ def default_plot_metrics(runs: list[Run]) -> list[str]:
 def compare(paths, metrics: list[str] | None = None, out: str | Path | None = None, echo=print) -> dict:
     """Everything the command does; returns {"summary", "config_diff", "plots"}."""
     if not paths:
-        raise SystemExit("error: give at least one run directory")
+        raise errors.ConfigError("give at least one run directory")
     runs = load_runs(paths)
     logged = {m for r in runs for split in ("train", "eval") for m in r.metrics(split)}
     unknown = [m for m in metrics or [] if m not in logged]
     if unknown:
-        raise SystemExit(f"error: --metrics {','.join(unknown)}: not logged by these runs; they "
-                         f"log {', '.join(sorted(logged)) or 'nothing yet'}")
+        raise errors.ConfigError(f"--metrics {','.join(unknown)}: not logged by these runs; they "
+                                 f"log {', '.join(sorted(logged)) or 'nothing yet'}")
     out = Path(out) if out is not None else common_parent([r.path for r in runs]) / "compare"
     summary = summary_table(runs, metrics)
     diff = config_diff_table(runs)
@@ -267,18 +267,3 @@ def compare(paths, metrics: list[str] | None = None, out: str | Path | None = No
     echo("## Eval metrics\n\n" + summary + "\n\n## Config differences\n\n" + diff + "\n")
     echo("plots:" + "".join(f"\n  {p}" for p in plots) if plots else "plots: none (metrics not logged)")
     return {"summary": summary, "config_diff": diff, "plots": plots}
-
-
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--metrics", default=None, help="comma-separated, e.g. loss,exact_match")
-    parser.add_argument("--out", default=None, help="where the PNGs go (default: <common parent>/compare)")
-    args = parser.parse_args(argv)
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
-    return compare(args.runs, metrics, args.out)
-
-
-if __name__ == "__main__":
-    main()

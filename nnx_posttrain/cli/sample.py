@@ -1,11 +1,11 @@
-"""Answer prompts with a run's checkpoint: ``python -m tools.sample RUN_DIR --prompt "..." [...]``.
+"""``nnx-posttrain sample RUN_DIR --prompt "..." [...]``: answer prompts with a run's checkpoint.
 
-    python -m tools.sample runs/sft --prompt "What is 12 + 30?" --prompt "What is 47 + 38?"
-    python -m tools.sample runs/sft --prompt "Tell me a story." --temperature 0.8 --top-p 0.95 \\
+    nnx-posttrain sample runs/sft --prompt "What is 12 + 30?" --prompt "What is 47 + 38?"
+    nnx-posttrain sample runs/sft --prompt "Tell me a story." --temperature 0.8 --top-p 0.95 \\
         --num-samples 4 --seed 1
 
-Each prompt is a user message rendered with the model family's chat template and decoded by the
-compiled KV-cache sampler (``nnx_posttrain.sampling.sampler``): greedy by default (``--temperature 0``),
+Each prompt is a user message rendered with the run's chat template and decoded by the compiled
+KV-cache sampler (``nnx_posttrain.sampling.sampler``): greedy by default (``--temperature 0``),
 else sampled at that temperature, with optional top-k / top-p truncation.
 """
 
@@ -17,8 +17,16 @@ from nnx_posttrain import runs
 from nnx_posttrain.sampling import sampler
 
 
-def main(argv=None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__,
+def answers(run_dir, prompts: list[str], step: int | None = None, **sampling) -> list[list[str]]:
+    """The answers of ``run_dir``'s checkpoint ``step`` (default: the latest) to ``prompts``
+    (``sampling``: ``sampler.sample_texts``' options)."""
+    runs.check_policy(run_dir)  # a reward model: refused before it loads
+    run = runs.load(run_dir, step)
+    return sampler.sample_texts(run.lm, run.policy(), prompts, **sampling)
+
+
+def main(argv: list[str], prog: str) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
@@ -34,25 +42,12 @@ def main(argv=None) -> list[str]:
             or args.max_new_tokens < 1:
         parser.error("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --num-samples >= 1, "
                      "--max-new-tokens >= 1")
-    try:
-        runs.check_policy(args.run_dir)  # a reward model: before it loads
-        run = runs.load(args.run_dir, args.step)
-        policy = run.policy()  # a PPO run: the policy, without its value head
-    except (FileNotFoundError, runs.NotAPolicyError) as exc:
-        raise SystemExit(f"error: {exc}") from None
-    answers = sampler.sample_texts(
-        run.lm, policy, args.prompt, args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
-    )
-    flat = []
-    for prompt, texts in zip(args.prompt, answers):
+    out = answers(args.run_dir, args.prompt, args.step, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed, num_samples=args.num_samples)
+    for prompt, texts in zip(args.prompt, out):
         print(f"> {prompt}")
         for i, text in enumerate(texts):
             print(f"[{i + 1}] {text}" if len(texts) > 1 else text)
         print()
-        flat += texts
-    return flat
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,0 +1,2 @@
+"""Config files for real models (``--config experiments/configs/NAME.yaml``) and the reward
+functions they name."""

@@ -1,0 +1,41 @@
+"""Reward modelling: a Bradley-Terry scalar head on the backbone, trained on preference pairs
+(TRL 1.16's RewardTrainer; ``losses.preference.reward_bt``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
+from nnx_posttrain.algorithms.registry import register
+from nnx_posttrain.losses import preference as pl
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """Bradley-Terry reward model: a scalar head on the backbone, trained on preference pairs."""
+
+    center_rewards_coefficient: float | None = None
+    """Weight of the reward-centering term (mean squared reward); none by default."""
+
+
+
+@register
+class Reward(AlgorithmBase):
+    name = "reward"
+    Config = RewardConfig
+    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-4))  # TRL's RewardTrainer
+    head = "reward"  # nnx_posttrain.model.heads.RewardModel
+    generates = False
+
+    def prepare(self, batch):
+        return batch  # the reward head reads hidden states: no vocabulary projection
+
+    def loss(self, module, batch, reference=None):
+        ids = jnp.concatenate([batch["chosen_input_ids"], batch["rejected_input_ids"]], axis=0)
+        att = jnp.concatenate([batch["chosen_attention_mask"], batch["rejected_attention_mask"]], 0)
+        rewards = module(ids, att)
+        n = batch["chosen_input_ids"].shape[0]
+        return pl.reward_bt(rewards[:n], rewards[n:], margin=batch.get("margin"),
+                            center_rewards_coefficient=self.cfg.center_rewards_coefficient)

@@ -1,0 +1,154 @@
+"""The Python API: a config built in Python, a run, its result. For notebooks and drivers; the
+command line (``nnx_posttrain.cli``) is one of its users.
+
+    import nnx_posttrain as npt
+
+    cfg = npt.configure("sft", steps=300, optim={"learning_rate": 1e-3}, run_dir="runs/sft")
+    sft = npt.run(cfg)                           # -> RunResult: run_dir, final_eval, ...
+    dpo = npt.run(npt.configure("dpo", init_from=str(sft.run_dir), run_dir="runs/dpo"))
+    try:
+        npt.run(npt.configure("dpo", data="missing.jsonl"))
+    except npt.UserError as exc:                 # a DataError here: the file is named
+        print(exc)
+
+Defaults come from one place per algorithm: the common ``Config``, then the algorithm's
+``defaults`` for a user's data (TRL's), then, when the data is the built-in task's, its recipe
+file (``nnx_posttrain/tasks/recipes/<algorithm>.yaml``), then a config file, then the settings
+given (keywords here, flags on the command line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+from nnx_posttrain import config as config_lib
+from nnx_posttrain import config_files, errors
+
+BUILTIN = "builtin"
+
+
+def algorithm_class(algorithm) -> type:
+    """An algorithm class from its name (``"dpo"``) or the class itself."""
+    from nnx_posttrain import algorithms
+
+    if isinstance(algorithm, str):
+        if algorithm not in algorithms.names():
+            raise errors.ConfigError(f"unknown algorithm {algorithm!r}; one of "
+                                     f"{', '.join(algorithms.names())}")
+        return algorithms.get(algorithm)
+    return algorithm
+
+
+def config_type(algorithm) -> type:
+    """``Config`` with ``algo`` typed as the algorithm's settings (the command line lists them);
+    one type per algorithm (a name or the class)."""
+    return _config_type(algorithm_class(algorithm))
+
+
+@functools.cache
+def _config_type(algorithm: type) -> type:
+    return dataclasses.make_dataclass(
+        f"{algorithm.name.upper()}RunConfig",
+        [("algo", algorithm.Config, dataclasses.field(default_factory=algorithm.Config))],
+        bases=(config_lib.Config,),
+    )
+
+
+def defaults(algorithm, data: str = BUILTIN) -> config_lib.Config:
+    """The settings a run of ``algorithm`` on ``data`` gets before any file or setting of the
+    user's: the algorithm's defaults, and the built-in task's recipe when ``data`` is 'builtin'."""
+    from nnx_posttrain import tasks
+
+    cls = algorithm_class(algorithm)
+    cfg = config_files.merge(config_type(cls)(), cls.defaults, f"{cls.__name__}.defaults")
+    recipe = tasks.recipe(cls.name) if data == BUILTIN else None
+    return config_files.apply(cfg, recipe) if recipe else cfg
+
+
+def _nested(settings: dict) -> dict:
+    """Dotted keys (``"optim.learning_rate"``) as nested mappings."""
+    out: dict = {}
+    for key, value in settings.items():
+        *groups, name = key.split(".")
+        node = out
+        for group in groups:
+            node = node.setdefault(group, {})
+        if isinstance(value, dict) and isinstance(node.get(name), dict):
+            node[name].update(value)
+        else:
+            node[name] = value
+    return out
+
+
+def configure(algorithm, config: str | Path | None = None, **settings) -> config_lib.Config:
+    """A validated run config of ``algorithm`` (a name or a class): its ``defaults`` for the
+    run's data, then the YAML / JSON file ``config`` (as ``--config``), then ``settings``,
+    nested by group as dicts or dotted (``optim={"learning_rate": 1e-3}`` or
+    ``**{"optim.learning_rate": 1e-3}``; the algorithm's own under ``algo``). An unknown name or
+    a value of the wrong type raises ``ConfigError`` naming it."""
+    settings = _nested(settings)
+    data = settings.get("data")
+    if data is None and config is not None:
+        data = config_files.read(config).get("data")
+    cfg = defaults(algorithm, BUILTIN if data is None else data)
+    if config is not None:
+        cfg = dataclasses.replace(config_files.apply(cfg, config), config=str(config))
+    cfg = config_files.merge(cfg, settings, "configure()")
+    return cfg.validate()
+
+
+def build(cfg: config_lib.Config):
+    """The algorithm of a run config (an instance, its settings checked): the one whose
+    settings type ``cfg.algo`` has."""
+    from nnx_posttrain import algorithms
+
+    by_settings = {cls.Config: cls for cls in algorithms.ALGORITHMS.values()}
+    cls = by_settings.get(type(cfg.algo))
+    if cls is None:
+        raise errors.ConfigError(f"the config's algo ({type(cfg.algo).__name__}) is no "
+                                 "algorithm's settings: build it with nnx_posttrain.configure")
+    return cls(cfg.algo, cfg.logprob_chunk)
+
+
+def run(cfg: config_lib.Config, echo=print):
+    """Train per ``cfg`` (built by ``configure``); returns ``train.RunResult``. Resumes from the
+    run directory's latest checkpoint when it has one. A problem the user can fix raises a
+    ``UserError``; Ctrl-C raises ``KeyboardInterrupt`` after saying what is kept."""
+    from nnx_posttrain import train
+
+    algorithm = build(cfg)
+    try:
+        with train.prepare(cfg, algorithm, echo) as prepared:
+            return train.train(prepared)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): stopped without writing a checkpoint; the run resumes from "
+              "its latest complete one, if it has one", file=sys.stderr)
+        raise
+
+
+def evaluate(cfg: config_lib.Config, echo=print) -> dict:
+    """The eval metrics of ``cfg``'s run directory's latest checkpoint (or of the model's own
+    weights), also appended to its ``metrics.jsonl`` with what they scored."""
+    from nnx_posttrain import train
+
+    cfg = dataclasses.replace(cfg, eval_only=True)
+    with train.prepare(cfg, build(cfg), echo) as prepared:
+        return train.evaluate_only(prepared)
+
+
+def load_run(run_dir: str | Path, step: int | None = None, echo=print):
+    """A run's checkpoint as a live model (``runs.LoadedRun``: ``module``, ``lm``, ``config``)."""
+    from nnx_posttrain import runs
+
+    return runs.load(run_dir, step, echo=echo)
+
+
+def __getattr__(name):  # RunResult lives with the loop; imported when first asked for
+    if name == "RunResult":
+        from nnx_posttrain.train import RunResult
+
+        return RunResult
+    raise AttributeError(f"module 'nnx_posttrain.api' has no attribute {name!r}")

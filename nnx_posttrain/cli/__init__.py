@@ -1,0 +1,139 @@
+"""The command line: the console script ``nnx-posttrain`` (also ``python -m nnx_posttrain.cli``)
+and ``python -m experiments[.ALGORITHM]``.
+
+    nnx-posttrain ALGORITHM [options]      train (sft, dpo, simpo, ... ; ALGORITHM --help)
+    nnx-posttrain export RUN --to DIR      a checkpoint as a KerasHub preset / HF / PEFT adapters
+    nnx-posttrain sample RUN --prompt ...  answer prompts with a checkpoint
+    nnx-posttrain compare RUN [RUN ...]    final / best metrics, setting differences, plots
+    nnx-posttrain sweep ALGORITHM --grid   a grid of runs, one process per point
+    nnx-posttrain inspect RUN              what a checkpoint holds
+
+This package is the library's one user that owns the process: ``main`` alone turns a
+``UserError`` into ``error: MESSAGE`` and exit status 1, a stop signal into 128 + its number,
+Ctrl-C into 130. Everything it calls raises exceptions instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+USAGE = """usage: {prog} COMMAND [options]   ({prog} COMMAND --help lists its options)
+
+Training (one command per algorithm; --config FILE.yaml sets options from a file):
+{algorithms}
+
+Runs:
+{tools}"""
+
+# command -> (module of nnx_posttrain.cli with main(argv, prog) -> exit status, one line)
+TOOLS = {
+    "export": ("export_command", "a checkpoint as a KerasHub preset, Hugging Face model or PEFT "
+                                 "adapters"),
+    "sample": ("sample", "answer prompts with a run's checkpoint"),
+    "compare": ("compare_command", "final and best metrics, setting differences, plots"),
+    "sweep": ("sweep", "a grid of runs, one process per point, resumable"),
+    "inspect": ("inspect_command", "what a run's checkpoint holds"),
+}
+
+
+class _Imports:
+    """Notes a Ctrl-C Python only printed while the command imported (it lands in a garbage
+    collector callback of JAX's, and is swallowed there): the command then stops at once."""
+
+    def __init__(self):
+        self.interrupted = False
+
+    def __enter__(self):
+        self._previous = sys.unraisablehook
+        sys.unraisablehook = self._note
+        return self
+
+    def _note(self, unraisable) -> None:
+        if issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.interrupted = True
+        self._previous(unraisable)
+
+    def __exit__(self, *exc) -> None:
+        sys.unraisablehook = self._previous
+
+
+def usage(prog: str) -> str:
+    from nnx_posttrain import algorithms
+
+    width = max(map(len, algorithms.names()))
+    width = max(width, *map(len, TOOLS))
+    lines = [f"  {name:<{width}}  {algorithms.registry.summary(algorithms.get(name))}"
+             for name in algorithms.names()]
+    tools = [f"  {name:<{width}}  {line}" for name, (_, line) in TOOLS.items()]
+    return USAGE.format(prog=prog, algorithms="\n".join(lines), tools="\n".join(tools))
+
+
+def main(argv=None, prog: str = "nnx-posttrain", own_process: bool = False,
+         command_prog: str | None = None) -> int:
+    """Run the command ``argv`` names (default: the process's arguments); returns its exit
+    status. A ``UserError`` raises ``SystemExit("error: ...")``; a stop signal or Ctrl-C before
+    the run's end ends the process at once where it is the command's own (``own_process``: the
+    console script, ``python -m experiments``), else raises ``SystemExit`` with its status."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before JAX loads: no C++ log lines
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with _Imports() as imports:
+        from nnx_posttrain import algorithms, errors
+        from nnx_posttrain.cli import train_command
+    if imports.interrupted:
+        _exit_now(130, "interrupted (Ctrl-C) while starting", own_process)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(prog))
+        return 0 if argv else 2
+    command, args = argv[0], argv[1:]
+    try:
+        shown = command_prog or f"{prog} {command}"
+        if command in algorithms.names():
+            return _finish(train_command.main(command, args, shown), own_process)
+        if command in TOOLS:
+            module = importlib.import_module(f"nnx_posttrain.cli.{TOOLS[command][0]}")
+            return _finish(module.main(args, shown), own_process)
+        raise errors.ConfigError(f"unknown command {command!r}\n{usage(prog)}")
+    except errors.UserError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except errors.Stopped as stop:
+        _exit_now(stop.exit_code, None, own_process)
+    except KeyboardInterrupt:
+        _exit_now(130, "interrupted (Ctrl-C): stopped without writing a checkpoint; the run "
+                       "resumes from its latest complete one, if it has one", own_process)
+
+
+def _finish(code: int, own_process: bool) -> int:
+    """A command's exit status; a stop's (128 + signal) ends the command's own process at once,
+    as ``_exit_now`` says why."""
+    if code >= 128:
+        _exit_now(code, None, own_process)
+    return code
+
+
+def _exit_now(code: int, message: str | None, own_process: bool) -> types.NoReturn:
+    """End with ``code``. In the command's own process, at once, streams flushed: the run's own
+    files are closed by now, and a checkpoint save the stop cut short leaves threads that would
+    print a page of tracebacks at interpreter shutdown (closed event loops, a shut-down
+    executor). Elsewhere (a test calling ``main``): ``SystemExit(code)``."""
+    if message:
+        print(message, file=sys.stderr)
+    if not own_process:
+        raise SystemExit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def console() -> None:
+    """The ``nnx-posttrain`` console script."""
+    raise SystemExit(main(prog=os.path.basename(sys.argv[0]) or "nnx-posttrain",
+                          own_process=True))
+
+
+def experiment(name: str) -> None:
+    """``python -m experiments.NAME [options]``: the training command of algorithm ``NAME``."""
+    raise SystemExit(main([name, *sys.argv[1:]], own_process=True,
+                          command_prog=f"python -m experiments.{name}"))
