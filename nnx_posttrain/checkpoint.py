@@ -21,6 +21,7 @@ import contextlib
 import gc
 import inspect
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -231,6 +232,37 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _late_io_noise(record: logging.LogRecord) -> bool:
+    """False for asyncio's "Task exception was never retrieved" (a read of a checkpoint whose
+    failure was reported, its other reads' tasks collected later)."""
+    return not record.getMessage().startswith("Task exception was never retrieved")
+
+
+@contextlib.contextmanager
+def quiet_failed_io():
+    """While the block runs, drop what Orbax's cancelled I/O reports after a read or write has
+    failed: the ``RuntimeError: Event loop is closed`` of TensorStore's late callbacks (from their
+    own threads, as unraisable exceptions) and asyncio's "Task exception was never retrieved" for
+    the other reads of a damaged checkpoint. The failure itself is reported by name (a damaged
+    checkpoint set aside, a full disk). Everything else reaches the previous
+    ``sys.unraisablehook`` and asyncio's log, both put back at the end."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addFilter(_late_io_noise)
+    try:
+        yield
+    finally:
+        asyncio_log.removeFilter(_late_io_noise)
+        sys.unraisablehook = previous
 
 
 @contextlib.contextmanager

@@ -14,6 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the micro model on short sequences: what most end-to-end tests train
 MICRO = ["--model", "gemma_micro", "--batching.max-length", "24"]
+# a few quick steps without evaluation, checkpoints at 2 and 4 (the fault tests, the battery)
+FAST_STEPS = ["--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval.batches", "1",
+              "--eval.exact-match", "0", "--batching.batch-size", "4", "--checkpoint.every", "2"]
 
 
 def train_run(algorithm: str, *args, recipe: bool = True, echo=print):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tools import bench
+from tools.bench import run as bench
 
 
 def test_batches_are_the_same_on_both_sides_and_well_formed():
@@ -96,7 +96,7 @@ def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
     tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=536870912"
     args = ["--spec", json.dumps(bench.spec_of("micro")), "--case", "sft", "--steps", "2",
             "--warmup", "0", "--host-allocator", "heap"]
-    r = bench._run_worker("tools.bench_ours", args, 600, tunables=tunables)
+    r = bench._run_worker("tools.bench.ours", args, 600, tunables=tunables)
     assert "error" not in r, r
     assert r["host_allocator"] == f"host allocator: GLIBC_TUNABLES={tunables} (the user's)"
     assert r["page_faults_per_step"] >= 0
@@ -124,7 +124,7 @@ def test_end_to_end_micro(tmp_path):
 
 
 def test_profile_breakdown_attributes_the_step_to_model_components():
-    from tools import bench_ours
+    from tools.bench import ours as bench_ours
 
     result = bench_ours.measure(bench.spec_of("micro"), "sft", steps=1, warmup=0, dtype="float32",
                                 seed=0, logprob_chunk=8, flags=[], profile_steps=2)

@@ -22,10 +22,9 @@ from nnx_posttrain import api, checkpoint, cli, config, data, errors, metrics_lo
 from nnx_posttrain.algorithms import DPO, SFT, registry
 from nnx_posttrain.cli.train_command import parse
 from nnx_posttrain.train import hooks, resume, rundir
-from support import MICRO, ROOT, records, train_run
+from support import FAST_STEPS, MICRO, ROOT, records, train_run
 
-FAST = [*MICRO, "--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval.batches", "1",
-        "--eval.exact-match", "0", "--batching.batch-size", "4", "--checkpoint.every", "2"]
+FAST = [*MICRO, *FAST_STEPS]
 
 
 def sft(run_dir, *extra):

@@ -1,5 +1,7 @@
-"""The README's measured tables are rendered from results/*.json by ``tools.readme``: the README
-matches them, and an edited number is caught; its experiment commands validate as written."""
+"""The measured tables of the README and the docs are rendered from results/*.json by
+``tools.results``: every page matches them, an edited number is caught; the experiment commands
+the pages show validate as written; the README stays a page (at most 250 lines, a real model on
+the user's file within the first 120)."""
 
 import json
 import re
@@ -8,22 +10,32 @@ from pathlib import Path
 
 import pytest
 
-from tools import readme
+from tools import results as readme
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_matches_its_results_files(capsys):
+def test_the_pages_match_their_results_files(capsys):
     assert readme.main(["--check"]) == 0, capsys.readouterr().err
-    text = readme.README.read_text()
-    for name in ("default_run", "method_table"):
+    text = (readme.DOCS / "results.md").read_text()
+    for name in ("default_run", "method_table", "fault_cases"):
         assert f"<!-- results:{name} -->" in text and (readme.RESULTS / f"{name}.json").exists()
+
+
+def test_the_readme_is_a_page_that_starts_a_newcomer_on_a_real_model():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, len(lines)
+    head = "\n".join(lines[:120])
+    assert "python -m experiments.sft" in head and "pip install" in head  # the two commands
+    assert "--model gemma_2b --data pairs.jsonl" in head and "--config" in head  # your model, file
+    assert "prompt" in head and "chosen" in head and "messages" in head  # the formats
 
 
 @pytest.fixture
 def fake_repo(tmp_path, monkeypatch):
     monkeypatch.setattr(readme, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(readme, "README", tmp_path / "README.md")
+    monkeypatch.setattr(readme, "DOCS", tmp_path / "docs")
     readme.record("t", "python -m tools.x", ["a", "b"], [[1, "2.5%"]], notes=["one run"],
                   data={"range": [0.1, 0.2]})
     readme.README.write_text("intro\n<!-- results:t -->\nold\n<!-- /results:t -->\nend\n")
@@ -63,24 +75,24 @@ def test_record_refuses_a_ragged_table(fake_repo):
 
 
 def _readme_commands():
-    """Every ``python -m experiments.<name> ARGS`` in the README (continuation lines joined) whose
-    arguments are literal (no ``...``, ``$VAR`` or ``<placeholder>``)."""
-    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
-    for m in re.finditer(r"python -m experiments\.(\w+)([^\n`\"#|;)]*)", text):
+    """Every ``python -m experiments.<name> ARGS`` in the README and the docs (continuation lines
+    joined) whose arguments are literal (no ``...``, ``$VAR`` or ``<placeholder>``)."""
+    text = "\n".join(p.read_text() for p in readme.pages()).replace("\\\n", " ")
+    for m in re.finditer(r"python -m experiments\.([a-z_]+)([^\n`\"#|;)]*)", text):
         name, rest = m.group(1), m.group(2).split("&&")[0]
         if not any(t in rest for t in ("...", "$", "<", "[", "{", "--help")):
             yield name, shlex.split(rest)
 
 
-def test_every_command_in_the_readme_is_a_valid_configuration(monkeypatch):
-    """A command the README shows must at least parse and validate as written (the pod-slice
-    command once asked for two '-1' mesh axes and was refused on every run)."""
+def test_every_command_the_pages_show_is_a_valid_configuration(monkeypatch):
+    """A command the README or the docs show must at least parse and validate as written (the
+    pod-slice command once asked for two '-1' mesh axes and was refused on every run)."""
     from nnx_posttrain import errors
     from nnx_posttrain.cli.train_command import config_from
 
-    monkeypatch.chdir(ROOT)  # --config configs/... as a user in the repository runs it
+    monkeypatch.chdir(ROOT)  # --config experiments/configs/... as a user in the repository runs it
     commands = list(_readme_commands())
-    assert len(commands) >= 20, commands  # the extraction still finds them
+    assert len(commands) >= 15, commands  # the extraction still finds them
     refused = []
     for name, args in commands:
         if "--config" in args and not (ROOT / args[args.index("--config") + 1]).exists():

@@ -1,6 +1,6 @@
 """Real-size models offline: tools.make_preset (real dimensions, random weights, full-size
 tokenizers through KerasHub's own from_preset), the headline command / DPO / GRPO on a scaled
-preset (tools.smoke_real: the small version of what tools/smoke_real.sh runs at full size), the
+preset (tools.bench.smoke_real: the small version of what tools/bench/smoke_real.sh runs at full size), the
 sampler on a padded embedding (Qwen), and bfloat16 weights without float32 copies across a step."""
 
 import json
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from nnx_posttrain import model
-from tools import make_preset, smoke_real
+from tools import make_preset
+from tools.bench import smoke_real
 
 TEXT = "<start_of_turn>user\nWhat's 12 + 30? Écrivez ☃.<end_of_turn>\n"
 

@@ -16,7 +16,7 @@ from nnx_posttrain.algorithms import shared_prompt
 from nnx_posttrain.algorithms.preference import CPOConfig, ORPOConfig, SimPOConfig
 from nnx_posttrain.algorithms.preference import CPO, ORPO, SimPO
 from nnx_posttrain.model import attention
-from tools.check_gpu import ragged_pairs
+from tools.bench.check_gpu import ragged_pairs
 
 SEQ, PROMPT = 24, 10
 SIDES = ("chosen", "rejected")

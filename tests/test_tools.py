@@ -318,13 +318,14 @@ def test_boolean_grid_values_become_tyro_flags():
     assert cmd[-2:] == ["--batching.no-packing", "--batching.shuffle"]
 
 
-# ----------------------------------------------------------------------------- tools.bench_targets
+# ----------------------------------------------------------------------------- tools.bench.targets
 
 
 def test_bench_targets_read_the_recorded_benchmarks(tmp_path, monkeypatch, capsys):
     """Each target row is computed from the results files, met or not by its threshold; a matmul
     share over 100% (peak and step under different loads) is 'unknown', not a pass."""
-    from tools import bench_targets, readme
+    from tools import results as readme
+    from tools.bench import targets as bench_targets
 
     def side(size, case, side, ms, cpu, rss, bound=1.0):
         return dict(size=size, case=case, side=side, ms_per_step=ms, cpu_ms_per_step=cpu,

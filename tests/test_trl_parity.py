@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 
 
 def test_dpo_parity_with_trl():
-    from tools import trl_parity
+    from tools.bench import trl_parity
 
     report = trl_parity.check(echo=lambda *_: None)
     assert report["logits_max_abs_diff"] < 1e-4

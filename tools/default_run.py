@@ -10,7 +10,7 @@ log-probs over chunks of 2 positions, which changes only the floating-point roun
 and its gradient) must not move the result: a recipe whose outcome rounding decides is on a cliff
 of its learning curve, and its numbers cannot be reproduced on another machine.
 
-Recorded in results/<--record>.json (``tools.readme.record``): per eval step the eval loss and
+Recorded in results/<--record>.json (``tools.results.record``): per eval step the eval loss and
 exact match, mean +- std over seeds, each seed's final exact match, the perturbation's effect,
 wall times, and ``data["range"]``: the interval of final exact match a run of the recipe is
 expected in (every measured run, seeds and perturbed, widened by ``--margin``). The README states
@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import readme, seeds as S  # noqa: E402
+from tools import results as readme, seeds as S  # noqa: E402
 
 
 def _finals(runs: dict) -> dict[int, float]:
@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
                          "machine": "", "columns": columns, "rows": rows, "notes": notes}))
     if args.record != "none":
         path = readme.record(args.record, command.strip(), columns, rows, notes, data=data)
-        print(f"written {path}; render it into the README with python -m tools.readme")
+        print(f"written {path}; render it into the README with python -m tools.results")
     return data
 
 

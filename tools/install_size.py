@@ -3,7 +3,7 @@ keras-hub (which pulls tensorflow-text, hence TensorFlow), each in a fresh virtu
 
     python -m tools.install_size [--root /work/venvs] [--keep]
 
-Writes results/install.json (rendered into the README by ``python -m tools.readme``). Each
+Writes results/install.json (rendered into the README by ``python -m tools.results``). Each
 variant: ``python3 -m venv`` and a pip upgrade (as ``.ci/run``), then its install command from this checkout with pip's cache off
 (``PIP_NO_CACHE_DIR=1``: every wheel fetched again), timed; the size is every file of the
 environment (``du``-style, bytes on disk of regular files).
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools import readme
+from tools import results as readme
 
 ROOT = Path(__file__).resolve().parents[1]
 KERAS_HUB = '"keras-hub>=0.32,<0.33"'

@@ -24,8 +24,8 @@ marked significant when the interval excludes 0; preference accuracy on held-out
 (rewards/accuracies, or the reward model's accuracy), mean +- std; the online methods' training
 reward (mean of the first and of the last three logged steps); wall time per run. KTO's exact
 match is on its held-out desirable examples (the problems it shares with the other side are
-paired). Written to results/<--record>.json (``tools.readme.record``; rendered into the README by
-``python -m tools.readme``) and printed.
+paired). Written to results/<--record>.json (``tools.results.record``; rendered into the README by
+``python -m tools.results``) and printed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python tools/preference_table.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import readme, seeds as S  # noqa: E402
+from tools import results as readme, seeds as S  # noqa: E402
 
 # Rows that are a method with other settings: (experiment, its options).
 VARIANTS = {
@@ -251,7 +251,7 @@ def main(argv=None) -> dict:
     if args.record != "none":
         path = readme.record(args.record, command.strip(), columns, rows, notes,
                              data={"stats": stats, "methods": methods, "seeds": args.seeds})
-        print(f"written {path}; render it into the README with python -m tools.readme")
+        print(f"written {path}; render it into the README with python -m tools.results")
     return stats
 
 

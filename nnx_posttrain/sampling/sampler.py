@@ -17,7 +17,7 @@ forward replaces (``model.attention``): the prompt pass takes the training path 
 own keys; each decoding step writes one key and value per row into the cache in place and attends
 one query against it (``attention.attend_cached``: causal, sliding window, soft cap, left pads
 masked). KerasHub's own cached attention slices, updates and re-stacks its whole cache in every
-layer and step; this cache is updated in place (`tools.bench_sampler` measures both).
+layer and step; this cache is updated in place (`tools.bench.sampler` measures both).
 
 Log-probabilities are those of softmax(logits / temperature) (temperature 1 when greedy) WITHOUT
 top-k / top-p truncation, the convention of TRL's rollouts.

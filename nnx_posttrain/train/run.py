@@ -93,6 +93,7 @@ def prepare(cfg, algorithm, echo=print) -> Run:
     created = not run.run_dir.exists()
     try:
         run.interrupted = run.guards.enter_context(Interruptible()).check
+        run.guards.enter_context(checkpoint.quiet_failed_io())
         run.interrupted()
         run.cfg = setup.settings_for_data(cfg, algorithm, echo)
         run.mesh = _devices(run.cfg, echo)

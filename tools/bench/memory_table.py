@@ -1,6 +1,6 @@
 """Per-device memory of the training state of gemma_2b / gemma_7b under each mesh.
 
-    python -m tools.memory_table [--devices 8] [--lora-rank 8]
+    python -m tools.bench.memory_table [--devices 8] [--lora-rank 8] [--record]
 
 Shapes are KerasHub's GemmaBackbone variables (names and layouts checked against a real backbone
 built from the same formula, ``check``), the published configs of gemma_2b_en / gemma_7b_en;
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from nnx_posttrain import sharding
 
@@ -105,16 +106,47 @@ def table(devices: int, lora_rank: int) -> str:
     return "\n".join(lines)
 
 
+def rows(devices: int, lora_rank: int) -> list[list[str]]:
+    """One row per (model, mesh): GiB per device for full fine-tuning and for LoRA on a float32
+    or a bfloat16 frozen base."""
+    gib, out = 2 ** 30, []
+    for name, cfg in CONFIGS.items():
+        full = gemma_shapes(**cfg)
+        lora = gemma_shapes(**cfg, lora_rank=lora_rank)
+        n = sum(math.prod(s) for s in full.values())
+        for mesh in MESHES[devices]:
+            w = per_device(full, mesh, 4)
+            adapters = per_device(lora, mesh, 16, only=lambda p: "lora_kernel" in p)
+            out.append([f"{name} ({n / 1e9:.2f} B)", " x ".join(f"{k}={v}" for k, v in mesh.items()),
+                        f"{4 * w / gib:.2f}", f"{(w + adapters) / gib:.2f}",
+                        f"{(w / 2 + adapters) / gib:.2f}"])
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8, choices=sorted(MESHES))
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--check", action="store_true", help="verify the shapes on a real tiny backbone")
+    parser.add_argument("--record", action="store_true", help="write results/memory_table.json")
     args = parser.parse_args(argv)
     if args.check:
         check()
         print("shapes match KerasHub's GemmaBackbone (gemma_tiny with LoRA)")
     print(table(args.devices, args.lora_rank))
+    if args.record:
+        from tools import results
+
+        command = "python -m tools.bench.memory_table" + " ".join(
+            [""] + [a for a in (argv if argv is not None else sys.argv[1:])])
+        print(results.record(
+            "memory_table", command.strip(),
+            ["model", f"mesh ({args.devices} devices)", "full fine-tuning GiB",
+             f"LoRA r{args.lora_rank} (f32 base) GiB", f"LoRA r{args.lora_rank} (bf16 base) GiB"],
+            rows(args.devices, args.lora_rank),
+            notes=["Per device, from the real variable shapes and the sharding rules: float32 "
+                   "weights + float32 gradients + AdamW's two float32 moments (16 bytes per trained "
+                   "parameter); LoRA on q, k, v, o with a frozen base; activations not counted."]))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 shared-prompt preference rows against a float32 reference, per model family, packed and not,
 forward and backward. The test suite runs on CPU, where cuDNN does not exist; this is its GPU half.
 
-    python -m tools.check_gpu            # one line per check; exit 1 on a failed check
+    python -m tools.bench.check_gpu            # one line per check; exit 1 on a failed check
 
 cuDNN flash attention runs in bfloat16 only, so no path can equal the float32 reference to 1e-5:
 each check measures the bfloat16 ``cudnn`` path's error (max |x - ref| / max |ref| over the real

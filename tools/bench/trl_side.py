@@ -1,8 +1,8 @@
 """TRL's side of ``tools.bench``: one measurement of SFTTrainer / DPOTrainer, in its own process.
 
-    python -m tools.bench_trl --spec JSON --case sft|dpo|dpo_precompute --hf-dir DIR [--steps N]
+    python -m tools.bench.trl_side --spec JSON --case sft|dpo|dpo_precompute --hf-dir DIR [--steps N]
 
-Loads the Hugging Face checkpoint that ``tools.bench_ours --export`` wrote (the same weights as
+Loads the Hugging Face checkpoint that ``tools.bench.ours --export`` wrote (the same weights as
 ours), trains on the same random token ids (pre-tokenized datasets: TRL's tokenisation is not
 timed, nor is ours), and times each optimizer step between the ``on_step_begin`` and
 ``on_step_end`` callbacks: forward, backward, gradient clipping and the AdamW step of TRL's own
@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 
-from tools.bench import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
+from tools.bench.run import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
                          summarize, tokens_per_step)
 
 

@@ -1,9 +1,9 @@
 """The performance targets (issue 16) checked against the recorded benchmarks:
-``python -m tools.bench_targets``.
+``python -m tools.bench.targets``.
 
 Reads ``results/bench.json`` (tiny / medium, ``tools.bench``), ``results/bench_long.json`` (the
 long-context rows), ``results/bench_sampler.json`` and ``results/bench_rollout.json``
-(``tools.bench_sampler``) and writes ``results/bench_targets.json``: one row per target with what
+(``tools.bench.sampler``) and writes ``results/bench_targets.json``: one row per target with what
 was measured (wall time, and the process CPU time per step where the benchmark has it, which other
 processes on a shared machine inflate less) and whether it is met. Nothing is measured here: rerun
 the benchmarks, then this.
@@ -15,7 +15,8 @@ import argparse
 import json
 import sys
 
-from tools import bench, readme
+from tools import results as readme
+from tools.bench import run as bench
 
 SPEEDUP = 1.2  # ours vs the faster peer, every case at tiny and medium, and rollouts vs Tunix
 BOUND = 0.75  # of the matmul bound, at medium
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(" | ".join(r))
     if args.record != "none":
-        print(f"recorded {readme.record(args.record, 'python -m tools.bench_targets', columns, rows, notes)}")
+        print(f"recorded {readme.record(args.record, 'python -m tools.bench.targets', columns, rows, notes)}")
     return 0
 
 

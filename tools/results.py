@@ -1,20 +1,22 @@
-"""The README's measured tables, rendered from result files (claims are generated, not typed).
+"""The measured tables of the README and the docs, rendered from result files (claims are
+generated, not typed).
 
 A tool that measures something writes ``results/<name>.json`` with :func:`record`: the table's
-columns and rows (already formatted), the command that measured it, the commit and the date. The
-README holds each table between markers::
+columns and rows (already formatted), the command that measured it, the commit and the date. A
+page (``README.md``, ``docs/**/*.md``) holds each table between markers::
 
     <!-- results:NAME -->
     ... (written by this tool; do not edit by hand) ...
     <!-- /results:NAME -->
 
-    python -m tools.readme            # rewrite every marked block from results/*.json
-    python -m tools.readme --check    # exit 1 when a block differs from what its file renders to
+    python -m tools.results            # rewrite every marked block of every page from results/*.json
+    python -m tools.results --check    # exit 1 when a block differs from what its file renders to
 
 A table that must be measured again (e.g. after a change to what it measures) can be marked
 pending with :func:`pending`: its block then names the command instead of showing old numbers.
 
-A test runs ``--check``, so a README number can only change by rerunning the tool that measured it.
+A test runs ``--check``, so a number on a page can only change by rerunning the tool that
+measured it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 _BLOCK = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)",
                     re.DOTALL)
 
@@ -39,9 +42,9 @@ def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()
-        # the README and results files do not change what is measured: not "+changes"
+        # the pages and results files do not change what is measured: not "+changes"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":!README.md", ":!results"], cwd=ROOT,
+                                ":!README.md", ":!results", ":!docs"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
         return out + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -85,13 +88,13 @@ def render(result: dict) -> str:
     """The Markdown of one result: the table, then how it was measured."""
     if result.get("pending"):
         return (f"*Not measured at this commit ({result['pending']}): run `{result['command']}`, "
-                "then `python -m tools.readme`.*\n")
+                "then `python -m tools.results`.*\n")
     lines = ["| " + " | ".join(result["columns"]) + " |",
              "|" + "---|" * len(result["columns"])]
     lines += ["| " + " | ".join(row) + " |" for row in result["rows"]]
     lines.append("")
     lines.append(f"<sub>Measured by `{result['command']}` at commit {result['commit']} on "
-                 f"{result['date']} ({result['machine']}); rendered by `python -m tools.readme` "
+                 f"{result['date']} ({result['machine']}); rendered by `python -m tools.results` "
                  f"from `results/{result['name']}.json`.</sub>")
     lines += [""] + [f"<sub>{note}</sub>" for note in result.get("notes", [])] if result.get("notes") else []
     return "\n".join(lines) + "\n"
@@ -100,7 +103,7 @@ def render(result: dict) -> str:
 def load(name: str) -> dict:
     path = RESULTS / f"{name}.json"
     if not path.exists():
-        raise SystemExit(f"README block {name!r}: {path} does not exist (run the tool that "
+        raise SystemExit(f"results block {name!r}: {path} does not exist (run the tool that "
                          "measures it)")
     return json.loads(path.read_text())
 
@@ -109,24 +112,37 @@ def rendered(text: str) -> str:
     return _BLOCK.sub(lambda m: m.group(1) + render(load(m.group("name"))) + m.group(4), text)
 
 
+def pages() -> list[Path]:
+    """Every page that may hold results blocks: the README and the docs."""
+    return [README, *sorted(DOCS.rglob("*.md"))] if DOCS.is_dir() else [README]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     args = parser.parse_args(argv)
-    text = README.read_text()
-    new = rendered(text)
-    names = [m.group("name") for m in _BLOCK.finditer(text)]
-    if args.check:
-        stale = [n for n in names if _BLOCK.search(text) and render(load(n)) not in text]
+    stale, count = [], 0
+    for page in pages():
+        text = page.read_text()
+        names = [m.group("name") for m in _BLOCK.finditer(text)]
+        if not names:
+            continue
+        count += len(names)
+        new = rendered(text)
         if new != text:
-            print(f"README.md is stale: {', '.join(stale) or 'a marked block'} differ(s) from "
-                  "results/*.json; run python -m tools.readme", file=sys.stderr)
+            stale.append(f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}: "
+                         f"{', '.join(n for n in names if render(load(n)) not in text)}")
+            if not args.check:
+                page.write_text(new)
+    if args.check:
+        if stale:
+            print("stale pages (their blocks differ from results/*.json; run python -m "
+                  "tools.results):\n  " + "\n  ".join(stale), file=sys.stderr)
             return 1
-        print(f"README.md: {len(names)} marked tables match their results files")
+        print(f"{count} marked tables match their results files")
         return 0
-    README.write_text(new)
-    print(f"README.md: rendered {len(names)} tables ({', '.join(names)})")
+    print(f"rendered {count} tables; rewrote {len(stale)} page(s)")
     return 0
 
 

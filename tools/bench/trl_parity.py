@@ -2,7 +2,7 @@
 logits and DPO metrics in our code and in TRL's DPOTrainer.
 
     pip install -e ".[bench]"
-    python -m tools.trl_parity            # (also: python -m tools.bench --parity)
+    python -m tools.bench.trl_parity            # (also: python -m tools.bench --parity)
 
 What is compared, on the built-in ``gemma_tiny`` (its own SentencePiece tokenizer, vocabulary 315):
 

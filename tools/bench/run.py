@@ -6,11 +6,11 @@ model, weights, data and batch.
     python -m tools.bench --tunix-python /work/venvs/tunix/bin/python    # tiny and medium, a table
     python -m tools.bench --sizes tiny --steps 10 --json runs/bench.json --record bench
     python -m tools.bench --sizes long_2k,long_8k --cases sft_packed --sides ours,trl
-    python -m tools.bench --device gpu --sizes medium,gemma_2b --dtype bfloat16   # see tools/bench_gpu.sh
+    python -m tools.bench --device gpu --sizes medium,gemma_2b --dtype bfloat16   # see tools/bench/gpu.sh
     python -m tools.bench --parity               # TRL parity: tokenisation, logits and DPO metrics
 
-Every measurement runs in its own subprocess (``tools.bench_ours`` for our JAX step,
-``tools.bench_trl`` for TRL's trainers, ``tools.bench_tunix`` for Tunix's, with the Tunix
+Every measurement runs in its own subprocess (``tools.bench.ours`` for our JAX step,
+``tools.bench.trl_side`` for TRL's trainers, ``tools.bench.tunix_side`` for Tunix's, with the Tunix
 environment's own interpreter, ``--tunix-python``; without it that side is skipped with a note),
 so each peak resident memory is that side's own. Every side builds the same Gemma architecture
 with the same weights (ours exported to Hugging Face safetensors with KerasHub's exporter, which
@@ -33,7 +33,7 @@ keep their defaults; ``--host-allocator tuned|heap|default`` forces one, and a
 ``GLIBC_TUNABLES`` string such as ``glibc.malloc.mmap_max=0`` runs ours with that instead) with
 ``jax.block_until_ready``; TRL's between ``on_step_begin`` and
 ``on_step_end`` (forward, backward, clipping, optimizer step; the batch is already collated);
-Tunix's over its own loop (see ``tools.bench_tunix``). Reported: median ms/step over the measured
+Tunix's over its own loop (see ``tools.bench.tunix_side``). Reported: median ms/step over the measured
 steps, the median process CPU time per step (all threads: less sensitive to other processes on a
 shared machine), tokens/s (sequences x length processed by the policy per step / median), peak RSS
 of the process, RSS once imports are done, compile time (first step minus the median), and the
@@ -219,7 +219,7 @@ def emit(result: dict) -> None:
 # ----------------------------------------------------------------------------- the driver
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_worker(module: str, args: list[str], timeout: float, python: str | None = None,
@@ -273,13 +273,13 @@ def host_allocator_option(value: str) -> str:
 
 def matmul_peak(spec: dict, args) -> dict:
     option, tunables = ours_allocator(args)
-    return _run_worker("tools.bench_ours", ["--matmul-peak", "--spec", json.dumps(spec), "--device",
+    return _run_worker("tools.bench.ours", ["--matmul-peak", "--spec", json.dumps(spec), "--device",
                                             args.device, "--dtype", args.dtype, *option],
                        args.timeout, tunables=tunables)
 
 
 def export_weights(spec: dict, out_dir: str, seed: int, timeout: float = 900) -> dict:
-    return _run_worker("tools.bench_ours", ["--export", out_dir, "--spec", json.dumps(spec),
+    return _run_worker("tools.bench.ours", ["--export", out_dir, "--spec", json.dumps(spec),
                                             "--seed", str(seed)], timeout)
 
 
@@ -294,12 +294,12 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str, cpu_devices: in
         if args.ours_flags:
             extra += ["--flags", args.ours_flags]
         option, tunables = ours_allocator(args)
-        return _run_worker("tools.bench_ours", common + extra + option, args.timeout,
+        return _run_worker("tools.bench.ours", common + extra + option, args.timeout,
                            tunables=tunables)
     if side == "tunix":
-        return _run_worker("tools.bench_tunix", common + ["--hf-dir", hf_dir], args.timeout,
+        return _run_worker("tools.bench.tunix_side", common + ["--hf-dir", hf_dir], args.timeout,
                            python=args.tunix_python)
-    return _run_worker("tools.bench_trl", common + ["--hf-dir", hf_dir], args.timeout)
+    return _run_worker("tools.bench.trl_side", common + ["--hf-dir", hf_dir], args.timeout)
 
 
 def tunix_python(path: str | None) -> tuple[str | None, str]:
@@ -407,7 +407,7 @@ def main(argv=None) -> list[dict]:
                              "default: train.host_memory, in process), glibc's huge pages "
                              "(tuned), or this GLIBC_TUNABLES string (e.g. "
                              "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824)")
-    parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench_ours)")
+    parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench.ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak (e.g. 989 for an H100/H200 in dense bfloat16): "
                              "report model FLOPs utilisation")
@@ -416,13 +416,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--record", default=None, metavar="NAME",
                         help="write the table to results/NAME.json for the README "
-                             "(tools.readme.record)")
+                             "(tools.results.record)")
     parser.add_argument("--note", action="append", default=[],
                         help="a note recorded under the table (with --record)")
     parser.add_argument("--parity", action="store_true", help="run the TRL parity check instead")
     args = parser.parse_args(argv)
     if args.parity:
-        from tools import trl_parity
+        from tools.bench import trl_parity
 
         return trl_parity.main([])
     sizes = [s for s in args.sizes.split(",") if s]
@@ -492,7 +492,7 @@ def main(argv=None) -> list[dict]:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(raw, indent=1))
     if args.record:
-        from tools import readme
+        from tools import results as readme
 
         load_end = os.getloadavg()[0]
         notes.append(f"Machine load (1-minute load average, {os.cpu_count()} cores) at the start "

@@ -2,12 +2,12 @@
 process and its own environment (Tunix is not a dependency of the library):
 
     python -m venv /work/venvs/tunix && /work/venvs/tunix/bin/pip install -e ".[bench-tunix]"
-    /work/venvs/tunix/bin/python -m tools.bench_tunix --spec JSON --case sft|dpo --hf-dir DIR
+    /work/venvs/tunix/bin/python -m tools.bench.tunix_side --spec JSON --case sft|dpo --hf-dir DIR
 
 ``tools.bench --tunix-python /work/venvs/tunix/bin/python`` starts it. The model is
 ``tunix.models.gemma``'s ``Gemma`` with the spec's dimensions (Tunix's ``hidden_dim`` is each MLP
 branch's width: KerasHub's ``intermediate_dim / 2``), its weights read by Tunix's own safetensors
-loader from the checkpoint ``tools.bench_ours --export`` wrote (the same weights as ours and TRL's;
+loader from the checkpoint ``tools.bench.ours --export`` wrote (the same weights as ours and TRL's;
 where the loader fails, a random initialisation, and the result says ``same_weights: false``).
 SFT: ``PeftTrainer`` with its default loss (next-token cross-entropy over the input mask);
 DPO: ``DPOTrainer`` with a reference model (its log-probs computed every step, in the trainer's
@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 
-from tools.bench import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
+from tools.bench.run import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
                          summarize, tokens_per_step)
 
 
@@ -159,7 +159,7 @@ def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, 
     from tunix.sft.dpo import dpo_trainer
 
     if case not in ("sft", "dpo"):
-        raise SystemExit(f"tools.bench_tunix: case {case!r} not measured (sft, dpo)")
+        raise SystemExit(f"tools.bench.tunix_side: case {case!r} not measured (sft, dpo)")
     rss_imports = rss_now_mb()
     total = 1 + warmup + steps
     model, same_weights, note = build_model(spec, hf_dir, seed)
@@ -237,7 +237,7 @@ class _IdTokenizer:
 def sample(spec: dict, hf_dir: str, prompts_file: str, new_tokens: int, repeats: int,
            temperature: float) -> dict:
     """Tunix's sampler (``tunix.generate.sampler.Sampler``, KV cache) on the prompts of
-    ``tools.bench_sampler``: median seconds of a call after a warm-up call, and the tokens."""
+    ``tools.bench.sampler``: median seconds of a call after a warm-up call, and the tokens."""
     import statistics
 
     import jax
@@ -279,13 +279,13 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample", default=None, metavar="PROMPTS.npy",
-                   help="time Tunix's sampler on these prompts instead (tools.bench_sampler)")
+                   help="time Tunix's sampler on these prompts instead (tools.bench.sampler)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
     if args.dtype != "float32":
-        raise SystemExit("tools.bench_tunix measures float32 only")
+        raise SystemExit("tools.bench.tunix_side measures float32 only")
     os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.device == "gpu" else "cpu")
     if args.sample:
         emit(sample(json.loads(args.spec), args.hf_dir, args.sample, args.new_tokens, args.repeats,

@@ -3,10 +3,10 @@ of fused operation and by the model component they came from (the op_name metada
 compiled HLO: ``decoder_block_3/attention/softmax``, ``token_embedding``, ...), forward and
 backward apart.
 
-    python -m tools.bench_ours --spec "$(python -c 'import json; from tools.bench import spec_of;
+    python -m tools.bench.ours --spec "$(python -c 'import json; from tools.bench import spec_of;
         print(json.dumps(spec_of("tiny")))')" --case sft --profile 3
 
-(``tools.bench_ours --profile N`` traces N steps after its measurement and prints this.)
+(``tools.bench.ours --profile N`` traces N steps after its measurement and prints this.)
 """
 
 from __future__ import annotations

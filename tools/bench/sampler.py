@@ -1,4 +1,4 @@
-"""Throughput of the KV-cache sampler: ``python -m tools.bench_sampler [--model gemma_tiny]
+"""Throughput of the KV-cache sampler: ``python -m tools.bench.sampler [--model gemma_tiny]
 [--batch 16] [--new-tokens 64] [--prompt-len 32] [--repeats 5]``.
 
 Greedy decoding of the same batch of prompts (random token ids, all ``--prompt-len`` long, no stop
@@ -17,7 +17,7 @@ process after a warm-up call (median of ``--repeats``):
 
 ``--temperature T`` (> 0) samples instead of greedy decoding (Tunix: ``top_p=1.0``, the only way
 it samples), as a GRPO rollout does (``--batch 64``); the agreement column is then not compared.
-``--record NAME`` writes the table to ``results/NAME.json`` (``tools.readme``).
+``--record NAME`` writes the table to ``results/NAME.json`` (``tools.results``).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main(argv=None) -> dict[str, float]:
     parser.add_argument("--tunix-python", default=None,
                         help="the Python of an environment with Tunix: adds Tunix's sampler")
     parser.add_argument("--record", default=None, metavar="NAME",
-                        help="write the table to results/NAME.json (tools.readme)")
+                        help="write the table to results/NAME.json (tools.results)")
     parser.add_argument("--note", action="append", default=[])
     args = parser.parse_args(argv)
     greedy = args.temperature == 0
@@ -182,9 +182,9 @@ def main(argv=None) -> dict[str, float]:
         rows.append([args.model, str(batch), mode, name, f"{sec:.4f}", f"{rates[name]:,.0f}",
                      f"{ratio:.2f}x", same])
     if args.record:
-        from tools import readme
+        from tools import results as readme
 
-        command = "python -m tools.bench_sampler " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m tools.bench.sampler " + " ".join(argv if argv is not None else sys.argv[1:])
         readme.record(args.record, command,
                       ["model", "batch", "decoding", "decoder", "seconds", "tokens/s",
                        "time / ours", "same tokens as ours"], rows, notes,
@@ -193,8 +193,8 @@ def main(argv=None) -> dict[str, float]:
 
 
 def _tunix(lm, ids, new_tokens: int, args) -> dict:
-    """Tunix's sampler on the same prompts and weights, in its own process (tools.bench_tunix)."""
-    from tools import bench
+    """Tunix's sampler on the same prompts and weights, in its own process (tools.bench.tunix_side)."""
+    from tools.bench import run as bench
 
     bb = lm.module
     spec = dict(vocab=bb.vocabulary_size, hidden_dim=bb.hidden_dim, num_layers=bb.num_layers,
@@ -204,7 +204,7 @@ def _tunix(lm, ids, new_tokens: int, args) -> dict:
         lm.task.export_to_transformers(str(Path(tmp) / "hf"))
         np.save(Path(tmp) / "prompts.npy", ids)
         return bench._run_worker(
-            "tools.bench_tunix",
+            "tools.bench.tunix_side",
             ["--spec", json.dumps(spec), "--hf-dir", str(Path(tmp) / "hf"), "--sample",
              str(Path(tmp) / "prompts.npy"), "--new-tokens", str(new_tokens), "--repeats",
              str(args.repeats), "--temperature", str(args.temperature)], 1800,

@@ -8,8 +8,8 @@ steps) and classifies what happened.
                config.json or metrics.jsonl overwritten, another run's state trained on)
     unclear    it ran on without saying what it should have said (a refusal expected)
 
-    python -m tools.fault_cases --json out.json [--root DIR] [--only NAME]   # run the cases
-    python -m tools.fault_cases --table [before.json] after.json             # results/fault_cases.json
+    python tests/fault_cases.py --json out.json [--root DIR] [--only NAME]   # run the cases
+    python tests/fault_cases.py --table [before.json] after.json             # results/fault_cases.json
 
 ``--root`` runs another checkout's code (e.g. the commit before a fix) with this file's cases.
 Each case runs one to three processes of ~10 s: all of them take about 30 minutes on 2 cores.
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = ["--model", "gemma_micro", "--batching.max-length", "24"]
-FAST = ["--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval.batches", "1",
-        "--eval.exact-match", "0", "--batching.batch-size", "4", "--checkpoint.every", "2"]
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script: tests/support.py
+sys.path.insert(1, str(ROOT))  # and the repository (tools.results)
+from support import FAST_STEPS as FAST, MICRO  # noqa: E402  (one copy of the micro settings)
 CLASSES = ["ok", "message", "traceback", "data loss", "unclear"]
 
 
@@ -703,7 +703,7 @@ def counts(results) -> dict:
 
 def table(*paths: str) -> None:
     """results/fault_cases.json from one run of the cases (AFTER) or two (BEFORE AFTER)."""
-    from tools.readme import record
+    from tools.results import record
 
     runs = [json.loads(Path(p).read_text()) for p in paths]
     after = runs[-1]
@@ -717,7 +717,7 @@ def table(*paths: str) -> None:
                if len(runs) > 1 else [])
     left = [f"{r['case']} ({r['outcome']})" for r in after["results"]
             if r["outcome"] in ("traceback", "data loss", "unclear")]
-    record("fault_cases", "python -m tools.fault_cases --json FILE [--root DIR]; --table [BEFORE] AFTER",
+    record("fault_cases", "python -m tests/fault_cases.py --json FILE [--root DIR]; --table [BEFORE] AFTER",
            columns, rows,
            notes=["Not fine after: " + (", ".join(left) or "none"),
                   f"{len(after['results'])} cases, each one to three real processes on the micro "

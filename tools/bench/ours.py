@@ -1,8 +1,8 @@
 """Our side of ``tools.bench``: one measurement of the library's training step, in its own process.
 
-    python -m tools.bench_ours --spec JSON --case sft|dpo|dpo_precompute|dpo_lora [--steps N ...]
-    python -m tools.bench_ours --export DIR --spec JSON        # the same weights as HF safetensors
-    python -m tools.bench_ours --matmul-peak --spec JSON       # this machine's float32 matmul GFLOP/s
+    python -m tools.bench.ours --spec JSON --case sft|dpo|dpo_precompute|dpo_lora [--steps N ...]
+    python -m tools.bench.ours --export DIR --spec JSON        # the same weights as HF safetensors
+    python -m tools.bench.ours --matmul-peak --spec JSON       # this machine's float32 matmul GFLOP/s
 
 The step is ``train.make_train_step`` with the algorithm's loss, jitted as ``train.run`` does it
 (state donated, output shardings pinned to the replicated sharding of a one-axis mesh).
@@ -20,7 +20,7 @@ import json
 import os
 import time
 
-from tools.bench import (BACKBONE_KEYS, LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb,
+from tools.bench.run import (BACKBONE_KEYS, LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb,
                          rss_now_mb, summarize, tokens_per_step)
 
 
@@ -176,7 +176,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     if profile_steps:
         import tempfile
 
-        from tools import profile_breakdown
+        from tools.bench import profile_breakdown
 
         hlo = step_fn.lower(state, frozen, batches[0]).compile().as_text()
 
@@ -272,7 +272,7 @@ def main(argv=None):
                      args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile,
                      args.attention, args.cpu_devices)
     if "profile" in result:
-        from tools import profile_breakdown
+        from tools.bench import profile_breakdown
 
         profile_breakdown.print_breakdown(result["profile"])
     emit(result)

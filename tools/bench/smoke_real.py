@@ -1,7 +1,7 @@
 """The README's headline command (and DPO / GRPO) on a real-size model, offline.
 
-    python -m tools.smoke_real --like gemma_2b                 # ~15 GB, minutes: not in CI
-    python -m tools.smoke_real --like gemma_2b --scale 0.02    # the same path, small (a test)
+    python -m tools.bench.smoke_real --like gemma_2b                 # ~15 GB, minutes: not in CI
+    python -m tools.bench.smoke_real --like gemma_2b --scale 0.02    # the same path, small (a test)
 
 Builds a preset of the real dimensions with random weights (``tools.make_preset``; reused when
 ``--preset DIR`` exists), writes a small preference file and a prompt file of ordinary English,
@@ -16,7 +16,7 @@ and runs, each in its own process, for ``--steps`` steps:
 under each ``--dtypes`` value. Reported per run: seconds per step after the first (which
 compiles), the first step's seconds, the model's loading seconds, the peak resident memory of the
 process, and the size of the last checkpoint. ``--record NAME`` writes ``results/NAME.json`` for
-the README (``python -m tools.readme``).
+the README (``python -m tools.results``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the a model learns from data and answers questions about science history music art "
          "code small large quickly slowly because when which river city book garden").split()
 
@@ -120,8 +120,8 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
 
 def record(name: str, like: str, scale: float, steps: int, max_length: int, results: list[dict],
            params: int | None = None) -> None:
-    """results/NAME.json for the README (``python -m tools.readme``)."""
-    from tools import readme
+    """results/NAME.json for the README (``python -m tools.results``)."""
+    from tools import results as readme
 
     size = f"{params / 1e9:.2f} B parameters, " if params else ""
     rows = [[r["method"], r["dtype"], f"{r['seconds_per_step']:.2f}",
@@ -129,7 +129,7 @@ def record(name: str, like: str, scale: float, steps: int, max_length: int, resu
              f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['checkpoint_bytes'] / 1e6:.1f}"]
             for r in results]
     readme.record(
-        name, f"python -m tools.smoke_real --like {like}" + (f" --scale {scale:g}" if scale != 1 else ""),
+        name, f"python -m tools.bench.smoke_real --like {like}" + (f" --scale {scale:g}" if scale != 1 else ""),
         ["method", "--dtype", "s/step", "first step s", "load s", "peak RSS GB", "checkpoint MB"],
         rows,
         notes=[f"A {like}-shaped KerasHub preset with random weights ({size}bfloat16, written by "
@@ -144,7 +144,7 @@ def record(name: str, like: str, scale: float, steps: int, max_length: int, resu
 
 def rerecord(name: str) -> None:
     """Rewrite results/NAME.json's table from its own raw data (after a change of layout)."""
-    from tools import readme
+    from tools import results as readme
 
     saved = readme.load(name)
     d = saved["data"]
