@@ -1,15 +1,65 @@
 """Shared fixtures. Importing ``nnx_posttrain.tasks`` registers the built-in models and data
 (``gemma_micro``, ``--data builtin``), as the training loop does; plain helpers (command lines of
-the micro model, metric readers) live in ``support.py``."""
+the micro model, in-process runs, metric readers) live in ``support.py``.
 
-import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
-import nnx_posttrain.tasks  # noqa: F401  (registers the built-in models and data)
-import pytest
+JAX's persistent compilation cache is on for the session and every process it starts (set here,
+before anything imports JAX): the many micro runs compile the same programs, and a program
+compiled once is read back instead of compiled again.
+"""
 
-from nnx_posttrain import model
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(Path(tempfile.gettempdir()) / "nnx_posttrain_jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import nnx_posttrain  # noqa: E402,F401  (the Keras backend, before keras is imported)
+import nnx_posttrain.tasks  # noqa: E402,F401  (registers the built-in models and data)
+import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
+
+from nnx_posttrain import model  # noqa: E402
+from support import FAST_STEPS, MICRO, train_run  # noqa: E402
+
+# Finished micro runs that many tests read (or copy, to change them): built once per test
+# session, by the first worker that asks, in its own process; read-only for the tests.
+SHARED_RUNS = {
+    # 4 steps of the micro SFT, checkpoints at 2 and 4, no evaluation
+    "sft": ("sft", [*MICRO, *FAST_STEPS]),
+    # the same with LoRA rank 2 on the attention projections, a learning rate that moves them
+    "sft_lora": ("sft", [*MICRO, *FAST_STEPS, "--lora.rank", "2", "--lora.targets", "attention",
+                         "--optim.learning-rate", "1e-2"]),
+}
 
 
 @pytest.fixture(scope="module")
 def micro():
     """The micro built-in Gemma (2 layers, hidden 32), seed 0: a fresh one per test module."""
     return model.load("gemma_micro", seed=0)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, worker_id):
+    """``shared_run(name)``: the directory of the finished run ``SHARED_RUNS[name]``, trained
+    once for the whole session (the xdist workers share one, under a file lock). Read it, or
+    ``shutil.copytree`` it before changing anything."""
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent
+
+    def get(name: str) -> Path:
+        algorithm, args = SHARED_RUNS[name]
+        path = root / "shared_runs" / name
+        with FileLock(str(root / f"shared_run_{name}.lock")):
+            if not (path / "DONE").exists():
+                if path.exists():  # a build a previous session left half done
+                    import shutil
+
+                    shutil.rmtree(path)
+                train_run(algorithm, *args, "--run-dir", path, echo=lambda _: None)
+                (path / "DONE").touch()
+        return path
+
+    return get
+

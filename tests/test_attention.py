@@ -68,6 +68,7 @@ def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
     return np.asarray(h)[real]  # padding positions carry no loss and may differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_xla_path_equals_kerashub_attention(backbone, packed):
     """float32, 1e-5: the hidden states at every real position."""
@@ -83,6 +84,7 @@ def test_splash_kernel_equals_kerashub_attention(backbone, packed):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradients_equal_kerashub_attention(backbone):
     """The backward pass too (packed rows, the chunked path with chunks of 8 positions)."""
     ids, mask, seg = _inputs(packed=True)
@@ -106,6 +108,7 @@ def test_gradients_equal_kerashub_attention(backbone):
             np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow
 def test_chunked_queries_equal_one_chunk():
     """Long sequences run a query chunk at a time, each against the keys it can see."""
     rng = np.random.default_rng(0)

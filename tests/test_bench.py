@@ -90,6 +90,7 @@ def test_host_allocator_option_takes_a_mode_or_glibc_tunables():
                                                "glibc.malloc.mmap_max=0")
 
 
+@pytest.mark.slow
 def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
     """``--host-allocator glibc...``: our measured process runs with exactly that string (its
     result line says so) and reports its page faults per step."""
@@ -102,6 +103,7 @@ def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
     assert r["page_faults_per_step"] >= 0
 
 
+@pytest.mark.slow
 def test_end_to_end_micro(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("torch")

@@ -171,6 +171,7 @@ def _run(args, **kw):
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, **kw)
 
 
+@pytest.mark.slow
 def test_experiments_help_exits_0_and_lists_each_algorithm():
     out = _run([sys.executable, "-m", "experiments", "--help"])
     assert out.returncode == 0, out.stderr
@@ -181,6 +182,7 @@ def test_experiments_help_exits_0_and_lists_each_algorithm():
     assert bad.returncode != 0 and "unknown command 'nosuch'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_usage_line_names_the_module_not_a_file():
     out = _run([sys.executable, "-m", "experiments.simpo", "--help"])
     assert out.returncode == 0

@@ -211,6 +211,7 @@ def test_reward_columns_are_checked_before_the_first_rollout(tmp_path, reward, m
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_reward_failure_names_the_reward_and_the_row_and_time_is_logged(tmp_path):
     prompts = _write(tmp_path / "q.jsonl", [{"prompt": f"Question {i}?", "solution": "1"}
                                             for i in range(8)])

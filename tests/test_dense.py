@@ -50,6 +50,7 @@ def test_every_family_has_its_projections_overridden(backbone):
         assert all(dense._plan(dense._equation(layer, 3)) for layer in dense.projections(block))
 
 
+@pytest.mark.slow
 def test_forward_is_the_layers_own_and_gradients_equal_autodiff(backbone):
     want_h, want = _grads(backbone, own=False)
     got_h, got = _grads(backbone, own=True)

@@ -58,10 +58,9 @@ def pc(i):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 4-step SFT run: checkpoints 2 and 4."""
-    run = tmp_path_factory.mktemp("finished") / "run"
-    sft(run)
+def finished(shared_run):
+    """A finished 4-step SFT run: checkpoints 2 and 4 (the session's shared one: copy it)."""
+    run = shared_run("sft")
     assert steps_of(run) == [2, 4]
     return run
 
@@ -93,6 +92,7 @@ def test_non_finite_option_values_are_refused_up_front(args, option):
     assert f"{option} must be a finite number" in str(info.value)
 
 
+@pytest.mark.slow
 def test_non_finite_training_stops_naming_the_step_and_keeps_only_good_checkpoints(tmp_path, capsys):
     run = tmp_path / "run"
     msg = refusal(sft, run, "--optim.learning-rate", "1e30", "--optim.max-grad-norm", "0",
@@ -132,6 +132,7 @@ def test_guard_reads_each_flag_one_step_late_and_skip_counts():
         stop.flush()
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_changes_neither_weights_nor_optimizer_state(micro):
     import jax
     import jax.numpy as jnp
@@ -246,6 +247,7 @@ def test_reading_a_run_whose_checkpoint_rotation_removes_the_latest_meanwhile(co
         runs.load(copy, step=2)
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_init_from_checkpoint_it_started_from(tmp_path, capsys):
     """The --init-from run trains on after a DPO run started from it: the resumed DPO run still
     starts (and takes its reference model) from the checkpoint it began with, and equals a run
@@ -268,6 +270,7 @@ def test_a_resume_keeps_the_init_from_checkpoint_it_started_from(tmp_path, capsy
     assert "this run started from its checkpoint at step 2, which is gone (it has [4])" in msg
 
 
+@pytest.mark.slow
 def test_named_changes_are_accepted_and_recorded(copy, capsys):
     sft(copy, "--steps", "6", "--optim.learning-rate", "1e-2", "--resume-changed",
         "optim.learning-rate")
@@ -303,6 +306,7 @@ def test_clipping_switched_on_or_off_is_refused_even_when_named():
         resume.check(saved, current, {"optim.max_grad_norm"}, "x", "run")
 
 
+@pytest.mark.slow
 def test_other_data_is_refused_even_under_the_same_file_name(tmp_path):
     path = jsonl(tmp_path / "a.jsonl", [pc(i) for i in range(8)])
     run = tmp_path / "run"
@@ -452,6 +456,7 @@ def _wait_for(predicate, proc, timeout=300):
     raise AssertionError(f"timed out; the process's stderr ends with:\n{err[-6000:]}")
 
 
+@pytest.mark.slow
 def test_second_process_refused_log_removed_mid_run_recreated_killed_holder_taken_over(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")
@@ -492,6 +497,7 @@ def test_records_with_no_loss_token_are_refused_when_none_or_most_and_left_out_o
     assert all(np.isfinite(r["loss"]) for r in records(tmp_path / "c"))
 
 
+@pytest.mark.slow
 def test_identical_preference_pairs_are_counted(tmp_path, capsys):
     rows = [{"prompt": f"q{i}", "chosen": "same" if i < 3 else "a", "rejected": "same" if i < 3 else "b"}
             for i in range(8)]
@@ -731,6 +737,7 @@ def test_a_commands_ctrl_c_python_swallowed_while_importing_stops_it(monkeypatch
     assert info.value.code == 130 and "interrupted (Ctrl-C)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_twice_in_a_real_run_exits_cleanly_and_every_checkpoint_restores(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--steps", "100000", "--checkpoint.every", "3")
@@ -780,6 +787,7 @@ def _measure(algorithm, run_dir, *extra) -> dict:
     return json.loads(out.stdout.split("MEASURE ")[-1])
 
 
+@pytest.mark.slow
 def test_eval_only_holds_the_weights_without_optimizer_state_or_reference_copy(tmp_path):
     """Issue 19: --eval-only built the AdamW state (and a reference copy) it never used. Live
     bytes are counted once per device buffer (an array placed on the mesh aliases the model's)."""
@@ -833,6 +841,7 @@ runpy.run_module("experiments.sft", run_name="__main__")  # python -m experiment
 """
 
 
+@pytest.mark.slow
 def test_sigterm_during_training_checkpoints_then_ends_even_when_the_exit_stalls(tmp_path):
     """SIGTERM mid-training: the step finishes, the checkpoint is written, and a stalled exit (a
     thread that never ends) is ended by the timer armed once the checkpoint is complete."""

@@ -99,6 +99,7 @@ def hf_logits(directory, dtype=torch.float32):
         return hf(torch.tensor(IDS, dtype=torch.long)).logits.float().numpy(), hf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BACKBONES))
 def test_export_round_trips_through_transformers(name, tmp_path):
     backbone = randomized(BACKBONES[name]())

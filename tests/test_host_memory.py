@@ -15,13 +15,17 @@ GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
 def _python(code: str, *args, **env) -> str:
-    clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    """``code`` in a fresh process: without a GLIBC_TUNABLES, and without the test session's
+    compilation cache (a compile read back from it is no compile)."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("GLIBC_TUNABLES", "JAX_COMPILATION_CACHE_DIR")}
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
                          text=True, env=dict(clean, PYTHONPATH=str(ROOT), **env), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
+@pytest.mark.slow
 def test_memory_is_trimmed_after_each_compile_that_counts():
     """The listener hears JAX's backend-compile event (a renamed event would leave it deaf):
     a compile of >= MIN_COMPILE_S trims once; with the threshold raised, a compile does not."""
@@ -57,6 +61,7 @@ print("FAULTS", faults() - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="the setting is glibc's")
 def test_the_heap_setting_keeps_freed_blocks_mapped_in_process():
     """What the setting is for: a block freed and allocated again takes no page fault (glibc's

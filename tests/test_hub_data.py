@@ -147,6 +147,7 @@ def test_split_of_hub_layouts():
     assert hub._split_of(Path("en/test-00000-of-00001.parquet")) == "test"
 
 
+@pytest.mark.slow
 def test_sft_trains_from_a_hub_dataset_offline(tmp_path):
     """End to end, in a fresh process as a user runs it: HF_HUB_OFFLINE=1 and a Hub cache."""
     rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},

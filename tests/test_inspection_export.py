@@ -2,7 +2,6 @@
 ``nnx-posttrain export``) and ``nnx-posttrain inspect``, on tiny real runs."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
@@ -21,28 +20,17 @@ IDS = jnp.array([[2, 17, 30, 41, 52, 63, 74, 85, 96, 11, 12, 13, 14], [2, 9, 8, 
 MASK = (IDS != 0).astype(jnp.int32).at[:, 0].set(1)
 
 
-def _train(run_dir, *extra):
-    cmd = experiment_command(
-        "sft", run_dir, "--steps", "3", "--eval.every", "0", "--eval.exact-match", "0",
-        "--eval.batches", "1", "--batching.batch-size", "4", *extra,
-    )
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise AssertionError(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return run_dir
+@pytest.fixture(scope="module")
+def full_run(shared_run):
+    return shared_run("sft")
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("full") / "run")
+def lora_run(shared_run):
+    return shared_run("sft_lora")
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("lora") / "run", "--lora.rank", "2", "--lora.targets",
-                  "attention", "--optim.learning-rate", "1e-2")
-
-
+@pytest.mark.slow
 def test_param_counts_group_by_top_level_layer_and_sum_to_the_total(full_run):
     module = runs.load(full_run).module
     counts = inspection.param_counts(module)
@@ -51,6 +39,7 @@ def test_param_counts_group_by_top_level_layer_and_sum_to_the_total(full_run):
     assert counts["total"] == model.count_params(nnx.state(module)) > 0
 
 
+@pytest.mark.slow
 def test_lora_delta_norms_then_merge_keeps_outputs_and_leaves_a_plain_model(lora_run):
     module = runs.load(lora_run).module
     norms = inspection.lora_delta_norms(module)
@@ -101,6 +90,7 @@ def test_export_keras_preset_round_trips_with_the_same_logits(which, request, tm
     np.testing.assert_allclose(model.full_logits(task.backbone, IDS, MASK), expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(tmp_path):
     """PPO trains the backbone with a value head: sample and export take the policy (TRL's PPO
     saves it alone); a reward model does not generate and is refused, before it loads, with how

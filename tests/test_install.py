@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from support import MICRO, ROOT, records
 
 ABSENT = """
@@ -39,6 +41,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_trains_without_tensorflow(tmp_path):
     run_dir = tmp_path / "run"
     # NNX_POSTTRAIN_TENSORFLOW=1 lifts the package's own guard: only real absence is left

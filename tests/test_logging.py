@@ -40,6 +40,7 @@ def _text_tags(run_dir) -> dict:
             for e in tensorboard_events(run_dir) for v in e.summary.value if v.tensor.string_val}
 
 
+@pytest.mark.slow
 def test_sft_eval_logs_its_completions(tmp_path):
     run_dir = tmp_path / "sft"
     train_run("sft", *MICRO, "--run-dir", run_dir, "--steps", "2", "--batching.batch-size", "4",
@@ -60,6 +61,7 @@ def test_sft_eval_logs_its_completions(tmp_path):
     assert text[("eval/completions", 2)].startswith("| prompt | reference | completion | score |")
 
 
+@pytest.mark.slow
 def test_online_rollouts_are_logged_and_eval_reports_the_held_out_reward(tmp_path):
     from nnx_posttrain import data
 
@@ -131,6 +133,7 @@ def test_wandb_is_imported_only_when_asked(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "tb").is_dir()
 
 
+@pytest.mark.slow
 def test_report_to_wandb_offline(tmp_path):
     pytest.importorskip("wandb")
     run_dir = tmp_path / "wb"
@@ -191,6 +194,7 @@ def test_progress_bars_redraw_rarely_where_they_go_to_a_file():
     assert all(line == line.strip() and line for line in lines[:-1]), lines
 
 
+@pytest.mark.slow
 def test_a_run_logged_to_a_file_has_its_evaluations_on_their_own_lines(tmp_path):
     """The loop's bar (stderr) and its evaluation lines (stdout) in one file, as ``> log 2>&1``:
     no line holds both."""

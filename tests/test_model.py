@@ -109,6 +109,7 @@ def test_default_chunking_keeps_small_logits_and_chunks_large_ones():
     assert chunk_positions(2, 4, 256, 32_000) == 2 and chunk_positions(0, 8, 1024, 256_000) == 0
 
 
+@pytest.mark.slow
 def test_chunked_logprob_gradients_equal_naive(micro):
     graphdef, params, frozen = model.split(micro.module)
     weights = jnp.where(MASK > 0, 1.0, 0.0)
@@ -235,6 +236,7 @@ def test_builtin_tokenizer_is_deterministic_and_gemma_compatible():
     assert isinstance(keras.ops.convert_to_numpy(tok.keras_tokenizer.tokenize("hi")), np.ndarray)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma_micro", "gemma2_tiny"])
 def test_a_packed_row_gives_the_same_per_example_logprobs_as_separate_rows(name):
     lm = model.load(name, seed=0)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import nnx_posttrain  # noqa: F401
 import numpy as np
+import pytest
 
 from support import MICRO, losses as _losses, train_run
 
@@ -37,6 +38,7 @@ def _sft(args):
     return train_run("sft", *args, recipe=False)
 
 
+@pytest.mark.slow
 def test_two_processes_train_and_save_one_process_resumes(tmp_path):
     data = tmp_path / "sums.jsonl"  # a small file: no eval split, quick validation
     rng = np.random.default_rng(0)

@@ -25,6 +25,7 @@ def run_dir(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_inspect_run_notebook_executes_without_error(run_dir, monkeypatch):
     monkeypatch.setenv("NNX_RUN_DIR", str(run_dir))
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
@@ -39,6 +40,7 @@ def test_inspect_run_notebook_executes_without_error(run_dir, monkeypatch):
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the metrics plot
 
 
+@pytest.mark.slow
 def test_sample_answers_from_a_checkpoint(run_dir):
     out = subprocess.run([sys.executable, "-m", "nnx_posttrain.cli", "sample", str(run_dir), "--prompt",
                           "What is 1 + 2?", "--prompt", "What is 3 + 4?", "--max-new-tokens", "3"],

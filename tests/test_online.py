@@ -87,6 +87,7 @@ GRPO_METRICS = ("loss", "reward", "reward_std", "rewards/exact_match/mean", "kl"
                 "clip_ratio/high_mean", "clip_ratio/region_mean", "frac_reward_zero_std")
 
 
+@pytest.mark.slow
 def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files):
     """The sampler's log-probs of the sampled tokens = the training forward's log-probs of the
     same sequence at the completion positions (the contract the policy ratio relies on), and the
@@ -118,6 +119,7 @@ def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files
     assert batch["advantages"].shape == (8,) and np.isfinite(batch["advantages"]).all()
 
 
+@pytest.mark.slow
 def test_grpo_learns_a_reward_and_logs_trl_metrics(tmp_path, prompt_files):
     # 20 steps: over seeds 0-5 the reward rose from <= 0.10 to >= 0.45 (12 steps were seed luck:
     # 2 of 4 seeds gained less than 0.2, with either of the sampler's two draws)
@@ -138,6 +140,7 @@ def test_grpo_learns_a_reward_and_logs_trl_metrics(tmp_path, prompt_files):
     assert [r["step"] for r in evals] == [0, 10, 20] and all("exact_match" in r for r in evals)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,cls,extra", [
     ("rloo", online.RLOO, ["--algo.num-generations", "2"]),
     ("ppo", online.PPO, ["--algo.num-iterations", "2"]),
@@ -174,6 +177,7 @@ def test_other_online_algorithms_run_with_their_metrics(tmp_path, prompt_files, 
             assert r["beta"] == 0.1
 
 
+@pytest.mark.slow
 def test_resume_between_rollouts_equals_the_uninterrupted_run(tmp_path, prompt_files):
     """num_iterations 2: checkpoints only after whole rollouts (steps 2, 4); stopping at 4 and
     resuming gives the same per-step losses as one run of 6 steps."""
@@ -194,6 +198,7 @@ def test_resume_between_rollouts_equals_the_uninterrupted_run(tmp_path, prompt_f
     np.testing.assert_allclose(np.array(b)[:, 1:], np.array(a)[:, 1:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_reward_model_run_as_reward(tmp_path, prompt_files):
     train_run("reward", "--model", "gemma_micro", "--init-from", "", "--steps", "2",
               "--batching.batch-size", "4", "--batching.max-length", "24", "--eval.exact-match",

@@ -88,6 +88,7 @@ _train_records = records
 # ----------------------------------------------------------------------------- 1. one forward
 
 
+@pytest.mark.slow
 def test_pair_logps_in_one_forward_equals_two_separate_forwards():
     lm = model.load("gemma_micro", seed=0)
     batch = _pair_batch(lm, UNEVEN)
@@ -234,6 +235,7 @@ def _assert_learns_and_logs_trl_metrics(records, steps=20):
     assert np.mean([r["rewards/accuracies"] for r in records[-5:]]) > 0.5
 
 
+@pytest.mark.slow
 def test_precomputed_reference_is_cached_reused_and_joined_to_the_right_examples(
         tmp_path, capsys, pref_files):
     """Also DPO's end-to-end run: the 'copy' run below learns and logs TRL's metrics."""
@@ -473,6 +475,7 @@ def test_reward_run_logs_accuracy_and_no_exact_match(tmp_path, pref_files):
     assert all(math.isfinite(r["loss"]) for r in records if r["split"] == "train")
 
 
+@pytest.mark.slow
 def test_reward_model_learns_a_learnable_preference(tmp_path):
     """A preference a scalar head can read off the last tokens (answers ending in '!' preferred):
     held-out accuracy reaches (nearly) 1 in 20 steps."""
@@ -487,6 +490,7 @@ def test_reward_model_learns_a_learnable_preference(tmp_path):
     assert evals[-1]["accuracy"] >= 0.95 and evals[-1]["loss"] < evals[0]["loss"] / 2, evals
 
 
+@pytest.mark.slow
 def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_path, capsys):
     """A batch (or eval set) without an undesirable example has no rejected metrics: they are
     left out of the record, as TRL leaves out a class it saw none of, not logged as NaN; the
@@ -509,6 +513,7 @@ def test_kto_with_desirable_examples_only_logs_no_nan_for_the_missing_class(tmp_
     assert "warning: the train data has no undesirable example (8 desirable / 0 undesirable" in out
 
 
+@pytest.mark.slow
 def test_kto_reads_preference_pairs_as_trl_does(tmp_path, pref_files, capsys):
     """KTO on preference pairs (TRL's maybe_unpair_preference_dataset): each pair a desirable
     (chosen) and an undesirable (rejected) example, bad pairs named by their side."""
@@ -568,6 +573,7 @@ def test_drop_uncounted_keeps_every_value_of_a_non_finite_step():
 # (DPO's end-to-end run is the 'copy' run of the precompute test above.)
 
 
+@pytest.mark.slow
 def test_short_simpo_run_learns_and_logs_trl_metrics(tmp_path, pref_files):
     train_run("simpo", *_args(
         tmp_path / "simpo", *LEARNING_RUN, "--eval.batches", "1", "--algo.beta", "2.0",
@@ -592,6 +598,7 @@ def test_sft_data_for_a_preference_experiment_fails_before_training(tmp_path):
 # ----------------------------------------------------------------------------- 8. command line
 
 
+@pytest.mark.slow
 def test_help_lists_the_algorithm_options():
     env = dict(os.environ, COLUMNS="200")
     procs = {

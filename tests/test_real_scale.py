@@ -52,6 +52,7 @@ def test_scaled_preset_keeps_heads_and_vocabulary():
     assert make_preset.scaled(make_preset.LIKE["gemma_2b"][1], 1.0) == make_preset.LIKE["gemma_2b"][1]
 
 
+@pytest.mark.slow
 def test_headline_command_dpo_and_grpo_on_a_scaled_gemma_2b(tmp_path):
     """The README's headline command (experiments.simpo --model PRESET --data pairs.jsonl
     --lora.rank 8) on a gemma_2b-shaped preset (full 256k vocabulary, 8 query heads, 1 KV head)
@@ -73,6 +74,7 @@ def test_headline_command_dpo_and_grpo_on_a_scaled_gemma_2b(tmp_path):
     assert all("time/rollout" in r for r in grpo if r["split"] == "train")
 
 
+@pytest.mark.slow
 def test_sampler_never_emits_ids_past_the_tokenizer_of_a_padded_embedding(tmp_path):
     """Qwen 2.5's embedding has 151,936 rows for 151,665 tokens: the padding rows are never
     sampled (the tokenizer could not decode them), greedy or not, even when most likely."""
@@ -121,6 +123,7 @@ def _step_memory(lm, lazy: bool):
     return float(value), grads, temp, sum(x.size for x in jax.tree.leaves(frozen))
 
 
+@pytest.mark.slow
 def test_bfloat16_frozen_weights_are_not_copied_to_float32_across_the_step():
     """XLA:CPU computes bfloat16 matmuls in float32; reading frozen weights lazily per block keeps
     those copies local (model.frozen), with the same loss and gradients."""
@@ -140,6 +143,7 @@ def test_bfloat16_frozen_weights_are_not_copied_to_float32_across_the_step():
     assert temp_b < temp_a - 0.5 * f32_copy, (temp_a, temp_b, f32_copy)
 
 
+@pytest.mark.slow
 def test_presets_load_in_their_dtype_without_initialising(tmp_path, monkeypatch):
     """A preset's weights are read over zeros: no initializer runs (each would compile and draw a
     float32 sample of a tensor the file overwrites), and the weights are the file's."""

@@ -6,6 +6,7 @@ import json
 import random
 
 import numpy as np
+import pytest
 
 from nnx_posttrain import model
 from nnx_posttrain.model import heads
@@ -30,6 +31,7 @@ def _sft(tmp_path, name, seed, *extra):
     return tmp_path / name
 
 
+@pytest.mark.slow
 def test_sft_same_seed_same_run_other_seed_other_run(tmp_path):
     a, b, c = (_sft(tmp_path, name, seed) for name, seed in (("a", 0), ("b", 0), ("c", 1)))
     assert _untimed(a) == _untimed(b)  # bitwise: every logged loss, norm, learning rate
@@ -67,6 +69,7 @@ def test_reward_head_initialisation_follows_the_seed(micro):
     assert not np.array_equal(kernel(3), kernel(4))
 
 
+@pytest.mark.slow
 def test_online_rollouts_follow_the_seed(tmp_path):
     def grpo(name, seed):
         args = [*MICRO, "--run-dir", str(tmp_path / name), "--init-from", "",

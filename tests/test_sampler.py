@@ -67,6 +67,7 @@ def test_greedy_equals_no_cache_argmax_with_different_prompt_lengths(micro_sampl
     assert np.asarray(out["completion_mask"]).all() and not np.asarray(out["finished"]).any()
 
 
+@pytest.mark.slow
 def test_greedy_equals_no_cache_argmax_gemma2_sliding_window_soft_caps_and_lora():
     lm = model.load("gemma2_tiny", seed=0)
     model.enable_lora(lm.module, rank=2, targets="attention")
@@ -92,6 +93,7 @@ def test_greedy_equals_no_cache_argmax_gemma2_sliding_window_soft_caps_and_lora(
     assert not np.array_equal(other_ref, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(support.TINY_FAMILIES))
 def test_every_family_decodes_as_a_full_forward_pass(family):
     """The cached decoding (KerasHub's blocks, this package's cache and attention kernel) of every
@@ -113,6 +115,7 @@ def test_every_family_decodes_as_a_full_forward_pass(family):
     np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_one_chunk_takes_the_blocked_path_and_decodes_the_same():
     """The prompt pass attends as the training forward does: past ``chunk`` positions, blocked
     attention (model/flash.py); decoding from its cache gives the tokens of plain decoding."""
@@ -126,6 +129,7 @@ def test_prompt_longer_than_one_chunk_takes_the_blocked_path_and_decodes_the_sam
                                   argmax_reference(bb, ids, mask, N))
 
 
+@pytest.mark.slow
 def test_attention_dropout_does_not_stop_decoding():
     """Dropout is a training-time layer: a model configured with it samples (KerasHub's inference
     path, dropout off), where the training forward keeps KerasHub's attention for it."""
@@ -149,6 +153,7 @@ def test_unsupported_family_is_named():
         sampler.make_sampler(graphdef, 2)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
 
 
+@pytest.mark.slow
 def test_logprobs_equal_one_full_forward_pass(micro_sampler):
     lm, _, states, sample = micro_sampler
     ids, mask = _batch()

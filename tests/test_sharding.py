@@ -263,6 +263,7 @@ def eight_devices():
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_same_loss_whatever_the_mesh(eight_devices):
     losses = eight_devices["losses"]
     print(json.dumps(losses, indent=1))
@@ -300,6 +301,7 @@ def _train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows if r["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_cpu_devices_split_each_batch_over_the_cores_with_the_same_losses(tmp_path):
     one = _sft_command(tmp_path / "one")
     two = _sft_command(tmp_path / "two", "--mesh.cpu-devices", "2")
@@ -312,6 +314,7 @@ def test_cpu_devices_split_each_batch_over_the_cores_with_the_same_losses(tmp_pa
     np.testing.assert_allclose(losses, _train_losses(tmp_path / "one"), rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_cpu_devices_auto_takes_one_per_core_for_a_builtin_model(tmp_path):
     cores = len(os.sched_getaffinity(0))
     n = max(k for k in range(1, cores + 1) if 32 % k == 0)  # gemma_micro's micro-batch: 32

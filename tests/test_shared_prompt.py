@@ -69,6 +69,7 @@ def _windowless(family):
     return support.tiny_backbone(family)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "llama3", "qwen3"])
 def test_shared_rows_give_the_concatenated_log_probs(family):
     bb = _windowless(family)
@@ -91,6 +92,7 @@ def test_shared_rows_on_kerashub_attention_and_the_blocked_path(path):
     _assert_same_logps(algorithm, bb, _pairs())
 
 
+@pytest.mark.slow
 def test_training_gradients_equal_the_concatenated_forward():
     """The loss a step differentiates, and its gradient, for CPO (NLL term on the chosen)."""
     bb = support.tiny_backbone("gemma")

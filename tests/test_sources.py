@@ -385,6 +385,7 @@ def test_mixture_proportions_and_per_part_epochs():
     same(take(resumed, 3), take(it, 3))
 
 
+@pytest.mark.slow
 def test_workers_give_the_same_batches_and_resume(tmp_path):
     # a Parquet, an Arrow and a JSONL file, mixed: every source is pickled to the workers
     a = write_parquet(tmp_path / "a.parquet", [pc(i) for i in range(5)], 2)

@@ -286,6 +286,7 @@ def test_ctrl_c_stops_the_whole_sweep(tmp_path, monkeypatch, capsys):
     assert [p["status"] for p in saved["points"]] == ["interrupted", "pending"]
 
 
+@pytest.mark.slow
 def test_real_sweep_end_to_end_and_resume(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "nnx_posttrain.cli", "sweep", "sft", "--grid",

@@ -85,6 +85,7 @@ def test_train_step_compiles_once_across_steps():
     assert step._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_large_batch():
     rng = np.random.default_rng(1)
     lm, step, state, frozen = _setup()
@@ -113,6 +114,7 @@ def test_gradient_accumulation_equals_one_large_batch():
     assert abs(np.mean(means) - ref_metrics["loss"]) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3, 0.0])  # clipped, not clipped, no clipping
 def test_train_step_applies_optax_clipping_then_adamw_to_the_mean_gradient(max_grad_norm):
     """One step (two micro-batches) against optax's own ``clip_by_global_norm`` and ``adamw`` on
@@ -174,6 +176,7 @@ def _sft_args(tmp_path, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path, capsys):
     result = train_run("sft", *_sft_args(tmp_path), recipe=False)
     # stderr is not a terminal here (as in a log file): the bar is drawn when it starts, around
@@ -208,6 +211,7 @@ def test_eval_only_prints_json_metrics_and_logs_them(tmp_path, capsys):
     assert [r["split"] for r in records] == ["eval"]
 
 
+@pytest.mark.slow
 def test_packed_sft_batch_gives_the_same_loss_as_its_examples_unpacked():
     from nnx_posttrain import data
 
@@ -237,6 +241,7 @@ def test_packed_sft_batch_gives_the_same_loss_as_its_examples_unpacked():
     assert float(jitted(params, frozen, sharded)) == pytest.approx(float(total_u), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_end_to_end_packed_sft_run(tmp_path):
     result = train_run("sft", *_sft_args(
         tmp_path, "--batching.packing", "--batching.max-length", "64", "--eval.exact-match", "0"),

@@ -7,6 +7,7 @@ pytest.importorskip("trl")
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_dpo_parity_with_trl():
     from tools.bench import trl_parity
 

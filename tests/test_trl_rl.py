@@ -286,6 +286,7 @@ def rollouts(per_func, weights):
                            reward_weights=np.asarray(weights, np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [0.7, 3.3, 1000.1, 1 / 3, -2.2e-3, 7.0])
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_equal_groups_have_exactly_zero_advantage(value, scale):
@@ -420,6 +421,7 @@ def test_rloo_advantages_match_trl(normalize, clip):
     assert metrics["kl"] == pytest.approx(((old - ref) * mask).sum() / mask.sum(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_leave_one_out_by_hand_and_equal_groups():
     # k = 3: baseline of the first = (2 + 4) / 2 = 3 -> 1 - 3 = -2
     np.testing.assert_allclose(rl.leave_one_out_advantages([1.0, 2.0, 4.0], 3),

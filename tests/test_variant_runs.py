@@ -59,6 +59,7 @@ def test_log_sum_sq_is_log_sum_of_squared_probabilities(lm):
         np.testing.assert_allclose(np.asarray(tok)[:, 1:][m], picked[m], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_orpo_nll_covers_prompt_and_completion_as_trl(lm):
     """trl/experimental/orpo/orpo_trainer.py, ORPOTrainer.concatenated_forward: labels = input ids
     where attended ("orpo chosen nll loss is computed over the full prompt and response"), the
@@ -95,6 +96,7 @@ def _step_results(algo, lm, host, accum):
     return jax.device_get(new_state["params"]), {k: float(v) for k, v in metrics.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dpo_sft", "orpo"])  # CPO / SimPO share DPO's NLL path
 def test_token_mean_nll_accumulates_exactly_through_the_step(lm, name):
     """A combined loss (per-pair preference term + per-token NLL term) over 2 micro-batches of
@@ -182,6 +184,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_new_options_train_from_the_command_line(tmp_path, files, run):
     name, kind, extra = RUNS[run]
