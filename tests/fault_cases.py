@@ -256,6 +256,16 @@ _data_case("data_invalid_utf8", [*_GOOD, b'{"prompt": "\xff\xfe", "completion": 
            ["data.jsonl:9", "utf-8"])
 _data_case("data_invalid_utf8_skip_bad", [*_GOOD, b'{"prompt": "\xff\xfe", "completion": "1"}\n'],
            ["1 bad"], ["--batching.skip-bad"], expect="work")
+_LONE_SURROGATE = b'{"prompt": "a \\ud800 b", "completion": "1"}\n'
+_data_case("data_lone_surrogate", [*_GOOD, _LONE_SURROGATE], ["data.jsonl:9", "prompt", "UTF-8"])
+_data_case("data_lone_surrogate_skip_bad", [*_GOOD, _LONE_SURROGATE], ["1 bad"],
+           ["--batching.skip-bad"], expect="work")
+_data_case("data_nested_200k_deep",
+           [*_GOOD, b'{"prompt": "x", "meta": ' + b"[" * 200_000 + b"]" * 200_000 + b"}\n"],
+           ["data.jsonl:9", "nested"])
+_data_case("data_record_over_16mb",
+           [*_GOOD, b'{"prompt": "' + b"word " * 3_500_000 + b'", "completion": "1"}\n'],
+           ["data.jsonl:9", "MAX_RECORD_BYTES"])
 _data_case("data_missing_column", [*_GOOD, {"prompt": "x"}], ["data.jsonl:9"])
 _data_case("data_wrong_type", [*_GOOD, {"prompt": "x", "completion": 3}], ["data.jsonl:9"])
 _data_case("data_empty_completion", [*_GOOD, {"prompt": "x", "completion": ""}], ["data.jsonl:9"])

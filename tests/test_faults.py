@@ -515,6 +515,36 @@ def test_invalid_utf8_names_the_line_and_skip_bad_skips_it(tmp_path, micro):
     assert report.bad == 1 and report.good_indices.tolist() == [0, 2]
 
 
+def test_text_that_cannot_be_encoded_is_a_bad_record_by_line_and_field(tmp_path, micro):
+    lone = b'{"prompt": "a \\ud800 b", "completion": "1"}\n'
+    path = jsonl(tmp_path / "d.jsonl", [pc(0), lone, pc(2)])
+    src = data.source(str(path))
+    t = data.Tokenize(micro.tokenizer, "gemma", 24)
+    with pytest.raises(data.DataError, match=rf"^{path}:2: field 'prompt' holds text that cannot be "
+                                               r"encoded as UTF-8 \(surrogates not allowed: \\ud800"):
+        t(src[1])
+    report = data.validate(src, t, skip_bad=True)
+    assert report.bad == 1 and report.good_indices.tolist() == [0, 2]
+
+
+def test_records_too_deep_or_too_long_are_refused_by_line_before_they_cost_memory(tmp_path, micro,
+                                                                                   monkeypatch):
+    from nnx_posttrain.data import sources
+    deep = b'{"prompt": "x", "completion": "1", "meta": ' + b"[" * 200_000 + b"]" * 200_000 + b"}\n"
+    nested = {"prompt": "x", "completion": "1", "meta": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}
+    path = jsonl(tmp_path / "d.jsonl", [pc(0), deep, nested, pc(3)])
+    src = data.source(str(path))
+    with pytest.raises(data.DataError, match=rf"^{path}:2: JSON nested too deeply"):
+        src[1]
+    t = data.Tokenize(micro.tokenizer, "gemma", 24)
+    with pytest.raises(data.DataError, match=rf"^{path}:3: field 'meta' is nested deeper than 32"):
+        t(src[2])
+    monkeypatch.setattr(sources, "MAX_RECORD_BYTES", 100)
+    with pytest.raises(data.DataError, match=rf"^{path}:2: a record of 400,045 bytes, over the 100 "):
+        src[1]
+    assert data.validate(src, t, skip_bad=True).good_indices.tolist() == [0, 3]
+
+
 def test_mixture_parts_and_weights_are_checked_by_name(tmp_path):
     a, empty = jsonl(tmp_path / "a.jsonl", [pc(0)]), jsonl(tmp_path / "b.jsonl", [])
     with pytest.raises(data.DataError, match=rf"^{empty}: no records \(a part of a mixture"):

@@ -31,6 +31,37 @@ def _where(record) -> str:
     return record.get("_where", "?")
 
 
+MAX_DEPTH = 32
+"""The deepest nesting of a record's values (a conversation with tool calls and their JSON
+arguments is 6-8 levels deep): a deeper record is refused by line, as a bad record."""
+
+
+def check_values(record: dict) -> None:
+    """``DataError`` naming the record and the field for a value nested deeper than
+    ``MAX_DEPTH``, or text that cannot be encoded as UTF-8 (a lone surrogate, which a JSON
+    ``\\ud800`` escape gives): what the tokenizer could not read is a bad record, refused (or
+    skipped with ``--batching.skip-bad``) like any other."""
+    stack = [(value, key, 2) for key, value in record.items() if not key.startswith("_")]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise DataError(f"{_where(record)}: field '{path.split('.')[0].split('[')[0]}' is "
+                            f"nested deeper than {MAX_DEPTH} levels (nnx_posttrain.data.formats."
+                            "MAX_DEPTH): not a record of text")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = value[exc.start:exc.end].encode("unicode_escape").decode()
+                raise DataError(f"{_where(record)}: field '{path}' holds text that cannot be "
+                                f"encoded as UTF-8 ({exc.reason}: {bad} at character "
+                                f"{exc.start + 1})") from None
+        elif isinstance(value, dict):
+            stack += [(v, f"{path}.{k}", depth + 1) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+
+
 def _columns(record) -> set:
     """Columns that hold a value: a null (a missing value in Parquet / Arrow) counts as absent."""
     return {k for k, v in record.items() if not k.startswith("_") and v is not None}

@@ -31,9 +31,34 @@ SPLIT_NAMES = {"train": ("train",), "eval": ("eval", "validation", "valid", "tes
 
 
 
+MAX_RECORD_BYTES = 16 * 2**20
+"""The longest JSONL record (one line) read, in bytes: a longer one is refused by its line before
+it is parsed or tokenized (a single 50 MB record once cost 12 GB of memory). Conversations of
+long-context training are well under it; raise it for records that really are longer."""
+
+
 def source_name(src) -> str:
     """How a message names a source: its file's path, else its name, else the object."""
     return str(getattr(src, "path", getattr(src, "name", src)))
+
+def _line_index(path: Path, piece: int = 2**20):
+    """(starts, lengths, line numbers) of the non-blank lines of ``path``, read ``piece`` bytes at
+    most at a time: indexing costs the index, never the longest line."""
+    starts, lengths, numbers = [], [], []
+    with path.open("rb") as f:
+        pos = start = 0
+        number, text = 1, False
+        while True:
+            part = f.readline(piece)
+            pos += len(part)
+            text = text or bool(part.strip())
+            if part.endswith(b"\n") or not part:  # a line ends, or the file
+                if text:  # blank lines are not records
+                    starts.append(start), lengths.append(pos - start), numbers.append(number)
+                if not part:
+                    return starts, lengths, numbers
+                start, number, text = pos, number + 1, False
+
 
 class JsonlSource:
     """Random-access JSONL source: line offsets are indexed once, records are read on demand."""
@@ -42,15 +67,7 @@ class JsonlSource:
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"{self.path}: no such data file")
-        starts, lengths, numbers = [], [], []
-        with self.path.open("rb") as f:
-            pos = 0
-            for number, line in enumerate(f, 1):
-                if line.strip():  # blank lines are not records
-                    starts.append(pos)
-                    lengths.append(len(line))
-                    numbers.append(number)
-                pos += len(line)
+        starts, lengths, numbers = _line_index(self.path)
         self._starts = np.asarray(starts, np.int64)
         self._lengths = np.asarray(lengths, np.int64)
         self._numbers = np.asarray(numbers, np.int64)
@@ -59,10 +76,14 @@ class JsonlSource:
         return len(self._starts)
 
     def __getitem__(self, index: int) -> dict:
+        where = f"{self.path}:{int(self._numbers[index])}"
+        size = int(self._lengths[index])
+        if size > MAX_RECORD_BYTES:
+            raise DataError(f"{where}: a record of {size:,} bytes, over the {MAX_RECORD_BYTES:,} "
+                            "bytes a record may have (nnx_posttrain.data.sources.MAX_RECORD_BYTES)")
         with self.path.open("rb") as f:
             f.seek(int(self._starts[index]))
-            raw = f.read(int(self._lengths[index]))
-        where = f"{self.path}:{int(self._numbers[index])}"
+            raw = f.read(size)
         try:
             text = raw.rstrip(b"\r\n").decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -72,6 +93,9 @@ class JsonlSource:
             record = json.loads(text)  # an error's column is then on this line
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise DataError(f"{where}: JSON nested too deeply to read (a record of text is a few "
+                            "levels deep)") from None
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
         record["_where"] = where

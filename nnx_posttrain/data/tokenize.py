@@ -34,6 +34,7 @@ from nnx_posttrain.data.formats import (
     _prompt_completion,
     _value,
     _where,
+    check_values,
     data_format,
     detect_format,
     preference_parts,
@@ -140,6 +141,7 @@ class Tokenize:
                              f"'prompt_completion', got {self.format!r}")
 
     def __call__(self, record: dict) -> dict:
+        check_values(record)
         fmt = self._record_format(record)
         tok = self.tokenizer
         if fmt == "prompt_completion":
@@ -200,6 +202,7 @@ class TokenizePreference(_SequenceTransform):
     margin: bool = False
 
     def __call__(self, record: dict) -> dict:
+        check_values(record)
         prompt, chosen, rejected = preference_parts(record)
         out, truncated = {}, 0
         for name, completion in (("chosen", chosen), ("rejected", rejected)):
@@ -253,6 +256,7 @@ class TokenizeUnpaired(_SequenceTransform):
     kind: ClassVar[str] = "unpaired_preference"
 
     def __call__(self, record: dict) -> dict:
+        check_values(record)
         where = _where(record)
         if record.get("label") is None:
             raise DataError(f"{where}: field 'label' is {'null' if 'label' in record else 'missing'}")
@@ -287,6 +291,7 @@ class TokenizePrompt:
         _check_lengths(self)
 
     def __call__(self, record: dict) -> dict:
+        check_values(record)
         prompt = _value(record, "prompt")
         if isinstance(prompt, list):
             try:
