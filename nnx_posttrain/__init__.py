@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 
 _API = {"configure", "run", "evaluate", "load_run", "RunResult"}
 _ERRORS = {"UserError", "ConfigError", "DataError", "ModelError", "CheckpointError",
-           "RunDirError", "RewardError", "TrainingError", "Stopped"}
+           "RunDirError", "StorageError", "RewardError", "TrainingError", "Stopped"}
 __all__ = sorted(_API | _ERRORS)
 
 

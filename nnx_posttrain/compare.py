@@ -7,7 +7,9 @@ Reads each run's ``config.json`` and ``metrics.jsonl`` and prints
 (a) a Markdown table, one row per run: for each eval metric its final value and its best value
     with the step (the minimum for metrics whose name contains 'loss', 'perplexity' or 'kl', the
     maximum otherwise; NaN values are ignored for the best);
-(b) the config keys (flattened, dotted) whose values differ between runs, as a table key x run
+(b) the scores of ``--eval-only`` commands, apart: one row per record with the checkpoint, the
+    data and the settings it scored (never a run's own final or best: they may be other data);
+(c) the config keys (flattened, dotted) whose values differ between runs, as a table key x run
     (``run_dir`` is left out: it always differs and names the column already).
 Writes one PNG per chosen metric (one colour per run; train solid, eval dashed with markers) into
 ``--out`` (default: ``compare/`` in the runs' common parent directory) and prints the paths.
@@ -47,7 +49,7 @@ class Run:
         names: dict[str, None] = {}
         for r in self.records:
             if r.get("split") == split:
-                names.update((k, None) for k in r if k not in ("step", "split"))
+                names.update((k, None) for k in r if k not in ("step", "split", *EVAL_ONLY_FIELDS))
         return list(names)
 
 
@@ -70,11 +72,14 @@ def load_run(path: str | Path) -> Run:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             if n == len(lines):  # cut by a killed process: the run drops it on resume too
                 continue
             raise errors.RunDirError(f"{metrics}:{n}: not JSON ({exc.msg})") from None
+        if record.get("eval_only") and record.get("split") == "eval":  # as older runs logged it
+            record["split"] = "eval_only"
+        records.append(record)
     config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -163,6 +168,26 @@ def summary_table(runs: list[Run], metrics: list[str] | None = None) -> str:
                 best = "-" if s["best"] is None else f"{_fmt(s['best'])} @ {s['best_step']}"
                 row += [_fmt(s["final"]), best]
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+EVAL_ONLY_FIELDS = ("eval_only", "eval_data", "eval_data_signature", "eval_settings")
+
+
+def eval_only_table(runs: list[Run], metrics: list[str] | None = None) -> str:
+    """Markdown: one row per ``--eval-only`` record: the run, the step and checkpoint, the data
+    (and the digest of their content) and settings it scored, its metrics; '' if there is none."""
+    rows = [(r, rec) for r in runs for rec in r.records if rec.get("split") == "eval_only"]
+    if not rows:
+        return ""
+    names = metrics or list(dict.fromkeys(
+        k for _, rec in rows for k in rec if k not in ("step", "split", *EVAL_ONLY_FIELDS)))
+    head = ["run", "step", "scored", "data", "data signature", "settings", *names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r, rec in rows:
+        cells = [r.label, str(rec["step"]), *(str(rec.get(k) or "?") for k in EVAL_ONLY_FIELDS)]
+        lines.append("| " + " | ".join(cells + [_fmt(_num(rec[m])) if m in rec else "-"
+                                                for m in names]) + " |")
     return "\n".join(lines)
 
 
@@ -255,15 +280,20 @@ def compare(paths, metrics: list[str] | None = None, out: str | Path | None = No
     if not paths:
         raise errors.ConfigError("give at least one run directory")
     runs = load_runs(paths)
-    logged = {m for r in runs for split in ("train", "eval") for m in r.metrics(split)}
+    logged = {m for r in runs for split in ("train", "eval", "eval_only") for m in r.metrics(split)}
     unknown = [m for m in metrics or [] if m not in logged]
     if unknown:
         raise errors.ConfigError(f"--metrics {','.join(unknown)}: not logged by these runs; they "
                                  f"log {', '.join(sorted(logged)) or 'nothing yet'}")
     out = Path(out) if out is not None else common_parent([r.path for r in runs]) / "compare"
     summary = summary_table(runs, metrics)
+    apart = eval_only_table(runs, metrics)
     diff = config_diff_table(runs)
     plots = plot(runs, metrics or default_plot_metrics(runs), out)
-    echo("## Eval metrics\n\n" + summary + "\n\n## Config differences\n\n" + diff + "\n")
+    echo("## Eval metrics\n\n" + summary + "\n")
+    if apart:
+        echo("## Eval-only scores\n\n--eval-only commands, not the runs' own evaluations: each "
+             "names the data and settings it scored.\n\n" + apart + "\n")
+    echo("## Config differences\n\n" + diff + "\n")
     echo("plots:" + "".join(f"\n  {p}" for p in plots) if plots else "plots: none (metrics not logged)")
-    return {"summary": summary, "config_diff": diff, "plots": plots}
+    return {"summary": summary, "eval_only": apart, "config_diff": diff, "plots": plots}

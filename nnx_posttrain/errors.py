@@ -47,6 +47,11 @@ class RunDirError(UserError):
     process, not a run's."""
 
 
+class StorageError(RunDirError):
+    """The storage under a run directory failed while the run wrote to it (no space, a quota, a
+    read-only or removed file system); the message says what is safe and how to go on."""
+
+
 class RewardError(UserError):
     """A reward function that cannot be found, imported or fed, or that returned something
     other than one number (or None) per completion."""

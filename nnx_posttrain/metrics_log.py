@@ -20,6 +20,7 @@ they scored).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -145,15 +146,28 @@ def trim(path: Path, keep_until: int, echo=print, missing_ok: bool = False) -> N
 
 
 class TensorBoardWriter:
+    """tensorboardX's writer, whose thread writes the event file. A failed write ends that
+    thread (a full disk, say) and would leave the next events blocked on its queue: each event
+    first checks the thread, and a dead one raises its error here, in the run."""
+
     def __init__(self, run_dir: Path):
-        self._tb = _summary_writer()(str(run_dir / "tb"))
+        self._dir = run_dir / "tb"
+        self._tb = _summary_writer()(str(self._dir), max_queue=1000)
+
+    def _check(self) -> None:
+        worker = getattr(getattr(self._tb.file_writer, "event_writer", None), "_worker", None)
+        if worker is not None and not worker.is_alive():
+            self._tb.flush()  # raises the write's error (ENOSPC, ...) where it can
+            raise OSError(errno.EIO, "TensorBoard's event writer stopped", str(self._dir))
 
     def scalars(self, record: dict, metrics: dict) -> None:
         for name, value in metrics.items():
+            self._check()
             self._tb.add_scalar(f"{record['split']}/{name}", float(value), record["step"])
 
     def completions(self, step: int, split: str, rows: list[dict]) -> None:
         if rows:
+            self._check()
             self._tb.add_text(f"{split}/completions", markdown_table(rows[:TEXT_ROWS]), int(step))
 
     def close(self) -> None:

@@ -681,6 +681,102 @@ def load_for_inspection(c):
     return "ok" if "STEP 4" in out.stdout else ("traceback" if traceback(out) else "unclear")
 
 
+# ----------------------------------------------------------------------------- storage, generation
+
+
+def _on_small_disk(c, size_kib, free_kib, *args):
+    """A run on a tmpfs of ``size_kib`` with ``free_kib`` left free: (its output, run dir, how
+    it ended: 'message' naming what is safe, or the failure's class)."""
+    disk = c.work / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        c.note = "cannot mount a tmpfs here (needs root)"
+        return None, None, "unclear"
+    try:
+        (disk / "filler").write_bytes(b"\0" * (size_kib - free_kib) * 1024)
+        out = c.run("sft", disk / "run", *args)
+        ended = refused(out, "storage under the run failed", "Safe:")
+        if ended == "message" and len([l for l in out.stderr.splitlines() if l.strip()
+                                       and not l.startswith("sft:")]) > 1:
+            ended = "unclear"  # more than the one message
+        return out, disk / "run", ended
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@case("storage")
+def disk_full_during_checkpoint(c):
+    return _on_small_disk(c, 1200, 1200, "--steps", "60", "--checkpoint.every", "2")[2]
+
+
+@case("storage")
+def disk_full_while_logging(c):
+    return _on_small_disk(c, 1200, 24, "--steps", "400", "--checkpoint.every", "1000")[2]
+
+
+@case("storage")
+def checkpoints_folder_removed_mid_run(c):
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "3000", "--checkpoint.every", "500")
+    while proc.poll() is None and not (run / "checkpoints" / "500").is_dir():
+        time.sleep(0.05)
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    out_, err = proc.communicate(timeout=900)
+    if "Traceback" in out_ + err:
+        return "traceback"
+    said = (out_ + err).count("was removed during the run")
+    if proc.returncode == 0:
+        return "ok" if said == 1 and steps_of(run) else "unclear"
+    return "message" if "storage under the run failed" in err else "unclear"
+
+
+@case("resume")
+def config_json_edited_then_resumed(c):
+    run = _finished(c)
+    config = json.loads((run / "config.json").read_text())
+    config["optim"]["learning_rate"] = 0.0123
+    (run / "config.json").write_text(json.dumps(config))
+    out = c.run("sft", run, "--steps", "6")
+    if json.loads((run / "config.json").read_text())["optim"]["learning_rate"] != 0.0123:
+        return "data loss"  # the user's edit, overwritten
+    return refused(out, "was edited since the run wrote it", "0.0123")
+
+
+@case("resume")
+def eval_only_on_other_data(c):
+    run = _finished(c, "--eval.every", "2")
+    other = c.file("other.jsonl", [_pc(i) for i in range(8)])
+    out = c.run("sft", run, "--eval-only", "--eval-data", str(other))
+    last = metrics(run)[-1]
+    if last.get("split") == "eval" or last.get("eval_data") != str(other):
+        return "data loss"  # read as the run's own eval
+    shown = c.python(f"from nnx_posttrain import compare; r = compare.compare([{str(run)!r}], "
+                     f"out={str(c.work / 'plots')!r}, echo=lambda t: None); "
+                     f"print({str(other)!r} in r['eval_only'] and {str(other)!r} not in r['summary'])")
+    return works(out, shown.stdout.strip().endswith("True"))
+
+
+@case("options")
+def sample_max_new_tokens_huge(c):
+    run = _finished(c)
+    return refused(c.python("from nnx_posttrain import cli; cli.main(['sample', "
+                            f"{str(run)!r}, '--prompt', 'Hi', '--max-new-tokens', '100000000'])"),
+                   "max_new_tokens 100,000,000", "context")
+
+
+@case("options")
+def eval_max_new_tokens_huge(c):
+    return refused(c.run("sft", c.work / "run", "--eval.max-new-tokens", "100000000",
+                         "--eval.exact-match", "4"), "--eval.max-new-tokens", "context")
+
+
+@case("options")
+def rollout_length_huge(c):
+    return refused(c.run("grpo", c.work / "run", "--algo.max-completion-length", "100000000"),
+                   "--algo.max-completion-length", "context")
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -722,9 +818,9 @@ def table(*paths: str) -> None:
     tallies = [counts(r["results"]) for r in runs]
     rows = [[k, *(t[k] for t in tallies)] for k in CLASSES]
     rows.append(["all", *(len(r["results"]) for r in runs)])
-    changed = ([f"{r['case']}: {x['outcome']} -> {r['outcome']}"
-                for r, x in zip(after["results"], runs[0]["results"]) if r["outcome"] != x["outcome"]]
-               if len(runs) > 1 else [])
+    before = {x["case"]: x["outcome"] for x in runs[0]["results"]} if len(runs) > 1 else {}
+    changed = [f"{r['case']}: {before.get(r['case'], 'new')} -> {r['outcome']}"
+               for r in after["results"] if before and before.get(r["case"]) != r["outcome"]]
     left = [f"{r['case']} ({r['outcome']})" for r in after["results"]
             if r["outcome"] in ("traceback", "data loss", "unclear")]
     record("fault_cases", "python -m tests/fault_cases.py --json FILE [--root DIR]; --table [BEFORE] AFTER",

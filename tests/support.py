@@ -136,3 +136,18 @@ def kerashub_as_written():
     finally:
         for m, f in saved:
             m.fused_attention_op_available = f
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size_kib: int):
+    """A tmpfs of ``size_kib`` KiB mounted at ``path`` for the block: a disk that fills up.
+    Needs root (CI has it); skipped, saying so, where mounting is not permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -182,7 +182,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(reference,
 @pytest.mark.slow
 def test_restore_in_a_fresh_process_for_inspection_and_on_another_device_count(reference, tmp_path):
     run_dir = tmp_path / "run2dev"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               " --xla_force_host_platform_device_count=2")
     cmd = _cmd(run_dir, 3, "--mesh.data", "2")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -336,6 +336,46 @@ def test_refused_and_eval_only_commands_leave_config_and_log_alone(copy, capsys)
     assert runs.load(copy).step == 4  # runs.load (and --init-from, export) still read the run
 
 
+def test_an_eval_only_score_on_other_data_names_them_and_is_never_the_runs_own_eval(copy,
+                                                                                     tmp_path):
+    from nnx_posttrain import compare
+
+    sft(copy, "--eval-data", "builtin", "--resume", "--steps", "5", "--eval.every", "5",
+        "--eval.exact-match", "0")  # the run's own eval, on the built-in eval split
+    own = compare.summarize(compare.load_run(copy), "loss")
+    other = jsonl(tmp_path / "other.jsonl", [pc(i) for i in range(8)])
+    sft(copy, "--eval-only", "--eval-data", str(other), "--eval.exact-match", "0")
+    record = metrics_log.read(copy)[-1]
+    assert record["split"] == "eval_only" and record["eval_only"] == "checkpoint 5"
+    assert record["eval_data"] == str(other) and len(record["eval_data_signature"]) == 16
+    assert record["eval_settings"].startswith("batches 1, exact_match 0, max_new_tokens")
+    assert record["loss"] != own["final"]
+    assert compare.summarize(compare.load_run(copy), "loss") == own  # not the run's final / best
+    shown = compare.compare([copy], out=tmp_path / "plots", echo=lambda text: None)
+    assert str(other) in shown["eval_only"] and record["eval_data_signature"] in shown["eval_only"]
+    assert str(other) not in shown["summary"]
+
+
+def test_a_hand_edited_config_is_never_silently_overwritten_by_a_resume(copy, capsys):
+    path = copy / "config.json"
+    config = json.loads(path.read_text())
+    wrote = config["optim"]["learning_rate"]
+    config["optim"]["learning_rate"] = 0.002
+    path.write_text(json.dumps(config, indent=1))
+    msg = refusal(sft, copy, "--resume", "--steps", "6")
+    assert msg.startswith(f"{path} was edited since the run wrote it, and this command's settings "
+                          "differ from the edit:\n  optim.learning_rate: the run wrote "
+                          f"{wrote!r}, the file has 0.002, this command {wrote!r}\n")
+    assert f"pass --config {path}" in msg and json.loads(path.read_text()) == config  # kept
+    msg = refusal(sft, copy, "--resume", "--steps", "6", "--config", path)  # the edit, applied:
+    assert "optim.learning_rate" in msg and "--resume-changed" in msg  # ... a resume's rule
+    sft(copy, "--resume", "--steps", "6", "--config", path, "--resume-changed",
+        "optim.learning-rate")
+    assert json.loads(path.read_text())["optim"]["learning_rate"] == 0.002
+    assert f"changed: optim.learning_rate: {wrote!r} -> 0.002" in capsys.readouterr().out
+    sft(copy, "--resume", "--steps", "7", "--config", path)  # the file is the run's again
+
+
 def test_a_finished_run_rerun_with_fewer_steps_says_only_that_it_is_complete(copy, capsys):
     before = _files(copy)
     sft(copy, "--steps", "2")
@@ -784,6 +824,73 @@ def test_ctrl_c_twice_in_a_real_run_exits_cleanly_and_every_checkpoint_restores(
     for step in steps_of(run):
         assert runs.load(run, step=step).step == step
     assert not (run / "run.lock").exists()
+
+
+# ----------------------------------------------------------------------------- storage underneath
+
+
+def _one_message(capfd, error) -> str:
+    """The StorageError's message, after checking nothing printed a traceback."""
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Exception in thread" not in err
+    return str(error.value)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_during_a_checkpoint_ends_in_one_message_and_loses_nothing(
+        tmp_path, capfd):
+    from support import small_filesystem
+
+    with small_filesystem(tmp_path / "disk", 1200) as disk:
+        with pytest.raises(errors.StorageError) as info:
+            sft(disk / "run", "--steps", "60", "--checkpoint.every", "2")
+        msg = _one_message(capfd, info)
+        kept = steps_of(disk / "run")
+        logged = [r["step"] for r in records(disk / "run")]
+        assert msg == (f"{disk / 'run'}: the storage under the run failed while writing a "
+                       "checkpoint: No space left on device. Training stopped. Safe: checkpoint "
+                       f"{kept[-1]} ({disk / 'run' / 'checkpoints' / str(kept[-1])}) is whole; "
+                       f"metrics.jsonl holds the training records of steps 1-{max(logged)}. "
+                       "Free space, then run the same command again to resume from it (or copy "
+                       "the run directory elsewhere and resume there).")
+        shutil.copytree(disk / "run", tmp_path / "moved")
+    assert runs.load(tmp_path / "moved").step == kept[-1]  # the checkpoint named is whole
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_while_logging_ends_in_one_message(tmp_path, capfd):
+    from support import small_filesystem
+
+    with small_filesystem(tmp_path / "disk", 1200) as disk:
+        (disk / "filler").write_bytes(b"\0" * (1200 - 24) * 1024)  # 24 KiB left
+        with pytest.raises(errors.StorageError) as info:
+            sft(disk / "run", "--steps", "400", "--checkpoint.every", "1000")
+        msg = _one_message(capfd, info)
+        assert msg.startswith(f"{disk / 'run'}: the storage under the run failed while writing the ")
+        assert "log" in msg.split(":")[1] and "No space left on device" in msg
+        assert f"Safe: no checkpoint is left in {disk / 'run' / 'checkpoints'}; metrics.jsonl " \
+               "holds the training records of steps 1-" in msg
+
+
+def test_a_checkpoints_folder_removed_during_the_run_is_said_once_and_saving_goes_on(
+        tmp_path, capsys, monkeypatch):
+    from nnx_posttrain.train import loop
+
+    save = loop.Steps.save
+
+    def remove_then_save(self, info):
+        if info.step in (4, 6):
+            self.run.checkpointer.wait()
+            shutil.rmtree(self.run.checkpointer.directory)
+        save(self, info)
+
+    monkeypatch.setattr(loop.Steps, "save", remove_then_save)
+    sft(tmp_path / "run", "--steps", "6")
+    out = capsys.readouterr().out
+    assert out.count("was removed during the run") == 1
+    assert (f"warning: {tmp_path / 'run' / 'checkpoints'} was removed during the run, and the "
+            "checkpoints it held with it; saving again from step 4") in out
+    assert steps_of(tmp_path / "run") == [6]
 
 
 # ----------------------------------------------------------------------------- --eval-only memory

@@ -12,6 +12,7 @@ from flax import nnx
 
 import support
 from nnx_posttrain import model
+from nnx_posttrain.errors import ConfigError
 from nnx_posttrain.model import attention
 from nnx_posttrain.sampling import generate, sampler
 
@@ -278,3 +279,38 @@ def test_the_sample_command_samples_with_options(micro_sampler, monkeypatch, cap
     assert len(answers) == 4 and out.count("> ") == 2 and out.count("[2] ") == 2
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == out  # same seed, same samples
+
+
+def test_generation_past_the_context_or_the_memory_is_refused_with_the_limit(micro_sampler,
+                                                                             monkeypatch):
+    from nnx_posttrain import cli, errors
+    from nnx_posttrain.cli import sample as sample_command
+    from nnx_posttrain.model import device_memory
+
+    lm = micro_sampler[0]
+    monkeypatch.setattr(sample_command.runs, "check_policy", lambda run_dir: None)
+    monkeypatch.setattr(sample_command.runs, "load", lambda run_dir, step: SimpleNamespace(
+        lm=lm, module=lm.module, policy=lambda: lm.module))
+    prompt = len(sampler.chat_prompt(lm, "Hi"))
+    with pytest.raises(SystemExit, match=rf"max_new_tokens 100,000,000: a prompt of up to {prompt} "
+                                         rf"tokens .* past the 8,192 of GemmaBackbone's context "
+                                         rf".*at most {8192 - prompt:,} new tokens"):
+        cli.main(["sample", "RUN", "--prompt", "Hi", "--max-new-tokens", "100000000"])
+    free = sampler.generation_bytes(lm.module, 1, prompt, 1000)
+    monkeypatch.setattr(device_memory, "available_bytes", lambda: free)
+    with pytest.raises(errors.ConfigError, match=r"max_new_tokens 4,000: decoding 1 sequences") as info:
+        sampler.sample_texts(lm, lm.module, ["Hi"], 4000)
+    fits = int(str(info.value).rsplit("at most ~", 1)[1].split()[0].replace(",", ""))
+    assert sampler.generation_bytes(lm.module, 1, prompt, fits) <= free
+    assert sampler.generation_bytes(lm.module, 1, prompt, fits + 1) > free
+    assert sampler.sample_texts(lm, lm.module, ["Hi"], fits // 2)  # what fits runs
+
+
+def test_eval_and_rollout_lengths_are_bounded_by_the_context(tmp_path):
+    msg = support.refusal("sft", *support.MICRO, "--run-dir", tmp_path / "a", "--steps", "1",
+                          "--eval.max-new-tokens", "9000", error=ConfigError)
+    assert msg.startswith("--eval.max-new-tokens 9,000: a prompt of up to ")
+    msg = support.refusal("grpo", *support.MICRO, "--run-dir", tmp_path / "b", "--init-from", "",
+                          "--algo.max-completion-length", "9000", error=ConfigError)
+    assert msg.startswith("--algo.max-completion-length 9,000: a prompt of up to 24 tokens")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -208,7 +208,7 @@ def test_eval_only_prints_json_metrics_and_logs_them(tmp_path, capsys):
     metrics = json.loads(out[out.index("{") :])
     assert set(metrics) >= {"loss", "exact_match", "perplexity"}
     records = metrics_log.read(tmp_path / "run")
-    assert [r["split"] for r in records] == ["eval"]
+    assert [r["split"] for r in records] == ["eval_only"]  # not the run's own eval
 
 
 @pytest.mark.slow

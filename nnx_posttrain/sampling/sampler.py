@@ -35,8 +35,9 @@ import keras
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import chat, model
-from nnx_posttrain.model import attention
+from nnx_posttrain import chat, errors, model
+from nnx_posttrain.model import attention, device_memory
+from nnx_posttrain.model.device_memory import GiB
 
 # Backbones whose decoder blocks take a KV cache and whose positions are rotary (relative), by
 # class name. Absolute-position families (GPT-2, OPT, ...) would see shifted positions with left
@@ -45,6 +46,57 @@ _EMBED_SCALED = ("GemmaBackbone", "Gemma3Backbone")  # multiply embeddings by sq
 _SUPPORTED = _EMBED_SCALED + (
     "LlamaBackbone", "Llama3Backbone", "MistralBackbone", "QwenBackbone", "Qwen3Backbone",
 )
+
+
+# The longest context of each family's released checkpoints (their configs'
+# max_position_embeddings; the longest where a family's sizes differ: Gemma 3 1B has 32,768,
+# Llama 3.0 8,192). Rotary positions past it are untrained: a generation that would need them is
+# refused. A model trained for less still gets the family's bound.
+CONTEXT_LENGTHS = {
+    "GemmaBackbone": 8_192,  # Gemma, Gemma 2
+    "Gemma3Backbone": 131_072,
+    "LlamaBackbone": 4_096,  # Llama 2
+    "Llama3Backbone": 131_072,  # Llama 3.1 / 3.2
+    "MistralBackbone": 32_768,
+    "QwenBackbone": 131_072,  # Qwen 2.5 with YaRN (32,768 without)
+    "Qwen3Backbone": 131_072,  # Qwen 3 with YaRN (40,960 without)
+}
+
+
+def generation_bytes(module, batch: int, prompt_length: int, max_new_tokens: int) -> int:
+    """What decoding ``batch`` prompts of ``prompt_length`` tokens for ``max_new_tokens`` tokens
+    allocates beyond the weights: the KV cache of every block, the prompt pass's float32 logits."""
+    heads, head_dim, dtype = _kv_layout(module)
+    length = prompt_length + max_new_tokens
+    cache = 2 * len(model.decoder_blocks(module)) * batch * heads * length * head_dim
+    return cache * np.dtype(dtype).itemsize + 4 * batch * prompt_length * int(module.vocabulary_size)
+
+
+def check_generation(module, batch: int, prompt_length: int, max_new_tokens: int,
+                     option: str = "max_new_tokens", memory_check: bool = True) -> None:
+    """``ConfigError`` naming ``option`` when a prompt of ``prompt_length`` tokens plus
+    ``max_new_tokens`` is longer than the family's context (``CONTEXT_LENGTHS``), or when (with
+    ``memory_check``) ``generation_bytes`` is more than the memory free; with the longest
+    ``max_new_tokens`` that would pass."""
+    name, total = type(module).__name__, prompt_length + max_new_tokens
+    context = CONTEXT_LENGTHS.get(name)
+    if context and total > context:
+        raise errors.ConfigError(
+            f"{option} {max_new_tokens:,}: a prompt of up to {prompt_length:,} tokens and "
+            f"{max_new_tokens:,} new ones make {total:,} positions, past the {context:,} of "
+            f"{name}'s context (nnx_posttrain.sampling.sampler.CONTEXT_LENGTHS); at most "
+            f"{max(context - prompt_length, 0):,} new tokens")
+    free = device_memory.available_bytes() if memory_check else None
+    need = generation_bytes(module, batch, prompt_length, max_new_tokens)
+    if free is not None and need > free:
+        fixed = generation_bytes(module, batch, prompt_length, 0)
+        per_token = generation_bytes(module, batch, prompt_length, 1) - fixed
+        fits = max((free - fixed) // per_token, 0)
+        raise errors.ConfigError(
+            f"{option} {max_new_tokens:,}: decoding {batch} sequences of {total:,} positions needs "
+            f"an estimated {need / GiB:,.2f} GiB (KV cache and prompt logits; "
+            f"nnx_posttrain.sampling.sampler.generation_bytes), and {free / GiB:,.2f} GiB are free; "
+            f"at most ~{fits:,} new tokens fit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +397,10 @@ def sample_texts(lm, module_or_states, prompts: list[str], max_new_tokens: int =
     else:
         states = list(module_or_states)
     encoded = [chat_prompt(lm, p) for p in prompts for _ in range(num_samples)]
+    module = module_or_states if isinstance(module_or_states, nnx.Module) else \
+        nnx.merge(graphdef, *states)
+    check_generation(module, min(64, len(encoded)),
+                     max(map(len, encoded)), max_new_tokens)
     sample = make_sampler(graphdef, max_new_tokens, top_k=top_k, pad_id=lm.tokenizer.pad_id)
     texts = sample_ids(lm, sample, states, encoded, temperature=temperature, top_p=top_p,
                        seed=seed, batch_size=min(64, len(encoded)))

@@ -15,6 +15,7 @@ bootstrap, ``tools.preference_table``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import zlib
@@ -26,6 +27,17 @@ from nnx_posttrain import chat, data
 from nnx_posttrain.sampling import generate, sampler
 from nnx_posttrain.train.mesh import shard_batch
 from nnx_posttrain.train.step import _sum_tree, make_eval_step, metric_means
+
+
+def scored_data(cfg) -> dict:
+    """What an ``--eval-only`` record scored: the eval data as given, a digest of their content
+    (``data.signature``: file names, sizes, hashes of both ends) and the settings that decide
+    the score."""
+    digest = hashlib.sha256(json.dumps(data.signature(cfg.eval_data)).encode()).hexdigest()
+    e = cfg.eval
+    return {"eval_data": cfg.eval_data, "eval_data_signature": digest[:16],
+            "eval_settings": f"batches {e.batches}, exact_match {e.exact_match}, max_new_tokens "
+                             f"{e.max_new_tokens}, max_length {cfg.batching.max_length}"}
 
 
 class Evaluator:
@@ -50,6 +62,11 @@ class Evaluator:
                 self.pairs = [(segs, ref, None) for segs, ref in data.prompts_and_answers(
                     run.eval_src, run.lm.chat_format, cfg.eval.exact_match)]
             graphdef = algorithm.policy_view(run.graphdef, params, run.frozen["model"])[0]
+            longest = max((len(generate.encode_prompt(run.lm, segs)) for segs, _, _ in self.pairs),
+                          default=0)
+            sampler.check_generation(run.lm.module, min(64, len(self.pairs)), longest,
+                                     cfg.eval.max_new_tokens, "--eval.max-new-tokens",
+                                     cfg.memory_check)
             self.greedy = generate.make_greedy(graphdef, cfg.eval.max_new_tokens)
 
     def metric_names(self, params, frozen) -> set[str]:

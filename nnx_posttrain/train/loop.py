@@ -21,10 +21,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nnx_posttrain import config as config_lib, errors, metrics_log, model, progress, sharding
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
 from nnx_posttrain.progress import console
-from nnx_posttrain.train import rundir
+from nnx_posttrain.train import rundir, storage
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.hooks import (Hooks, NonFiniteGuard, NonFiniteStep, StepInfo,
                                        StopSignals, Throughput)
+from nnx_posttrain.train.evaluation import scored_data
 from nnx_posttrain.train.mesh import shard_batch
 from nnx_posttrain.train.run import Run
 
@@ -85,22 +86,24 @@ def _open_log(run: Run, keep_until: int | None):
 
 def evaluate_only(run: Run) -> dict:
     """Score the run's weights (its latest checkpoint's, or the model's own) on the eval data;
-    the metrics are returned and appended to ``metrics.jsonl`` with the checkpoint they scored."""
+    the metrics are returned and appended to ``metrics.jsonl`` as an ``eval_only`` record (never
+    the run's own ``eval``) naming the checkpoint, the data and the settings it scored."""
     scored = (f"checkpoint {run.restored.step}" if run.restored else "initial weights")
     run.echo(f"--eval-only: scoring {'the ' * (run.restored is None)}{scored}"
              + (f" ({run.restored.path})" if run.restored else
                 f" (no checkpoint in {run.checkpointer.directory})"))
-    log = _open_log(run, keep_until=None)
-    try:
-        metrics = run.evaluator(run.state["params"], run.frozen, run.start_step)
-        if metrics:
-            fields = {"eval_only": scored}
-            log.log(run.start_step, "eval", metrics, fields=fields)
-            log.completions(run.start_step, "eval",
-                            [{**fields, **row} for row in run.evaluator.completions])
-        return metrics
-    finally:
-        log.close()
+    with storage.reported(run.run_dir):
+        log = _open_log(run, keep_until=None)
+        try:
+            metrics = run.evaluator(run.state["params"], run.frozen)  # no per-problem rows
+            if metrics:
+                fields = {"eval_only": scored, **scored_data(run.cfg)}
+                log.log(run.start_step, "eval_only", metrics, fields=fields)
+                log.completions(run.start_step, "eval_only",
+                                [{**fields, **row} for row in run.evaluator.completions])
+            return metrics
+        finally:
+            log.close()
 
 
 def train(run: Run) -> RunResult:
@@ -113,16 +116,17 @@ def train(run: Run) -> RunResult:
         run.echo(f"{run.run_dir} is already complete at step {start} (--steps {run.cfg.steps}); "
                  "nothing to do. Raise --steps to continue training, or choose another --run-dir.")
         return result
-    _record_start(run)
-    log = _open_log(run, keep_until=start if run.restored else -1)
-    try:
-        steps = Steps(run, result, log)
-        if start == 0:
-            steps.evaluate(0, run.state)
-            run.interrupted()
-        steps.loop()
-    finally:
-        log.close()
+    with storage.reported(run.run_dir):  # a full disk: one message, not the writers' tracebacks
+        _record_start(run)
+        log = _open_log(run, keep_until=start if run.restored else -1)
+        try:
+            steps = Steps(run, result, log)
+            if start == 0:
+                steps.evaluate(0, run.state)
+                run.interrupted()
+            steps.loop()
+        finally:
+            log.close()
     return result
 
 
@@ -138,8 +142,9 @@ def _record_start(run: Run) -> None:
                     if "steps" in changes and run.cfg.optim.schedule != "constant" else ""))
     if jax.process_index() != 0:
         return
-    config_lib.save(run.cfg, run.run_dir / "config.json")
-    rundir.append_history(run.run_dir, "resume" if restored else "start", start, run.changes)
+    written = config_lib.save(run.cfg, run.run_dir / "config.json")
+    rundir.append_history(run.run_dir, "resume" if restored else "start", start, run.changes,
+                          config=written)
     metrics_log.trim(run.run_dir / "exact_match.jsonl", start if restored else -1,
                      console(run.echo), missing_ok=True)
 
@@ -172,6 +177,7 @@ class Steps:
         self.throughput = Throughput(saved.get("num_tokens"))  # None: a checkpoint without it
         self.guard = NonFiniteGuard(run.cfg.optim.on_nonfinite, console(run.echo))
         self.stop = self.bar = None
+        self.said_removed = False  # checkpoints/ removed during the run: said once
 
     def evaluate(self, step: int, state: dict) -> dict:
         run = self.run
@@ -266,6 +272,11 @@ class Steps:
 
     def save(self, info: StepInfo) -> None:
         self.guard.flush()  # never a checkpoint after an unchecked step
+        folder = self.run.checkpointer.directory
+        if not folder.is_dir() and not self.said_removed:
+            self.said_removed = True
+            self.run.echo(f"warning: {folder} was removed during the run, and the checkpoints "
+                          f"it held with it; saving again from step {info.step}")
         saved = {**self.run.record, "step": info.step, "num_tokens": self.throughput.seen,
                  "unlogged_metrics": _host(self.pending)}  # a resumed run's next log averages them
         with self.stop.saving():  # (Orbax may wait here for the previous checkpoint)

@@ -26,30 +26,13 @@ import jax
 import numpy as np
 
 from nnx_posttrain import errors
+from nnx_posttrain.model import device_memory
+from nnx_posttrain.model.device_memory import GiB
 from nnx_posttrain.model.logprobs import chunk_positions
-
-GiB = 1 << 30
 
 
 def _nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def available_bytes() -> int | None:
-    """Free memory of the first local device (an accelerator's own; the host's MemAvailable on
-    CPU); None where it cannot be told."""
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: bool,
@@ -85,7 +68,7 @@ def check(cfg, parts: dict[str, int], echo=print) -> None:
     in the memory available (``--no-memory-check``: skip)."""
     if not cfg.memory_check:
         return
-    free = available_bytes()
+    free = device_memory.available_bytes()
     if free is None:
         return
     need = sum(parts.values())

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import difflib
 import json
+from pathlib import Path
 
 from nnx_posttrain import checkpoint, errors
 from nnx_posttrain import config as config_lib
 from nnx_posttrain import data
 from nnx_posttrain.checkpoint import CheckpointMismatchError
+from nnx_posttrain.train import rundir
 
 IGNORED = {
     "run_dir", "resume", "eval_only", "resume_changed", "memory_check", "mesh.*",
@@ -199,3 +201,38 @@ def _how_to_go_on(run_dir, nameable: bool = False) -> str:
             + (", or name the allowed changes with --resume-changed" if nameable else "")
             + f"; or start a new run in another --run-dir (--init-from {run_dir} starts from "
             "its weights, where the model is the same).")
+
+
+def check_config_edit(run_dir, cfg) -> None:
+    """``CheckpointMismatchError`` when ``config.json`` was edited since the run wrote it (as
+    ``history.jsonl`` recorded it) and this command's settings differ from the edit: a resume
+    rewrites the file, which would drop the edit without a word. The edit counts once the command
+    carries it (``--config`` the file, or the same flags); a setting a resume may not change is
+    then refused or allowed as any other."""
+    path = Path(run_dir) / "config.json"
+    written = rundir.written_config(run_dir)
+    if written is None or not path.is_file():
+        return
+    how = (f"A resume runs with the command's settings and rewrites {path.name}: to run with "
+           f"the edit, pass --config {path} (a setting a resume may not change then also needs "
+           "--resume-changed, or a new --run-dir); to drop it, undo the edit.")
+    try:
+        edited = flatten(json.loads(path.read_text()))
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointMismatchError(f"{path} was edited since the run wrote it and is no "
+                                      f"longer a JSON object ({exc}). {how}") from None
+    written, mine = flatten(written), flatten(_plain(config_lib.to_dict(cfg)))
+    lines = [f"{key}: the run wrote {_shown(written, key)}, the file has {_shown(edited, key)}, "
+             f"this command {_shown(mine, key)}"
+             for key in sorted(set(edited) | set(written))
+             if _shown(edited, key) != _shown(written, key) and classify(key)[0] != "ignored"
+             and _shown(mine, key) != _shown(edited, key)]
+    if lines:
+        raise CheckpointMismatchError(f"{path} was edited since the run wrote it, and this "
+                                      "command's settings differ from the edit:\n  "
+                                      + "\n  ".join(lines)
+                                      + f"\n{how}")
+
+
+def _shown(flat: dict, key: str) -> str:
+    return repr(flat[key]) if key in flat else "nothing"

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from nnx_posttrain import checkpoint, errors, model, runs
 from nnx_posttrain.progress import console
 from nnx_posttrain.algorithms.base import RunContext
-from nnx_posttrain.train import host_memory, memory, resume, rundir, setup
+from nnx_posttrain.train import host_memory, memory, resume, rundir, setup, storage
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
 from nnx_posttrain.train.hooks import Interruptible, StopSignals
@@ -82,8 +82,15 @@ class Run:
     def __enter__(self) -> "Run":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # the last checkpoint's write failed as it was awaited
+            if storage.fault_of(exc, self.run_dir) is None:
+                raise
+            if value is None:
+                raise storage.error(self.run_dir, exc) from None
+            # else: the error already on its way (the same fault, reported) is what is said
 
 
 def prepare(cfg, algorithm, echo=print) -> Run:
@@ -94,6 +101,7 @@ def prepare(cfg, algorithm, echo=print) -> Run:
     try:
         run.interrupted = run.guards.enter_context(Interruptible()).check
         run.guards.enter_context(checkpoint.quiet_failed_io())
+        run.guards.enter_context(storage.quiet_logs(run.run_dir))
         run.interrupted()
         run.cfg = setup.settings_for_data(cfg, algorithm, echo)
         run.mesh = _devices(run.cfg, echo)
@@ -151,6 +159,8 @@ def _open_checkpoints(run: Run) -> tuple[int | None, set]:
     run.checkpointer = checkpoint.Checkpointer(run.run_dir / "checkpoints", cfg.checkpoint)
     run.resources.callback(run.checkpointer.close)
     run.record = resume.run_record(cfg, run.algorithm)
+    if not cfg.eval_only:  # a resume rewrites config.json: a hand edit of it is not dropped
+        resume.check_config_edit(run.run_dir, cfg)
     latest, run.changes = _latest_checkpoint(cfg, run.checkpointer, run.record, allowed, run.echo)
     return latest, allowed
 

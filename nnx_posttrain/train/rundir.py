@@ -175,11 +175,28 @@ def sigterm_exits():
         signal.signal(signal.SIGTERM, old)
 
 
-def append_history(run_dir: Path, event: str, step: int, changed: dict | None = None) -> None:
-    """One line in ``history.jsonl``: a start or a resume, and the settings it changed."""
+def append_history(run_dir: Path, event: str, step: int, changed: dict | None = None,
+                   config: dict | None = None) -> None:
+    """One line in ``history.jsonl``: a start or a resume, the settings it changed, and the
+    ``config.json`` it wrote (a later edit of the file is then seen)."""
     entry = {"event": event, "step": int(step),
              "time": datetime.datetime.now().isoformat(timespec="seconds"),
              "host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv,
-             "changed": changed or {}}
+             "changed": changed or {}, "config": config}
     with (run_dir / HISTORY).open("a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def written_config(run_dir: Path) -> dict | None:
+    """The ``config.json`` the run last wrote (``history.jsonl``); None when no start recorded
+    it (a run of an older version)."""
+    path = Path(run_dir) / HISTORY
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    for line in reversed(lines):
+        try:
+            config = json.loads(line).get("config")
+        except (ValueError, AttributeError):
+            continue  # a line cut by a kill
+        if isinstance(config, dict):
+            return config
+    return None

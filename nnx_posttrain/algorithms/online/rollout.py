@@ -180,6 +180,9 @@ class Rollouts:
                                       cfg.data)
         self.stop_ids = jnp.asarray(generate.stop_ids(run.lm), jnp.int32)
         policy_graphdef, _ = algorithm.policy_view(run.graphdef, params, run.frozen["model"])
+        sampler.check_generation(run.lm.module, b.batch_size, b.max_prompt_length or b.max_length,
+                                 c.max_completion_length, "--algo.max-completion-length",
+                                 cfg.memory_check)
         self._sample = sampler.make_sampler(policy_graphdef, c.max_completion_length, top_k=c.top_k,
                                             pad_id=run.lm.tokenizer.pad_id)
         self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(5, 6))
