@@ -29,6 +29,14 @@ from filelock import FileLock  # noqa: E402
 from nnx_posttrain import model  # noqa: E402
 from support import FAST_STEPS, MICRO, train_run  # noqa: E402
 
+@pytest.fixture
+def optimized(monkeypatch):
+    """The processes a test starts compile with XLA's usual optimisation (as a user's run
+    does): for the tests whose runs are long enough that -O0 code costs more than it saves."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(XLA_TEST_FLAGS, "").strip()
+    monkeypatch.setenv("XLA_FLAGS", flags)
+
+
 # Finished micro runs that many tests read (or copy, to change them): built once per test
 # session, by the first worker that asks, in its own process; read-only for the tests.
 SHARED_RUNS = {

@@ -104,7 +104,7 @@ def test_glibc_tunables_reach_our_worker_and_faults_are_counted():
 
 
 @pytest.mark.slow
-def test_end_to_end_micro(tmp_path):
+def test_end_to_end_micro(tmp_path, optimized):
     pytest.importorskip("trl")
     pytest.importorskip("torch")
     out = tmp_path / "bench.json"

@@ -12,7 +12,7 @@ from tools import seeds
 
 
 @pytest.mark.slow
-def test_the_default_run_lands_in_the_stated_range(tmp_path):
+def test_the_default_run_lands_in_the_stated_range(tmp_path, optimized):
     result = json.loads((ROOT / "results" / "default_run.json").read_text())
     low, high = result["data"]["range"]
     # Evaluating only at the start and the end changes nothing in training (evaluation reads the
