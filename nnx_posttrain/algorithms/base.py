@@ -127,6 +127,10 @@ class Algorithm(Protocol):
     def setup(self, module: nnx.Module) -> None:
         """Resolve settings that depend on the model (e.g. the reference mode)."""
 
+    def partner(self, lm, echo, load_run):
+        """The state of another frozen model the loss reads (distillation's teacher), or None;
+        the loop lays it out on the mesh and hands it to ``loss`` as its third argument."""
+
     def loss(self, module, batch: dict, reference) -> tuple:
         """(total, weight, metrics) of a micro-batch (see nnx_posttrain.losses)."""
 
@@ -257,6 +261,9 @@ class AlgorithmBase:
 
     def policy_view(self, graphdef, params, frozen_model):
         return graphdef, (params, frozen_model)
+
+    def partner(self, lm, echo, load_run):
+        return None
 
     def prepare(self, batch: dict) -> dict:
         """Host-side preparation of a numpy batch before it goes to the device: for each loss

@@ -8,6 +8,7 @@
   ``orpo``, ``kto``, AlphaPO's rewards) and the Bradley-Terry reward-model loss ``reward_bt``;
 - :mod:`.rl`: online RL advantages (group, GDPO, leave-one-out), whitening, GAE, PPO's rewards
   and loss; :mod:`.grpo`: GRPO's policy losses (every TRL 1.16 ``loss_type``) and RLOO's;
+- :mod:`.distill`: the generalized JSD of distillation (``divergence``, ``gkd``);
 - :mod:`.common`: the shared conventions and helpers.
 
 Every loss returns ``(total, weight, metrics)``: ``total`` the loss *summed* over its unit
@@ -20,6 +21,6 @@ import rl``): their functions are not re-exported here, since ``sft`` and ``dpo`
 names of their modules.
 """
 
-from nnx_posttrain.losses import common, dpo, dpo_terms, grpo, preference, rl, sft
+from nnx_posttrain.losses import common, distill, dpo, dpo_terms, grpo, preference, rl, sft
 
-__all__ = ["common", "dpo", "dpo_terms", "grpo", "preference", "rl", "sft"]
+__all__ = ["common", "distill", "dpo", "dpo_terms", "grpo", "preference", "rl", "sft"]

@@ -48,6 +48,7 @@ from nnx_posttrain.model.logprobs import (
     full_logits,
     hidden_states,
     logprobs_from_hidden,
+    paired_terms,
     scored_positions,
     token_logprobs,
 )
@@ -76,7 +77,7 @@ __all__ = [
     # blocks
     "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
     # logprobs
-    "full_logits", "hidden_states", "logprobs_from_hidden", "scored_positions", "token_logprobs",
+    "full_logits", "hidden_states", "logprobs_from_hidden", "paired_terms", "scored_positions", "token_logprobs",
     # heads
     "PolicyWithValue", "RewardModel",
 ]

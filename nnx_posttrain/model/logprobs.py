@@ -187,6 +187,54 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
     return out if len(out) > 1 else out[0]
 
 
+def paired_terms(module, other, token_ids, padding_mask, fn, chunk_size: int | None = None,
+                 positions=None):
+    """``fn(logits, other_logits)`` -> per-position arrays, from two models that read the same
+    ``token_ids`` (distillation's student and frozen teacher, sharing one tokenizer): each a
+    ``[batch, length]`` array placed as ``token_logprobs`` places its log-probs (position t: the
+    prediction of token t; 0 where not computed). Both vocabulary projections run a chunk of
+    positions at a time (recomputed in the backward pass): the step holds [batch, chunk, vocab]
+    logits of each model, never [batch, length, vocab]; ``positions`` (``scored_positions``)
+    projects only those. ``other`` gets no gradient. Logits are float32, after each family's
+    final soft cap (Gemma 2's)."""
+    h = hidden_states(module, token_ids, padding_mask)
+    h_other = jax.lax.stop_gradient(hidden_states(other, token_ids, padding_mask))
+    batch, full_length = token_ids.shape
+    if positions is None:
+        h, h_other = h[:, :-1], h_other[:, :-1]
+    else:  # position t is predicted from the hidden state at t - 1
+        sources = (jnp.clip(positions, 1, full_length - 1) - 1)[..., None]
+        h = jnp.take_along_axis(h, sources, axis=1)
+        h_other = jnp.take_along_axis(h_other, sources, axis=1)
+    length = h.shape[1]
+    vocab = int(module.token_embedding.input_dim)
+    chunk_size = chunk_positions(chunk_size, 2 * batch, length, vocab)  # two models' logits
+    chunk = min(chunk_size, length) if chunk_size > 0 else length
+    n_chunks = -(-length // chunk)
+
+    def split(x):
+        x = jnp.pad(x, ((0, 0), (0, n_chunks * chunk - length), (0, 0)))
+        return x.reshape(batch, n_chunks, chunk, x.shape[-1]).swapaxes(0, 1)
+
+    def one_chunk(args):
+        h_c, other_c = args
+        return fn(module.token_embedding(h_c, reverse=True).astype(jnp.float32),
+                  other.token_embedding(other_c, reverse=True).astype(jnp.float32))
+
+    if chunk_size > 0:  # one chunk of each model's logits alive at a time
+        one_chunk = jax.checkpoint(one_chunk)
+    outs = jax.lax.map(one_chunk, (split(h), split(h_other)))
+
+    def unchunk(x):
+        x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
+        if positions is None:
+            return jnp.pad(x, ((0, 0), (1, 0)))
+        rows = jnp.arange(batch)[:, None]
+        return jnp.zeros((batch, full_length), x.dtype).at[rows, positions].set(x, mode="drop")
+
+    return tuple(unchunk(x) for x in outs)
+
+
 def full_logits(module, token_ids, padding_mask):
     """Reference path: the [batch, length, vocab] logits in one piece (tests, short sequences)."""
     h = hidden_states(module, token_ids, padding_mask)

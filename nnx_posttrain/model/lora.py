@@ -40,10 +40,15 @@ def split(module: nnx.Module):
 
 
 def merge(graphdef, params, frozen: dict):
-    """(module, reference module or None) from the trainable ``params`` and ``frozen`` =
-    {"model": the frozen variables of ``split``, "reference": a frozen copy of the trainable ones,
-    or None}: the layout of the training state that every step and rollout reads."""
+    """(module, reference) from the trainable ``params`` and ``frozen`` = {"model": the frozen
+    variables of ``split``, "reference": a frozen copy of the trainable ones, or None, and
+    optionally "partner": the state of another frozen model an algorithm reads (distillation's
+    teacher)}: the layout of the training state that every step and rollout reads. The
+    reference is the reference module, else the partner's state as it is (the algorithm merges
+    it with its own graphdef), else None."""
     module = nnx.merge(graphdef, params, frozen["model"])
+    if frozen.get("partner") is not None:
+        return module, frozen["partner"]
     ref = frozen.get("reference")
     return module, (None if ref is None else nnx.merge(graphdef, ref, frozen["model"]))
 

@@ -190,6 +190,9 @@ def _build_state(run: Run, params, reference_copy: bool, sources) -> RunContext:
     run.optimizer = None if cfg.eval_only else step_lib.optimizer(cfg.optim, cfg.steps)
     run.state = place(_initial_state(params, run.optimizer, cfg.seed), run.mesh)
     run.frozen = place(run.frozen, run.mesh)
+    partner = algorithm.partner(run.lm, run.echo, runs.load)
+    if partner is not None:  # another frozen model the loss reads (its state; no optimizer)
+        run.frozen["partner"] = place(partner, run.mesh)
     if reference_copy:  # the starting weights, frozen (not donated)
         run.frozen["reference"] = place(jax.tree.map(jnp.copy, run.state["params"]), run.mesh)
     elif algorithm.reference_mode == "copy":  # scoring the starting weights: the reference

@@ -1,0 +1,14 @@
+"""Distillation: a frozen teacher's token distributions into the student. With no arguments: the
+default SFT run (runs/sft) teaches a fresh built-in model.
+
+    python -m experiments.distill                     # built-in default, after python -m experiments.sft
+    python -m experiments.distill --algo.teacher TEACHER --model STUDENT --data prompts.jsonl
+
+Defaults: ``distill``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
+``nnx_posttrain/tasks/recipes/distill.yaml`` (the built-in task's, ``--data builtin``).
+"""
+
+from nnx_posttrain.cli import experiment
+
+if __name__ == "__main__":
+    experiment("distill")

@@ -1,0 +1,182 @@
+"""Distillation: a frozen teacher's next-token distributions into the student, on the student's
+own samples (on-policy, TRL 1.16's ``DistillationTrainer``) and on the dataset's completions
+(GKD's mixing, ``--algo.lmbda``).
+
+The teacher (``--algo.teacher``: a built-in model, a KerasHub preset or local directory, or one
+of our run directories) is loaded once, frozen, kept in ``--algo.teacher-dtype`` and laid out on
+the mesh by the same rules as the student; it has no optimizer state and is never checkpointed
+(a resume loads it again, and refuses another teacher). Student and teacher must share their
+tokenizer. Each batch of SFT records keeps its completions with probability 1 - ``lmbda``; else
+the student samples new ones from the same prompts (everything before the first completion
+token), with the run's current weights. The loss is ``losses.distill`` on the completion
+tokens, both models' vocabulary projections a chunk of positions at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_posttrain import errors, model
+from nnx_posttrain.algorithms.base import (USER_DATA, AlgorithmBase, DatasetBatches, Inputs,
+                                           RunContext, eval_loss_batches, merged)
+from nnx_posttrain.algorithms.registry import register
+from nnx_posttrain.losses.distill import divergence, gkd
+from nnx_posttrain.sampling import generate, sampler
+
+
+@dataclasses.dataclass
+class DistillConfig:
+    """Distillation: a frozen teacher's token distributions into the student (generalized JSD, on-policy and offline)."""
+
+    teacher: str = ""
+    """The teacher: a built-in model, a KerasHub preset or local directory, or a run directory of ours (its latest checkpoint, or --algo.teacher-step; LoRA applied). It must share the student's tokenizer."""
+    teacher_step: int | None = None
+    """A run directory teacher's checkpoint step (default: its latest)."""
+    teacher_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """The teacher's weights and compute (bfloat16 halves its memory; a float32 student is fine with it). A run directory teacher keeps its run's dtype."""
+    beta: float = 1.0
+    """Generalized JSD interpolation (TRL's): 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the JSD with mixture (1 - beta) p_student + beta p_teacher."""
+    temperature: float = 1.0
+    """Divides both models' logits in the loss (after Gemma's final soft cap) and the student's when it samples."""
+    lmbda: float = 1.0
+    """Fraction of batches whose completions the student samples (on-policy; TRL's core = 1.0); the rest keep the dataset's (GKD's lmbda)."""
+    max_completion_length: int = 512
+    """Most tokens the student samples per completion (TRL's max_completion_length); cut at --batching.max-length."""
+
+
+@register
+class Distill(AlgorithmBase):
+    name = "distill"
+    Config = DistillConfig
+    data_kind = "sft"
+    sequences_per_example = 2  # the student's forward and the teacher's
+    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DistillationConfig
+
+    def check(self, run_cfg) -> None:
+        super().check(run_cfg)
+        c, problems = self.cfg, []
+        if not c.teacher:
+            problems.append("--algo.teacher is required (a model name, a preset directory or a run "
+                            "directory)")
+        if not 0.0 <= c.beta <= 1.0:
+            problems.append(f"--algo.beta must be in [0, 1], got {c.beta}")
+        if not 0.0 <= c.lmbda <= 1.0:
+            problems.append(f"--algo.lmbda must be in [0, 1], got {c.lmbda}")
+        if c.temperature <= 0:
+            problems.append(f"--algo.temperature must be > 0, got {c.temperature}")
+        if c.max_completion_length < 1:
+            problems.append(f"--algo.max-completion-length must be >= 1, got "
+                            f"{c.max_completion_length}")
+        if problems:
+            raise errors.ConfigError("; ".join(problems))
+
+    def partner(self, lm, echo, load_run):
+        """The teacher's frozen state (its graphdef kept here, for the loss), after checking it
+        shares the student's tokenizer."""
+        c = self.cfg
+        if (Path(c.teacher) / "checkpoints").is_dir() and (Path(c.teacher) / "config.json").is_file():
+            run = load_run(c.teacher, c.teacher_step, echo=echo)
+            teacher_lm, module = run.lm, run.policy()
+            echo(f"teacher: {c.teacher} checkpoint {run.step}")
+        else:
+            dtype = "bfloat16-params" if c.teacher_dtype == "bfloat16" else "float32"
+            teacher_lm = model.load(c.teacher, dtype=dtype)
+            module = teacher_lm.module
+            echo(f"teacher: {model.describe(teacher_lm)} ({c.teacher_dtype})")
+        _check_tokenizers(lm, teacher_lm, c.teacher)
+        self.teacher_graphdef, state = nnx.split(module)
+        return state
+
+    def loss(self, module, batch, teacher_state):
+        teacher = nnx.merge(self.teacher_graphdef, teacher_state)
+        c = self.cfg
+        div, entropy = model.paired_terms(
+            module, teacher, batch["input_ids"], batch["attention_mask"],
+            lambda s, t: divergence(s, t, c.beta, c.temperature), self.logprob_chunk,
+            positions=batch.get("positions"))
+        return gkd(div, entropy, batch["loss_mask"])
+
+    def inputs(self, run: RunContext, params) -> Inputs:
+        return Inputs(MixedBatches(self, run, params), eval_loss_batches(self, run))
+
+
+def _check_tokenizers(student, teacher, name: str) -> None:
+    probe = "The teacher and the student: 12 + 30 = 42."
+    same = (student.tokenizer.vocab_size == teacher.tokenizer.vocab_size
+            and student.tokenizer.encode(probe) == teacher.tokenizer.encode(probe)
+            and int(student.module.token_embedding.input_dim)
+            == int(teacher.module.token_embedding.input_dim))
+    if not same:
+        raise errors.ModelError(
+            f"--algo.teacher {name}: its tokenizer is not the student's (vocabularies of "
+            f"{teacher.tokenizer.vocab_size:,} and {student.tokenizer.vocab_size:,} tokens, or "
+            "other ids for the same text): distillation compares the two models' distributions "
+            "token by token, so both need the same vocabulary")
+
+
+class MixedBatches(DatasetBatches):
+    """The dataset's SFT batches; with probability ``lmbda`` per step (by seed and step, so a
+    resumed run draws the same), their completions replaced by the student's samples."""
+
+    def __init__(self, algorithm: Distill, run: RunContext, params):
+        super().__init__(algorithm, run)
+        c, b = algorithm.cfg, run.cfg.batching
+        self.lm, self.seed, self.length = run.lm, run.cfg.seed, b.max_length
+        self.graphdef, self.frozen = run.graphdef, run.frozen
+        sampler.check_generation(run.lm.module, b.batch_size, b.max_length, c.max_completion_length,
+                                 "--algo.max-completion-length", run.cfg.memory_check)
+        policy_graphdef, _ = algorithm.policy_view(run.graphdef, params, run.frozen["model"])
+        self.sample = sampler.make_sampler(policy_graphdef, c.max_completion_length,
+                                           pad_id=run.lm.tokenizer.pad_id)
+        self.stop_ids = jnp.asarray(generate.stop_ids(run.lm), jnp.int32)
+        self.lengths, self.drawn = [], []
+
+    def next(self, step, state):
+        batch = super().next(step, state)
+        on_policy = np.random.default_rng([self.seed, step]).random() < self.algorithm.cfg.lmbda
+        self.drawn.append(float(on_policy))
+        if on_policy:
+            batch = self._sampled(batch, step, state)
+        return batch
+
+    def _sampled(self, batch: dict, step: int, state: dict) -> dict:
+        """``batch`` with each row's completion replaced by the student's sample from its
+        prompt (cut at --batching.max-length)."""
+        ids, loss_mask = np.asarray(batch["input_ids"]), np.asarray(batch["loss_mask"])
+        starts = np.where(loss_mask.any(axis=1), loss_mask.argmax(axis=1), 0)
+        prompts = [list(row[:max(int(s), 1)]) for row, s in zip(ids, starts)]
+        prompt_ids, prompt_mask = sampler.pad_prompts(prompts, self.lm.tokenizer.pad_id)
+        _, states = self.algorithm.policy_view(self.graphdef, state["params"], self.frozen["model"])
+        c = self.algorithm.cfg
+        out = jax.device_get(self.sample(
+            tuple(states), prompt_ids, prompt_mask,
+            jax.random.fold_in(jax.random.key(self.seed), step), jnp.float32(c.temperature),
+            jnp.float32(1.0), self.stop_ids, self.lm.tokenizer.vocab_size))
+        rows = np.full_like(ids, self.lm.tokenizer.pad_id)
+        attention, mask = np.zeros_like(ids), np.zeros_like(loss_mask)
+        for i, (prompt, done) in enumerate(zip(prompts, np.asarray(out["completion_mask"]))):
+            completion = np.asarray(out["completion_ids"][i])[done.astype(bool)]
+            row = np.concatenate([prompt, completion])[:self.length]
+            rows[i, :len(row)], attention[i, :len(row)] = row, 1
+            mask[i, len(prompt):len(row)] = 1
+            self.lengths.append(len(row) - len(prompt))
+        return dict(batch, input_ids=rows, attention_mask=attention, loss_mask=mask)
+
+    def host_metrics(self):
+        out = super().host_metrics()
+        if self.lengths:
+            lengths = np.asarray(self.lengths, np.float64)
+            out.update({"completions/mean_length": float(lengths.mean()),
+                        "completions/min_length": float(lengths.min()),
+                        "completions/max_length": float(lengths.max())})
+        if self.drawn:
+            out["on_policy"] = float(np.mean(self.drawn))
+        self.lengths, self.drawn = [], []
+        return out

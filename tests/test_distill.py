@@ -1,0 +1,115 @@
+"""Distillation: the generalized JSD equals TRL 1.16's, the two models' projections are chunked
+without changing a value or a gradient, and a run distils a teacher (a run of ours, or a model
+by name) into the student on its own samples and the data's, resuming exactly."""
+
+import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnx_posttrain import errors, model
+from nnx_posttrain.algorithms import distill
+from nnx_posttrain.losses.distill import divergence, gkd
+from support import FAST_STEPS, MICRO, losses, records, refusal, train_run
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_divergence_and_entropy_equal_trls_chunked_divergence(beta, temperature):
+    torch = pytest.importorskip("torch")
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    rng = np.random.default_rng(0)
+    h_s, h_t = rng.normal(size=(6, 8)), rng.normal(size=(6, 12))
+    w_s, w_t = rng.normal(size=(50, 8)), rng.normal(size=(50, 12))
+    t = lambda x: torch.tensor(x, dtype=torch.float32)
+    want_div, want_ent = ChunkedDivergenceFunction.apply(t(h_s), t(w_s), None, t(h_t), t(w_t), None,
+                                                         beta, temperature)
+    div, ent = divergence(jnp.asarray(h_s @ w_s.T, jnp.float32), jnp.asarray(h_t @ w_t.T, jnp.float32),
+                          beta, temperature)
+    np.testing.assert_allclose(div, want_div.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(ent, want_ent.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_gkd_is_the_token_mean_over_the_completion_tokens_with_trls_metrics():
+    per_token, entropy = jnp.asarray([[9.0, 1.0, 2.0], [9.0, 3.0, 9.0]]), jnp.ones((2, 3))
+    total, weight, metrics = gkd(per_token, entropy, jnp.asarray([[0, 1, 1], [0, 1, 0]]))
+    assert float(total) == 6.0 and float(weight) == 3.0
+    assert {k: (float(s), float(c)) for k, (s, c) in metrics.items()} == {
+        "loss": (6.0, 3.0), "entropy": (3.0, 3.0)}
+
+
+def test_the_two_projections_in_chunks_and_at_scored_positions_change_nothing(micro):
+    teacher = model.load("gemma2_tiny", seed=1).module  # wider, with Gemma 2's final soft cap
+    student = micro.module
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 300, size=(2, 10)), jnp.int32)
+    pad = jnp.ones((2, 10), jnp.int32)
+    loss_mask = np.zeros((2, 10), np.int32)
+    loss_mask[:, 6:] = 1
+    fn = lambda s, t: divergence(s, t, 0.5, 1.5)
+    full = model.full_logits(teacher, ids, pad)
+    assert float(jnp.max(jnp.abs(full))) <= 30.0  # the final soft cap is in the teacher's logits
+    want = divergence(model.full_logits(student, ids, pad)[:, :-1], full[:, :-1], 0.5, 1.5)
+
+    def value_and_grad(chunk, positions=None):
+        from flax import nnx
+
+        graphdef, params, rest = nnx.split(student, model.trainable_filter, ...)
+
+        def total(p):
+            s = nnx.merge(graphdef, p, rest)
+            div, ent = model.paired_terms(s, teacher, ids, pad, fn, chunk, positions=positions)
+            return jnp.sum(div * loss_mask), (div, ent)
+        return jax.value_and_grad(total, has_aux=True)(params)
+
+    (v0, (div0, ent0)), g0 = value_and_grad(0)
+    np.testing.assert_allclose(div0[:, 1:], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ent0[:, 1:], want[1], rtol=1e-5, atol=1e-6)
+    positions = jnp.asarray(model.scored_positions(loss_mask)[0])
+    for chunk, pos in ((3, None), (2, positions)):
+        (v, (div, _)), g = value_and_grad(chunk, pos)
+        np.testing.assert_allclose(v, v0, rtol=1e-5)
+        np.testing.assert_allclose(div * loss_mask, div0 * loss_mask, rtol=1e-5, atol=1e-7)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def _distill(run_dir, *extra):
+    return train_run("distill", *MICRO, *FAST_STEPS, "--run-dir", run_dir, "--log-every", "1",
+                     "--algo.max-completion-length", "6", *extra)
+
+
+@pytest.mark.slow
+def test_a_run_teaches_the_student_on_its_samples_and_the_datas_and_resumes_exactly(
+        shared_run, tmp_path, capsys):
+    teacher = shared_run("sft")
+    args = ["--algo.teacher", teacher, "--seed", "3", "--algo.lmbda", "0.5",
+            "--optim.learning-rate", "3e-3", "--steps", "6"]
+    _distill(tmp_path / "run", *args)
+    assert f"teacher: {teacher} checkpoint 4" in capsys.readouterr().out
+    rows = records(tmp_path / "run")
+    assert {r["on_policy"] for r in rows} == {0.0, 1.0}  # both kinds of batch drawn
+    sampled = [r for r in rows if r["on_policy"] == 1.0]
+    assert all(1 <= r["completions/mean_length"] <= 6 for r in sampled)
+    assert all(r["entropy"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]  # toward the teacher
+    _distill(tmp_path / "cut", *args[:-1], "3")
+    _distill(tmp_path / "cut", *args, "--resume")
+    assert losses(tmp_path / "cut") == losses(tmp_path / "run")  # the same draws, the same samples
+
+
+def test_a_teacher_by_name_in_bfloat16_and_what_is_refused(tmp_path, capsys):
+    _distill(tmp_path / "run", "--algo.teacher", "gemma2_tiny", "--steps", "2", "--algo.lmbda", "0")
+    assert "teacher: gemma2_tiny: GemmaBackbone" in capsys.readouterr().out
+    assert "--algo.teacher is required" in refusal("distill", *MICRO, "--run-dir", tmp_path / "a")
+    msg = refusal("distill", *MICRO, "--run-dir", tmp_path / "b", "--algo.teacher", "x",
+                  "--algo.beta", "2", "--algo.lmbda", "-1")
+    assert "--algo.beta must be in [0, 1], got 2.0" in msg and "--algo.lmbda must be in [0, 1]" in msg
+    other = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=999, encode=lambda text: [1]),
+                            module=None)
+    student = model.load("gemma_micro")
+    with pytest.raises(errors.ModelError, match="its tokenizer is not the student's"):
+        distill._check_tokenizers(student, other, "other")
