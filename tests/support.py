@@ -151,3 +151,23 @@ def small_filesystem(path: Path, size_kib: int):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def command_output(capsys, monkeypatch, argv, columns: int = 100, **main_kw) -> tuple:
+    """(exit status, stdout, stderr) of ``nnx_posttrain.cli.main(argv, **main_kw)`` in this
+    process (``prog`` / ``command_prog`` as the entry points pass them), at a terminal of
+    ``columns`` columns: what a help or usage test needs, without a process."""
+    from nnx_posttrain import cli
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("NO_COLOR", "1")
+    capsys.readouterr()
+    try:
+        code = cli.main(argv, **main_kw)
+    except SystemExit as exc:
+        code = exc.code
+        if isinstance(code, str):  # an error message, as the interpreter prints it
+            print(code, file=sys.stderr)
+            code = 1
+    out = capsys.readouterr()
+    return code or 0, out.out, out.err

@@ -3,10 +3,7 @@ point."""
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -157,10 +154,13 @@ def help_options(text: str) -> dict[str, str]:
     """'--option' -> its help text (box borders removed, wrapped lines joined)."""
     entries, current = {}, None
     for line in text.splitlines():
-        if not line.startswith("│"):  # box borders and text outside the boxes end an entry
+        if line.startswith("│"):  # a box's line (a UTF-8 terminal)
+            body = line.strip("│").rstrip()
+        elif line.startswith(" ") and line.strip(" -─"):  # the same without borders (ASCII)
+            body = line[1:].rstrip()
+        else:  # box borders and text outside the boxes end an entry
             current = None
             continue
-        body = line.strip("│").rstrip()
         # an option starts in the first column of the box; its wrapped help lines are indented
         m = re.match(r" (-h, )?(--[a-z0-9.-]+)", body)
         if m:
@@ -171,14 +171,13 @@ def help_options(text: str) -> dict[str, str]:
     return entries
 
 
-def test_sft_help_lists_common_options_with_defaults():
-    env = dict(os.environ, COLUMNS="80", NO_COLOR="1", PYTHONIOENCODING="utf-8")
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.sft", "--help"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    options = help_options(proc.stdout)
+def test_sft_help_lists_common_options_with_defaults(capsys, monkeypatch):
+    from support import command_output
+
+    code, out, err = command_output(capsys, monkeypatch, ["sft", "--help"], columns=80,
+                                    command_prog="python -m experiments.sft")
+    assert code == 0, err[-2000:]
+    options = help_options(out)
     expected = {
         "--model": "gemma_tiny",
         "--data": "builtin",
@@ -191,7 +190,7 @@ def test_sft_help_lists_common_options_with_defaults():
         "--lora.rank": "0",
     }
     for option, value in expected.items():
-        assert option in options, f"{option} missing from --help:\n{proc.stdout}"
+        assert option in options, f"{option} missing from --help:\n{out}"
         m = re.search(r"\(default: (.*?)\)", options[option])
         assert m, f"no default shown for {option}: {options[option]!r}"
         assert m.group(1) == value, (option, options[option])

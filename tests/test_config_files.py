@@ -6,12 +6,11 @@ entry points."""
 import dataclasses
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from support import command_output
 
 import nnx_posttrain  # noqa: F401
 from nnx_posttrain import algorithms, api, cli, config, errors
@@ -166,31 +165,31 @@ def test_the_shipped_reward_function():
 # ----------------------------------------------------------------------------- entry points
 
 
-def _run(args, **kw):
-    env = dict(os.environ, COLUMNS="100", NO_COLOR="1", PYTHONPATH=str(REPO))
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, **kw)
-
-
-@pytest.mark.slow
-def test_experiments_help_exits_0_and_lists_each_algorithm():
-    out = _run([sys.executable, "-m", "experiments", "--help"])
-    assert out.returncode == 0, out.stderr
+def test_experiments_help_exits_0_and_lists_each_algorithm(capsys, monkeypatch):
+    code, out, _ = command_output(capsys, monkeypatch, ["--help"], prog="python -m experiments")
+    assert code == 0
     for name in algorithms.names():
-        line = next(l for l in out.stdout.splitlines() if l.strip().startswith(name + " "))
+        line = next(l for l in out.splitlines() if l.strip().startswith(name + " "))
         assert len(line.split(None, 1)[1]) > 10, line  # a one-line description
-    bad = _run([sys.executable, "-m", "experiments", "nosuch"])
-    assert bad.returncode != 0 and "unknown command 'nosuch'" in bad.stderr
+    code, _, err = command_output(capsys, monkeypatch, ["nosuch"], prog="python -m experiments")
+    assert code != 0 and "unknown command 'nosuch'" in err
 
 
-@pytest.mark.slow
-def test_usage_line_names_the_module_not_a_file():
-    out = _run([sys.executable, "-m", "experiments.simpo", "--help"])
-    assert out.returncode == 0
-    assert out.stdout.startswith("usage: python -m experiments.simpo [-h]"), out.stdout[:200]
-    assert "--config" in out.stdout and "--report-to" in out.stdout
-    assert "hf://ORG/NAME" in out.stdout  # --data lists the sources it takes
-    out = _run([sys.executable, "-m", "experiments", "dpo", "--help"])
-    assert out.stdout.startswith("usage: python -m experiments dpo [-h]"), out.stdout[:200]
+def test_usage_line_names_the_module_not_a_file(capsys, monkeypatch):
+    code, out, _ = command_output(capsys, monkeypatch, ["simpo", "--help"],
+                                  command_prog="python -m experiments.simpo")
+    assert code == 0
+    assert out.startswith("usage: python -m experiments.simpo [-h]"), out[:200]
+    assert "--config" in out and "--report-to" in out
+    assert "hf://ORG/NAME" in out  # --data lists the sources it takes
+    _, out, _ = command_output(capsys, monkeypatch, ["dpo", "--help"], prog="python -m experiments")
+    assert out.startswith("usage: python -m experiments dpo [-h]"), out[:200]
+
+
+def test_the_experiment_files_are_the_commands():
+    for name in algorithms.names():  # python -m experiments.NAME is cli.experiment("NAME")
+        text = (REPO / "experiments" / f"{name}.py").read_text()
+        assert f'experiment("{name}")' in text, name
 
 
 def test_console_script_is_declared():

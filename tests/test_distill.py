@@ -16,22 +16,39 @@ from nnx_posttrain.losses.distill import divergence, gkd
 from support import FAST_STEPS, MICRO, losses, records, refusal, train_run
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
-@pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_divergence_and_entropy_equal_trls_chunked_divergence(beta, temperature):
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (2.0, None), (0.7, 3.0)])
+def test_divergence_entropy_and_gradients_equal_trls_chunked_divergence(beta, temperature, softcap):
+    """Against TRL 1.16's own ChunkedDivergenceFunction (its CPU path), on random hidden states
+    and heads, with masked positions: the per-token values, the entropy, and the gradient of the
+    masked mean with respect to the student's hidden states and head."""
     torch = pytest.importorskip("torch")
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
     rng = np.random.default_rng(0)
     h_s, h_t = rng.normal(size=(6, 8)), rng.normal(size=(6, 12))
     w_s, w_t = rng.normal(size=(50, 8)), rng.normal(size=(50, 12))
-    t = lambda x: torch.tensor(x, dtype=torch.float32)
-    want_div, want_ent = ChunkedDivergenceFunction.apply(t(h_s), t(w_s), None, t(h_t), t(w_t), None,
-                                                         beta, temperature)
-    div, ent = divergence(jnp.asarray(h_s @ w_s.T, jnp.float32), jnp.asarray(h_t @ w_t.T, jnp.float32),
-                          beta, temperature)
-    np.testing.assert_allclose(div, want_div.numpy(), rtol=1e-4, atol=1e-6)
+    mask = np.asarray([1, 1, 0, 1, 0, 1], np.float32)
+    t = lambda x: torch.tensor(x, dtype=torch.float32, requires_grad=True)
+    ths, tws = t(h_s), t(w_s)
+    want_div, want_ent = ChunkedDivergenceFunction.apply(
+        ths, tws, None, t(h_t), t(w_t), None, beta, temperature, 1.0, softcap, 1.0, softcap)
+    (want_div * torch.tensor(mask)).sum().div(mask.sum()).backward()
+
+    def capped(x):
+        return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
+    def ours(h, w):
+        div, ent = divergence(capped(h @ w.T), capped(jnp.asarray(h_t @ w_t.T, jnp.float32)),
+                              beta, temperature)
+        return jnp.sum(div * mask) / mask.sum(), (div, ent)
+
+    args = jnp.asarray(h_s, jnp.float32), jnp.asarray(w_s, jnp.float32)
+    (_, (div, ent)), (g_h, g_w) = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(*args)
+    np.testing.assert_allclose(div, want_div.detach().numpy(), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(ent, want_ent.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(g_h, ths.grad.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(g_w, tws.grad.numpy(), rtol=1e-4, atol=1e-6)
 
 
 def test_gkd_is_the_token_mean_over_the_completion_tokens_with_trls_metrics():
@@ -101,15 +118,21 @@ def test_a_run_teaches_the_student_on_its_samples_and_the_datas_and_resumes_exac
     assert losses(tmp_path / "cut") == losses(tmp_path / "run")  # the same draws, the same samples
 
 
-def test_a_teacher_by_name_in_bfloat16_and_what_is_refused(tmp_path, capsys):
+def test_a_teacher_by_name_in_bfloat16_and_what_is_refused(tmp_path, capsys, monkeypatch):
     _distill(tmp_path / "run", "--algo.teacher", "gemma2_tiny", "--steps", "2", "--algo.lmbda", "0")
     assert "teacher: gemma2_tiny: GemmaBackbone" in capsys.readouterr().out
-    assert "--algo.teacher is required" in refusal("distill", *MICRO, "--run-dir", tmp_path / "a")
+    assert "--algo.teacher is required" in refusal("distill", *MICRO, "--run-dir", tmp_path / "a",
+                                                   recipe=False)
+    monkeypatch.chdir(tmp_path)  # no runs/sft here
+    assert "run `python -m experiments.sft` first" in refusal(
+        "distill", *MICRO, "--run-dir", tmp_path / "a", "--algo.teacher", "runs/sft")
     msg = refusal("distill", *MICRO, "--run-dir", tmp_path / "b", "--algo.teacher", "x",
                   "--algo.beta", "2", "--algo.lmbda", "-1")
     assert "--algo.beta must be in [0, 1], got 2.0" in msg and "--algo.lmbda must be in [0, 1]" in msg
-    other = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=999, encode=lambda text: [1]),
-                            module=None)
     student = model.load("gemma_micro")
+    other = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=999, encode=lambda text: [1]),
+                            module=None, chat_format=student.chat_format)
     with pytest.raises(errors.ModelError, match="its tokenizer is not the student's"):
         distill._check_tokenizers(student, other, "other")
+    with pytest.raises(errors.ModelError, match="its chat format is llama3, the student's gemma"):
+        distill._check_tokenizers(student, SimpleNamespace(chat_format="llama3"), "other")

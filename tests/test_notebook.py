@@ -1,15 +1,13 @@
-"""The inspection notebook runs in a real Jupyter kernel on a run made by an experiment, and
+"""The inspection notebook runs in a real Jupyter kernel on a finished run, and
 ``nnx-posttrain sample`` answers from a checkpoint."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from support import experiment_command
+from support import MICRO, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,11 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("nb") / "run"
-    cmd = experiment_command("sft", run, "--steps", "4", "--log-every", "1", "--eval.every", "2",
-                             "--eval.batches", "1", "--eval.exact-match", "4",
-                             "--batching.batch-size", "4")
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    train_run("sft", *MICRO, "--run-dir", run, "--steps", "4", "--log-every", "1",
+              "--eval.every", "2", "--eval.batches", "1", "--eval.exact-match", "4",
+              "--batching.batch-size", "4")
     return run
 
 
@@ -41,12 +37,11 @@ def test_inspect_run_notebook_executes_without_error(run_dir, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sample_answers_from_a_checkpoint(run_dir):
-    out = subprocess.run([sys.executable, "-m", "nnx_posttrain.cli", "sample", str(run_dir), "--prompt",
-                          "What is 1 + 2?", "--prompt", "What is 3 + 4?", "--max-new-tokens", "3"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("> What is") == 2
-    missing = subprocess.run([sys.executable, "-m", "nnx_posttrain.cli", "sample", str(run_dir.parent / "nope"),
-                              "--prompt", "hi"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert missing.returncode != 0 and "nope: not a run directory (no config.json)" in missing.stderr
+def test_sample_answers_from_a_checkpoint(run_dir, capsys):
+    from nnx_posttrain import cli
+
+    assert cli.main(["sample", str(run_dir), "--prompt", "What is 1 + 2?", "--prompt",
+                     "What is 3 + 4?", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.count("> What is") == 2
+    with pytest.raises(SystemExit, match="nope: not a run directory \\(no config.json\\)"):
+        cli.main(["sample", str(run_dir.parent / "nope"), "--prompt", "hi"])

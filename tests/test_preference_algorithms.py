@@ -4,9 +4,6 @@ KTO's mismatched KL rows, the reward model, short end-to-end runs and the comman
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import nnx_posttrain  # noqa: F401
@@ -598,14 +595,12 @@ def test_sft_data_for_a_preference_experiment_fails_before_training(tmp_path):
 # ----------------------------------------------------------------------------- 8. command line
 
 
-@pytest.mark.slow
-def test_help_lists_the_algorithm_options():
-    env = dict(os.environ, COLUMNS="200")
-    procs = {
-        name: subprocess.Popen([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name in ("simpo", "dpo")
-    }
+def test_help_lists_the_algorithm_options(capsys, monkeypatch):
+    from support import command_output
+
+    outs = {name: command_output(capsys, monkeypatch, [name, "--help"], columns=200,
+                                 command_prog=f"python -m experiments.{name}")
+            for name in ("simpo", "dpo")}
     # An option's own line names its type (the docstrings above it mention some options too).
     expected = {
         "simpo": ("--algo.beta FLOAT", "--algo.gamma {None}|FLOAT",
@@ -613,9 +608,8 @@ def test_help_lists_the_algorithm_options():
         "dpo": ("--algo.loss-type STR", "--algo.reference {auto,lora_base,copy,precompute}",
                 "--algo.beta FLOAT"),
     }
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-2000:]
+    for name, (code, out, err) in outs.items():
+        assert code == 0, err[-2000:]
         for option in expected[name]:
             assert option in out, (name, option)
         if name == "simpo":

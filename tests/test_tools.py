@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -287,26 +286,28 @@ def test_ctrl_c_stops_the_whole_sweep(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_real_sweep_end_to_end_and_resume(tmp_path):
+def test_real_sweep_end_to_end_and_resume(tmp_path, capsys, monkeypatch):
+    """The sweep command (here, in this process) runs each point as a training process."""
+    from support import command_output
+
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "nnx_posttrain.cli", "sweep", "sft", "--grid",
-           "optim.learning_rate=1e-3,3e-3", "--out", str(out), "--",
-           *MICRO, "--steps", "3", "--eval.every", "0", "--eval.exact-match", "0",
-           "--eval.batches", "1", "--batching.batch-size", "4", "--checkpoint.every", "0"]
-    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
+    argv = ["sweep", "sft", "--grid", "optim.learning_rate=1e-3,3e-3", "--out", str(out), "--",
+            *MICRO, "--steps", "3", "--eval.every", "0", "--eval.exact-match", "0",
+            "--eval.batches", "1", "--batching.batch-size", "4", "--checkpoint.every", "0"]
+    code, first, err = command_output(capsys, monkeypatch, argv)
+    assert code == 0, err[-3000:]
     names = ["optim.learning_rate=1e-3", "optim.learning_rate=3e-3"]
     for name in names:
         assert sweep.is_complete(out / name)
         assert json.loads((out / name / "config.json").read_text())["optim"]["learning_rate"] in (1e-3, 3e-3)
     state = json.loads((out / "sweep.json").read_text())
     assert [p["status"] for p in state["points"]] == ["done", "done"]
-    assert "| optim.learning_rate | 0.001 | 0.003 |" in first.stdout
+    assert "| optim.learning_rate | 0.001 | 0.003 |" in first
 
-    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert second.stdout.count("complete, skipped") == 2  # no training process started
-    assert "loading model" not in second.stdout
+    code, second, err = command_output(capsys, monkeypatch, argv)
+    assert code == 0, err[-3000:]
+    assert second.count("complete, skipped") == 2  # no training process started
+    assert "loading model" not in second
     state = json.loads((out / "sweep.json").read_text())
     assert [p["status"] for p in state["points"]] == ["skipped (complete)"] * 2
     assert (out / "compare" / "loss.png").stat().st_size > 0

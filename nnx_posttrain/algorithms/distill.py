@@ -65,6 +65,11 @@ class Distill(AlgorithmBase):
         if not c.teacher:
             problems.append("--algo.teacher is required (a model name, a preset directory or a run "
                             "directory)")
+        elif ("/" in c.teacher and "://" not in c.teacher) and not Path(c.teacher).exists():
+            problems.append(f"--algo.teacher {c.teacher}: no such directory"
+                            + (" (the built-in recipe's teacher is the default SFT run: run "
+                               "`python -m experiments.sft` first, or pass --algo.teacher)"
+                               if c.teacher == "runs/sft" else ""))
         if not 0.0 <= c.beta <= 1.0:
             problems.append(f"--algo.beta must be in [0, 1], got {c.beta}")
         if not 0.0 <= c.lmbda <= 1.0:
@@ -108,6 +113,11 @@ class Distill(AlgorithmBase):
 
 
 def _check_tokenizers(student, teacher, name: str) -> None:
+    if student.chat_format != teacher.chat_format:
+        raise errors.ModelError(
+            f"--algo.teacher {name}: its chat format is {teacher.chat_format}, the student's "
+            f"{student.chat_format}: the two models would read the same tokens as different "
+            "conversations (pass --chat-format so that they agree)")
     probe = "The teacher and the student: 12 + 30 = 42."
     same = (student.tokenizer.vocab_size == teacher.tokenizer.vocab_size
             and student.tokenizer.encode(probe) == teacher.tokenizer.encode(probe)
