@@ -30,6 +30,10 @@ STORAGE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only fi
                  "RESOURCE_EXHAUSTED", "Input/output error")
 
 
+_TEXT_ERRNOS = {"No space left on device": errno.ENOSPC, "RESOURCE_EXHAUSTED": errno.ENOSPC,
+                "Disk quota exceeded": errno.EDQUOT, "Read-only file system": errno.EROFS}
+
+
 def _chain(exc: BaseException):
     """``exc`` and the exceptions it was raised from or while handling, earliest first."""
     seen = []
@@ -124,7 +128,8 @@ def error(run_dir: Path, exc: BaseException) -> errors.StorageError:
             if kept else f"no checkpoint is left in {Path(run_dir) / 'checkpoints'}")
     again = ("run the same command again to resume from it (or copy the run directory "
              "elsewhere and resume there)" if kept else "run the same command again")
-    code = getattr(fault, "errno", None)
+    code = getattr(fault, "errno", None) or next(
+        (c for text, c in _TEXT_ERRNOS.items() if text in str(fault)), None)
     fix = {errno.ENOSPC: "Free space", errno.EDQUOT: "Free space or raise the quota",
            errno.EROFS: "Make the file system writable again",
            errno.ENOENT: "Leave the run directory's folders in place"}.get(code, "Fix the storage")
