@@ -3,10 +3,10 @@ file system): one ``StorageError`` naming the run directory, what could not be w
 is safe, instead of the tracebacks of the writers (Orbax's background threads, TensorBoard's
 event file, the metrics log) that hit it.
 
-    with storage.reported(run):  # converts the first storage fault in an exception's chain
-        ...
+    with storage.reported(run_dir):  # the first storage fault in an exception's chain
+        ...                          # becomes its StorageError
 
-``quiet_logs()`` drops the error records Orbax logs (with their tracebacks) for a fault the run
+``quiet_logs(run_dir)`` drops the error records Orbax logs (with their tracebacks) for a fault the run
 reports itself; every other record passes.
 """
 
@@ -25,13 +25,11 @@ from nnx_posttrain import errors
 # OSErrors that say the storage is at fault, not the program
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOENT, errno.EACCES,
                   errno.EPERM, errno.ESTALE, errno.EFBIG, errno.ENOTDIR}
-# the same faults as TensorStore reports them (a ValueError whose text carries the OS's)
-STORAGE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only file system",
-                 "RESOURCE_EXHAUSTED", "Input/output error")
-
-
-_TEXT_ERRNOS = {"No space left on device": errno.ENOSPC, "RESOURCE_EXHAUSTED": errno.ENOSPC,
-                "Disk quota exceeded": errno.EDQUOT, "Read-only file system": errno.EROFS}
+# the same faults as TensorStore reports them (a ValueError whose text carries the OS's), and
+# the errno each stands for
+STORAGE_TEXTS = {"No space left on device": errno.ENOSPC, "RESOURCE_EXHAUSTED": errno.ENOSPC,
+                 "Disk quota exceeded": errno.EDQUOT, "Read-only file system": errno.EROFS,
+                 "Input/output error": errno.EIO}
 
 
 def _chain(exc: BaseException):
@@ -129,7 +127,7 @@ def error(run_dir: Path, exc: BaseException) -> errors.StorageError:
     again = ("run the same command again to resume from it (or copy the run directory "
              "elsewhere and resume there)" if kept else "run the same command again")
     code = getattr(fault, "errno", None) or next(
-        (c for text, c in _TEXT_ERRNOS.items() if text in str(fault)), None)
+        (c for text, c in STORAGE_TEXTS.items() if text in str(fault)), None)
     fix = {errno.ENOSPC: "Free space", errno.EDQUOT: "Free space or raise the quota",
            errno.EROFS: "Make the file system writable again",
            errno.ENOENT: "Leave the run directory's folders in place"}.get(code, "Fix the storage")
