@@ -53,7 +53,7 @@ def test_scaled_preset_keeps_heads_and_vocabulary():
 
 
 @pytest.mark.slow
-def test_headline_command_dpo_and_grpo_on_a_scaled_gemma_2b(tmp_path):
+def test_headline_command_and_grpo_on_a_scaled_gemma_2b(tmp_path):
     """The README's headline command (experiments.simpo --model PRESET --data pairs.jsonl
     --lora.rank 8) on a gemma_2b-shaped preset (full 256k vocabulary, 8 query heads, 1 KV head)
     scaled down, then GRPO, each in its own process; timings, memory, checkpoints. (DPO's
