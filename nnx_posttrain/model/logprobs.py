@@ -113,6 +113,27 @@ def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
     return out
 
 
+def _chunked(x, chunk: int):
+    """[batch, length, ...] -> [n_chunks, batch, chunk, ...], zero-padded to whole chunks (the
+    layout ``jax.lax.map`` walks, one chunk at a time)."""
+    batch, length = x.shape[:2]
+    n_chunks = -(-length // chunk)
+    x = jnp.pad(x, ((0, 0), (0, n_chunks * chunk - length)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape(batch, n_chunks, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _placed(x, length: int, full_length: int, places=None):
+    """Per-chunk results [n_chunks, batch, chunk] of ``length`` predictions -> [batch,
+    full_length]: position t holds the prediction of token t (0 at position 0), or, with
+    ``places`` [batch, length], each result at its place (out of range: dropped), 0 elsewhere."""
+    batch = x.shape[1]
+    x = x.swapaxes(0, 1).reshape(batch, -1)[:, :length]
+    if places is None:
+        return jnp.pad(x, ((0, 0), (1, 0)))
+    rows = jnp.arange(batch)[:, None]
+    return jnp.zeros((batch, full_length), x.dtype).at[rows, places].set(x, mode="drop")
+
+
 def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, with_entropy=False,
                          temperature: float = 1.0, positions=None, with_log_sum_sq=False,
                          with_correct=False, gather=None):
@@ -132,16 +153,11 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
         sources, targets, places, full_length = gather
         h = jnp.take_along_axis(h, sources[..., None], axis=1)
         targets = jnp.take_along_axis(token_ids, targets, axis=1)
-    length, width = h.shape[1], h.shape[2]
+    length = h.shape[1]
     embedding = module.token_embedding
     chunk_size = chunk_positions(chunk_size, batch, length, int(embedding.input_dim))
     chunk = min(chunk_size, length) if chunk_size > 0 else length
-    n_chunks = -(-length // chunk)
-    pad = n_chunks * chunk - length
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    h = h.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)
-    targets = targets.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    h, targets = _chunked(h, chunk), _chunked(targets, chunk)
 
     def one_chunk(args):
         h_c, t_c = args
@@ -175,11 +191,7 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
     logp, entropy, lss, correct = project(h, targets)
 
     def unchunk(x):
-        x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
-        if gather is None:
-            return jnp.pad(x, ((0, 0), (1, 0)))
-        rows = jnp.arange(batch)[:, None]
-        return jnp.zeros((batch, full_length), x.dtype).at[rows, places].set(x, mode="drop")
+        return _placed(x, length, full_length, None if gather is None else places)
 
     out = (unchunk(logp),) + ((unchunk(entropy),) if with_entropy else ())
     out += (unchunk(lss),) if with_log_sum_sq else ()
@@ -210,11 +222,6 @@ def paired_terms(module, other, token_ids, padding_mask, fn, chunk_size: int | N
     vocab = int(module.token_embedding.input_dim)
     chunk_size = chunk_positions(chunk_size, 2 * batch, length, vocab)  # two models' logits
     chunk = min(chunk_size, length) if chunk_size > 0 else length
-    n_chunks = -(-length // chunk)
-
-    def split(x):
-        x = jnp.pad(x, ((0, 0), (0, n_chunks * chunk - length), (0, 0)))
-        return x.reshape(batch, n_chunks, chunk, x.shape[-1]).swapaxes(0, 1)
 
     def one_chunk(args):
         h_c, other_c = args
@@ -223,16 +230,8 @@ def paired_terms(module, other, token_ids, padding_mask, fn, chunk_size: int | N
 
     if chunk_size > 0:  # one chunk of each model's logits alive at a time
         one_chunk = jax.checkpoint(one_chunk)
-    outs = jax.lax.map(one_chunk, (split(h), split(h_other)))
-
-    def unchunk(x):
-        x = x.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
-        if positions is None:
-            return jnp.pad(x, ((0, 0), (1, 0)))
-        rows = jnp.arange(batch)[:, None]
-        return jnp.zeros((batch, full_length), x.dtype).at[rows, positions].set(x, mode="drop")
-
-    return tuple(unchunk(x) for x in outs)
+    outs = jax.lax.map(one_chunk, (_chunked(h, chunk), _chunked(h_other, chunk)))
+    return tuple(_placed(x, length, full_length, positions) for x in outs)
 
 
 def full_logits(module, token_ids, padding_mask):
