@@ -1,7 +1,7 @@
 """Distillation: a frozen teacher's token distributions into the student. With no arguments: the
-default SFT run (runs/sft) teaches a fresh built-in model.
+default GRPO run (runs/grpo) teaches the default SFT run (runs/sft) on its own samples.
 
-    python -m experiments.distill                     # built-in default, after python -m experiments.sft
+    python -m experiments.distill                     # built-in default, after experiments.sft and experiments.grpo
     python -m experiments.distill --algo.teacher TEACHER --model STUDENT --data prompts.jsonl
 
 Defaults: ``distill``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and

@@ -160,7 +160,7 @@ class Config:
     """A training run. Algorithm-specific settings live under ``algo``."""
 
     model: str = "gemma_tiny"
-    """Model: built-in config (gemma_tiny, gemma2_tiny, gemma_micro), short name (gemma_2b, llama3_8b, ...), KerasHub preset or kaggle:// / hf:// handle, or a local preset / Hugging Face directory."""
+    """Model: built-in config (gemma_tiny, gemma2_tiny, gemma_tiny_half, gemma_micro), short name (gemma_2b, llama3_8b, ...), KerasHub preset or kaggle:// / hf:// handle, or a local preset / Hugging Face directory."""
     data: str = "builtin"
     """Training data: 'builtin' (the arithmetic task); a .jsonl, .parquet or .arrow file; a glob of them ('data/train-*.parquet'); a Hugging Face datasets directory (save_to_disk) or a downloaded Hub dataset folder of Parquet shards; hf://ORG/NAME[:SPLIT] (a Hub dataset, through the local Hub cache); several, comma-separated, concatenated (a,b) or mixed with weights (a:0.7,b:0.3)."""
     eval_data: str | None = None

@@ -3,6 +3,7 @@ without changing a value or a gradient, and a run distils a teacher (a run of ou
 by name) into the student on its own samples and the data's, resuming exactly."""
 
 import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+import json
 from types import SimpleNamespace
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_posttrain import errors, model
+from nnx_posttrain import errors, model, runs
 from nnx_posttrain.algorithms import distill
 from nnx_posttrain.losses.distill import divergence, gkd
 from support import FAST_STEPS, MICRO, losses, records, refusal, train_run
@@ -96,8 +97,8 @@ def test_the_two_projections_in_chunks_and_at_scored_positions_change_nothing(mi
 
 
 def _distill(run_dir, *extra):
-    return train_run("distill", *MICRO, *FAST_STEPS, "--run-dir", run_dir, "--log-every", "1",
-                     "--algo.max-completion-length", "6", *extra)
+    return train_run("distill", *MICRO, *FAST_STEPS, "--run-dir", run_dir, "--init-from", "",
+                     "--log-every", "1", "--algo.max-completion-length", "6", *extra)
 
 
 @pytest.mark.slow
@@ -119,21 +120,76 @@ def test_a_run_teaches_the_student_on_its_samples_and_the_datas_and_resumes_exac
     assert losses(tmp_path / "cut") == losses(tmp_path / "run")  # the same draws, the same samples
 
 
+@pytest.mark.slow
+def test_sequence_level_kd_trains_on_the_teachers_greedy_completions(shared_run, tmp_path,
+                                                                      monkeypatch):
+    generated = []
+    real = distill.MixedBatches._completed
+
+    def completed(self, batch, generate_from):
+        out = real(self, batch, generate_from)
+        generated.append((batch, out))
+        return out
+
+    monkeypatch.setattr(distill.MixedBatches, "_completed", completed)
+    teacher = shared_run("sft")
+    _distill(tmp_path / "run", "--algo.teacher", teacher, "--algo.seq-kd", "--algo.lmbda", "0",
+             "--steps", "2", "--algo.top-k", "3")
+    rows = records(tmp_path / "run")
+    assert [r["on_policy"] for r in rows] == [0.0, 0.0]
+    assert all(1 <= r["completions/mean_length"] <= 6 for r in rows)
+    assert len(generated) == 2
+    # Every completion token is the teacher's most likely next token (its greedy answer); the
+    # prompts are the data's.
+    module = runs.load(teacher).policy()
+    for before, after in generated:
+        ids, mask = np.asarray(after["input_ids"]), np.asarray(after["loss_mask"])
+        starts = mask.argmax(axis=1)
+        assert all((ids[i, :s] == np.asarray(before["input_ids"])[i, :s]).all()
+                   for i, s in enumerate(starts))
+        best = np.asarray(model.full_logits(module, ids, after["attention_mask"]).argmax(-1))
+        scored = mask[:, 1:].astype(bool)
+        assert scored.sum() > 0 and (ids[:, 1:][scored] == best[:, :-1][scored]).all()
+
+
 def test_a_teacher_by_name_in_bfloat16_and_what_is_refused(tmp_path, capsys, monkeypatch):
     _distill(tmp_path / "run", "--algo.teacher", "gemma2_tiny", "--steps", "2", "--algo.lmbda", "0")
     assert "teacher: gemma2_tiny: GemmaBackbone" in capsys.readouterr().out
     assert "--algo.teacher is required" in refusal("distill", *MICRO, "--run-dir", tmp_path / "a",
                                                    recipe=False)
-    monkeypatch.chdir(tmp_path)  # no runs/sft here
-    assert "run `python -m experiments.sft` first" in refusal(
-        "distill", *MICRO, "--run-dir", tmp_path / "a", "--algo.teacher", "runs/sft")
+    monkeypatch.chdir(tmp_path)  # no runs/grpo (the recipe's teacher) here
+    assert "`python -m experiments.grpo` first" in refusal(
+        "distill", *MICRO, "--run-dir", tmp_path / "a", "--init-from", "")
     msg = refusal("distill", *MICRO, "--run-dir", tmp_path / "b", "--algo.teacher", "x",
                   "--algo.beta", "2", "--algo.lmbda", "-1")
     assert "--algo.beta must be in [0, 1], got 2.0" in msg and "--algo.lmbda must be in [0, 1]" in msg
     student = model.load("gemma_micro")
-    other = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=999, encode=lambda text: [1]),
-                            module=None, chat_format=student.chat_format)
-    with pytest.raises(errors.ModelError, match="its tokenizer is not the student's"):
-        distill._check_tokenizers(student, other, "other")
     with pytest.raises(errors.ModelError, match="its chat format is llama3, the student's gemma"):
-        distill._check_tokenizers(student, SimpleNamespace(chat_format="llama3"), "other")
+        distill._check_chat_formats(student, SimpleNamespace(chat_format="llama3"), "other")
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_its_weights_load(tmp_path):
+    from tools import make_preset
+
+    teacher = tmp_path / "llama_tokenizer_only"  # a preset's tokenizer, no weights at all
+    make_preset.llama3_tokenizer(4096).save_to_preset(str(teacher))
+    (teacher / "config.json").write_text(json.dumps(
+        {"module": "keras_hub.src.models.llama3.llama3_backbone", "class_name": "Llama3Backbone",
+         "config": {}, "registered_name": "keras_hub>Llama3Backbone"}))
+    msg = refusal("distill", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run", "--init-from", "",
+                  "--algo.teacher", str(teacher), error=errors.ModelError)
+    assert "its tokenizer is not the student's (vocabularies of 4,096 and 314 tokens" in msg
+
+
+def test_a_teacher_too_big_for_the_memory_is_refused_before_it_loads(tmp_path):
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps(
+        {"class_name": "GemmaBackbone", "config": {"dtype": {"config": {"name": "bfloat16"}}}}))
+    with open(teacher / "model.weights.h5", "wb") as f:  # sparse: 1 TiB of bfloat16 weights
+        f.truncate(2**40)
+    assert model.weights_bytes(str(teacher), "bfloat16") == 2**40
+    assert model.weights_bytes(str(teacher), "float32") == 2**41
+    msg = refusal("distill", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run",
+                  "--init-from", "", "--algo.teacher", str(teacher), "--algo.teacher-dtype", "float32")
+    assert "the distill partner model needs 2,048.00 GiB for its weights" in msg

@@ -160,3 +160,8 @@ def test_every_row_is_a_command_its_experiment_accepts(method):
         assert getattr(cfg.algo, field) == value
     if method == T.CONTROL:
         assert cfg.optim.learning_rate == 0
+
+
+def test_the_baseline_continues_sft_for_the_preference_recipes_steps():
+    name, args = T.method_command(T.BASELINE, None)  # the README's table passes no --steps
+    assert name == "sft" and args[args.index("--steps") + 1] == "200"  # dpo.yaml's steps

@@ -71,12 +71,9 @@ def method_command(method: str, steps: int | None) -> tuple[str, list[str]]:
 
 def _preference_steps() -> int:
     """Steps of the built-in preference recipe (DPO's), which the baseline continues SFT for."""
-    from experiments import dpo
+    from nnx_posttrain import api
 
-    builtin = getattr(dpo, "BUILTIN", None)  # experiments with separate built-in-task defaults
-    if isinstance(builtin, dict) and "steps" in builtin:
-        return int(builtin["steps"])
-    return int(dpo.DEFAULT.steps)
+    return int(api.defaults("dpo").steps)
 
 
 def _train_reward(run_dir: Path):

@@ -131,6 +131,10 @@ class Algorithm(Protocol):
         """The state of another frozen model the loss reads (distillation's teacher), or None;
         the loop lays it out on the mesh and hands it to ``loss`` as its third argument."""
 
+    def partner_bytes(self) -> int | None:
+        """The memory the partner's weights will take once loaded (None: none, or unknown);
+        the loop checks it against the memory available before ``partner`` loads them."""
+
     def loss(self, module, batch: dict, reference) -> tuple:
         """(total, weight, metrics) of a micro-batch (see nnx_posttrain.losses)."""
 
@@ -263,6 +267,9 @@ class AlgorithmBase:
         return graphdef, (params, frozen_model)
 
     def partner(self, lm, echo, load_run):
+        return None
+
+    def partner_bytes(self) -> int | None:
         return None
 
     def prepare(self, batch: dict) -> dict:

@@ -6,15 +6,17 @@ The teacher (``--algo.teacher``: a built-in model, a KerasHub preset or local di
 of our run directories) is loaded once, frozen, kept in ``--algo.teacher-dtype`` and laid out on
 the mesh by the same rules as the student; it has no optimizer state and is never checkpointed
 (a resume loads it again, and refuses another teacher). Student and teacher must share their
-tokenizer. Each batch of SFT records keeps its completions with probability 1 - ``lmbda``; else
-the student samples new ones from the same prompts (everything before the first completion
-token), with the run's current weights. The loss is ``losses.distill`` on the completion
+tokenizer. With probability ``lmbda`` per batch of SFT records, the student samples new
+completions from the same prompts (everything before the first completion token) with the run's
+current weights; else the batch keeps the dataset's completions or, with ``seq_kd``, gets the
+teacher's greedy ones. The loss is ``losses.distill`` on the completion
 tokens, both models' vocabulary projections a chunk of positions at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -47,8 +49,14 @@ class DistillConfig:
     """Divides both models' logits in the loss (after Gemma's final soft cap) and the student's when it samples."""
     lmbda: float = 1.0
     """Fraction of batches whose completions the student samples (on-policy; TRL's core = 1.0); the rest keep the dataset's (GKD's lmbda)."""
+    seq_kd: bool = False
+    """Sequence-level KD (Kim & Rush 2016, GKD's seq_kd): the batches the student does not sample get the teacher's greedy completions instead of the dataset's."""
     max_completion_length: int = 512
-    """Most tokens the student samples per completion (TRL's max_completion_length); cut at --batching.max-length."""
+    """Most tokens the student (or, with --algo.seq-kd, the teacher) generates per completion (TRL's max_completion_length); cut at --batching.max-length."""
+    top_k: int = 0
+    """The student samples from its k most likely tokens only; 0 = off."""
+    top_p: float = 1.0
+    """The student's nucleus sampling threshold; 1.0 = off."""
 
 
 @register
@@ -67,15 +75,20 @@ class Distill(AlgorithmBase):
                             "directory)")
         elif ("/" in c.teacher and "://" not in c.teacher) and not Path(c.teacher).exists():
             problems.append(f"--algo.teacher {c.teacher}: no such directory"
-                            + (" (the built-in recipe's teacher is the default SFT run: run "
-                               "`python -m experiments.sft` first, or pass --algo.teacher)"
-                               if c.teacher == "runs/sft" else ""))
+                            + (" (the built-in recipe's teacher is the default GRPO run: run "
+                               "`python -m experiments.sft` and `python -m experiments.grpo` "
+                               "first, or pass --algo.teacher)"
+                               if c.teacher == "runs/grpo" else ""))
         if not 0.0 <= c.beta <= 1.0:
             problems.append(f"--algo.beta must be in [0, 1], got {c.beta}")
         if not 0.0 <= c.lmbda <= 1.0:
             problems.append(f"--algo.lmbda must be in [0, 1], got {c.lmbda}")
         if c.temperature <= 0:
             problems.append(f"--algo.temperature must be > 0, got {c.temperature}")
+        if c.top_k < 0:
+            problems.append(f"--algo.top-k must be >= 0, got {c.top_k}")
+        if not 0.0 < c.top_p <= 1.0:
+            problems.append(f"--algo.top-p must be in (0, 1], got {c.top_p}")
         if c.max_completion_length < 1:
             problems.append(f"--algo.max-completion-length must be >= 1, got "
                             f"{c.max_completion_length}")
@@ -84,9 +97,13 @@ class Distill(AlgorithmBase):
 
     def partner(self, lm, echo, load_run):
         """The teacher's frozen state (its graphdef kept here, for the loss), after checking it
-        shares the student's tokenizer."""
+        shares the student's tokenizer: its tokenizer alone first, then the loaded model."""
         c = self.cfg
-        if (Path(c.teacher) / "checkpoints").is_dir() and (Path(c.teacher) / "config.json").is_file():
+        trained = _run_config(c.teacher)
+        early = model.load_tokenizer(trained["model"] if trained else c.teacher)
+        if early is not None:
+            _check_tokenizers(lm, early, None, c.teacher)
+        if trained:
             run = load_run(c.teacher, c.teacher_step, echo=echo)
             teacher_lm, module = run.lm, run.policy()
             echo(f"teacher: {c.teacher} checkpoint {run.step}")
@@ -95,9 +112,19 @@ class Distill(AlgorithmBase):
             teacher_lm = model.load(c.teacher, dtype=dtype)
             module = teacher_lm.module
             echo(f"teacher: {model.describe(teacher_lm)} ({c.teacher_dtype})")
-        _check_tokenizers(lm, teacher_lm, c.teacher)
+        _check_chat_formats(lm, teacher_lm, c.teacher)
+        _check_tokenizers(lm, teacher_lm.tokenizer, teacher_lm.module, c.teacher)
         self.teacher_graphdef, state = nnx.split(module)
         return state
+
+    def partner_bytes(self) -> int | None:
+        """The teacher's weights in memory, from its files (a preset or Hugging Face directory,
+        or the local model a run directory trained), before it loads."""
+        c, trained = self.cfg, _run_config(self.cfg.teacher)
+        if trained:
+            return model.weights_bytes(trained.get("model", ""), trained.get("dtype", "float32"))
+        return model.weights_bytes(c.teacher, "bfloat16" if c.teacher_dtype == "bfloat16"
+                                   else "float32")
 
     def loss(self, module, batch, teacher_state):
         teacher = nnx.merge(self.teacher_graphdef, teacher_state)
@@ -112,28 +139,42 @@ class Distill(AlgorithmBase):
         return Inputs(MixedBatches(self, run, params), eval_loss_batches(self, run))
 
 
-def _check_tokenizers(student, teacher, name: str) -> None:
+def _run_config(teacher: str) -> dict | None:
+    """The saved settings of a run directory teacher (None: not a run directory)."""
+    saved = Path(teacher) / "config.json"
+    if (Path(teacher) / "checkpoints").is_dir() and saved.is_file():
+        return json.loads(saved.read_text())
+    return None
+
+
+def _check_chat_formats(student, teacher, name: str) -> None:
     if student.chat_format != teacher.chat_format:
         raise errors.ModelError(
             f"--algo.teacher {name}: its chat format is {teacher.chat_format}, the student's "
             f"{student.chat_format}: the two models would read the same tokens as different "
             "conversations (pass --chat-format so that they agree)")
+
+
+def _check_tokenizers(student, tokenizer, module, name: str) -> None:
+    """Refuse a teacher whose tokenizer (and, once loaded, ``module``'s embedding rows) is not
+    the student's."""
     probe = "The teacher and the student: 12 + 30 = 42."
-    same = (student.tokenizer.vocab_size == teacher.tokenizer.vocab_size
-            and student.tokenizer.encode(probe) == teacher.tokenizer.encode(probe)
-            and int(student.module.token_embedding.input_dim)
-            == int(teacher.module.token_embedding.input_dim))
+    same = (student.tokenizer.vocab_size == tokenizer.vocab_size
+            and student.tokenizer.encode(probe) == tokenizer.encode(probe)
+            and (module is None or int(student.module.token_embedding.input_dim)
+                 == int(module.token_embedding.input_dim)))
     if not same:
         raise errors.ModelError(
             f"--algo.teacher {name}: its tokenizer is not the student's (vocabularies of "
-            f"{teacher.tokenizer.vocab_size:,} and {student.tokenizer.vocab_size:,} tokens, or "
+            f"{tokenizer.vocab_size:,} and {student.tokenizer.vocab_size:,} tokens, or "
             "other ids for the same text): distillation compares the two models' distributions "
             "token by token, so both need the same vocabulary")
 
 
 class MixedBatches(DatasetBatches):
     """The dataset's SFT batches; with probability ``lmbda`` per step (by seed and step, so a
-    resumed run draws the same), their completions replaced by the student's samples."""
+    resumed run draws the same), their completions replaced by the student's samples, and
+    otherwise, with ``seq_kd``, by the teacher's greedy completions."""
 
     def __init__(self, algorithm: Distill, run: RunContext, params):
         super().__init__(algorithm, run)
@@ -143,32 +184,41 @@ class MixedBatches(DatasetBatches):
         sampler.check_generation(run.lm.module, b.batch_size, b.max_length, c.max_completion_length,
                                  "--algo.max-completion-length", run.cfg.memory_check)
         policy_graphdef, _ = algorithm.policy_view(run.graphdef, params, run.frozen["model"])
-        self.sample = sampler.make_sampler(policy_graphdef, c.max_completion_length,
-                                           pad_id=run.lm.tokenizer.pad_id)
+        pad_id = run.lm.tokenizer.pad_id
+        self.sample = sampler.make_sampler(policy_graphdef, c.max_completion_length, top_k=c.top_k,
+                                           pad_id=pad_id)
+        self.teacher_sample = (sampler.make_sampler(algorithm.teacher_graphdef,
+                                                    c.max_completion_length, pad_id=pad_id)
+                               if c.seq_kd else None)
         self.stop_ids = jnp.asarray(generate.stop_ids(run.lm), jnp.int32)
         self.lengths, self.drawn = [], []
 
     def next(self, step, state):
         batch = super().next(step, state)
-        on_policy = np.random.default_rng([self.seed, step]).random() < self.algorithm.cfg.lmbda
+        c = self.algorithm.cfg
+        on_policy = np.random.default_rng([self.seed, step]).random() < c.lmbda
         self.drawn.append(float(on_policy))
+        key = jax.random.fold_in(jax.random.key(self.seed), step)
         if on_policy:
-            batch = self._sampled(batch, step, state)
+            _, states = self.algorithm.policy_view(self.graphdef, state["params"],
+                                                   self.frozen["model"])
+            return self._completed(batch, lambda p, m: self.sample(
+                tuple(states), p, m, key, jnp.float32(c.temperature), jnp.float32(c.top_p),
+                self.stop_ids, self.lm.tokenizer.vocab_size))
+        if c.seq_kd:  # greedy: the teacher's mode, as sequence-level KD approximates it
+            return self._completed(batch, lambda p, m: self.teacher_sample(
+                (self.frozen["partner"],), p, m, key, jnp.float32(0.0), jnp.float32(1.0),
+                self.stop_ids, self.lm.tokenizer.vocab_size))
         return batch
 
-    def _sampled(self, batch: dict, step: int, state: dict) -> dict:
-        """``batch`` with each row's completion replaced by the student's sample from its
-        prompt (cut at --batching.max-length)."""
+    def _completed(self, batch: dict, generate_from) -> dict:
+        """``batch`` with each row's completion replaced by what ``generate_from(prompt_ids,
+        prompt_mask)`` generates from its prompt (cut at --batching.max-length)."""
         ids, loss_mask = np.asarray(batch["input_ids"]), np.asarray(batch["loss_mask"])
         starts = np.where(loss_mask.any(axis=1), loss_mask.argmax(axis=1), 0)
         prompts = [list(row[:max(int(s), 1)]) for row, s in zip(ids, starts)]
         prompt_ids, prompt_mask = sampler.pad_prompts(prompts, self.lm.tokenizer.pad_id)
-        _, states = self.algorithm.policy_view(self.graphdef, state["params"], self.frozen["model"])
-        c = self.algorithm.cfg
-        out = jax.device_get(self.sample(
-            tuple(states), prompt_ids, prompt_mask,
-            jax.random.fold_in(jax.random.key(self.seed), step), jnp.float32(c.temperature),
-            jnp.float32(1.0), self.stop_ids, self.lm.tokenizer.vocab_size))
+        out = jax.device_get(generate_from(prompt_ids, prompt_mask))
         rows = np.full_like(ids, self.lm.tokenizer.pad_id)
         attention, mask = np.zeros_like(ids), np.zeros_like(loss_mask)
         for i, (prompt, done) in enumerate(zip(prompts, np.asarray(out["completion_mask"]))):

@@ -42,7 +42,9 @@ from nnx_posttrain.model.load import (
     describe,
     is_local_model,
     load,
+    load_tokenizer,
     register_builtin,
+    weights_bytes,
 )
 from nnx_posttrain.model.logprobs import (
     full_logits,
@@ -68,7 +70,8 @@ from nnx_posttrain.model.lora import (
 __all__ = [
     # load
     "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer", "chat_format_for",
-    "describe", "is_local_model", "load", "register_builtin",
+    "describe", "is_local_model", "load", "load_tokenizer", "register_builtin",
+    "weights_bytes",
     # lora
     "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_disabled", "merge",
     "named_variables", "split", "trainable_filter",

@@ -198,6 +198,26 @@ def _preset_backbone_class(handle: str) -> str | None:
                              f"{saved.get('model_type')!r}")
 
 
+def weights_bytes(name: str, dtype: str) -> int | None:
+    """The memory a local checkpoint directory's weights take once loaded in ``dtype`` (a
+    ``DTYPES`` name), from its weight files' sizes and stored dtype (KerasHub's config.json
+    ``dtype``, a Hugging Face config's ``torch_dtype``), before anything loads; None for names
+    that are not local directories."""
+    if not is_local_model(name):
+        return None
+    root = Path(name).expanduser()
+    files = [p for p in root.iterdir() if p.name == "model.weights.h5"
+             or p.suffix in (".safetensors", ".bin")]
+    try:
+        saved = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    stored = json.dumps(saved.get("config", {}).get("dtype", saved.get("torch_dtype", "float32")))
+    stored_size = 2 if ("bfloat16" in stored or "float16" in stored) else 4
+    wanted_size = 4 if dtype == "float32" else 2
+    return sum(p.stat().st_size for p in files) * wanted_size // stored_size
+
+
 _HF_BACKBONES = {"gemma": "GemmaBackbone", "gemma2": "GemmaBackbone",
                  "gemma3_text": "Gemma3Backbone", "gemma3": "Gemma3Backbone",
                  "qwen2": "QwenBackbone", "qwen3": "Qwen3Backbone", "mistral": "MistralBackbone",
@@ -259,6 +279,20 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
         chat_format=fmt,
         name=name,
     )
+
+
+def load_tokenizer(name: str) -> Tokenizer | None:
+    """``name``'s tokenizer alone, without its weights (``load``'s names), to compare two models'
+    before the second loads; None where KerasHub cannot read it apart from the model."""
+    if name in TINY:
+        return Tokenizer(keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]()))
+    handle = PRESETS.get(name, name)
+    if is_local_model(handle):
+        handle = str(Path(handle).expanduser().resolve())
+    try:
+        return Tokenizer(keras_hub.models.Tokenizer.from_preset(handle))
+    except Exception:  # noqa: BLE001 - the model's own load reports what is wrong with it
+        return None
 
 
 def _tokenizer_of(task, name):

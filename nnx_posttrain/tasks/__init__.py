@@ -3,7 +3,7 @@ an exact checker (``arithmetic``), its SentencePiece
 tokenizer (``tokenizer``) and the tiny Gemma configurations trained on it. A *user* of the
 library: importing this package registers the task's data (``--data builtin``, with
 ``nnx_posttrain.data.register_builtin``) and its models (``gemma_tiny``, ``gemma2_tiny``,
-``gemma_micro``, with ``nnx_posttrain.model.register_builtin``). Its recipes, one file per
+``gemma_tiny_half``, ``gemma_micro``, with ``nnx_posttrain.model.register_builtin``). Its recipes, one file per
 algorithm (``recipes/<algorithm>.yaml``), are the settings a run on the built-in data gets over
 the algorithm's defaults (``recipe``). The library's lower layers never import it;
 ``nnx_posttrain.runs`` (and so the training loop) does.
@@ -29,6 +29,11 @@ MODELS = {
         intermediate_dim=512, head_dim=32, query_head_dim_normalize=True,
         use_post_ffw_norm=True, use_post_attention_norm=True, attention_logit_soft_cap=50.0,
         final_logit_soft_cap=30.0, use_sliding_window_attention=True, sliding_window_size=32,
+    ),
+    # gemma_tiny at half its depth: the smaller student of the distillation table
+    "gemma_tiny_half": dict(
+        num_layers=2, num_query_heads=4, num_key_value_heads=1, hidden_dim=128,
+        intermediate_dim=512, head_dim=32,
     ),
     "gemma_micro": dict(  # for fast tests
         num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,

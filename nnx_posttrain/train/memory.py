@@ -83,3 +83,15 @@ def check(cfg, parts: dict[str, int], echo=print) -> None:
         "). Lower --batching.max-length or --batching.batch-size, raise --batching.grad-accum, "
         "use --remat blocks, or pass --no-memory-check if the estimate is wrong (see "
         "nnx_posttrain/train/memory.py).")
+
+
+def check_weights(cfg, what: str, nbytes: int | None) -> None:
+    """``ConfigError`` when ``what``'s weights (``nbytes``, e.g. a teacher about to load) clearly
+    cannot fit in the memory available, before they load (``--no-memory-check``: skip)."""
+    free = device_memory.available_bytes() if cfg.memory_check and nbytes else None
+    if free is None or nbytes <= free:
+        return
+    raise errors.ConfigError(
+        f"{what} needs {nbytes / GiB:,.2f} GiB for its weights, and {free / GiB:,.2f} GiB are "
+        f"free on {jax.local_devices()[0].platform}: hold it in a smaller dtype, use a smaller "
+        "model, or pass --no-memory-check if the estimate is wrong")

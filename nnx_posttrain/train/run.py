@@ -190,6 +190,7 @@ def _build_state(run: Run, params, reference_copy: bool, sources) -> RunContext:
     run.optimizer = None if cfg.eval_only else step_lib.optimizer(cfg.optim, cfg.steps)
     run.state = place(_initial_state(params, run.optimizer, cfg.seed), run.mesh)
     run.frozen = place(run.frozen, run.mesh)
+    memory.check_weights(cfg, f"the {algorithm.name} partner model", algorithm.partner_bytes())
     partner = algorithm.partner(run.lm, run.echo, runs.load)
     if partner is not None:  # another frozen model the loss reads (its state; no optimizer)
         run.frozen["partner"] = place(partner, run.mesh)
