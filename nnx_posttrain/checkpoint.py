@@ -53,7 +53,8 @@ def shapes(tree) -> dict[str, list]:
 def model_settings(config: dict) -> dict:
     """The settings that make a model, from a run's config (as ``config_lib.to_dict`` gives it)."""
     lora = config["lora"]
-    return {"model": config["model"], "dtype": config["dtype"],
+    dtype = model.resolve_dtype(config["model"], config["dtype"], bool(lora["rank"]))
+    return {"model": config["model"], "dtype": dtype,
             "lora": {"rank": lora["rank"], "alpha": lora["alpha"], "targets": lora["targets"]}}
 
 

@@ -183,8 +183,8 @@ class Config:
     """Settings a resume may change, comma-separated (e.g. 'steps,optim.learning_rate'); any other difference from the checkpoint's settings is refused (README: Checkpoints and exact resume)."""
     memory_check: bool = True
     """Refuse to start when the estimated memory of a step exceeds the memory available."""
-    dtype: Literal["float32", "bfloat16", "bfloat16-params"] = "float32"
-    """float32; bfloat16 = bfloat16 compute with float32 weights; bfloat16-params = both bfloat16."""
+    dtype: Literal["auto", "float32", "bfloat16", "bfloat16-params"] = "auto"
+    """auto = the checkpoint's own: a 16-bit checkpoint keeps a frozen base in bfloat16 (LoRA factors float32) or trains float32 master weights with bfloat16 compute, anything else (the built-in models) float32; float32; bfloat16 = bfloat16 compute with float32 weights; bfloat16-params = both bfloat16."""
     log_every: int = 10
     """Log training metrics every this many steps."""
     logprob_chunk: int | None = None

@@ -103,7 +103,12 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
     built-in model's weights, LoRA, the head."""
     if init_from:
         check_init_from(init_from, name, init_step)
-    echo(f"loading model {name} ({dtype}) ...")
+    chosen, dtype = dtype, model.resolve_dtype(name, dtype, bool(lora.rank))
+    float32_factors = chosen == model.AUTO and dtype == "bfloat16-params"
+    stored = model.checkpoint_dtype(name) if chosen == model.AUTO else None
+    echo(f"loading model {name} ({dtype}"
+         + (", LoRA factors in float32" if float32_factors and lora.rank else "")
+         + (f": the checkpoint's {stored}, --dtype auto" if stored else "") + ") ...")
     start = time.perf_counter()
     lm = model.load(name, dtype=dtype, seed=seed, chat_format=chat_format)
     echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
@@ -111,7 +116,8 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
         echo(init_weights(lm.module, init_from, init_step))
     if lora.rank:
         try:
-            model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed)
+            model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed,
+                              factor_dtype="float32" if float32_factors else None)
         except ValueError as exc:  # e.g. targets that name no layer of this model
             raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
     # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local

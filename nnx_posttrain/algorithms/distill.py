@@ -122,7 +122,9 @@ class Distill(AlgorithmBase):
         or the local model a run directory trained), before it loads."""
         c, trained = self.cfg, _run_config(self.cfg.teacher)
         if trained:
-            return model.weights_bytes(trained.get("model", ""), trained.get("dtype", "float32"))
+            name = trained.get("model", "")
+            return model.weights_bytes(name, model.resolve_dtype(
+                name, trained.get("dtype", "float32"), bool(trained.get("lora", {}).get("rank"))))
         return model.weights_bytes(c.teacher, "bfloat16" if c.teacher_dtype == "bfloat16"
                                    else "float32")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nnx_posttrain import inspection, metrics_log, runs
+from nnx_posttrain import inspection, metrics_log, model, runs
 
 
 def report(run_dir, step: int | None = None) -> list[str]:
@@ -20,7 +20,8 @@ def report(run_dir, step: int | None = None) -> list[str]:
     loaded = runs.load(run_dir, step, echo=lambda _: None)
     cfg = loaded.config
     lines = [f"{run_dir}: {cfg.get('algo_name', '?').removesuffix('Config')} on {cfg['model']} "
-             f"({cfg['dtype']}), checkpoint {loaded.step} of {cfg.get('steps')} steps",
+             f"({model.resolve_dtype(cfg['model'], cfg['dtype'], bool(cfg['lora']['rank']))}), "
+             f"checkpoint {loaded.step} of {cfg.get('steps')} steps",
              "parameters:"]
     counts = inspection.param_counts(loaded.module)
     width = max(map(len, counts))

@@ -31,23 +31,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def source_dtype(model_name: str, run_dtype: str) -> str:
-    """The dtype the run's model came in: a local KerasHub preset's or Hugging Face directory's
-    saved dtype, else the run's weight dtype (bfloat16 only with --dtype bfloat16-params)."""
-    config = Path(model_name).expanduser() / "config.json"
-    if config.is_file():
-        try:
-            saved = json.loads(config.read_text())
-        except ValueError:
-            saved = {}
-        dtype = saved.get("config", {}).get("dtype") if "class_name" in saved else (
-            saved.get("torch_dtype") or saved.get("dtype"))
-        if isinstance(dtype, dict):
-            dtype = dtype.get("config", {}).get("name")
-        if isinstance(dtype, str):
-            if dtype.startswith("mixed_"):  # a mixed policy keeps float32 weights
-                dtype = "float32"
-            if dtype in DTYPES:
-                return dtype
+    """The dtype the run's model came in: its checkpoint's stored dtype
+    (``model.checkpoint_dtype``), else the run's weight dtype (bfloat16 only with --dtype
+    bfloat16-params)."""
+    from nnx_posttrain import model
+
+    stored = model.checkpoint_dtype(model_name)
+    if stored in DTYPES:
+        return stored
     return "bfloat16" if run_dtype == "bfloat16-params" else "float32"
 
 

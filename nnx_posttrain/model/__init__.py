@@ -32,6 +32,7 @@ from nnx_posttrain.model.blocks import (
 )
 from nnx_posttrain.model.heads import PolicyWithValue, RewardModel
 from nnx_posttrain.model.load import (
+    AUTO,
     DTYPES,
     PRESETS,
     TINY,
@@ -39,11 +40,13 @@ from nnx_posttrain.model.load import (
     ModelLoadError,
     Tokenizer,
     chat_format_for,
+    checkpoint_dtype,
     describe,
     is_local_model,
     load,
     load_tokenizer,
     register_builtin,
+    resolve_dtype,
     weights_bytes,
 )
 from nnx_posttrain.model.logprobs import (
@@ -69,9 +72,9 @@ from nnx_posttrain.model.lora import (
 
 __all__ = [
     # load
-    "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer", "chat_format_for",
-    "describe", "is_local_model", "load", "load_tokenizer", "register_builtin",
-    "weights_bytes",
+    "AUTO", "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer",
+    "chat_format_for", "checkpoint_dtype", "describe", "is_local_model", "load", "load_tokenizer",
+    "register_builtin", "resolve_dtype", "weights_bytes",
     # lora
     "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_disabled", "merge",
     "named_variables", "split", "trainable_filter",

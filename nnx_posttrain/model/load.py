@@ -44,6 +44,7 @@ PRESETS = {
 }
 
 DTYPES = {"float32": "float32", "bfloat16": "mixed_bfloat16", "bfloat16-params": "bfloat16"}
+AUTO = "auto"  # the checkpoint's own dtype (``resolve_dtype``)
 
 # Built-in configurations: name -> GemmaBackbone keyword arguments (Gemma architectures with a
 # SentencePiece tokenizer of their own), filled by ``register_builtin``.
@@ -196,6 +197,45 @@ def _preset_backbone_class(handle: str) -> str | None:
         return saved["class_name"]
     return _HF_BACKBONES.get(saved.get("model_type"), f"Hugging Face model_type "
                              f"{saved.get('model_type')!r}")
+
+
+def checkpoint_dtype(name: str) -> str | None:
+    """The dtype a checkpoint stores its weights in ('float32', 'bfloat16' or 'float16'): a local
+    KerasHub preset's config.json ``dtype`` (a mixed policy keeps float32 weights) or a Hugging
+    Face config's ``torch_dtype`` / ``dtype``; a KerasHub preset name's published config where
+    KerasHub can read it (its cache, or the network); None where nothing says (a built-in model)."""
+    if name in TINY:
+        return None
+    handle = PRESETS.get(name, name)
+    try:
+        if is_local_model(handle):
+            saved = json.loads((Path(handle).expanduser() / "config.json").read_text())
+        else:
+            from keras_hub.src.utils.preset_utils import load_json
+
+            saved = load_json(handle, "config.json")
+    except Exception:  # noqa: BLE001 - unreadable or offline: the model's own load says why
+        return None
+    dtype = saved.get("config", {}).get("dtype") if "class_name" in saved else (
+        saved.get("torch_dtype") or saved.get("dtype"))
+    if isinstance(dtype, dict):
+        dtype = dtype.get("config", {}).get("name")
+    if not isinstance(dtype, str):
+        return None
+    return "float32" if dtype.startswith("mixed_") else dtype
+
+
+def resolve_dtype(name: str, dtype: str, lora: bool) -> str:
+    """``--dtype``'s ``DTYPES`` name: ``dtype`` itself, or for 'auto' the checkpoint's own (TRL's
+    ``dtype="auto"``): a checkpoint stored in 16 bits trains with LoRA as 'bfloat16-params' (the
+    frozen base in bfloat16; ``enable_lora`` gives the factors float32 master weights) and in full
+    as 'bfloat16' (float32 master weights, bfloat16 compute); a float32 checkpoint, a built-in
+    model or one whose dtype is unknown in 'float32'."""
+    if dtype != AUTO:
+        return dtype
+    if checkpoint_dtype(name) in ("bfloat16", "float16"):
+        return "bfloat16-params" if lora else "bfloat16"
+    return "float32"
 
 
 def weights_bytes(name: str, dtype: str) -> int | None:

@@ -66,14 +66,16 @@ def count_params(state) -> int:
 
 
 def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "attention",
-                seed: int = 0) -> list[str]:
+                seed: int = 0, factor_dtype: str | None = None) -> list[str]:
     """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
 
     ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'all-linear' (every Dense
     or EinsumDense of the decoder blocks), or comma-separated layer names. The A factors are
     He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from Python's
-    global random state), the B factors zero. Returns the paths of the adapted layers; raises if
-    none matched.
+    global random state), the B factors zero. ``factor_dtype`` 'float32' on a layer with 16-bit
+    weights gives its factors float32 master weights (the layer's policy becomes mixed: the
+    frozen kernel keeps its dtype, compute stays in 16 bits). Returns the paths of the adapted
+    layers; raises if none matched.
     """
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
@@ -90,6 +92,8 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
         if names is not None and layer.name not in names:
             continue
         layer.trainable = True
+        if factor_dtype == "float32" and layer.variable_dtype != "float32":
+            layer.dtype_policy = keras.DTypePolicy(f"mixed_{layer.compute_dtype}")
         layer_seed = int(np.random.SeedSequence([seed, len(adapted)]).generate_state(1)[0] >> 1)
         layer.enable_lora(rank, lora_alpha=alpha,
                           a_initializer=keras.initializers.HeUniform(seed=layer_seed))

@@ -47,7 +47,7 @@ def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: 
     hidden = int(getattr(backbone, "hidden_dim", 0))
     heads = int(getattr(backbone, "num_query_heads", 1))
     vocab = int(getattr(backbone, "vocabulary_size", 0))
-    e = 2 if cfg.dtype.startswith("bfloat16") else 4
+    e = 2 if str(backbone.dtype_policy.compute_dtype) in ("bfloat16", "float16") else 4
     per_layer = s * seqs * (34 * hidden + 5 * heads * s) * e // 2
     chunk = min(chunk_positions(cfg.logprob_chunk, seqs, s, vocab) or s, s)
     out = {"vocabulary projection": 3 * 4 * seqs * chunk * vocab}

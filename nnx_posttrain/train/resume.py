@@ -29,7 +29,7 @@ import difflib
 import json
 from pathlib import Path
 
-from nnx_posttrain import checkpoint, errors
+from nnx_posttrain import checkpoint, errors, model
 from nnx_posttrain import config as config_lib
 from nnx_posttrain import data
 from nnx_posttrain.checkpoint import CheckpointMismatchError
@@ -158,6 +158,10 @@ def differences(saved: dict, current: dict) -> dict[str, list]:
                 new[key] = current["config"].get(key)
                 if old[key] == new[key]:  # same path, other content
                     old[key], new[key] = f"{old[key]} (as it was)", f"{new[key]} (changed since)"
+    for flat in (old, new):  # --dtype auto and the dtype it resolves to are the same setting
+        if "dtype" in flat and "model" in flat:
+            flat["dtype"] = model.resolve_dtype(flat["model"], flat["dtype"],
+                                                bool(flat.get("lora.rank")))
     out = {}
     for key in sorted(set(old) | set(new)):
         if key in old and key in new and old[key] != new[key] and classify(key)[0] != "ignored":
