@@ -54,7 +54,7 @@ def model_settings(config: dict) -> dict:
     """The settings that make a model, from a run's config (as ``config_lib.to_dict`` gives it)."""
     lora = config["lora"]
     dtype = model.resolve_dtype(config["model"], config["dtype"], bool(lora["rank"]))
-    return {"model": config["model"], "dtype": dtype,
+    return {"model": config["model"], "dtype": dtype, "quantize": config.get("quantize", "none"),
             "lora": {"rank": lora["rank"], "alpha": lora["alpha"], "targets": lora["targets"]}}
 
 
@@ -71,7 +71,9 @@ def model_record(cfg: config_lib.Config, state) -> dict:
 def model_problems(saved: dict, current: dict) -> list[str]:
     """The differences of model, dtype and LoRA between two model records."""
     return [f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
-            for key in ("model", "dtype", "lora") if saved.get(key) != current.get(key)]
+            for key in ("model", "dtype", "quantize", "lora")
+            if saved.get(key, "none" if key == "quantize" else None)
+            != current.get(key, "none" if key == "quantize" else None)]
 
 
 def mismatch(where: str, problems: list[str]) -> CheckpointMismatchError:

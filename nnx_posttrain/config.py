@@ -185,6 +185,8 @@ class Config:
     """Refuse to start when the estimated memory of a step exceeds the memory available."""
     dtype: Literal["auto", "float32", "bfloat16", "bfloat16-params"] = "auto"
     """auto = the checkpoint's own: a 16-bit checkpoint keeps a frozen base in bfloat16 (LoRA factors float32) or trains float32 master weights with bfloat16 compute, anything else (the built-in models) float32; float32; bfloat16 = bfloat16 compute with float32 weights; bfloat16-params = both bfloat16."""
+    quantize: Literal["none", "int8"] = "none"
+    """int8: the frozen base's weights in int8 (weight-only, Keras' own quantization; compute stays in the model's dtype) under LoRA, which needs --lora.rank > 0 (QLoRA-style); none: as loaded."""
     log_every: int = 10
     """Log training metrics every this many steps."""
     logprob_chunk: int | None = None
@@ -259,6 +261,10 @@ class Config:
             problems.append(f"--logprob-chunk must be >= 0 (0: no chunking), got {self.logprob_chunk}")
         if self.log_every <= 0:
             problems.append("--log-every must be positive")
+        if self.quantize != "none" and not self.lora.rank:
+            problems.append(f"--quantize {self.quantize} quantizes the frozen base under LoRA: "
+                            "pass --lora.rank (full fine-tuning trains the weights it would "
+                            "quantize)")
         c = self.checkpoint
         if c.keep_best == "exact_match" and self.eval.exact_match == 0:
             problems.append("--checkpoint.keep-best exact_match needs exact-match evaluation, but "

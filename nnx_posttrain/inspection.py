@@ -45,19 +45,10 @@ def param_counts(module) -> dict[str, int]:
     return counts
 
 
-def _delta(layer):
-    """(alpha / rank) * A @ B in float32, shaped like the layer's kernel. EinsumDense kernels may
-    be 3-D: A is kernel_shape[:-1] + (rank,), B is (rank, kernel_shape[-1]), and matmul contracts
-    the last axis of A with B, exactly as Keras's ``kernel`` property does."""
-    a = jnp.asarray(layer.lora_kernel_a.value, jnp.float32)
-    b = jnp.asarray(layer.lora_kernel_b.value, jnp.float32)
-    return (layer.lora_alpha / layer.lora_rank) * jnp.matmul(a, b)
-
-
 def lora_delta_norms(module) -> dict[str, float]:
     """{layer path: Frobenius norm of (alpha / rank) * A @ B} for every layer with LoRA enabled
     (empty for a model without LoRA)."""
-    return {layer.path: float(jnp.linalg.norm(_delta(layer).ravel())) for layer in _lora_layers(module)}
+    return {layer.path: float(jnp.linalg.norm(model.lora_delta(layer).ravel())) for layer in _lora_layers(module)}
 
 
 def merge_lora(module) -> list[str]:
@@ -67,7 +58,7 @@ def merge_lora(module) -> list[str]:
     merged = []
     for layer in _lora_layers(module):
         kernel = layer._kernel
-        kernel.assign((jnp.asarray(kernel.value, jnp.float32) + _delta(layer)).astype(kernel.dtype))
+        kernel.assign((jnp.asarray(kernel.value, jnp.float32) + model.lora_delta(layer)).astype(kernel.dtype))
         adapters = {id(layer.lora_kernel_a), id(layer.lora_kernel_b)}
         layer._tracker.unlock()
         for name in ("_trainable_variables", "_non_trainable_variables"):

@@ -95,10 +95,12 @@ def run_config(run_dir: str | Path) -> dict:
 
 def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
                 init_from: str | None = None, remat: bool = False, echo=print,
-                chat_format: str | None = None, init_step: int | None = None):
+                chat_format: str | None = None, init_step: int | None = None,
+                quantize: str = "none"):
     """(language model, module) of a run: the model loaded, the weights of ``init_from``'s
     checkpoint ``init_step`` (default: its latest) copied in, LoRA added, rematerialisation set,
-    and the algorithm's scalar ``head`` (if any) on top. ``init_from`` is checked before the model
+    and the algorithm's scalar ``head`` (if any) on top; ``quantize`` 'int8' quantizes the frozen
+    base before LoRA is added (``model.quantize``). ``init_from`` is checked before the model
     loads (a mismatch costs no loading time). ``seed`` decides every random initialisation: a
     built-in model's weights, LoRA, the head."""
     if init_from:
@@ -114,6 +116,8 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
     echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     if init_from:
         echo(init_weights(lm.module, init_from, init_step))
+    if quantize != "none":
+        echo(f"quantized {model.quantize(lm.module, quantize)} layers to {quantize} (weights only)")
     if lora.rank:
         try:
             model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed,
@@ -137,13 +141,14 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
         model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],
         lora=config_lib.LoraConfig(**saved_cfg["lora"]),
         checkpoint=dataclasses.replace(config_lib.CheckpointConfig(), async_save=False),
-        chat_format=saved_cfg.get("chat_format"),
+        chat_format=saved_cfg.get("chat_format"), quantize=saved_cfg.get("quantize", "none"),
     )
     ckpt = _reader(run_dir)
     try:
         _pick_step(ckpt, run_dir, step)  # a missing checkpoint: before the model is built
         lm, module = build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
-                                 head=head_of(saved_cfg), echo=echo, chat_format=cfg.chat_format)
+                                 head=head_of(saved_cfg), echo=echo, chat_format=cfg.chat_format,
+                                 quantize=cfg.quantize)
         _, params, _ = model.split(module)
         mesh = sharding.make_mesh(config_lib.MeshConfig(data=mesh_devices))
         replicated = NamedSharding(mesh, P())

@@ -31,6 +31,7 @@ def test_a_students_rows_differ_only_in_what_they_distil(student):
         if name == "distill":
             assert cfg.algo.teacher == "runs/teacher"
             assert cfg.algo.lmbda == float(D.LMBDA[row])
+            assert cfg.algo.beta == float(D.BETA.get(row, 1.0))
     assert settings["sft"]["model"] == ("gemma_tiny" if student == "a" else D.SMALL)
     assert settings["sft"]["init_from"] == ("runs/start" if student == "a" else "")
     assert settings["sft"]["steps"] == 200

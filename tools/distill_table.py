@@ -18,11 +18,13 @@ and for each, the rows:
 - ``seq_kd``: SFT on the teacher's greedy answers to the same prompts (sequence-level KD, Kim &
   Rush 2016): the answers are generated once per seed and written as a data file;
 - ``kd``: ``experiments.distill --algo.lmbda 0``: the teacher's token distributions on the
-  demonstrations (supervised KD);
+  demonstrations (supervised KD); ``kd_forward``: the same with ``--algo.beta 0`` (forward KL,
+  the classic soft-label KD of Hinton et al.);
 - ``gkd``: ``--algo.lmbda 0.5``: half the batches on the student's own samples (GKD's mix);
 - ``on_policy``: ``--algo.lmbda 1``: the student's samples only (TRL's DistillationTrainer).
 
-Distillation rows use the loss' TRL defaults (beta 1: reverse KL, temperature 1). Per row:
+Distillation rows use the loss' TRL defaults (beta 1: reverse KL, temperature 1) but
+``kd_forward``. Per row:
 held-out exact match after training (mean +- std over seeds), its change from the student's
 start and its difference to the SFT baseline with 95% paired bootstrap intervals over seeds and
 held-out problems (``tools.seeds.paired_bootstrap``), the share of the teacher's gain over the
@@ -53,11 +55,13 @@ BUILTIN_SFT = ["--remat", "none", "--batching.batch-size", "32", "--batching.gra
 # Student (b): from scratch, the SFT recipe's optimizer (nnx_posttrain/tasks/recipes/sft.yaml).
 FRESH = ["--model", SMALL, "--init-from", "", "--optim.learning-rate", "1e-3",
          "--optim.warmup-steps", "30", "--optim.min-lr-ratio", "0.1", "--optim.weight-decay", "1.0"]
-LMBDA = {"kd": "0", "gkd": "0.5", "on_policy": "1"}
-ROWS = ("sft", "seq_kd", "kd", "gkd", "on_policy")
+LMBDA = {"kd": "0", "kd_forward": "0", "gkd": "0.5", "on_policy": "1"}
+BETA = {"kd_forward": "0"}  # the others: TRL's default, 1 (reverse KL)
+ROWS = ("sft", "seq_kd", "kd", "kd_forward", "gkd", "on_policy")
 LABELS = {"sft": "SFT on the demonstrations (baseline)",
           "seq_kd": "SFT on the teacher's greedy answers (sequence-level KD)",
-          "kd": "supervised KD (lmbda 0)", "gkd": "GKD mix (lmbda 0.5)",
+          "kd": "supervised KD (lmbda 0)", "kd_forward": "supervised KD, forward KL (beta 0)",
+          "gkd": "GKD mix (lmbda 0.5)",
           "on_policy": "on-policy distillation (lmbda 1)"}
 STUDENTS = {"a": "the SFT start", "b": f"a fresh {SMALL}"}
 
@@ -72,7 +76,8 @@ def row_command(row: str, student: str, answers: Path, teacher: Path, start: Pat
         return "sft", common
     if row == "seq_kd":
         return "sft", ["--data", str(answers), *BUILTIN_SFT, *common]
-    return "distill", ["--algo.teacher", str(teacher), "--algo.lmbda", LMBDA[row], *common]
+    beta = ["--algo.beta", BETA[row]] if row in BETA else []
+    return "distill", ["--algo.teacher", str(teacher), "--algo.lmbda", LMBDA[row], *beta, *common]
 
 
 def teacher_answers(teacher: Path, out: Path) -> Path:

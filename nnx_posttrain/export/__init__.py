@@ -42,6 +42,19 @@ def source_dtype(model_name: str, run_dtype: str) -> str:
     return "bfloat16" if run_dtype == "bfloat16-params" else "float32"
 
 
+def _dequantized(saved: dict, policy, echo):
+    """(a task of the run's model without quantization or LoRA holding ``policy``'s effective
+    weights: each int8 kernel divided by its scale plus its LoRA delta; the merged layers)."""
+    from nnx_posttrain import model
+
+    name = saved["model"]
+    plain = model.load(name, model.resolve_dtype(name, saved["dtype"], lora=False),
+                       chat_format=saved.get("chat_format"))
+    merged = model.dequantized_into(policy, plain.module)
+    echo(f"dequantized the {saved['quantize']} base of {name} and merged {len(merged)} LoRA layers")
+    return plain.task, merged
+
+
 def _cast_task(task, dtype: str):
     """``task`` with its weights in ``dtype`` (a new task; the same one if they already are)."""
     import keras
@@ -95,7 +108,10 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None, fmt: st
         what = f"the LoRA adapters of step {loaded.step} of {run_dir} ({family}, {dtype})"
         kind = "PEFT adapters"
     else:
-        merged = inspection.merge_lora(policy)
+        if saved.get("quantize", "none") != "none":  # its effective weights, in a plain model
+            task, merged = _dequantized(saved, policy, echo)
+        else:
+            merged = inspection.merge_lora(policy)
         if fmt == "keras":
             to.mkdir(parents=True, exist_ok=True)
             _cast_task(task, dtype).save_to_preset(str(to))

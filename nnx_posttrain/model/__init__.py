@@ -8,6 +8,7 @@ its chat template. Around it:
 - ``load``: names, presets, local KerasHub / Hugging Face directories, built-in configurations
   (``register_builtin``), the ``nnx.state`` workaround for tasks, ``describe``;
 - ``lora``: the trainable-variable filter, ``split``, LoRA and its off switch (the reference model);
+- ``quantize``: a weight-only int8 frozen base under LoRA (QLoRA-style), and its inverse for export;
 - ``blocks``: overriding a method of every decoder block for one call (``override_blocks``): the
   packed-row attention mask, remat;
 - ``attention``: one attention path for every family and accelerator (``set_attention``:
@@ -49,6 +50,7 @@ from nnx_posttrain.model.load import (
     resolve_dtype,
     weights_bytes,
 )
+from nnx_posttrain.model.quantize import dequantized_into, quantize, quantized_layers
 from nnx_posttrain.model.logprobs import (
     full_logits,
     hidden_states,
@@ -63,6 +65,7 @@ from nnx_posttrain.model.lora import (
     count_params,
     enable_lora,
     has_lora,
+    lora_delta,
     lora_disabled,
     merge,
     named_variables,
@@ -75,8 +78,10 @@ __all__ = [
     "AUTO", "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer",
     "chat_format_for", "checkpoint_dtype", "describe", "is_local_model", "load", "load_tokenizer",
     "register_builtin", "resolve_dtype", "weights_bytes",
+    # quantize
+    "dequantized_into", "quantize", "quantized_layers",
     # lora
-    "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_disabled", "merge",
+    "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_delta", "lora_disabled", "merge",
     "named_variables", "split", "trainable_filter",
     # attention
     "ATTENTION_IMPLEMENTATIONS", "attention_of", "set_attention",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 from flax import nnx
@@ -93,7 +94,9 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
             continue
         layer.trainable = True
         if factor_dtype == "float32" and layer.variable_dtype != "float32":
-            layer.dtype_policy = keras.DTypePolicy(f"mixed_{layer.compute_dtype}")
+            mixed, mode = f"mixed_{layer.compute_dtype}", layer.dtype_policy.quantization_mode
+            layer.dtype_policy = (keras.dtype_policies.QuantizedDTypePolicy(mode, mixed) if mode
+                                  else keras.DTypePolicy(mixed))
         layer_seed = int(np.random.SeedSequence([seed, len(adapted)]).generate_state(1)[0] >> 1)
         layer.enable_lora(rank, lora_alpha=alpha,
                           a_initializer=keras.initializers.HeUniform(seed=layer_seed))
@@ -103,6 +106,15 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
             f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
         )
     return adapted
+
+
+def lora_delta(layer):
+    """(alpha / rank) * A @ B in float32, shaped like the layer's kernel. EinsumDense kernels may
+    be 3-D: A is kernel_shape[:-1] + (rank,), B is (rank, kernel_shape[-1]), and matmul contracts
+    the last axis of A with B, exactly as Keras's ``kernel`` property does."""
+    a = jnp.asarray(layer.lora_kernel_a.value, jnp.float32)
+    b = jnp.asarray(layer.lora_kernel_b.value, jnp.float32)
+    return (layer.lora_alpha / layer.lora_rank) * jnp.matmul(a, b)
 
 
 @contextlib.contextmanager

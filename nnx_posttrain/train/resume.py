@@ -50,6 +50,7 @@ REFUSED = {
     "algo.*": "the algorithm's settings shape its loss and its batches",
     "model": "the saved weights are of the run's model",
     "dtype": "the saved weights are of the run's precision",
+    "quantize": "the LoRA factors were trained over the run's quantized (or not) base",
     "lora.*": "the saved weights are of the run's LoRA configuration",
     "init_from": "the starting weights (and the reference model) come from it",
     "chat_format": "the chat template decides the tokens of every conversational record",

@@ -21,7 +21,8 @@ def build_model(cfg, algorithm, echo, init_step: int | None = None):
     weights of ``--init-from``'s checkpoint ``init_step`` (default: its latest)."""
     lm, module = runs.build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head=algorithm.head,
                                   init_from=cfg.init_from, remat=cfg.remat == "blocks", echo=echo,
-                                  chat_format=cfg.chat_format, init_step=init_step)
+                                  chat_format=cfg.chat_format, init_step=init_step,
+                                  quantize=cfg.quantize)
     echo(model.set_attention(lm.module, cfg.attention))
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"

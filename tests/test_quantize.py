@@ -1,0 +1,75 @@
+"""--quantize int8: a weight-only int8 frozen base under LoRA (Keras' own quantization), trained,
+sampled, used as the LoRA-off reference, resumed and exported dequantized."""
+
+import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnx_posttrain import errors, export, model, runs
+from support import FAST_STEPS, MICRO, losses, refusal, train_run
+
+IDS = jnp.asarray(np.random.default_rng(0).integers(4, 300, (2, 12)), jnp.int32)
+MASK = jnp.ones((2, 12), jnp.int32)
+
+
+def _logits(module):
+    return np.asarray(model.full_logits(module, IDS, MASK))
+
+
+def test_the_int8_base_computes_as_the_model_and_dequantizes_into_its_effective_weights():
+    base = model.load("gemma_micro", dtype="bfloat16-params")
+    lm = model.load("gemma_micro", dtype="bfloat16-params")
+    assert model.quantize(lm.module, "int8") == 15  # q, k, v, o, 3 MLP x 2 blocks, the embedding
+    frozen = {str(v.dtype) for v in lm.module.weights if "scale" not in v.path}
+    assert frozen >= {"int8"} and "float32" not in frozen
+    scale = np.abs(_logits(base.module)).max()
+    # weight-only int8, per output channel: the model's logits within 5% of their scale
+    assert np.abs(_logits(lm.module) - _logits(base.module)).max() < 0.05 * scale
+    model.enable_lora(lm.module, 4, None, "attention", factor_dtype="float32")
+    _, params, _ = model.split(lm.module)
+    assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"float32"}
+    for layer in lm.module._flatten_layers(include_self=False):  # a trained-looking adapter
+        if getattr(layer, "lora_enabled", False):
+            layer.lora_kernel_b.assign(jnp.full(layer.lora_kernel_b.shape, 0.05, jnp.float32))
+            assert layer.quantization_mode == "int8"  # still computing from int8 weights
+    plain = model.load("gemma_micro", dtype="float32", seed=7)  # other weights, overwritten
+    assert len(model.dequantized_into(lm.module, plain.module)) == 8
+    # the exported weights compute what the quantized model computed (its bfloat16 rounding)
+    assert np.abs(_logits(plain.module) - _logits(lm.module)).max() < 0.02 * scale
+
+
+def test_quantize_needs_lora(tmp_path):
+    assert "--quantize int8 quantizes the frozen base under LoRA: pass --lora.rank" in refusal(
+        "sft", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run", "--quantize", "int8")
+
+
+@pytest.mark.slow
+def test_a_quantized_run_trains_like_the_unquantized_one_resumes_and_exports(tmp_path, capsys):
+    args = [*MICRO, *FAST_STEPS, "--lora.rank", "8", "--lora.targets", "all-linear",
+            "--optim.learning-rate", "1e-3"]
+    train_run("sft", *args, "--run-dir", tmp_path / "plain")
+    train_run("sft", *args, "--quantize", "int8", "--run-dir", tmp_path / "int8")
+    assert "quantized 15 layers to int8 (weights only)" in capsys.readouterr().out
+    plain, quantized = losses(tmp_path / "plain"), losses(tmp_path / "int8")
+    for step in (1, 2, 3):  # the documented tolerance: 1% of the loss
+        assert quantized[step] == pytest.approx(plain[step], rel=1e-2)
+    assert quantized != plain  # it did run on the int8 weights
+    train_run("sft", *args, "--quantize", "int8", "--run-dir", tmp_path / "cut", "--steps", "2")
+    train_run("sft", *args, "--quantize", "int8", "--run-dir", tmp_path / "cut", "--resume")
+    assert losses(tmp_path / "cut") == quantized
+    msg = refusal("sft", *args, "--run-dir", tmp_path / "cut", "--resume", "--steps", "6")
+    assert "quantize" in msg  # another base under the same adapters: refused
+    loaded = runs.load(tmp_path / "int8")
+    assert model.quantized_layers(loaded.module)
+    expected = _logits(loaded.policy())
+    export.export(tmp_path / "int8", tmp_path / "out", echo=lambda _: None)
+    exported = model.load(str(tmp_path / "out"))
+    assert not model.quantized_layers(exported.module)
+    assert np.abs(_logits(exported.module) - expected).max() < 1e-4 * max(1, np.abs(expected).max())
+    train_run("dpo", *MICRO, *FAST_STEPS, "--lora.rank", "4", "--quantize", "int8",
+              "--init-from", "", "--run-dir", tmp_path / "dpo")  # the LoRA-off reference
+    first = losses(tmp_path / "dpo")[1]
+    assert first == pytest.approx(np.log(2), abs=1e-3)  # policy = reference at the start
