@@ -710,9 +710,12 @@ def test_run_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
 
 
 def test_a_max_length_that_cannot_fit_is_refused_with_the_estimate(tmp_path):
-    msg = refusal(sft, tmp_path / "run", "--batching.max-length", "2000000")
+    msg = refusal(sft, tmp_path / "run", "--batching.max-length", "2000000", "--lora.rank", "4",
+                  "--batching.batch-size", "8")
     assert "a training step needs an estimated" in msg and "activations" in msg
-    assert "--no-memory-check" in msg
+    assert ("The cheapest fixes first: --quantize int8 (the frozen base in int8); "
+            "--batching.grad-accum 2 (micro-batches of 4); --remat blocks; "
+            "--batching.max-length 1000000; or pass --no-memory-check") in msg
     assert not (tmp_path / "run" / "checkpoints" / "2").exists()
 
 

@@ -80,9 +80,27 @@ def check(cfg, parts: dict[str, int], echo=print) -> None:
         f"{need / GiB:,.2f} GiB more per device, and {free / GiB:,.2f} GiB are free on "
         f"{jax.local_devices()[0].platform} ({shown} GiB; --batching.max-length "
         f"{cfg.batching.max_length}, micro-batch {cfg.batching.batch_size // cfg.batching.grad_accum}"
-        "). Lower --batching.max-length or --batching.batch-size, raise --batching.grad-accum, "
-        "use --remat blocks, or pass --no-memory-check if the estimate is wrong (see "
-        "nnx_posttrain/train/memory.py).")
+        "). The cheapest fixes first: " + "; ".join(fixes(cfg)) + "; or pass --no-memory-check "
+        "if the estimate is wrong (see nnx_posttrain/train/memory.py).")
+
+
+def fixes(cfg) -> list[str]:
+    """What would lower a run's memory, cheapest first: a smaller frozen base, the checkpoint's
+    dtype, a smaller micro-batch, remat, shorter sequences."""
+    from nnx_posttrain import model
+
+    b, out = cfg.batching, []
+    if cfg.lora.rank and cfg.quantize == "none":
+        out.append("--quantize int8 (the frozen base in int8)")
+    if cfg.dtype == "float32" and model.checkpoint_dtype(cfg.model) in ("bfloat16", "float16"):
+        out.append("--dtype auto (the checkpoint's 16-bit weights instead of float32)")
+    micro = b.batch_size // b.grad_accum
+    if micro > 1 and b.batch_size % (2 * b.grad_accum) == 0:
+        out.append(f"--batching.grad-accum {2 * b.grad_accum} (micro-batches of {micro // 2})")
+    if cfg.remat != "blocks":
+        out.append("--remat blocks")
+    out.append(f"--batching.max-length {max(b.max_length // 2, 1)}")
+    return out
 
 
 def check_weights(cfg, what: str, nbytes: int | None) -> None:

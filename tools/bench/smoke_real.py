@@ -13,7 +13,7 @@ and runs, each in its own process, for ``--steps`` steps:
 - ``dpo``: the same with DPO (the reference is the LoRA-off base model: no second copy);
 - ``grpo``: prompts, the built-in ``length`` reward, 2 completions per prompt;
 
-under each ``--dtypes`` value. Reported per run: seconds per step after the first (which
+under each ``--dtypes`` value (``DTYPE+int8`` adds ``--quantize int8``). Reported per run: seconds per step after the first (which
 compiles), the first step's seconds, the model's loading seconds, the peak resident memory of the
 process, and the size of the last checkpoint. ``--record NAME`` writes ``results/NAME.json`` for
 the README (``python -m tools.results``).
@@ -73,7 +73,9 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
     """Run one experiment process; its peak RSS (polled), timings and checkpoint size."""
     import psutil
 
-    cmd = [sys.executable, *argv, "--dtype", dtype, "--run-dir", str(run_dir)]
+    dtype, _, quantize = dtype.partition("+")  # 'auto+int8': --dtype auto --quantize int8
+    extra = ["--quantize", quantize] if quantize else []
+    cmd = [sys.executable, *argv, "--dtype", dtype, *extra, "--run-dir", str(run_dir)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -115,7 +117,8 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
             "load_seconds": float(loaded.group(1)) if loaded else None,
             "peak_rss_bytes": peak, "checkpoint_bytes": size,
             "wall_seconds": time.perf_counter() - start, "loss": first.get("loss"),
-            "command": " ".join(["python", *argv, "--dtype", dtype])}
+            "losses": [r["loss"] for r in train if r.get("split") == "train"],
+            "command": " ".join(["python", *argv, "--dtype", dtype, *extra])}
 
 
 def record(name: str, like: str, scale: float, steps: int, max_length: int, results: list[dict],
