@@ -165,7 +165,7 @@ def test_a_teacher_by_name_in_bfloat16_and_what_is_refused(tmp_path, capsys, mon
     assert "--algo.beta must be in [0, 1], got 2.0" in msg and "--algo.lmbda must be in [0, 1]" in msg
     student = model.load("gemma_micro")
     with pytest.raises(errors.ModelError, match="its chat format is llama3, the student's gemma"):
-        distill._check_chat_formats(student, SimpleNamespace(chat_format="llama3"), "other")
+        distill._check_chat_formats(student.chat_format, "llama3", "other")
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_its_weights_load(tmp_path):
@@ -179,6 +179,12 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_its_weights_load(tmp
     msg = refusal("distill", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run", "--init-from", "",
                   "--algo.teacher", str(teacher), error=errors.ModelError)
     assert "its tokenizer is not the student's (vocabularies of 4,096 and 314 tokens" in msg
+    (teacher / "config.json").write_text(json.dumps(  # a Qwen directory: another chat format
+        {"module": "keras_hub.src.models.qwen.qwen_backbone", "class_name": "QwenBackbone",
+         "config": {}, "registered_name": "keras_hub>QwenBackbone"}))
+    msg = refusal("distill", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run", "--init-from", "",
+                  "--algo.teacher", str(teacher), error=errors.ModelError)
+    assert "its chat format is qwen2.5, the student's gemma" in msg
 
 
 def test_a_teacher_too_big_for_the_memory_is_refused_before_it_loads(tmp_path):

@@ -100,7 +100,10 @@ class Distill(AlgorithmBase):
         shares the student's tokenizer: its tokenizer alone first, then the loaded model."""
         c = self.cfg
         trained = _run_config(c.teacher)
-        early = model.load_tokenizer(trained["model"] if trained else c.teacher)
+        name = trained["model"] if trained else c.teacher
+        _check_chat_formats(lm.chat_format, model.chat_format_of(
+            name, trained.get("chat_format") if trained else None), c.teacher)
+        early = model.load_tokenizer(name)
         if early is not None:
             _check_tokenizers(lm, early, None, c.teacher)
         if trained:
@@ -112,7 +115,7 @@ class Distill(AlgorithmBase):
             teacher_lm = model.load(c.teacher, dtype=dtype)
             module = teacher_lm.module
             echo(f"teacher: {model.describe(teacher_lm)} ({c.teacher_dtype})")
-        _check_chat_formats(lm, teacher_lm, c.teacher)
+        _check_chat_formats(lm.chat_format, teacher_lm.chat_format, c.teacher)
         _check_tokenizers(lm, teacher_lm.tokenizer, teacher_lm.module, c.teacher)
         self.teacher_graphdef, state = nnx.split(module)
         return state
@@ -149,12 +152,13 @@ def _run_config(teacher: str) -> dict | None:
     return None
 
 
-def _check_chat_formats(student, teacher, name: str) -> None:
-    if student.chat_format != teacher.chat_format:
+def _check_chat_formats(student: str, teacher: str | None, name: str) -> None:
+    """Refuse a teacher of another chat format (None: not known yet)."""
+    if teacher is not None and student != teacher:
         raise errors.ModelError(
-            f"--algo.teacher {name}: its chat format is {teacher.chat_format}, the student's "
-            f"{student.chat_format}: the two models would read the same tokens as different "
-            "conversations (pass --chat-format so that they agree)")
+            f"--algo.teacher {name}: its chat format is {teacher}, the student's {student}: the "
+            "two models would read the same tokens as different conversations (pass "
+            "--chat-format so that they agree)")
 
 
 def _check_tokenizers(student, tokenizer, module, name: str) -> None:

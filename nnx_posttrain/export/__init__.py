@@ -20,7 +20,6 @@ model's (the dtype a local preset or Hugging Face directory was saved in, else t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from nnx_posttrain import errors

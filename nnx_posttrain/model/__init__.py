@@ -41,6 +41,7 @@ from nnx_posttrain.model.load import (
     ModelLoadError,
     Tokenizer,
     chat_format_for,
+    chat_format_of,
     checkpoint_dtype,
     describe,
     is_local_model,
@@ -76,7 +77,7 @@ from nnx_posttrain.model.lora import (
 __all__ = [
     # load
     "AUTO", "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer",
-    "chat_format_for", "checkpoint_dtype", "describe", "is_local_model", "load", "load_tokenizer",
+    "chat_format_for", "chat_format_of", "checkpoint_dtype", "describe", "is_local_model", "load", "load_tokenizer",
     "register_builtin", "resolve_dtype", "weights_bytes",
     # quantize
     "dequantized_into", "quantize", "quantized_layers",

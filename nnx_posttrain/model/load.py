@@ -183,6 +183,20 @@ def _chat_format(name: str, family: str, backbone, chosen: str | None) -> str:
     return fmt
 
 
+def chat_format_of(name: str, chosen: str | None = None) -> str | None:
+    """The chat format ``load(name, chat_format=chosen)`` will give, read before it loads (a
+    built-in model, a local directory's config); None where only loading tells (a preset name,
+    a Llama 3 whose version its weights' config decides)."""
+    if chosen:
+        return chosen
+    if name in TINY:
+        return chat_format_for("GemmaBackbone")
+    handle = PRESETS.get(name, name)
+    family = _preset_backbone_class(str(Path(handle).expanduser())) if is_local_model(handle) \
+        else None
+    return None if family in (None, "Llama3Backbone") else chat_format_for(family)
+
+
 def _preset_backbone_class(handle: str) -> str | None:
     """The backbone class a local preset directory will load (read before loading it):
     KerasHub's config.json class name, or a Hugging Face config's model type mapped to it."""
