@@ -4,7 +4,6 @@ by name) into the student on its own samples and the data's, resuming exactly.""
 
 import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
 import json
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
