@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_posttrain import errors, export, model, runs
+from nnx_posttrain import export, model, runs
 from support import FAST_STEPS, MICRO, losses, refusal, train_run
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(4, 300, (2, 12)), jnp.int32)
