@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nnx_posttrain import config as config_lib, errors, metrics_log, model, progress, sharding
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
 from nnx_posttrain.progress import console
-from nnx_posttrain.train import rundir, storage
+from nnx_posttrain.train import memory, rundir, storage
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.hooks import (Hooks, NonFiniteGuard, NonFiniteStep, StepInfo,
                                        StopSignals, Throughput)
@@ -153,10 +153,11 @@ def compile_step(run: Run):
     """The jitted training step of ``run``: state donated, its shardings pinned (without that
     they drift after an update)."""
     tx, lr = run.optimizer
-    return jax.jit(step_lib.make_train_step(run.graphdef, run.algorithm.loss, tx, lr),
-                   donate_argnums=(0,),
-                   out_shardings=(sharding.tree_shardings(run.state, run.mesh),
-                                  NamedSharding(run.mesh, P())))
+    return memory.CheckedStep(
+        jax.jit(step_lib.make_train_step(run.graphdef, run.algorithm.loss, tx, lr),
+                donate_argnums=(0,), out_shardings=(sharding.tree_shardings(run.state, run.mesh),
+                                                    NamedSharding(run.mesh, P()))),
+        run.cfg, console(run.echo))
 
 
 def _host(steps: list[dict]) -> list[dict]:

@@ -113,3 +113,38 @@ def check_weights(cfg, what: str, nbytes: int | None) -> None:
         f"{what} needs {nbytes / GiB:,.2f} GiB for its weights, and {free / GiB:,.2f} GiB are "
         f"free on {jax.local_devices()[0].platform}: hold it in a smaller dtype, use a smaller "
         "model, or pass --no-memory-check if the estimate is wrong")
+
+
+class CheckedStep:
+    """The jitted training step, compiled ahead of its first call (the same compilation the call
+    would make) so that XLA's own figures for it — temporaries, and outputs not written over
+    their inputs — are checked against the memory available before it runs: the part of a
+    step's peak that the pre-load estimate can only guess. Calls with the first call's shapes
+    run the compiled step; others (a batch of another shape) the jitted function."""
+
+    def __init__(self, jitted, cfg, echo=print):
+        self.jitted, self.cfg, self.echo = jitted, cfg, echo
+        self.compiled = self.shapes = None
+
+    def __call__(self, *args):
+        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), args)
+        if self.compiled is None:
+            self.compiled, self.shapes = self.jitted.lower(*args).compile(), shapes
+            self.check(self.compiled.memory_analysis())
+        return (self.compiled if shapes == self.shapes else self.jitted)(*args)
+
+    def check(self, stats) -> None:
+        if stats is None:  # a backend that does not report it
+            return
+        need = stats.temp_size_in_bytes + max(stats.output_size_in_bytes
+                                              - stats.alias_size_in_bytes, 0)
+        free = device_memory.available_bytes()
+        self.echo(f"compiled step: {need / GiB:,.2f} GiB per device beyond its inputs "
+                  f"(XLA's temporaries {stats.temp_size_in_bytes / GiB:,.2f} GiB)"
+                  + (f", {free / GiB:,.2f} GiB free" if free is not None else ""))
+        if self.cfg.memory_check and free is not None and need > free:
+            raise errors.ConfigError(
+                f"the compiled training step needs {need / GiB:,.2f} GiB per device beyond its "
+                f"inputs (XLA's figures), and {free / GiB:,.2f} GiB are free on "
+                f"{jax.local_devices()[0].platform}: it would run out of memory. The cheapest "
+                "fixes first: " + "; ".join(fixes(self.cfg)) + "; or pass --no-memory-check.")
