@@ -72,7 +72,7 @@ def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
     ("seed: 1\nsteps: ten\n", ["c.yaml", "line 2: key 'steps': expected int, got str 'ten'"]),
     ("steps: 2.5\n", ["key 'steps': expected int, got float 2.5"]),
     ("optim:\n  learning_rate: fast\n", ["key 'optim.learning_rate': expected float"]),
-    ("dtype: float16\n", ["key 'dtype': expected one of 'float32', 'bfloat16', 'bfloat16-params'"]),
+    ("dtype: float16\n", ["key 'dtype': expected one of 'auto', 'float32', 'bfloat16', 'bfloat16-params'"]),
     ("batching:\n  shuffle: 1\n", ["key 'batching.shuffle': expected bool, got int 1"]),
     ("lora: 8\n", ["key 'lora': expected a mapping of LoraConfig fields, got int 8"]),
     ("eval_data: 3\n", ["key 'eval_data': expected str or null"]),

@@ -7,6 +7,8 @@ its chat template. Around it:
 
 - ``load``: names, presets, local KerasHub / Hugging Face directories, built-in configurations
   (``register_builtin``), the ``nnx.state`` workaround for tasks, ``describe``;
+- ``names``: what ``--model`` names (preset short names, built-in configurations, directories);
+- ``dtypes``: ``--dtype``'s names, a checkpoint's stored dtype, ``--dtype auto``, weight bytes;
 - ``lora``: the trainable-variable filter, ``split``, LoRA and its off switch (the reference model);
 - ``quantize``: a weight-only int8 frozen base under LoRA (QLoRA-style), and its inverse for export;
 - ``blocks``: overriding a method of every decoder block for one call (``override_blocks``): the
@@ -32,9 +34,8 @@ from nnx_posttrain.model.blocks import (
     takes_positions,
 )
 from nnx_posttrain.model.heads import PolicyWithValue, RewardModel
+from nnx_posttrain.model.dtypes import AUTO, DTYPES, checkpoint_dtype, resolve_dtype, weights_bytes
 from nnx_posttrain.model.load import (
-    AUTO,
-    DTYPES,
     PRESETS,
     TINY,
     LanguageModel,
@@ -42,14 +43,11 @@ from nnx_posttrain.model.load import (
     Tokenizer,
     chat_format_for,
     chat_format_of,
-    checkpoint_dtype,
     describe,
     is_local_model,
     load,
     load_tokenizer,
     register_builtin,
-    resolve_dtype,
-    weights_bytes,
 )
 from nnx_posttrain.model.quantize import dequantized_into, quantize, quantized_layers
 from nnx_posttrain.model.logprobs import (

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -23,32 +22,10 @@ import keras_hub
 from flax import nnx
 
 from nnx_posttrain import chat, errors
+from nnx_posttrain.model.dtypes import DTYPES
+from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
-# Short names -> KerasHub preset handles (checked against keras_hub.models.CausalLM.presets).
-PRESETS = {
-    "gemma_2b": "gemma_2b_en",
-    "gemma_7b": "gemma_7b_en",
-    "gemma_2b_it": "gemma_instruct_2b_en",
-    "gemma2_2b": "gemma2_2b_en",
-    "gemma2_9b": "gemma2_9b_en",
-    "gemma3_270m": "gemma3_270m",
-    "gemma3_1b": "gemma3_1b",
-    "llama3_8b": "llama3_8b_en",
-    "llama3.2_1b": "llama3.2_1b",
-    "llama3.2_3b": "llama3.2_3b",
-    "qwen2.5_0.5b": "qwen2.5_0.5b_en",
-    "qwen2.5_7b": "qwen2.5_7b_en",
-    "qwen3_0.6b": "qwen3_0.6b_en",
-    "mistral_7b": "mistral_7b_en",
-}
-
-DTYPES = {"float32": "float32", "bfloat16": "mixed_bfloat16", "bfloat16-params": "bfloat16"}
-AUTO = "auto"  # the checkpoint's own dtype (``resolve_dtype``)
-
-# Built-in configurations: name -> GemmaBackbone keyword arguments (Gemma architectures with a
-# SentencePiece tokenizer of their own), filled by ``register_builtin``.
-TINY: dict[str, dict] = {}
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
 
 
@@ -213,65 +190,6 @@ def _preset_backbone_class(handle: str) -> str | None:
                              f"{saved.get('model_type')!r}")
 
 
-def checkpoint_dtype(name: str) -> str | None:
-    """The dtype a checkpoint stores its weights in ('float32', 'bfloat16' or 'float16'): a local
-    KerasHub preset's config.json ``dtype`` (a mixed policy keeps float32 weights) or a Hugging
-    Face config's ``torch_dtype`` / ``dtype``; a KerasHub preset name's published config where
-    KerasHub can read it (its cache, or the network); None where nothing says (a built-in model)."""
-    if name in TINY:
-        return None
-    handle = PRESETS.get(name, name)
-    try:
-        if is_local_model(handle):
-            saved = json.loads((Path(handle).expanduser() / "config.json").read_text())
-        else:
-            from keras_hub.src.utils.preset_utils import load_json
-
-            saved = load_json(handle, "config.json")
-    except Exception:  # noqa: BLE001 - unreadable or offline: the model's own load says why
-        return None
-    dtype = saved.get("config", {}).get("dtype") if "class_name" in saved else (
-        saved.get("torch_dtype") or saved.get("dtype"))
-    if isinstance(dtype, dict):
-        dtype = dtype.get("config", {}).get("name")
-    if not isinstance(dtype, str):
-        return None
-    return "float32" if dtype.startswith("mixed_") else dtype
-
-
-def resolve_dtype(name: str, dtype: str, lora: bool) -> str:
-    """``--dtype``'s ``DTYPES`` name: ``dtype`` itself, or for 'auto' the checkpoint's own (TRL's
-    ``dtype="auto"``): a checkpoint stored in 16 bits trains with LoRA as 'bfloat16-params' (the
-    frozen base in bfloat16; ``enable_lora`` gives the factors float32 master weights) and in full
-    as 'bfloat16' (float32 master weights, bfloat16 compute); a float32 checkpoint, a built-in
-    model or one whose dtype is unknown in 'float32'."""
-    if dtype != AUTO:
-        return dtype
-    if checkpoint_dtype(name) in ("bfloat16", "float16"):
-        return "bfloat16-params" if lora else "bfloat16"
-    return "float32"
-
-
-def weights_bytes(name: str, dtype: str) -> int | None:
-    """The memory a local checkpoint directory's weights take once loaded in ``dtype`` (a
-    ``DTYPES`` name), from its weight files' sizes and stored dtype (KerasHub's config.json
-    ``dtype``, a Hugging Face config's ``torch_dtype``), before anything loads; None for names
-    that are not local directories."""
-    if not is_local_model(name):
-        return None
-    root = Path(name).expanduser()
-    files = [p for p in root.iterdir() if p.name == "model.weights.h5"
-             or p.suffix in (".safetensors", ".bin")]
-    try:
-        saved = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
-        saved = {}
-    stored = json.dumps(saved.get("config", {}).get("dtype", saved.get("torch_dtype", "float32")))
-    stored_size = 2 if ("bfloat16" in stored or "float16" in stored) else 4
-    wanted_size = 4 if dtype == "float32" else 2
-    return sum(p.stat().st_size for p in files) * wanted_size // stored_size
-
-
 _HF_BACKBONES = {"gemma": "GemmaBackbone", "gemma2": "GemmaBackbone",
                  "gemma3_text": "Gemma3Backbone", "gemma3": "Gemma3Backbone",
                  "qwen2": "QwenBackbone", "qwen3": "Qwen3Backbone", "mistral": "MistralBackbone",
@@ -288,10 +206,6 @@ def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
     if hasattr(task, "_compiled_trainable_state"):
         del task._compiled_trainable_state
     return task
-
-
-def is_local_model(name: str) -> bool:
-    return os.path.isdir(os.path.expanduser(name))
 
 
 def load(name: str, dtype: str = "float32", seed: int = 0,

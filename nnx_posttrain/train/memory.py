@@ -119,15 +119,17 @@ class CheckedStep:
     """The jitted training step, compiled ahead of its first call (the same compilation the call
     would make) so that XLA's own figures for it — temporaries, and outputs not written over
     their inputs — are checked against the memory available before it runs: the part of a
-    step's peak that the pre-load estimate can only guess. Calls with the first call's shapes
-    run the compiled step; others (a batch of another shape) the jitted function."""
+    step's peak that the pre-load estimate can only guess. Calls whose last argument (the batch)
+    has the first call's shapes run the compiled step; others the jitted function."""
 
     def __init__(self, jitted, cfg, echo=print):
         self.jitted, self.cfg, self.echo = jitted, cfg, echo
         self.compiled = self.shapes = None
 
     def __call__(self, *args):
-        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), args)
+        # the state's and the frozen weights' shapes never change within a run: the batch's may
+        leaves, tree = jax.tree.flatten(args[-1])
+        shapes = (tree, [(tuple(x.shape), str(x.dtype)) for x in leaves])
         if self.compiled is None:
             self.compiled, self.shapes = self.jitted.lower(*args).compile(), shapes
             self.check(self.compiled.memory_analysis())

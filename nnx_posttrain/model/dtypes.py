@@ -1,0 +1,72 @@
+"""Dtypes before a model loads: ``--dtype``'s names (``DTYPES``, Keras policies), the dtype a
+checkpoint stores its weights in (``checkpoint_dtype``), what ``--dtype auto`` resolves to
+(``resolve_dtype``) and how much memory its weights will take (``weights_bytes``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
+
+DTYPES = {"float32": "float32", "bfloat16": "mixed_bfloat16", "bfloat16-params": "bfloat16"}
+AUTO = "auto"  # the checkpoint's own dtype (``resolve_dtype``)
+
+
+def checkpoint_dtype(name: str) -> str | None:
+    """The dtype a checkpoint stores its weights in ('float32', 'bfloat16' or 'float16'): a local
+    KerasHub preset's config.json ``dtype`` (a mixed policy keeps float32 weights) or a Hugging
+    Face config's ``torch_dtype`` / ``dtype``; a KerasHub preset name's published config where
+    KerasHub can read it (its cache, or the network); None where nothing says (a built-in model)."""
+    if name in TINY:
+        return None
+    handle = PRESETS.get(name, name)
+    try:
+        if is_local_model(handle):
+            saved = json.loads((Path(handle).expanduser() / "config.json").read_text())
+        else:
+            from keras_hub.src.utils.preset_utils import load_json
+
+            saved = load_json(handle, "config.json")
+    except Exception:  # noqa: BLE001 - unreadable or offline: the model's own load says why
+        return None
+    dtype = saved.get("config", {}).get("dtype") if "class_name" in saved else (
+        saved.get("torch_dtype") or saved.get("dtype"))
+    if isinstance(dtype, dict):
+        dtype = dtype.get("config", {}).get("name")
+    if not isinstance(dtype, str):
+        return None
+    return "float32" if dtype.startswith("mixed_") else dtype
+
+
+def resolve_dtype(name: str, dtype: str, lora: bool) -> str:
+    """``--dtype``'s ``DTYPES`` name: ``dtype`` itself, or for 'auto' the checkpoint's own (TRL's
+    ``dtype="auto"``): a checkpoint stored in 16 bits trains with LoRA as 'bfloat16-params' (the
+    frozen base in bfloat16; ``enable_lora`` gives the factors float32 master weights) and in full
+    as 'bfloat16' (float32 master weights, bfloat16 compute); a float32 checkpoint, a built-in
+    model or one whose dtype is unknown in 'float32'."""
+    if dtype != AUTO:
+        return dtype
+    if checkpoint_dtype(name) in ("bfloat16", "float16"):
+        return "bfloat16-params" if lora else "bfloat16"
+    return "float32"
+
+
+def weights_bytes(name: str, dtype: str) -> int | None:
+    """The memory a local checkpoint directory's weights take once loaded in ``dtype`` (a
+    ``DTYPES`` name), from its weight files' sizes and stored dtype (KerasHub's config.json
+    ``dtype``, a Hugging Face config's ``torch_dtype``), before anything loads; None for names
+    that are not local directories."""
+    if not is_local_model(name):
+        return None
+    root = Path(name).expanduser()
+    files = [p for p in root.iterdir() if p.name == "model.weights.h5"
+             or p.suffix in (".safetensors", ".bin")]
+    try:
+        saved = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    stored = json.dumps(saved.get("config", {}).get("dtype", saved.get("torch_dtype", "float32")))
+    stored_size = 2 if ("bfloat16" in stored or "float16" in stored) else 4
+    wanted_size = 4 if dtype == "float32" else 2
+    return sum(p.stat().st_size for p in files) * wanted_size // stored_size
