@@ -117,6 +117,7 @@ class Distill(AlgorithmBase):
             echo(f"teacher: {model.describe(teacher_lm)} ({c.teacher_dtype})")
         _check_chat_formats(lm.chat_format, teacher_lm.chat_format, c.teacher)
         _check_tokenizers(lm, teacher_lm.tokenizer, teacher_lm.module, c.teacher)
+        _frozen(teacher_lm.module)
         self.teacher_graphdef, state = nnx.split(module)
         return state
 
@@ -142,6 +143,14 @@ class Distill(AlgorithmBase):
 
     def inputs(self, run: RunContext, params) -> Inputs:
         return Inputs(MixedBatches(self, run, params), eval_loss_batches(self, run))
+
+
+def _frozen(backbone) -> None:
+    """Every teacher weight a constant of the step; on CPU, 16-bit weights read a decoder block
+    at a time (``model.frozen``: XLA:CPU would otherwise hold a float32 copy of them all)."""
+    backbone.trainable = False
+    sixteen_bits = any(str(v.dtype) in ("bfloat16", "float16") for v in backbone.weights)
+    model.set_remat(backbone, False, lazy_frozen=sixteen_bits and jax.default_backend() == "cpu")
 
 
 def _run_config(teacher: str) -> dict | None:

@@ -59,7 +59,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--chunks", default="default,0",
                         help="--logprob-chunk values, comma-separated ('default': the rule's)")
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--record", default=None, help="write results/NAME.json")
     args = parser.parse_args(argv)
@@ -77,11 +77,17 @@ def main(argv=None) -> list[dict]:
         run_dir = work / f"run_chunk_{chunk}"
         shutil.rmtree(run_dir, ignore_errors=True)
         argv_ = base + ([] if chunk == "default" else ["--logprob-chunk", chunk])
-        r = run_one(argv_, run_dir, "float32")
+        try:
+            r = run_one(argv_, run_dir, "float32")
+        except SystemExit as exc:  # refused (the memory check) or killed: what it said
+            said = [line for line in str(exc).splitlines() if line.startswith("error:")]
+            r = {"refused": (said or [str(exc).splitlines()[0]])[0][:400],
+                 "command": " ".join(["python", *argv_])}
         r.update(chunk=chunk)
         results.append(r)
-        print(f"--logprob-chunk {chunk:8s} peak RSS {r['peak_rss_bytes'] / 1e9:6.2f} GB  "
-              f"{r['seconds_per_step']:7.1f} s/step  loss {r['loss']}", flush=True)
+        print(f"--logprob-chunk {chunk}: " + (r["refused"] if "refused" in r else
+              f"peak RSS {r['peak_rss_bytes'] / 1e9:6.2f} GB  {r['seconds_per_step']:7.1f} "
+              f"s/step  loss {r['loss']}  compiled step {r['compiled_step_gib']} GiB"), flush=True)
     if args.record:
         record(args, results, teacher_params, student_params)
     return results
@@ -93,23 +99,32 @@ def record(args, results: list[dict], teacher_params, student_params) -> None:
     def size(n):
         return f" ({n / 1e9:.2f} B parameters)" if n else ""
 
+    def cells(r):
+        if "refused" in r:
+            return ["refused before its first step: " + r["refused"], "", "", ""]
+        return [f"{r['compiled_step_gib']:.2f}" if r.get("compiled_step_gib") else "n/a",
+                f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['seconds_per_step']:.1f}",
+                f"{r['loss']:.4f}"]
+
     rows = [["chunks of positions (default)" if r["chunk"] == "default" else
              "both logits at once (--logprob-chunk 0)" if r["chunk"] == "0" else
-             f"--logprob-chunk {r['chunk']}", f"{r['peak_rss_bytes'] / 1e9:.2f}",
-             f"{r['seconds_per_step']:.1f}", f"{r['loss']:.4f}"] for r in results]
+             f"--logprob-chunk {r['chunk']}", *cells(r)] for r in results]
     logits = args.batch_size * args.max_length * 256_000 * 4 / 1e9
     readme.record(
         args.record, "python -m tools.bench.distill_memory " + (
             f"--record {args.record}" if args.teacher_scale == 1 else
             f"--teacher-scale {args.teacher_scale:g} --student-scale {args.student_scale:g}"),
-        ["vocabulary projections", "peak RSS GB", "s/step", "loss (step 1)"], rows,
+        ["vocabulary projections", "compiled step GiB (XLA, beyond its inputs)", "peak RSS GB",
+         "s/step", "loss (step 1)"], rows,
         notes=[f"Teacher: a {args.like}-shaped preset{size(teacher_params)} held in bfloat16; "
                f"student: the same shape at scale {args.student_scale:g}{size(student_params)}, "
                f"float32, full fine-tuning; the same synthetic tokenizer (256,000 tokens). "
                f"{args.steps} steps of {args.batch_size} records of {args.max_length} tokens "
                "(completions fill them), --algo.lmbda 0 (no sampling), each run in its own "
-               "process, peak resident memory polled. One model's float32 logits for such a "
-               f"batch: {logits:.2f} GB. E.g. " + results[0]["command"]],
+               "process, peak resident memory polled; compiled step: what XLA's memory analysis "
+               "of the compiled step adds to its inputs (temporaries, outputs), checked against "
+               "the memory available before the first step runs. One model's float32 logits "
+               f"for such a batch: {logits:.2f} GB. E.g. " + results[0]["command"]],
         data={"results": results, "teacher_parameters": teacher_params,
               "student_parameters": student_params, "like": args.like,
               "teacher_scale": args.teacher_scale, "student_scale": args.student_scale})

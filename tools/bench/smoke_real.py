@@ -108,6 +108,7 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
     per_step = ((arrivals[steps[-1]] - arrivals[steps[0]]) / (len(steps) - 1)
                 if len(steps) > 1 else float("nan"))
     loaded = re.search(r"loaded \S+ in ([\d.]+) s", text)
+    compiled = re.search(r"compiled step: ([\d.,]+) GiB per device", text)
     train = [json.loads(l) for l in metrics.read_text().splitlines()]
     first = next((r for r in train if r.get("split") == "train"), {})
     ckpts = sorted((p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()),
@@ -118,6 +119,7 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
             "peak_rss_bytes": peak, "checkpoint_bytes": size,
             "wall_seconds": time.perf_counter() - start, "loss": first.get("loss"),
             "losses": [r["loss"] for r in train if r.get("split") == "train"],
+            "compiled_step_gib": float(compiled.group(1).replace(",", "")) if compiled else None,
             "command": " ".join(["python", *argv, "--dtype", dtype, *extra])}
 
 
