@@ -149,6 +149,8 @@ def _frozen(backbone) -> None:
     """Every teacher weight a constant of the step; on CPU, 16-bit weights read a decoder block
     at a time (``model.frozen``: XLA:CPU would otherwise hold a float32 copy of them all)."""
     backbone.trainable = False
+    for variable in backbone.weights:  # the layers' flag does not reach their variables
+        variable.trainable = False
     sixteen_bits = any(str(v.dtype) in ("bfloat16", "float16") for v in backbone.weights)
     model.set_remat(backbone, False, lazy_frozen=sixteen_bits and jax.default_backend() == "cpu")
 

@@ -54,8 +54,8 @@ def lazy_frozen_call(block, call):
                 return call(*a, **k)
 
         @jax.custom_vjp
-        def run(arrays, t_values, f_values):
-            return pure(arrays, t_values, f_values)
+        def run(arrays, t_values, f_values):  # not differentiated (a frozen teacher): tied too
+            return pure(arrays, t_values, _tied(f_values, arrays[0]))
 
         def forward(arrays, t_values, f_values):
             out = pure(arrays, t_values, _tied(f_values, arrays[0]))
