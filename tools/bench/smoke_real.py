@@ -131,11 +131,13 @@ def record(name: str, like: str, scale: float, steps: int, max_length: int, resu
     size = f"{params / 1e9:.2f} B parameters, " if params else ""
     rows = [[r["method"], r["dtype"], f"{r['seconds_per_step']:.2f}",
              f"{r['first_step_seconds']:.1f}", f"{r['load_seconds']:.1f}",
-             f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['checkpoint_bytes'] / 1e6:.1f}"]
+             f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['checkpoint_bytes'] / 1e6:.1f}",
+             ", ".join(f"{x:.4f}" for x in r.get("losses", [])) or "n/a"]
             for r in results]
     readme.record(
         name, f"python -m tools.bench.smoke_real --like {like}" + (f" --scale {scale:g}" if scale != 1 else ""),
-        ["method", "--dtype", "s/step", "first step s", "load s", "peak RSS GB", "checkpoint MB"],
+        ["method", "--dtype", "s/step", "first step s", "load s", "peak RSS GB", "checkpoint MB",
+         "loss per step"],
         rows,
         notes=[f"A {like}-shaped KerasHub preset with random weights ({size}bfloat16, written by "
                f"`python -m tools.make_preset --like {like}`), LoRA rank 8, {steps} steps of 2 "
