@@ -41,6 +41,20 @@ def test_the_int8_base_computes_as_the_model_and_dequantizes_into_its_effective_
     assert np.abs(_logits(plain.module) - _logits(lm.module)).max() < 0.02 * scale
 
 
+def test_an_embedding_is_quantized_a_block_of_rows_at_a_time_to_the_same_values():
+    import keras
+
+    from nnx_posttrain.model.quantize import RowBlockQuantizer
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1000, 48)), jnp.bfloat16)
+    whole, whole_scale = keras.quantizers.AbsMaxQuantizer(axis=-1)(x, to_numpy=True)
+    rows, rows_scale = RowBlockQuantizer(rows=64)(x, to_numpy=True)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(whole))
+    assert str(rows.dtype) == "int8" and str(rows_scale.dtype) == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(rows_scale, np.float32),
+                                  np.asarray(whole_scale, np.float32))
+
+
 def test_quantize_needs_lora(tmp_path):
     assert "--quantize int8 quantizes the frozen base under LoRA: pass --lora.rank" in refusal(
         "sft", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run", "--quantize", "int8")

@@ -17,6 +17,7 @@ import warnings
 
 import jax.numpy as jnp
 import keras
+import numpy as np
 
 from nnx_posttrain.model.lora import lora_delta
 
@@ -30,11 +31,40 @@ def quantize(module, mode: str) -> int:
         raise ValueError(f"quantize mode must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return 0
-    config = keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)
+    def embedding(layer):
+        return isinstance(layer, keras.layers.Embedding)
+
+    weights_only = keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)
+    # an embedding row by row, a block of rows at a time: in one piece (Keras' default quantizer)
+    # a 256,000-token table would hold several float32 copies of itself at once
+    by_rows = keras.quantizers.Int8QuantizationConfig(weight_quantizer=RowBlockQuantizer(),
+                                                      activation_quantizer=None)
     with warnings.catch_warnings():  # norms, rotary embeddings...: nothing to quantize, rightly
         warnings.filterwarnings("ignore", message=".*does not have a `quantize` method")
-        module.quantize(mode, config=config)
+        module.quantize(mode, config=by_rows, filters=embedding)
+        module.quantize(mode, config=weights_only, filters=lambda layer: not embedding(layer))
     return len(quantized_layers(module))
+
+
+class RowBlockQuantizer(keras.quantizers.AbsMaxQuantizer):
+    """Keras' abs-max int8 quantizer along the last axis (one scale per row: an embedding's
+    token), computed ``rows`` rows at a time; the same values as in one piece."""
+
+    def __init__(self, rows: int = 8192):
+        super().__init__(axis=-1)
+        self.rows = rows
+
+    def __call__(self, x, axis=None, to_numpy=False):
+        array = getattr(x, "value", x)
+        values = np.empty(array.shape, np.int8)
+        scales = np.empty((*array.shape[:-1], 1), np.float32)
+        for start in range(0, array.shape[0], self.rows):
+            part = slice(start, start + self.rows)
+            q, scale = keras.quantizers.abs_max_quantize(
+                array[part], -1, self.value_range, self.output_dtype, self.epsilon, to_numpy=True)
+            values[part], scales[part] = np.asarray(q), np.asarray(scale, np.float32)
+        return (keras.ops.convert_to_tensor(values),
+                keras.ops.convert_to_tensor(scales, dtype=str(array.dtype)))
 
 
 def quantized_layers(module) -> list:
