@@ -193,7 +193,8 @@ def test_a_teacher_too_big_for_the_memory_is_refused_before_it_loads(tmp_path):
         {"class_name": "GemmaBackbone", "config": {"dtype": {"config": {"name": "bfloat16"}}}}))
     with open(teacher / "model.weights.h5", "wb") as f:  # sparse: 1 TiB of bfloat16 weights
         f.truncate(2**40)
-    assert model.weights_bytes(str(teacher), "bfloat16") == 2**40
+    assert model.weights_bytes(str(teacher), "bfloat16-params") == 2**40
+    assert model.weights_bytes(str(teacher), "bfloat16") == 2**41  # float32 weights, 16-bit compute
     assert model.weights_bytes(str(teacher), "float32") == 2**41
     msg = refusal("distill", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run",
                   "--init-from", "", "--algo.teacher", str(teacher), "--algo.teacher-dtype", "float32")

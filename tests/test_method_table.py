@@ -165,3 +165,12 @@ def test_every_row_is_a_command_its_experiment_accepts(method):
 def test_the_baseline_continues_sft_for_the_preference_recipes_steps():
     name, args = T.method_command(T.BASELINE, None)  # the README's table passes no --steps
     assert name == "sft" and args[args.index("--steps") + 1] == "200"  # dpo.yaml's steps
+
+
+def test_the_helpers_raise_a_typed_error_that_the_command_turns_into_its_exit(tmp_path):
+    from tools import ToolError
+
+    with pytest.raises(ToolError, match="exact_match.jsonl does not exist"):
+        S.per_problem(tmp_path)
+    with pytest.raises(SystemExit, match="^error: --seeds must be >= 1$"):
+        T.main(["--seeds", "0", "--record", "none"])

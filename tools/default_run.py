@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import results as readme, seeds as S  # noqa: E402
+from tools import ToolError, command, results as readme, seeds as S  # noqa: E402
 
 
 def _finals(runs: dict) -> dict[int, float]:
@@ -55,6 +55,7 @@ def carry_split(run_dir: Path) -> dict | None:
             "carry_free_share": len(free) / len(correct)}
 
 
+@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("extra", nargs="*", help="overrides passed to every run, after --")
     args = parser.parse_args(argv)
     if args.seeds < 2:
-        raise SystemExit("error: --seeds must be >= 2 (a spread needs two runs)")
+        raise ToolError("--seeds must be >= 2 (a spread needs two runs)")
     out, perturb = Path(args.out), shlex.split(args.perturb)
     jobs = [(s, tag, extra) for s in range(args.seeds)
             for tag, extra in (("", []), ("_perturbed", perturb))]

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools import results as readme
+from tools import ToolError, command, results as readme
 
 ROOT = Path(__file__).resolve().parents[1]
 KERAS_HUB = '"keras-hub>=0.32,<0.33"'
@@ -56,7 +56,7 @@ def measure(name: str, command: str, venv: Path) -> dict:
     out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True)
     seconds, cpu_seconds = time.perf_counter() - start, cpu() - cpu_start
     if out.returncode:
-        raise SystemExit(f"{name}: {command} failed:\n{out.stderr[-3000:]}")
+        raise ToolError(f"{name}: {command} failed:\n{out.stderr[-3000:]}")
     probe = json.loads(subprocess.run([str(venv / "bin" / "python"), "-c", PROBE], env=env,
                                       capture_output=True, text=True, check=True).stdout)
     packages = len(json.loads(subprocess.run(
@@ -67,6 +67,7 @@ def measure(name: str, command: str, venv: Path) -> dict:
             "bytes": _size(venv), "packages": packages, **probe}
 
 
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,9 +75,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the environments")
     args = parser.parse_args(argv)
     results = []
-    for i, (name, command) in enumerate(VARIANTS.items()):
+    for i, (name, install) in enumerate(VARIANTS.items()):
         venv = Path(args.root) / f"install_size_{i}"
-        results.append(measure(name, command, venv))
+        results.append(measure(name, install, venv))
         print(json.dumps(results[-1]))
         if not args.keep:
             shutil.rmtree(venv, ignore_errors=True)

@@ -24,6 +24,8 @@ import string
 import time
 from pathlib import Path
 
+from tools import ToolError, command
+
 # name -> (family, KerasHub backbone arguments, tokenizer size)
 LIKE = {
     "gemma_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=18, num_query_heads=8,
@@ -250,12 +252,12 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
     import keras_hub
 
     if like not in LIKE:
-        raise SystemExit(f"--like must be one of {', '.join(LIKE)}, got {like!r}")
+        raise ToolError(f"--like must be one of {', '.join(LIKE)}, got {like!r}")
     if not 0 < scale <= 1:
-        raise SystemExit(f"--scale must be in (0, 1], got {scale}")
+        raise ToolError(f"--scale must be in (0, 1], got {scale}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SystemExit(f"--out {out}: exists and is not an empty directory")
+        raise ToolError(f"--out {out}: exists and is not an empty directory")
     family, dims, tokens = LIKE[like]
     dims = scaled(dims, scale)
     start = time.perf_counter()
@@ -292,6 +294,7 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
     return built
 
 
+@command
 def main(argv=None) -> Built:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -38,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python tools/preference_table.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import results as readme, seeds as S  # noqa: E402
+from tools import ToolError, command, results as readme, seeds as S  # noqa: E402
 
 # Rows that are a method with other settings: (experiment, its options).
 VARIANTS = {
@@ -191,6 +191,7 @@ def _reading(stats: dict) -> list[str]:
     return out
 
 
+@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,11 +210,11 @@ def main(argv=None) -> dict:
     parser.add_argument("extra", nargs="*", help="overrides passed to every method, after --")
     args = parser.parse_args(argv)
     if args.seeds < 1:
-        raise SystemExit("error: --seeds must be >= 1")
+        raise ToolError("--seeds must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(f"error: --methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+        raise ToolError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     out = Path(args.out)
     sft_args = ["--steps", str(args.sft_steps)] if args.sft_steps else []
 

@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools import ToolError, command
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 README = ROOT / "README.md"
@@ -103,7 +105,7 @@ def render(result: dict) -> str:
 def load(name: str) -> dict:
     path = RESULTS / f"{name}.json"
     if not path.exists():
-        raise SystemExit(f"results block {name!r}: {path} does not exist (run the tool that "
+        raise ToolError(f"results block {name!r}: {path} does not exist (run the tool that "
                          "measures it)")
     return json.loads(path.read_text())
 
@@ -117,6 +119,7 @@ def pages() -> list[Path]:
     return [README, *sorted(DOCS.rglob("*.md"))] if DOCS.is_dir() else [README]
 
 
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tools import ToolError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,7 +46,7 @@ def run_experiment(name: str, run_dir: Path, args: list[str], echo=print) -> flo
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     if out.returncode != 0:
-        raise SystemExit(f"error: {' '.join(command[1:])} failed (exit {out.returncode}):\n"
+        raise ToolError(f"{' '.join(command[1:])} failed (exit {out.returncode}):\n"
                          f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     marker.write_text(json.dumps({"command": command[1:], "seconds": seconds}) + "\n")
     return seconds
@@ -77,7 +79,7 @@ def per_problem(run_dir: Path, step: int | None = None) -> dict[str, int]:
     evaluation). The last line of a step wins (a resumed run may have evaluated it twice)."""
     path = Path(run_dir) / "exact_match.jsonl"
     if not path.exists():
-        raise SystemExit(f"error: {path} does not exist: per-problem exact match is written by "
+        raise ToolError(f"{path} does not exist: per-problem exact match is written by "
                          "the evaluation of runs with exact-match prompts (--eval.exact-match)")
     by_step = {}
     for line in path.read_text().splitlines():

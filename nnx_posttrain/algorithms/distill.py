@@ -111,8 +111,7 @@ class Distill(AlgorithmBase):
             teacher_lm, module = run.lm, run.policy()
             echo(f"teacher: {c.teacher} checkpoint {run.step}")
         else:
-            dtype = "bfloat16-params" if c.teacher_dtype == "bfloat16" else "float32"
-            teacher_lm = model.load(c.teacher, dtype=dtype)
+            teacher_lm = model.load(c.teacher, dtype=self._teacher_dtype())
             module = teacher_lm.module
             echo(f"teacher: {model.describe(teacher_lm)} ({c.teacher_dtype})")
         _check_chat_formats(lm.chat_format, teacher_lm.chat_format, c.teacher)
@@ -124,13 +123,16 @@ class Distill(AlgorithmBase):
     def partner_bytes(self) -> int | None:
         """The teacher's weights in memory, from its files (a preset or Hugging Face directory,
         or the local model a run directory trained), before it loads."""
-        c, trained = self.cfg, _run_config(self.cfg.teacher)
+        trained = _run_config(self.cfg.teacher)
         if trained:
             name = trained.get("model", "")
             return model.weights_bytes(name, model.resolve_dtype(
                 name, trained.get("dtype", "float32"), bool(trained.get("lora", {}).get("rank"))))
-        return model.weights_bytes(c.teacher, "bfloat16" if c.teacher_dtype == "bfloat16"
-                                   else "float32")
+        return model.weights_bytes(self.cfg.teacher, self._teacher_dtype())
+
+    def _teacher_dtype(self) -> str:
+        """The ``model.DTYPES`` name a teacher by name or directory is loaded in."""
+        return "bfloat16-params" if self.cfg.teacher_dtype == "bfloat16" else "float32"
 
     def loss(self, module, batch, teacher_state):
         teacher = nnx.merge(self.teacher_graphdef, teacher_state)

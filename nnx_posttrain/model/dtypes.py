@@ -4,6 +4,7 @@ checkpoint stores its weights in (``checkpoint_dtype``), what ``--dtype auto`` r
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -22,12 +23,8 @@ def checkpoint_dtype(name: str) -> str | None:
         return None
     handle = PRESETS.get(name, name)
     try:
-        if is_local_model(handle):
-            saved = json.loads((Path(handle).expanduser() / "config.json").read_text())
-        else:
-            from keras_hub.src.utils.preset_utils import load_json
-
-            saved = load_json(handle, "config.json")
+        saved = (json.loads((Path(handle).expanduser() / "config.json").read_text())
+                 if is_local_model(handle) else _published_config(handle))
     except Exception:  # noqa: BLE001 - unreadable or offline: the model's own load says why
         return None
     dtype = saved.get("config", {}).get("dtype") if "class_name" in saved else (
@@ -37,6 +34,14 @@ def checkpoint_dtype(name: str) -> str | None:
     if not isinstance(dtype, str):
         return None
     return "float32" if dtype.startswith("mixed_") else dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _published_config(handle: str) -> dict:
+    """A KerasHub preset's config.json, read once per process (KerasHub may fetch it)."""
+    from keras_hub.src.utils.preset_utils import load_json
+
+    return load_json(handle, "config.json")
 
 
 def resolve_dtype(name: str, dtype: str, lora: bool) -> str:
@@ -62,11 +67,6 @@ def weights_bytes(name: str, dtype: str) -> int | None:
     root = Path(name).expanduser()
     files = [p for p in root.iterdir() if p.name == "model.weights.h5"
              or p.suffix in (".safetensors", ".bin")]
-    try:
-        saved = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
-        saved = {}
-    stored = json.dumps(saved.get("config", {}).get("dtype", saved.get("torch_dtype", "float32")))
-    stored_size = 2 if ("bfloat16" in stored or "float16" in stored) else 4
-    wanted_size = 4 if dtype == "float32" else 2
+    stored_size = 2 if checkpoint_dtype(name) in ("bfloat16", "float16") else 4
+    wanted_size = 2 if DTYPES[dtype] == "bfloat16" else 4  # 'bfloat16' keeps float32 weights
     return sum(p.stat().st_size for p in files) * wanted_size // stored_size

@@ -23,6 +23,7 @@ import random
 import shutil
 from pathlib import Path
 
+from tools import ToolError, command
 from tools.bench.smoke_real import ROOT, WORDS, run_one
 
 
@@ -49,6 +50,7 @@ def preset(like: str, scale: float, work: Path) -> tuple[Path, int | None]:
     return out, make_preset.build(like, out, scale).parameters
 
 
+@command
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,7 +81,7 @@ def main(argv=None) -> list[dict]:
         argv_ = base + ([] if chunk == "default" else ["--logprob-chunk", chunk])
         try:
             r = run_one(argv_, run_dir, "float32")
-        except SystemExit as exc:  # refused (the memory check) or killed: what it said
+        except ToolError as exc:  # refused (the memory check) or killed: what it said
             said = [line for line in str(exc).splitlines() if line.startswith("error:")]
             r = {"refused": (said or [str(exc).splitlines()[0]])[0][:400],
                  "command": " ".join(["python", *argv_])}

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from tools import ToolError, command
+
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the a model learns from data and answers questions about science history music art "
          "code small large quickly slowly because when which river city book garden").split()
@@ -103,7 +105,7 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
     reader.join(timeout=5)
     text = "".join(out)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-3000:]}")
+        raise ToolError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-3000:]}")
     steps = sorted(arrivals)
     per_step = ((arrivals[steps[-1]] - arrivals[steps[0]]) / (len(steps) - 1)
                 if len(steps) > 1 else float("nan"))
@@ -161,6 +163,7 @@ def rerecord(name: str) -> None:
     record(name, d["like"], d["scale"], steps, max_length, d["results"], d.get("parameters"))
 
 
+@command
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
