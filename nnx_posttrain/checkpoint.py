@@ -69,11 +69,10 @@ def model_record(cfg: config_lib.Config, state) -> dict:
 
 
 def model_problems(saved: dict, current: dict) -> list[str]:
-    """The differences of model, dtype and LoRA between two model records."""
-    return [f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
-            for key in ("model", "dtype", "quantize", "lora")
-            if saved.get(key, "none" if key == "quantize" else None)
-            != current.get(key, "none" if key == "quantize" else None)]
+    """The differences of model, dtype, quantization and LoRA between two model records."""
+    old, new = ({"quantize": "none", **record} for record in (saved, current))  # older records
+    return [f"{key}: checkpoint has {old.get(key)!r}, this run has {new.get(key)!r}"
+            for key in ("model", "dtype", "quantize", "lora") if old.get(key) != new.get(key)]
 
 
 def mismatch(where: str, problems: list[str]) -> CheckpointMismatchError:

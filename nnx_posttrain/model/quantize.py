@@ -31,6 +31,7 @@ def quantize(module, mode: str) -> int:
         raise ValueError(f"quantize mode must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return 0
+
     def embedding(layer):
         return isinstance(layer, keras.layers.Embedding)
 
@@ -81,10 +82,9 @@ def float_weights(layer) -> dict[str, jnp.ndarray]:
             out["reverse_embeddings"] = (_f32(layer.reverse_embeddings)
                                          / _f32(layer.reverse_embeddings_scale))
         return out
-    scale = _f32(layer.kernel_scale)
-    if isinstance(layer, keras.layers.EinsumDense):
-        scale = _f32(layer._adjust_scale_for_dequant(layer.kernel_scale))
-    return {"kernel": _f32(layer._kernel) / scale}
+    scale = (layer._adjust_scale_for_dequant(layer.kernel_scale)
+             if isinstance(layer, keras.layers.EinsumDense) else layer.kernel_scale)
+    return {"kernel": _f32(layer._kernel) / _f32(scale)}
 
 
 def _f32(variable):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from nnx_posttrain import errors
+from nnx_posttrain import errors, model
 from nnx_posttrain.model import device_memory
 from nnx_posttrain.model.device_memory import GiB
 from nnx_posttrain.model.logprobs import chunk_positions
@@ -87,8 +87,6 @@ def check(cfg, parts: dict[str, int], echo=print) -> None:
 def fixes(cfg) -> list[str]:
     """What would lower a run's memory, cheapest first: a smaller frozen base, the checkpoint's
     dtype, a smaller micro-batch, remat, shorter sequences."""
-    from nnx_posttrain import model
-
     b, out = cfg.batching, []
     if cfg.lora.rank and cfg.quantize == "none":
         out.append("--quantize int8 (the frozen base in int8)")
