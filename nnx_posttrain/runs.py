@@ -96,38 +96,54 @@ def run_config(run_dir: str | Path) -> dict:
 def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
                 init_from: str | None = None, remat: bool = False, echo=print,
                 chat_format: str | None = None, init_step: int | None = None,
-                quantize: str = "none"):
+                quantize: str = "none", abstract: bool = False, platform: str | None = None):
     """(language model, module) of a run: the model loaded, the weights of ``init_from``'s
     checkpoint ``init_step`` (default: its latest) copied in, LoRA added, rematerialisation set,
     and the algorithm's scalar ``head`` (if any) on top; ``quantize`` 'int8' quantizes the frozen
     base before LoRA is added (``model.quantize``). ``init_from`` is checked before the model
     loads (a mismatch costs no loading time). ``seed`` decides every random initialisation: a
-    built-in model's weights, LoRA, the head."""
+    built-in model's weights, LoRA, the head. ``abstract``: the same model built from its config
+    alone inside ``nnx.eval_shape`` (no weight file read, no memory taken: every variable a
+    ``jax.ShapeDtypeStruct``; ``init_from``'s weights are not read), for planning a run whose
+    step runs on ``platform`` (default: this process's backend)."""
+    platform = platform or jax.default_backend()
     if init_from:
         check_init_from(init_from, name, init_step)
     chosen, dtype = dtype, model.resolve_dtype(name, dtype, bool(lora.rank))
     float32_factors = chosen == model.AUTO and dtype == "bfloat16-params"
     stored = model.checkpoint_dtype(name) if chosen == model.AUTO else None
-    echo(f"loading model {name} ({dtype}"
+    echo(f"{'building' if abstract else 'loading'} model {name} ({dtype}"
          + (", LoRA factors in float32" if float32_factors and lora.rank else "")
-         + (f": the checkpoint's {stored}, --dtype auto" if stored else "") + ") ...")
+         + (f": the checkpoint's {stored}, --dtype auto" if stored else "")
+         + (", abstract: no weights" if abstract else "") + ") ...")
     start = time.perf_counter()
-    lm = model.load(name, dtype=dtype, seed=seed, chat_format=chat_format)
-    echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
-    if init_from:
-        echo(init_weights(lm.module, init_from, init_step))
-    if quantize != "none":
-        echo(f"quantized {model.quantize(lm.module, quantize)} layers to {quantize} (weights only)")
-    if lora.rank:
-        try:
-            model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed,
-                              factor_dtype="float32" if float32_factors else None)
-        except ValueError as exc:  # e.g. targets that name no layer of this model
-            raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
-    # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local
-    model.set_remat(lm.module, remat, lazy_frozen=dtype != "float32"
-                    and jax.default_backend() == "cpu")
-    return lm, heads.wrap(head, lm.module, seed=seed)
+    made = {}
+
+    def assemble():
+        lm = made["lm"] = model.load(name, dtype=dtype, seed=seed, chat_format=chat_format,
+                                     weights=not abstract)
+        if not abstract:
+            echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
+        if init_from and not abstract:
+            echo(init_weights(lm.module, init_from, init_step))
+        if quantize != "none":
+            echo(f"quantized {model.quantize(lm.module, quantize)} layers to {quantize} "
+                 "(weights only)")
+        if lora.rank:
+            try:
+                model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed,
+                                  factor_dtype="float32" if float32_factors else None)
+            except ValueError as exc:  # e.g. targets that name no layer of this model
+                raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
+        # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local
+        model.set_remat(lm.module, remat, lazy_frozen=dtype != "float32" and platform == "cpu")
+        return lm.task, heads.wrap(head, lm.module, seed=seed)
+
+    if not abstract:
+        _, module = assemble()
+        return made["lm"], module
+    task, module = nnx.eval_shape(assemble)  # the task and the module share their variables
+    return dataclasses.replace(made["lm"], task=task), module
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,

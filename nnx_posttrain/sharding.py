@@ -223,10 +223,11 @@ def mesh_shape(cfg: config_lib.MeshConfig, n_devices: int) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(cfg: config_lib.MeshConfig) -> Mesh:
-    """The (data, fsdp, tensor) mesh over every device of every process. Tensor-parallel
-    neighbours are adjacent devices (same host / fast links), then fsdp, then data."""
-    devices = jax.devices()
+def make_mesh(cfg: config_lib.MeshConfig, devices: list | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over ``devices`` (default: every device of every process).
+    Tensor-parallel neighbours are adjacent devices (same host / fast links), then fsdp, then
+    data."""
+    devices = jax.devices() if devices is None else list(devices)
     sizes = mesh_shape(cfg, len(devices))
     shape = tuple(sizes[a] for a in AXES)
     try:

@@ -11,7 +11,11 @@ and size: a SentencePiece BPE model (Gemma's id layout and chat markers, byte fa
 byte-level BPE (Llama 3's / Qwen's special tokens at their real ids), built deterministically
 from generated merges rather than trained (a corpus that yields 256,000 merges does not exist
 offline). ``--scale F`` shrinks the width, head size, MLP and depth by F (the vocabulary and the
-head counts stay): the small version of the same path that the tests run.
+head counts stay): the small version of the same path that the tests run. ``--config-only``
+writes the preset without its weight file (config, metadata, tokenizer: a few MB whatever the
+size): enough for ``nnx-posttrain plan``, which builds the model abstractly and reads no weight.
+The dimensions are those of the published presets' config.json (KerasHub's Gemma
+``intermediate_dim`` is twice Hugging Face's ``intermediate_size``: gate and up together).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import string
 import time
 from pathlib import Path
@@ -31,6 +36,19 @@ LIKE = {
     "gemma_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=18, num_query_heads=8,
                                num_key_value_heads=1, hidden_dim=2048, intermediate_dim=32_768,
                                head_dim=256), 256_000),
+    "gemma_7b": ("gemma", dict(vocabulary_size=256_000, num_layers=28, num_query_heads=16,
+                               num_key_value_heads=16, hidden_dim=3072, intermediate_dim=49_152,
+                               head_dim=256), 256_000),
+    "gemma2_9b": ("gemma", dict(vocabulary_size=256_000, num_layers=42, num_query_heads=16,
+                                num_key_value_heads=8, hidden_dim=3584, intermediate_dim=28_672,
+                                head_dim=256, query_head_dim_normalize=True,
+                                use_post_ffw_norm=True, use_post_attention_norm=True,
+                                final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
+                                use_sliding_window_attention=True, sliding_window_size=4096),
+                  256_000),
+    "llama3_8b": ("llama3", dict(vocabulary_size=128_256, num_layers=32, num_query_heads=32,
+                                 num_key_value_heads=8, hidden_dim=4096, intermediate_dim=14_336,
+                                 rope_max_wavelength=500_000, layer_norm_epsilon=1e-5), 128_256),
     "gemma2_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=26, num_query_heads=8,
                                 num_key_value_heads=4, hidden_dim=2304, intermediate_dim=18_432,
                                 head_dim=256, query_head_dim_normalize=True,
@@ -245,11 +263,11 @@ def scaled(dims: dict, scale: float) -> dict:
 
 
 def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16",
-          seed: int = 0, echo=print) -> Built:
-    """Write the preset ``like`` (a key of LIKE) to ``out`` (new or empty)."""
+          seed: int = 0, echo=print, config_only: bool = False) -> Built:
+    """Write the preset ``like`` (a key of LIKE) to ``out`` (new or empty); ``config_only``:
+    without the weight file (the model is built abstractly, no memory taken)."""
     import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
     import keras
-    import keras_hub
 
     if like not in LIKE:
         raise ToolError(f"--like must be one of {', '.join(LIKE)}, got {like!r}")
@@ -262,36 +280,69 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
     dims = scaled(dims, scale)
     start = time.perf_counter()
     keras.utils.set_random_seed(seed)
-    models = keras_hub.models
-    if family == "gemma":
-        tokenizer = models.GemmaTokenizer(proto=gemma_proto(tokens))
-        backbone = models.GemmaBackbone(dtype=dtype, **dims)
-        task = models.GemmaCausalLM(backbone, models.GemmaCausalLMPreprocessor(tokenizer))
-    elif family == "llama3":
-        tokenizer = llama3_tokenizer(tokens)
-        backbone = models.Llama3Backbone(dtype=dtype, **dims)
-        task = models.Llama3CausalLM(backbone, models.Llama3CausalLMPreprocessor(tokenizer))
-    elif family == "qwen":
-        tokenizer = qwen_tokenizer(tokens)
-        backbone = models.QwenBackbone(dtype=dtype, **dims)
-        task = models.QwenCausalLM(backbone, models.QwenCausalLMPreprocessor(tokenizer))
+    if config_only:
+        from flax import nnx
+
+        def abstract():  # (Keras' compile bookkeeping, keyed by layers, is not NNX state)
+            task = _task(family, dims, tokens, dtype)
+            del task._compiled_trainable_state
+            return task
+
+        task = nnx.eval_shape(abstract)
     else:
-        tokenizer = qwen_tokenizer(tokens, qwen3=True)
-        backbone = models.Qwen3Backbone(dtype=dtype, **dims)
-        task = models.Qwen3CausalLM(backbone, models.Qwen3CausalLMPreprocessor(tokenizer))
+        task = _task(family, dims, tokens, dtype)
+    tokenizer, backbone = task.preprocessor.tokenizer, task.backbone
     if tokenizer.vocabulary_size() != tokens:
         raise RuntimeError(f"tokenizer has {tokenizer.vocabulary_size()} tokens, expected {tokens}")
     out.mkdir(parents=True, exist_ok=True)
-    task.save_to_preset(str(out))
-    params = int(sum(v.size for v in backbone.weights))
+    if config_only:
+        _save_config_only(task, out)
+    else:
+        task.save_to_preset(str(out))
+    params = int(sum(math.prod(v.shape) for v in backbone.weights))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     built = Built(out, params, size, time.perf_counter() - start, dims)
     echo(f"wrote {out}: a {like}-shaped {type(backbone).__name__}"
          + (f" scaled by {scale}" if scale != 1 else "")
-         + f", {params:,} parameters ({dtype}), tokenizer {type(tokenizer).__name__} of "
-         f"{tokens:,} tokens, embedding {dims['vocabulary_size']:,} rows; {size / 1e9:.2f} GB, "
-         f"{built.seconds:.0f} s\n  {json.dumps(dims)}")
+         + f", {params:,} parameters ({dtype}{', config only: no weights' * config_only}), "
+         f"tokenizer {type(tokenizer).__name__} of {tokens:,} tokens, embedding "
+         f"{dims['vocabulary_size']:,} rows; {size / 1e9:.2f} GB, {built.seconds:.0f} s\n  "
+         f"{json.dumps(dims)}")
     return built
+
+
+def _save_config_only(task, out: Path) -> None:
+    """What ``save_to_preset`` writes, less the weight file: the backbone's config.json and
+    metadata.json (KerasHub's own preset saver), the preprocessor and tokenizer assets."""
+    from keras_hub.src.utils.preset_utils import CONFIG_FILE, KerasPresetSaver
+
+    saver = KerasPresetSaver(str(out))
+    saver._save_serialized_object(task.backbone, config_file=CONFIG_FILE)
+    saver._save_metadata(task.backbone)
+    task.preprocessor.save_to_preset(str(out))
+
+
+def _task(family: str, dims: dict, tokens: int, dtype: str):
+    """The KerasHub causal LM of ``family`` with backbone ``dims`` and a synthetic tokenizer of
+    ``tokens`` ids (random weights)."""
+    import keras_hub
+
+    models = keras_hub.models
+    if family == "gemma":
+        tokenizer = models.GemmaTokenizer(proto=gemma_proto(tokens))
+        backbone = models.GemmaBackbone(dtype=dtype, **dims)
+        return models.GemmaCausalLM(backbone, models.GemmaCausalLMPreprocessor(tokenizer))
+    if family == "llama3":
+        tokenizer = llama3_tokenizer(tokens)
+        backbone = models.Llama3Backbone(dtype=dtype, **dims)
+        return models.Llama3CausalLM(backbone, models.Llama3CausalLMPreprocessor(tokenizer))
+    if family == "qwen":
+        tokenizer = qwen_tokenizer(tokens)
+        backbone = models.QwenBackbone(dtype=dtype, **dims)
+        return models.QwenCausalLM(backbone, models.QwenCausalLMPreprocessor(tokenizer))
+    tokenizer = qwen_tokenizer(tokens, qwen3=True)
+    backbone = models.Qwen3Backbone(dtype=dtype, **dims)
+    return models.Qwen3CausalLM(backbone, models.Qwen3CausalLMPreprocessor(tokenizer))
 
 
 @command
@@ -305,8 +356,11 @@ def main(argv=None) -> Built:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="weight dtype saved (default bfloat16, as the real presets)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config-only", action="store_true",
+                        help="no weight file: config and tokenizer only (for nnx-posttrain plan)")
     args = parser.parse_args(argv)
-    return build(args.like, args.out, args.scale, args.dtype, args.seed)
+    return build(args.like, args.out, args.scale, args.dtype, args.seed,
+                 config_only=args.config_only)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,9 @@ class AlgorithmBase:
     # project the vocabulary only at the positions that carry loss (model.scored_positions);
     # False projects every position (a benchmark variant)
     scored_positions_only = True
+    # whether ``nnx_posttrain.plan`` can build this algorithm's step abstractly (else why not)
+    plannable = True
+    plannable_not = ""
 
     def __init__(self, cfg, logprob_chunk: int | None = None):
         self.cfg = cfg

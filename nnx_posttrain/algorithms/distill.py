@@ -66,6 +66,10 @@ class Distill(AlgorithmBase):
     data_kind = "sft"
     sequences_per_example = 2  # the student's forward and the teacher's
     defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DistillationConfig
+    plannable = False
+    plannable_not = ("the teacher is a second model loaded beside the student and its batches "
+                     "mix sampled completions; plan the student's SFT step, and the teacher's "
+                     "weights in --algo.teacher-dtype on top")
 
     def check(self, run_cfg) -> None:
         super().check(run_cfg)

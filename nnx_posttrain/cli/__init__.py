@@ -7,6 +7,8 @@ and ``python -m experiments[.ALGORITHM]``.
     nnx-posttrain compare RUN [RUN ...]    final / best metrics, setting differences, plots
     nnx-posttrain sweep ALGORITHM --grid   a grid of runs, one process per point
     nnx-posttrain inspect RUN              what a checkpoint holds
+    nnx-posttrain plan ALGORITHM --topology v5e-16 [options]   a run's step compiled for a TPU
+                                           topology on this host: memory per device, FLOPs
 
 This package is the library's one user that owns the process: ``main`` alone turns a
 ``UserError`` into ``error: MESSAGE`` and exit status 1, a stop signal into 128 + its number,
@@ -36,6 +38,7 @@ TOOLS = {
     "compare": ("compare_command", "final and best metrics, setting differences, plots"),
     "sweep": ("sweep", "a grid of runs, one process per point, resumable"),
     "inspect": ("inspect_command", "what a run's checkpoint holds"),
+    "plan": ("plan_command", "a run's step compiled for a TPU topology here: memory per device"),
 }
 
 

@@ -209,7 +209,7 @@ def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
 
 
 def load(name: str, dtype: str = "float32", seed: int = 0,
-         chat_format: str | None = None) -> LanguageModel:
+         chat_format: str | None = None, weights: bool = True) -> LanguageModel:
     """Load ``name``: a built-in tiny config, a short name, a KerasHub handle or a local directory.
 
     Local directories may be KerasHub presets (what ``save_to_preset`` writes) or Hugging Face
@@ -217,7 +217,8 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
     created in ``dtype``'s variable dtype and the checkpoint read into them (no float32 copy of a
     bfloat16 model). ``chat_format``: the chat template (default: the family's; a family
     without a known template needs one, checked before the weights load when the directory says
-    which family it holds).
+    which family it holds). ``weights=False`` reads no weight file (the variables keep their
+    initial values): for a model built abstractly (``nnx.eval_shape``) from its config alone.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -238,7 +239,7 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
                 f"({', '.join(PRESETS)}), a KerasHub preset name, a kaggle:// or hf:// handle, or "
                 "an existing local directory"
             )
-        task = _from_preset(name, handle, policy)
+        task = _from_preset(name, handle, policy, weights)
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
     _warm_up(task.backbone)
     return LanguageModel(
@@ -303,8 +304,10 @@ def _no_initializers():
         cls._initialize_with_initializer = original
 
 
-def _from_preset(name: str, handle: str, policy: str):
+def _from_preset(name: str, handle: str, policy: str, weights: bool = True):
     try:
+        if not weights:
+            return keras_hub.models.CausalLM.from_preset(handle, dtype=policy, load_weights=False)
         if _reads_keras_weights(handle):
             with _no_initializers():
                 return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)

@@ -101,6 +101,17 @@ def check_micro_batch(cfg: config_lib.Config, mesh: Mesh) -> None:
         )
 
 
+def check_batch_rows(name: str, rows: int, mesh: Mesh) -> None:
+    """``ConfigError`` when the ``rows`` of a micro-batch array ``name`` do not split over the
+    mesh's batch shards (an algorithm whose rows are not the examples: online DPO's pairs)."""
+    shards = sharding.batch_divisor(mesh)
+    if rows % shards:
+        raise errors.ConfigError(
+            f"the step's micro-batches hold {rows} rows of {name!r}, which do not divide over the "
+            f"{shards} batch shards (--mesh.data x --mesh.fsdp); choose a --batching.batch-size "
+            f"(/ --batching.grad-accum) that gives a multiple of {shards} rows")
+
+
 def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
     """[batch, ...] host arrays -> [accum, micro, ...] device arrays, micro split over the data
     and fsdp axes (replicated over tensor). Every process holds the whole global batch and
@@ -108,6 +119,7 @@ def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
     out = {}
     for k, v in batch.items():
         v = np.asarray(v)
+        check_batch_rows(k, v.shape[0] // accum, mesh)
         v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
         target = NamedSharding(mesh, sharding.batch_spec(v.ndim, leading=1))
         out[k] = jax.make_array_from_callback(v.shape, target, lambda index, v=v: v[index])

@@ -105,6 +105,8 @@ def prepare(cfg, algorithm, echo=print) -> Run:
         run.interrupted()
         run.cfg = setup.settings_for_data(cfg, algorithm, echo)
         run.mesh = _devices(run.cfg, echo)
+        # the run's mesh in context (kernels XLA cannot partition run per device: model.attention)
+        run.guards.enter_context(jax.set_mesh(run.mesh))
         _lock(run)
         latest, allowed = _open_checkpoints(run)
         sources = algorithm.open_sources(run.cfg)  # a missing file: before the model loads

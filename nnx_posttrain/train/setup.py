@@ -16,14 +16,17 @@ def settings_for_data(cfg, algorithm, echo):
     return algorithm.settings_for_data(cfg, echo)
 
 
-def build_model(cfg, algorithm, echo, init_step: int | None = None):
+def build_model(cfg, algorithm, echo, init_step: int | None = None, abstract: bool = False,
+                platform: str | None = None):
     """(language model, trained module) of a run, the algorithm's settings resolved on it; the
-    weights of ``--init-from``'s checkpoint ``init_step`` (default: its latest)."""
+    weights of ``--init-from``'s checkpoint ``init_step`` (default: its latest). ``abstract``:
+    built without weights (``runs.build_model``) for a step that will run on ``platform``
+    (default: this process's)."""
     lm, module = runs.build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head=algorithm.head,
                                   init_from=cfg.init_from, remat=cfg.remat == "blocks", echo=echo,
                                   chat_format=cfg.chat_format, init_step=init_step,
-                                  quantize=cfg.quantize)
-    echo(model.set_attention(lm.module, cfg.attention))
+                                  quantize=cfg.quantize, abstract=abstract, platform=platform)
+    echo(model.set_attention(lm.module, cfg.attention, platform=platform))
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
                                if algorithm.reference_mode else ""))

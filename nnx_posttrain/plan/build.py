@@ -1,0 +1,172 @@
+"""A run's training step built abstractly: the model, mesh, shardings, training state, first
+batch and jitted step that ``train.prepare`` and the loop build, with every array a
+``jax.ShapeDtypeStruct`` laid out on the topology's devices (no weight read, nothing allocated).
+
+The batch is the run's first one, made by the algorithm's own batch source from the run's data
+(offline algorithms), or (online ones) a rollout of the same shapes: prompts from the data and
+completions of ``--algo.max-completion-length`` tokens, whose sampler, log-prob and reward
+computations are replaced by zeros of their abstract shapes (``AbstractRollouts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nnx_posttrain import errors, model, sharding
+from nnx_posttrain.algorithms.base import RunContext
+from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, Rollouts
+from nnx_posttrain.train import setup
+from nnx_posttrain.train import step as step_lib
+from nnx_posttrain.train.mesh import check_batch_rows, check_micro_batch
+
+
+@dataclasses.dataclass
+class AbstractRun:
+    """The abstract arguments of a run's step and the jitted step itself."""
+
+    cfg: object
+    lm: model.LanguageModel
+    mesh: jax.sharding.Mesh
+    state: dict  # {params, opt_state, step, rng}: ShapeDtypeStructs with their shardings
+    frozen: dict  # {"model": ..., "reference": ... or None}
+    batch: dict  # [accum, micro, ...] ShapeDtypeStructs sharded over the batch axes
+    step: object  # the jitted step (donating the state, output shardings pinned)
+    attention: str  # the attention path the step takes (model.set_attention)
+
+
+def abstract_mesh(mesh_cfg, devices: list, slices: int = 1) -> jax.sharding.Mesh:
+    """The run's (data, fsdp, tensor) mesh over ``devices``; over several slices, the data axis
+    spans them (a slice's devices share fast links, the slices the data-centre network)."""
+    if slices == 1:
+        return sharding.make_mesh(mesh_cfg, devices)
+    from jax.experimental import mesh_utils
+
+    sizes = sharding.mesh_shape(mesh_cfg, len(devices))
+    if sizes["data"] % slices:
+        raise errors.ConfigError(
+            f"--slices {slices}: the mesh's data axis ({sizes['data']}) must divide by the "
+            "slices (it spans them); set --mesh.data to a multiple of the slice count")
+    ici = (sizes["data"] // slices, sizes["fsdp"], sizes["tensor"])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices)
+    return jax.sharding.Mesh(grid, sharding.AXES)
+
+
+def _placed(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
+    """The abstract step of the run ``cfg`` of ``algorithm`` on ``topology``
+    (``plan.topology.Topology``)."""
+    if not algorithm.plannable:
+        raise errors.ConfigError(f"plan: {algorithm.name} cannot be planned yet "
+                                 f"({algorithm.plannable_not})")
+    # the plan checks the step against the topology's memory, not this host's
+    cfg = dataclasses.replace(setup.settings_for_data(cfg, algorithm, echo), memory_check=False)
+    mesh = abstract_mesh(cfg.mesh, topology.devices, topology.slices)
+    check_micro_batch(cfg, mesh)
+    sources = algorithm.open_sources(cfg)
+    lm, module = setup.build_model(cfg, algorithm, echo, abstract=True,
+                                   platform=topology.platform)
+    graphdef, params, frozen_model = model.split(module)
+    if algorithm.reference_mode == "precompute":
+        raise errors.ConfigError(
+            "plan: --algo.reference precompute computes the reference log-probs with the "
+            "weights before training; plan the step with --algo.reference copy or lora_base")
+    ds = setup.datasets(cfg, lm, algorithm, echo, *sources)
+    tx, lr = step_lib.optimizer(cfg.optim, cfg.steps)
+    state = jax.eval_shape(lambda p: step_lib.init_state(p, tx, cfg.seed), params)
+    frozen = {"model": frozen_model,
+              "reference": params if algorithm.reference_mode == "copy" else None}
+    ctx = RunContext(cfg, lm, graphdef, frozen, ds.train, ds.eval, ds.transform, Path("."), echo)
+    host = first_batch(algorithm, ctx, state)
+    state_shardings = sharding.tree_shardings(state, mesh)
+    jitted = jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr),
+                     donate_argnums=(0,),
+                     out_shardings=(state_shardings, NamedSharding(mesh, P())))
+    return AbstractRun(cfg, lm, mesh, _placed(state, state_shardings),
+                       _placed(frozen, sharding.tree_shardings(frozen, mesh)),
+                       _batch(host, mesh, cfg.batching.grad_accum), jitted,
+                       model.attention_of(lm.module).implementation)
+
+
+def first_batch(algorithm, ctx: RunContext, state) -> dict:
+    """The device batch (numpy, [batch, ...]) of the run's first step."""
+    if isinstance(algorithm, OnlineAlgorithm):
+        source = AbstractRollouts(algorithm, ctx, state["params"])
+        try:
+            batch, _ = source.rollout(1, state, next(source.prompts))
+        finally:
+            source.close()
+    else:
+        source = algorithm.inputs(ctx, state["params"]).train
+        try:
+            batch = source.next(1, state)
+        finally:
+            source.close()
+    return source.to_device(batch)
+
+
+def _batch(host: dict, mesh, accum: int) -> dict:
+    """Host arrays [batch, ...] -> [accum, micro, ...] ShapeDtypeStructs laid out as the loop
+    lays them out (``train.mesh.shard_batch``)."""
+    out = {}
+    for k, v in host.items():
+        v = np.asarray(v)
+        check_batch_rows(k, v.shape[0] // accum, mesh)
+        shape = (accum, v.shape[0] // accum, *v.shape[1:])
+        out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=NamedSharding(
+            mesh, sharding.batch_spec(len(shape), leading=1)))
+    return out
+
+
+def _zeros_like_output(fn, *args, **static):
+    """Zeros of the shapes ``fn(*args, **static)`` would return, computed abstractly (plain
+    Python values among ``args`` stay as they are: they may decide shapes)."""
+    plain = (int, float, bool, str, type(None))
+    traced = [i for i, a in enumerate(args) if not isinstance(a, plain)]
+
+    def call(*arrays):
+        full = list(args)
+        for i, x in zip(traced, arrays):
+            full[i] = x
+        return fn(*full, **static)
+
+    shapes = jax.eval_shape(call, *(args[i] for i in traced))
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+
+class AbstractRollouts(Rollouts):
+    """Rollouts whose device computations give zeros of their abstract shapes: every
+    completion ``--algo.max-completion-length`` tokens, rewards 0, nothing decoded. What the
+    algorithm builds from it (``make_batch``) has the shapes of a real rollout's batch."""
+
+    def __init__(self, algorithm, run, params):
+        super().__init__(algorithm, run, params)
+        sample = self._sample
+        self._sample = lambda states, *rest: _zeros_like_output(sample, states, *rest)
+
+    def compile(self, fn):
+        compiled = super().compile(fn)
+        return lambda state, *arrays: _zeros_like_output(compiled, state, *arrays)
+
+    def logps(self, batch, state, with_old, with_ref):
+        if not (with_old or with_ref):
+            return {}
+        return _zeros_like_output(self._rollout_logps, state["params"], self.frozen,
+                                  batch["input_ids"], batch["attention_mask"],
+                                  batch["positions"], with_old=with_old, with_ref=with_ref)
+
+    def _texts(self, ids, mask):
+        return [""] * len(ids)
+
+    def _rewards(self, prompt_ids, prompt_mask, completion_ids, completion_mask, texts, index):
+        n = len(prompt_ids)
+        self.rewards_per_func = np.zeros((n, len(self.reward_fns)), np.float32)
+        return np.zeros(n, np.float32), {}, {}

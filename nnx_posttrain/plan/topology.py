@@ -1,0 +1,143 @@
+"""What a plan compiles for: a Cloud TPU slice by its name, or this host's CPU as N devices.
+
+    v5e-16, v5e-64, v6e-8     v5e / v6e: the number is chips (one TensorCore each), a 2-D grid
+    v4-8, v5p-128             v4 / v5p: the number is TensorCores (2 per chip, one megacore
+                              device per chip): v5p-128 is 64 chips, a 3-D grid 4x4x4
+    cpu-8                     this host's CPU split into 8 XLA devices
+
+A TPU topology is described by the TPU compiler in the ``libtpu`` package (``pip install
+"jax[tpu]"``), which runs on a CPU host: ``jax.experimental.topologies.get_topology_desc`` gives
+devices that can be compiled for but not run on. ``--slices N`` is N such slices joined over the
+data-centre network (the mesh's data axis spans them). The chip grids are those Cloud TPU
+provisions for each size (the largest dimension doubled last: v4-32 is 2x2x4).
+
+Memory per chip, from the Cloud TPU system-architecture pages
+(https://cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e): v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
+v6e 32 GiB of HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from nnx_posttrain import errors
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    prefix: str  # libtpu's topology-name prefix
+    counts_cores: bool  # the slice name counts TensorCores (2 per chip), not chips
+    dims: int  # the chip grid's dimensions
+    hbm_bytes: int  # per chip (one device)
+
+
+GENERATIONS = {
+    "v4": Generation("v4", True, 3, 32 * GiB),
+    "v5p": Generation("v5", True, 3, 95 * GiB),
+    "v5e": Generation("v5e", False, 2, 16 * GiB),
+    "v6e": Generation("v6e", False, 2, 32 * GiB),
+}
+
+
+@dataclasses.dataclass
+class Topology:
+    """Devices to compile for and the memory each has (None: no limit known)."""
+
+    name: str
+    devices: list
+    memory_bytes: int | None
+    slices: int = 1
+
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
+    @property
+    def kind(self) -> str:
+        return self.devices[0].device_kind
+
+
+def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
+    """The grid of ``chips`` (a power of two) Cloud TPU provisions: from 1x1 (2-D) or 2x2x1
+    (3-D, one host's four chips), the smallest dimension doubled, the last of equal ones first."""
+    grid = [1, 1] if dims == 2 else [2, 2, 1]
+    if chips < math.prod(grid) or chips & (chips - 1):
+        raise ValueError(chips)
+    while math.prod(grid) < chips:
+        smallest = min(grid)
+        i = max(k for k, g in enumerate(grid) if g == smallest)
+        grid[i] *= 2
+    return tuple(sorted(grid))
+
+
+def _tpu(name: str, generation: str, count: int, slices: int) -> Topology:
+    gen = GENERATIONS[generation]
+    chips = count // 2 if gen.counts_cores else count
+    try:
+        grid = chip_grid(chips, gen.dims)
+    except ValueError:
+        smallest = 8 if gen.counts_cores else 1
+        raise errors.ConfigError(
+            f"--topology {name}: not a {generation} slice size; the sizes are powers of two "
+            f"from {generation}-{smallest} (the number counts "
+            f"{'TensorCores, 2 per chip' if gen.counts_cores else 'chips'})") from None
+    from jax.experimental import topologies
+
+    options = dict(chip_config_name="megacore" if gen.counts_cores else "default",
+                   chips_per_host_bounds=(2, 2, 1), num_slices=slices,
+                   wrap=tuple(g >= 16 if gen.dims == 2 else g >= 4 for g in grid)
+                   + (False,) * (3 - gen.dims))
+    try:
+        desc = topologies.get_topology_desc(
+            platform="tpu", topology_name=f"{gen.prefix}:{'x'.join(map(str, grid))}", **options)
+    except Exception as exc:  # noqa: BLE001 - libtpu missing or refusing: one clear message
+        raise errors.ConfigError(
+            f"--topology {name}: JAX could not describe this TPU topology ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc!r}). Planning "
+            "for TPUs needs the TPU compiler: pip install \"jax[tpu]\" (libtpu; it runs on a CPU "
+            "host), or plan on this host's CPU with --topology cpu-N") from None
+    return Topology(name, list(desc.devices), gen.hbm_bytes, slices)
+
+
+def _cpu(name: str, count: int) -> Topology:
+    import jax
+
+    from nnx_posttrain.model import device_memory
+    from nnx_posttrain.train.mesh import split_host_cpu
+
+    split_host_cpu(count, "--topology")
+    have = len(jax.devices("cpu"))
+    if have != count:
+        raise errors.ConfigError(
+            f"--topology {name}: this process already started JAX with {have} CPU devices; plan "
+            "from a new process (the command does), or call jax.config.update("
+            f"'jax_num_cpu_devices', {count}) right after importing jax")
+    free = device_memory.available_bytes()
+    return Topology(name, jax.devices("cpu"), None if free is None else free // count)
+
+
+def resolve(name: str, slices: int = 1) -> Topology:
+    """The topology named ``name`` (see the module docstring); ``ConfigError`` naming the
+    choices for anything else."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v6e|cpu|gpu)-(\d+)", name or "")
+    if slices < 1:
+        raise errors.ConfigError(f"--slices must be >= 1, got {slices}")
+    if match is None:
+        raise errors.ConfigError(
+            f"--topology {name!r}: not a topology; one of v4-N, v5p-N (N TensorCores), v5e-N, "
+            "v6e-N (N chips), or cpu-N (this host's CPU as N devices), e.g. v5e-16")
+    kind, count = match.group(1), int(match.group(2))
+    if kind == "gpu":
+        raise errors.ConfigError(
+            f"--topology {name}: JAX describes a GPU topology for compilation only through the "
+            "CUDA plugin on a host with the GPUs themselves; plan a GPU run on that host, or "
+            "plan here with cpu-N or a TPU topology")
+    if kind == "cpu":
+        if slices != 1:
+            raise errors.ConfigError("--slices applies to TPU topologies only")
+        return _cpu(name, count)
+    return _tpu(name, kind, count, slices)
