@@ -14,6 +14,10 @@ import os
 import tempfile
 from pathlib import Path
 
+# JAX on the CPU, in this process and those it starts: the test extra installs libtpu (the TPU
+# compiler the plan tests compile with), and without this JAX would try the TPU runtime at start
+# and log a page of warnings on a host without TPU chips
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(Path(tempfile.gettempdir()) / "nnx_posttrain_jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

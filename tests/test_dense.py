@@ -62,7 +62,8 @@ def test_forward_is_the_layers_own_and_gradients_equal_autodiff(backbone):
 
 
 def test_lora_gradients_equal_autodiff():
-    """LoRA factors get their gradient through the layer's merged kernel (kernel + a @ b)."""
+    """LoRA factors get the gradient of Keras' own layer (whose kernel is base + a @ b) through
+    the factored term, (x a) b, that the override computes instead."""
     bb = support.tiny_backbone("llama3")
     model.enable_lora(bb, 4, None, "all-linear")
     for v in bb.weights:  # lora_kernel_b starts at zero: give it a value so a's gradient is not 0
@@ -72,10 +73,11 @@ def test_lora_gradients_equal_autodiff():
     assert len(jax.tree.leaves(model.split(bb)[1])) == 2 * 7 * 2
     (_, want), (_, got) = _grads(bb, False, model.split), _grads(bb, True, model.split)
     # a factor's gradient is a float32 sum whose terms reach the leaf's largest entries; where they
-    # cancel, a small entry keeps their rounding (a 2-core Intel VM: -0.682148 vs -0.682167 in a
-    # leaf reaching 26.3, 7e-7 of its scale), so the absolute tolerance follows the leaf's scale
+    # cancel, a small entry keeps their rounding, and the two formulas associate the sums
+    # differently ((x a) b against x (a b): 0.094845 vs 0.094827 in a leaf reaching 4.0, 5e-6 of
+    # its scale), so the absolute tolerance follows the leaf's scale
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=4e-6 * float(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5 * float(np.abs(b).max()))
 
 
 @pytest.mark.parametrize("equation,plan", [

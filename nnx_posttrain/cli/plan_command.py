@@ -15,7 +15,6 @@ the TPU compiler: ``pip install "jax[tpu]"`` (libtpu runs on a CPU host).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from nnx_posttrain import algorithms, api, errors
@@ -46,15 +45,13 @@ def split_own(args: list[str]) -> tuple[dict, list[str]]:
 
 def _compile_only_host() -> None:
     """Planning compiles on this host's CPU and runs nothing: JAX must not take this host's
-    accelerators (a TPU VM's chips may be training), and libtpu, loaded only to describe a
-    topology, is told that it has no workers to find (else it logs a page of warnings)."""
+    accelerators (a TPU VM's chips may be training)."""
     import jax
 
     try:
         jax.config.update("jax_platforms", "cpu")
     except RuntimeError:  # JAX's backends already started (a test calling main)
         pass
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def main(args: list[str], prog: str) -> int:

@@ -10,6 +10,8 @@ writes made each such fusion of a medium-size MLP cost as much as its matmul). H
 gradient is ``x[rows, contracted]^T @ dy[rows, out]``, the operands reshaped, not transposed,
 for every equation where the rows (axes of the input that the kernel does not have) come first,
 which is every projection of the supported families; other equations keep autodiff's gradient.
+A LoRA layer adds its adapters' term from the factors, ``(x A) B``, to the base kernel's product
+(``_lora_term``), where Keras' own call multiplies by ``W + A B``, a kernel-size tensor.
 
 ``overridden(module)`` shadows ``call`` on those layers of every decoder block for the duration
 of a forward pass (``blocks.shadowed``: on the instances; the classes are untouched).
@@ -104,8 +106,31 @@ def _equation(layer, ndim: int) -> str:
     return _matmul_equation(ndim)
 
 
+def _factored(layer, equation: str) -> bool:
+    """Whether ``layer``'s LoRA term can be computed from its factors: LoRA is on and the
+    kernel's last axis is the output's last (the factor B maps the rank to it)."""
+    if not getattr(layer, "lora_enabled", False):
+        return False
+    inputs, out = equation.replace(" ", "").split("->")
+    return inputs.split(",")[1][-1] == out[-1]
+
+
+def _lora_term(layer, equation: str, x):
+    """``(alpha / rank) * (x A) B`` in the layer's compute dtype: the adapters' share of the
+    output from the factors (as Keras computes it for a quantized kernel), never the full-size
+    ``A B`` that the layer's own ``kernel`` adds to its base kernel (a float32 tensor of the
+    kernel's size per layer and call, and its gradient, for every adapted projection)."""
+    import keras
+
+    a = keras.ops.convert_to_tensor(layer.lora_kernel_a)  # kernel.shape[:-1] + (rank,)
+    b = keras.ops.convert_to_tensor(layer.lora_kernel_b)  # (rank, kernel.shape[-1])
+    term = keras.ops.matmul(keras.ops.einsum(equation, x, a), b)
+    return keras.ops.cast(term * (layer.lora_alpha / layer.lora_rank), layer.compute_dtype)
+
+
 def _projection_call(layer, original):
-    """``layer.call`` (an ``EinsumDense`` or ``Dense``) with its product through ``contract``;
+    """``layer.call`` (an ``EinsumDense`` or ``Dense``) with its product through ``contract``
+    (with LoRA: the base kernel's, plus the adapters' term from their factors, ``_lora_term``);
     the bias and activation as the layer applies them."""
     import keras
 
@@ -114,7 +139,11 @@ def _projection_call(layer, original):
         if _plan(equation) is None:
             return original(inputs, *args, **kwargs)
         x = keras.ops.convert_to_tensor(inputs)
-        out = contract(equation, x, keras.ops.convert_to_tensor(layer.kernel))  # autocast values
+        if _factored(layer, equation):
+            base = keras.ops.cast(keras.ops.convert_to_tensor(layer._kernel), layer.compute_dtype)
+            out = keras.ops.add(contract(equation, x, base), _lora_term(layer, equation, x))
+        else:
+            out = contract(equation, x, keras.ops.convert_to_tensor(layer.kernel))  # autocast
         if layer.bias is not None:
             out = keras.ops.add(out, layer.bias)
         if layer.activation is not None:

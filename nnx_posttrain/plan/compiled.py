@@ -17,6 +17,7 @@ import dataclasses
 import math
 import re
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -144,6 +145,15 @@ def _run_summary(cfg, algorithm, run: build_lib.AbstractRun) -> dict:
             "sequence": int(tokens[-1]), "attention": run.attention}
 
 
+def compile_step(run: build_lib.AbstractRun):
+    """XLA's compiled step of ``run``, under its mesh. JAX's persistent compilation cache (when
+    one is set) cannot load an executable for another platform than this process's: it says so
+    in a warning and compiles; that warning is not shown."""
+    with warnings.catch_warnings(), jax.set_mesh(run.mesh):
+        warnings.filterwarnings("ignore", "Error reading persistent compilation cache entry")
+        return run.step.lower(run.state, run.frozen, run.batch).compile()
+
+
 def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
     """Compile the step of the run ``cfg`` of ``algorithm`` for ``topology`` (nothing runs,
     nothing is allocated) and report it (``Plan``)."""
@@ -153,8 +163,7 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
     echo(f"compiling the {algorithm.name} step for {topology.name} "
          f"({len(topology.devices)} x {topology.kind}) ...")
     start = time.perf_counter()
-    with jax.set_mesh(run.mesh):
-        compiled = run.step.lower(run.state, run.frozen, run.batch).compile()
+    compiled = compile_step(run)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 from nnx_posttrain import errors
@@ -62,8 +63,9 @@ class Topology:
 
 
 def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
-    """The grid of ``chips`` (a power of two) Cloud TPU provisions: from 1x1 (2-D) or 2x2x1
-    (3-D, one host's four chips), the smallest dimension doubled, the last of equal ones first."""
+    """The grid of ``chips`` (a power of two) Cloud TPU provisions, as libtpu names it: from 1x1
+    (2-D) or 2x2x1 (3-D, one host's four chips), the smallest dimension doubled, the last of
+    equal ones first (v5e-8 2x4, v4-32 2x2x4, v5p-128 4x4x4)."""
     grid = [1, 1] if dims == 2 else [2, 2, 1]
     if chips < math.prod(grid) or chips & (chips - 1):
         raise ValueError(chips)
@@ -71,7 +73,7 @@ def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
         smallest = min(grid)
         i = max(k for k, g in enumerate(grid) if g == smallest)
         grid[i] *= 2
-    return tuple(sorted(grid))
+    return tuple(grid)
 
 
 def _tpu(name: str, generation: str, count: int, slices: int) -> Topology:
@@ -87,6 +89,7 @@ def _tpu(name: str, generation: str, count: int, slices: int) -> Topology:
             f"{'TensorCores, 2 per chip' if gen.counts_cores else 'chips'})") from None
     from jax.experimental import topologies
 
+    _compile_only_libtpu()
     options = dict(chip_config_name="megacore" if gen.counts_cores else "default",
                    chips_per_host_bounds=(2, 2, 1), num_slices=slices,
                    wrap=tuple(g >= 16 if gen.dims == 2 else g >= 4 for g in grid)
@@ -101,6 +104,15 @@ def _tpu(name: str, generation: str, count: int, slices: int) -> Topology:
             "for TPUs needs the TPU compiler: pip install \"jax[tpu]\" (libtpu; it runs on a CPU "
             "host), or plan on this host's CPU with --topology cpu-N") from None
     return Topology(name, list(desc.devices), gen.hbm_bytes, slices)
+
+
+def _compile_only_libtpu() -> None:
+    """libtpu is loaded here only to compile: it must not take this host's TPU lock (several
+    plans at once, or a training job on the same TPU VM, hold it), and it has no workers to
+    find (else it logs a page of warnings). These two settings of libtpu's say so; they are read
+    when libtpu loads, so they are set before, unless already set."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def _cpu(name: str, count: int) -> Topology:

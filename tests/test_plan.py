@@ -1,0 +1,162 @@
+"""``nnx-posttrain plan``: a run's step compiled ahead of time for TPU topologies on this CPU host
+(libtpu from the test extra's jax[tpu]), abstractly; the report is XLA's own analysis of that
+compiled step; what would not fit is refused with the changes estimated to make it fit."""
+
+import json
+import sys
+
+import jax
+import pytest
+
+from nnx_posttrain import api, errors, model, plan
+from nnx_posttrain.cli import train_command
+from nnx_posttrain.plan import build as build_lib, fixes as fixes_lib
+from nnx_posttrain.tasks import tokenizer
+from support import run_command
+
+MICRO = ["--model", "gemma_micro", "--init-from", "", "--batching.batch-size", "8",
+         "--batching.max-length", "24"]
+# head size 128 (splash attention's tile), Gemma 2's sliding window and soft caps, micro sizes
+model.register_builtin("gemma2_micro_h128", dict(
+    num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32, intermediate_dim=64,
+    head_dim=128, query_head_dim_normalize=True, use_post_ffw_norm=True,
+    use_post_attention_norm=True, final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
+    use_sliding_window_attention=True, sliding_window_size=64), tokenizer.builtin_proto)
+
+
+@pytest.fixture(scope="module")
+def v5e_8():
+    return plan.resolve("v5e-8")
+
+
+def _cfg(name, *args):
+    return train_command.config_from(name, [str(a) for a in args], name)
+
+
+def _plan(name, topology, *args):
+    cfg = _cfg(name, *args)
+    return plan.plan(cfg, api.build(cfg), topology, echo=lambda s: None)
+
+
+def _compiled(name, topology, *args):
+    """The same step compiled again outside the plan: (the abstract run, XLA's compiled step)."""
+    cfg = _cfg(name, *args)
+    run = build_lib.build(cfg, api.build(cfg), topology, echo=lambda s: None)
+    return run, plan.compiled.compile_step(run)
+
+
+def test_slice_names_are_the_chip_grids_cloud_tpu_provisions():
+    assert [plan.chip_grid(c, 3) for c in (4, 8, 16, 32, 64, 128)] == [
+        (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 4, 4), (4, 4, 8)]
+    assert [plan.chip_grid(c, 2) for c in (1, 4, 8, 16, 64, 128, 256)] == [
+        (1, 1), (2, 2), (2, 4), (4, 4), (8, 8), (8, 16), (16, 16)]
+    v4 = plan.resolve("v4-8")  # 8 TensorCores: 4 chips, one megacore device each
+    assert (len(v4.devices), v4.kind, v4.memory_bytes) == (4, "TPU v4", 32 << 30)
+    v5p = plan.resolve("v5p-128")
+    assert (len(v5p.devices), v5p.memory_bytes) == (64, 95 << 30)
+    two = plan.resolve("v5e-16", slices=2)
+    assert (len(two.devices), two.kind, two.memory_bytes) == (32, "TPU v5 lite", 16 << 30)
+
+
+@pytest.mark.parametrize("name, slices, says", [
+    ("v5e-12", 1, "not a v5e slice size"), ("v4-2", 1, "not a v4 slice size"),
+    ("gpu-8", 1, "CUDA plugin"), ("tpu", 1, "not a topology"), ("v5e-8", 0, "--slices"),
+    ("cpu-2", 2, "TPU topologies only")])
+def test_a_topology_that_does_not_exist_is_refused_by_name(name, slices, says):
+    with pytest.raises(errors.ConfigError, match=says):
+        plan.resolve(name, slices)
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "grpo"])
+def test_sft_and_grpo_steps_compile_for_a_tpu_topology_and_the_report_is_xlas(algorithm, v5e_8):
+    args = [*MICRO, "--batching.batch-size", "16", "--batching.grad-accum", "2", "--mesh.data",
+            "4", "--mesh.fsdp", "2"]
+    if algorithm == "grpo":
+        args += ["--algo.num-generations", "2", "--algo.max-completion-length", "8"]
+    p = _plan(algorithm, v5e_8, *args)
+    run, compiled = _compiled(algorithm, v5e_8, *args)
+    stats = compiled.memory_analysis()
+    assert p.parts == {
+        "inputs": stats.argument_size_in_bytes, "XLA temporaries": stats.temp_size_in_bytes,
+        "outputs not in place": stats.output_size_in_bytes - stats.alias_size_in_bytes,
+        "generated code": stats.generated_code_size_in_bytes}
+    assert p.total_bytes == sum(p.parts.values()) and p.fits
+    # the inputs by kind, from their shapes: XLA pads small TPU arrays to its tiles
+    assert 0 < sum(p.inputs.values()) <= p.parts["inputs"]
+    assert p.inputs["frozen weights"] == 0 and p.inputs["trainable weights"] > 0
+    assert p.flops == pytest.approx(compiled.cost_analysis()["flops"]) and p.flops > 0
+    # weights are sharded over fsdp (all-gathered for use), gradients summed over the batch shards
+    assert p.collectives["all-gather"]["count"] > 0 and p.collectives["all-reduce"]["count"] > 0
+    assert (p.devices, p.device_kind, p.mesh) == (8, "TPU v5 lite",
+                                                  {"data": 4, "fsdp": 2, "tensor": 1})
+    batch = run.batch["input_ids"]
+    assert batch.shape[:2] == (2, 8) and batch.sharding.spec[1] == ("data", "fsdp")
+    if algorithm == "grpo":  # a rollout's shapes: prompt + completion, advantages per row
+        assert batch.shape[2] == p.run["sequence"] and run.batch["advantages"].shape == (2, 8)
+
+
+def test_on_a_cpu_device_the_inputs_are_the_state_the_frozen_weights_and_the_batch():
+    p = _plan("sft", plan.resolve("cpu-1"), *MICRO, "--lora.rank", "2")
+    assert abs(sum(p.inputs.values()) - p.parts["inputs"]) <= 64  # no tiles to pad to on CPU
+    assert p.inputs["frozen weights"] > p.inputs["trainable weights"] > 0
+    # DPO with LoRA: the reference is the base (adapters off), no copy; the batch carries two
+    # layouts of the pairs and the step reads one (jit leaves the other out of its inputs)
+    p = _plan("dpo", plan.resolve("cpu-1"), *MICRO, "--lora.rank", "2")
+    assert p.inputs["reference copy"] == 0
+    assert 0 < sum(p.inputs.values()) - p.parts["inputs"] < p.inputs["batch"]
+
+
+def test_the_command_plans_a_cpu_mesh_and_writes_the_plan(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run_command([sys.executable, "-m", "nnx_posttrain.cli", "plan", "sft", *MICRO,
+                        "--topology", "cpu-2", "--json", str(out)])
+    assert "plan: sft on cpu-2 (2 x cpu; mesh data 2 x fsdp 1 x tensor 1)" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["devices"] == 2 and saved["fits"] and saved["total_bytes"] > 0
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_splash_attention_compiles_for_tpu_with_packing_and_a_sliding_window(packing, v5e_8):
+    args = ["--model", "gemma2_micro_h128", "--init-from", "", "--attention", "splash",
+            "--batching.batch-size", "8", "--batching.max-length", "256", "--mesh.data", "4",
+            "--mesh.fsdp", "2", *(["--batching.packing"] if packing else [])]
+    run, compiled = _compiled("sft", v5e_8, *args)
+    assert run.attention == "splash"
+    assert ("segment_ids" in run.batch) == packing
+    assert "tpu_custom_call" in compiled.as_text()  # the Pallas (Mosaic) kernel, per device
+
+
+def test_a_plan_that_does_not_fit_is_refused_with_the_changes_estimated_to_fit(v5e_8, capsys,
+                                                                               monkeypatch):
+    args = [*MICRO, "--batching.batch-size", "16", "--lora.rank", "2"]
+    p = _plan("sft", v5e_8, *args)
+    assert [f["change"] for f in p.fixes] == [
+        "--quantize int8", "--batching.grad-accum 2", "--remat blocks",
+        "--mesh.data 1 --mesh.fsdp -1", "--batching.max-length 12"]
+    assert all(f["estimated_total_bytes"] < p.total_bytes for f in p.fixes)
+    p.memory_bytes = p.total_bytes - 1
+    p.fixes = fixes_lib.estimate(p, _cfg("sft", *args), *_estimate_inputs(args, v5e_8))
+    refusal = p.refusal()
+    assert refusal.startswith(f"the sft step needs {p.total_bytes / 2**30:.2f} GiB per device "
+                              "on v5e-8") and "would not fit" in refusal
+    assert "Estimated to fit, cheapest first: --quantize int8" in refusal  # a sliver to shed
+    # the command: the plan printed, then refused (exit status 1)
+    monkeypatch.setitem(plan.GENERATIONS, "v5e", plan.topology.Generation("v5e", False, 2, 1024))
+    from nnx_posttrain import cli
+
+    with pytest.raises(SystemExit, match="error: the sft step needs .* would not fit"):
+        cli.main(["plan", "sft", *args, "--topology", "v5e-8"])
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def _estimate_inputs(args, topology):
+    cfg = _cfg("sft", *args)
+    algorithm = api.build(cfg)
+    run = build_lib.build(cfg, algorithm, topology, echo=lambda s: None)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), run.state["params"])
+    return run.lm.module, params, algorithm.sequences_per_example, 4
+
+
+def test_distillation_is_refused_before_anything_loads(v5e_8):
+    with pytest.raises(errors.ConfigError, match="distill cannot be planned yet"):
+        _plan("distill", v5e_8, *MICRO)
