@@ -150,6 +150,23 @@ def batch_spec(ndim: int, leading: int = 0) -> P:
     return P(*([None] * leading), BATCH_AXES, *([None] * (ndim - leading - 1)))
 
 
+def constrain_batch(x):
+    """``x`` [rows, ...] with its rows laid out over the batch axes of the mesh in context
+    (``jax.set_mesh``: the run's), so that XLA partitions a block's computation by rows and
+    gathers FSDP-sharded weights, rather than splitting the weights' hidden dimension and holding
+    every row's activations on every device (what its sharding propagation picks on its own for
+    a batch of one row per device). Unchanged without a mesh of several devices, or for rows that
+    do not divide over the batch shards."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or getattr(x, "ndim", 0) == 0:
+        return x
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if not axes or x.shape[0] % math.prod(sizes[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(axes, *[None] * (x.ndim - 1)))
+
+
 def batch_divisor(mesh) -> int:
     """How many ways the batch dimension is split (data x fsdp)."""
     sizes = _sizes(mesh)

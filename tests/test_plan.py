@@ -160,3 +160,10 @@ def _estimate_inputs(args, topology):
 def test_distillation_is_refused_before_anything_loads(v5e_8):
     with pytest.raises(errors.ConfigError, match="distill cannot be planned yet"):
         _plan("distill", v5e_8, *MICRO)
+
+
+def test_the_tpu_compilers_refusal_is_read_for_its_figures():
+    exc = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                       "for HLO temporaries (17.79G) exceeds available HBM (15.75G).")
+    assert plan.compiled._out_of_memory(exc) == (int(17.79 * 2**30), int(15.75 * 2**30))
+    assert plan.compiled._out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes")) is None

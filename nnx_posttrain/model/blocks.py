@@ -30,16 +30,22 @@ def decoder_blocks(module) -> list:
 def shadowed(targets: list, name: str, make: Callable[[Any, Any], Any]) -> Iterator[list]:
     """Within the block, attribute ``name`` of every object in ``targets`` is
     ``make(target, original)`` (``original``: what ``getattr(target, name)`` gave before, e.g. a
-    bound method), set on the instances and removed on exit, also on error. Yields ``targets``."""
+    bound method), set on the instances and, on exit (also on error), put back as it was: removed,
+    or an enclosing shadow of the same attribute restored (shadows nest). Yields ``targets``."""
     patched = []
+    missing = object()
     try:
         for target in targets:
+            before = vars(target).get(name, missing)
             object.__setattr__(target, name, make(target, getattr(target, name)))
-            patched.append(target)
+            patched.append((target, before))
         yield targets
     finally:
-        for target in patched:
-            object.__delattr__(target, name)
+        for target, before in reversed(patched):
+            if before is missing:
+                object.__delattr__(target, name)
+            else:
+                object.__setattr__(target, name, before)
 
 
 @contextlib.contextmanager
@@ -166,14 +172,30 @@ def _checkpointed(call):
     return wrapper
 
 
+def _rows_sharded(call):
+    """``call`` with the block's input and output rows laid out over the mesh's batch axes
+    (``sharding.constrain_batch``)."""
+    from nnx_posttrain.sharding import constrain_batch
+
+    def wrapper(x, *args, **kwargs):
+        out = call(constrain_batch(x), *args, **kwargs)
+        if isinstance(out, tuple):
+            return (constrain_batch(out[0]), *out[1:])
+        return constrain_batch(out)
+
+    return wrapper
+
+
 def _remat_scope(module):
-    """While active, each decoder block's ``call`` runs under ``jax.checkpoint`` (when enabled by
-    ``set_remat``). Only array arguments are traced; the others (flags, None) stay static."""
+    """While active, each decoder block's ``call`` keeps its rows over the mesh's batch axes
+    (``_rows_sharded``) and runs under ``jax.checkpoint`` (when enabled by ``set_remat``). Only
+    array arguments are traced; the others (flags, None) stay static."""
     mode = getattr(module, "_nnx_posttrain_remat", False)
-    if not mode:
-        return contextlib.nullcontext()
     if mode == "lazy_frozen":
         from nnx_posttrain.model.frozen import lazy_frozen_call
 
-        return override_blocks(module, "call", lazy_frozen_call)
-    return override_blocks(module, "call", lambda block, call: _checkpointed(call))
+        return override_blocks(module, "call",
+                               lambda block, call: _rows_sharded(lazy_frozen_call(block, call)))
+    if mode:
+        return override_blocks(module, "call", lambda block, call: _rows_sharded(_checkpointed(call)))
+    return override_blocks(module, "call", lambda block, call: _rows_sharded(call))

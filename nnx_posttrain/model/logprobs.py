@@ -21,6 +21,7 @@ from nnx_posttrain.model.blocks import (
     segment_attention_mask,
 )
 from nnx_posttrain.model.blocks import rope_positions as rope_positions_scope
+from nnx_posttrain.sharding import constrain_batch
 
 
 def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positions=None):
@@ -35,13 +36,13 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     with _remat_scope(module), dense.overridden(module), rope, \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
-            return module({"token_ids": token_ids, "padding_mask": padding_mask})
+            return constrain_batch(module({"token_ids": token_ids, "padding_mask": padding_mask}))
         if own:  # the attention path compares the segment ids itself (model.set_attention)
-            return module({"token_ids": token_ids,
-                           "padding_mask": (segment_ids != 0).astype(jnp.int32)})
+            return constrain_batch(module({"token_ids": token_ids,
+                                           "padding_mask": (segment_ids != 0).astype(jnp.int32)}))
         with _attention_mask_override(module, segment_attention_mask(segment_ids)):
-            return module({"token_ids": token_ids,
-                           "padding_mask": (segment_ids != 0).astype(jnp.int32)})
+            return constrain_batch(module({"token_ids": token_ids,
+                                           "padding_mask": (segment_ids != 0).astype(jnp.int32)}))
 
 
 # The default (``chunk_size=None``): the logits of the whole batch at once, kept for the backward

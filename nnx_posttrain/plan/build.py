@@ -87,7 +87,8 @@ def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
     ctx = RunContext(cfg, lm, graphdef, frozen, ds.train, ds.eval, ds.transform, Path("."), echo)
     host = first_batch(algorithm, ctx, state)
     state_shardings = sharding.tree_shardings(state, mesh)
-    jitted = jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr),
+    jitted = jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr,
+                                              state_shardings["params"]),
                      donate_argnums=(0,),
                      out_shardings=(state_shardings, NamedSharding(mesh, P())))
     return AbstractRun(cfg, lm, mesh, _placed(state, state_shardings),

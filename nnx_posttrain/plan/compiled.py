@@ -51,6 +51,7 @@ class Plan:
     compile_seconds: float
     estimate: dict  # the loop's pre-compile estimate of what the step adds (train.memory)
     fixes: list  # [{"change", "estimated_total_bytes", "fits"}] cheapest first (plan.fixes)
+    note: str = ""  # the TPU compiler's refusal, where it refused (no analysis then)
 
     @property
     def total_bytes(self) -> int:
@@ -97,6 +98,8 @@ class Plan:
                    f" of {self.memory_bytes / GiB:.2f} GiB: "
                    + ("fits" if self.fits else "DOES NOT FIT"))
         lines.append(f"  {'total':<{width}}  {self.total_bytes / GiB:9.3f} GiB{verdict}")
+        if self.note:
+            lines.append(self.note)
         if self.flops:
             lines.append(f"FLOPs per device and step: {self.flops:.3e}")
         if self.collectives:
@@ -145,6 +148,21 @@ def _run_summary(cfg, algorithm, run: build_lib.AbstractRun) -> dict:
             "sequence": int(tokens[-1]), "attention": run.attention}
 
 
+_OUT_OF_MEMORY = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds? available HBM "
+                            r"\(([\d.]+)([KMGT]?)\)")
+
+
+def _out_of_memory(exc) -> tuple[int, int] | None:
+    """(temporaries, memory available) in bytes from the TPU compiler's refusal of a program
+    that does not fit (its figures, "17.79G": GiB), or None for another error."""
+    match = _OUT_OF_MEMORY.search(str(exc))
+    if match is None:
+        return None
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    a, ua, b, ub = match.groups()
+    return int(float(a) * scale[ua]), int(float(b) * scale[ub])
+
+
 def compile_step(run: build_lib.AbstractRun):
     """XLA's compiled step of ``run``, under its mesh. JAX's persistent compilation cache (when
     one is set) cannot load an executable for another platform than this process's: it says so
@@ -163,10 +181,16 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
     echo(f"compiling the {algorithm.name} step for {topology.name} "
          f"({len(topology.devices)} x {topology.kind}) ...")
     start = time.perf_counter()
-    compiled = compile_step(run)
+    try:
+        compiled, refused = compile_step(run), None
+    except jax.errors.JaxRuntimeError as exc:
+        refused = _out_of_memory(exc)
+        if refused is None:
+            raise
+        compiled = None
     seconds = time.perf_counter() - start
-    stats = compiled.memory_analysis()
-    if stats is None:
+    stats = compiled.memory_analysis() if compiled is not None else None
+    if stats is None and refused is None:
         raise errors.ConfigError(f"plan: XLA gives no memory analysis on {topology.platform}")
     state, frozen = run.state, run.frozen
     inputs = {"trainable weights": _device_bytes(state["params"]),
@@ -175,13 +199,19 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
               "frozen weights": _device_bytes(frozen["model"]),
               "reference copy": _device_bytes(frozen["reference"]),
               "batch": _device_bytes(run.batch)}
-    parts = {"inputs": int(stats.argument_size_in_bytes),
-             "XLA temporaries": int(stats.temp_size_in_bytes),
-             "outputs not in place": max(int(stats.output_size_in_bytes)
-                                         - int(stats.alias_size_in_bytes), 0),
-             "generated code": int(stats.generated_code_size_in_bytes)}
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    if refused is None:
+        parts = {"inputs": int(stats.argument_size_in_bytes),
+                 "XLA temporaries": int(stats.temp_size_in_bytes),
+                 "outputs not in place": max(int(stats.output_size_in_bytes)
+                                             - int(stats.alias_size_in_bytes), 0),
+                 "generated code": int(stats.generated_code_size_in_bytes)}
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    else:  # the compiler's own figures, from its refusal
+        parts = {"inputs": sum(inputs.values()), "XLA temporaries": refused[0],
+                 "outputs not in place": 0, "generated code": 0}
+        topology = dataclasses.replace(topology, memory_bytes=refused[1])
+        cost = None
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), state["params"])
     reference_copy = frozen["reference"] is not None
     estimate = memory.estimate(run.cfg, run.lm.module, params, algorithm.sequences_per_example,
@@ -190,7 +220,10 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
                len(topology.devices), topology.slices, dict(run.mesh.shape),
                topology.memory_bytes, parts, inputs,
                float(cost["flops"]) if cost and "flops" in cost else None,
-               collectives(compiled.as_text()), seconds, estimate, [])
+               collectives(compiled.as_text()) if compiled is not None else {}, seconds,
+               estimate, [], "" if refused is None else
+               f"the TPU compiler refused it: its temporaries ({refused[0] / GiB:.2f} GiB) exceed "
+               f"the memory it can use ({refused[1] / GiB:.2f} GiB per device)")
     width = max((np.dtype(x.dtype).itemsize for x in jax.tree.leaves(frozen["model"])), default=4)
     out.fixes = fixes_lib.estimate(out, run.cfg, run.lm.module, params,
                                    algorithm.sequences_per_example, width)

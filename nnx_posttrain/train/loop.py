@@ -153,10 +153,11 @@ def compile_step(run: Run):
     """The jitted training step of ``run``: state donated, its shardings pinned (without that
     they drift after an update)."""
     tx, lr = run.optimizer
+    shardings = sharding.tree_shardings(run.state, run.mesh)
     return memory.CheckedStep(
-        jax.jit(step_lib.make_train_step(run.graphdef, run.algorithm.loss, tx, lr),
-                donate_argnums=(0,), out_shardings=(sharding.tree_shardings(run.state, run.mesh),
-                                                    NamedSharding(run.mesh, P()))),
+        jax.jit(step_lib.make_train_step(run.graphdef, run.algorithm.loss, tx, lr,
+                                         shardings["params"]),
+                donate_argnums=(0,), out_shardings=(shardings, NamedSharding(run.mesh, P()))),
         run.cfg, console(run.echo))
 
 

@@ -12,6 +12,7 @@ they were (its ``nonfinite`` metric is 1; the loop decides whether to stop or go
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -103,25 +104,38 @@ def _with_batch(modules, batch):
     return module, batch, reference
 
 
-def make_train_step(graphdef, loss_fn, tx, lr_schedule):
+def _laid_out(tree, shardings):
+    """``tree`` constrained to ``shardings`` (None: as XLA chooses)."""
+    return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
     """step(state, frozen, batch) -> (state, metrics). ``batch`` leaves are [accum, micro, ...];
-    ``loss_fn(module, micro_batch, reference_module)``; ``frozen`` as in ``algorithms.merge``."""
+    ``loss_fn(module, micro_batch, reference_module)``; ``frozen`` as in ``algorithms.merge``.
+    ``param_shardings`` (the trainable weights' shardings, a tree like ``state["params"]``):
+    the gradients and their running sum are laid out like the weights (under FSDP, summed over
+    the batch shards by a reduce-scatter into each device's share, never held whole)."""
 
     def micro_loss(params, frozen, micro_batch):
         total, weight, metrics = loss_fn(*_with_batch(merge(graphdef, params, frozen), micro_batch))
         return total, (weight, metrics)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    like_params = functools.partial(_laid_out, shardings=param_shardings)
 
     def step(state, frozen, batch):
         params = state["params"]
         first = jax.tree.map(lambda x: x[0], batch)
         shapes = jax.eval_shape(grad_fn, params, frozen, first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+        zeros = (zeros[0], like_params(zeros[1]))
 
         def accumulate(carry, micro_batch):
-            (total, (weight, metrics)), grads = grad_fn(params, frozen, micro_batch)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            # a barrier with the running sums: what XLA derives from the weights (FSDP's gathers,
+            # conversions) stays in each iteration, not hoisted out with every layer's held at once
+            p, f, carry = jax.lax.optimization_barrier((params, frozen, carry))
+            (total, (weight, metrics)), grads = grad_fn(p, f, micro_batch)
+            grads = like_params(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
             return _sum_tree(carry, ((total, (weight, metrics)), grads)), None
 
         ((total, (weight, metrics)), grads), _ = jax.lax.scan(accumulate, zeros, batch)
