@@ -140,6 +140,7 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_changes_estimated_to_fit(v
     assert refusal.startswith(f"the sft step needs {p.total_bytes / 2**30:.2f} GiB per device "
                               "on v5e-8") and "would not fit" in refusal
     assert "Estimated to fit, cheapest first: --quantize int8" in refusal  # a sliver to shed
+    assert "--quantize is estimated only" in refusal
     # the command: the plan printed, then refused (exit status 1)
     monkeypatch.setitem(plan.GENERATIONS, "v5e", plan.topology.Generation("v5e", False, 2, 1024))
     from nnx_posttrain import cli
@@ -167,3 +168,8 @@ def test_the_tpu_compilers_refusal_is_read_for_its_figures():
                        "for HLO temporaries (17.79G) exceeds available HBM (15.75G).")
     assert plan.compiled._out_of_memory(exc) == (int(17.79 * 2**30), int(15.75 * 2**30))
     assert plan.compiled._out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes")) is None
+
+
+def test_a_quantized_base_is_refused_with_what_the_estimate_counts(v5e_8):
+    with pytest.raises(errors.ConfigError, match="--quantize int8 cannot be planned yet"):
+        _plan("sft", v5e_8, *MICRO, "--lora.rank", "2", "--quantize", "int8")

@@ -67,6 +67,12 @@ def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
     if not algorithm.plannable:
         raise errors.ConfigError(f"plan: {algorithm.name} cannot be planned yet "
                                  f"({algorithm.plannable_not})")
+    if cfg.quantize != "none":
+        raise errors.ConfigError(
+            f"plan: --quantize {cfg.quantize} cannot be planned yet (Keras quantizes a model's "
+            "weights on the host, which a model built without weights cannot give it); plan "
+            "without it: its frozen weights take 1 byte each instead of 2 (bfloat16), which the "
+            "plan's estimate of the change counts")
     # the plan checks the step against the topology's memory, not this host's
     cfg = dataclasses.replace(setup.settings_for_data(cfg, algorithm, echo), memory_check=False)
     mesh = abstract_mesh(cfg.mesh, topology.devices, topology.slices)

@@ -77,7 +77,8 @@ class Plan:
                                      "No single change is estimated to fit; each lowers it: ")
                 + "; ".join(f"{f['change']} (~{f['estimated_total_bytes'] / GiB:.2f} GiB)"
                             for f in shown)
-                + ". Plan the changed run to confirm, or choose a larger topology.")
+                + ". Plan the changed run to confirm (--quantize is estimated only), or choose "
+                "a larger topology.")
 
     def table(self) -> str:
         """The plan as text: one line per part, the total against the device's memory."""
@@ -98,6 +99,10 @@ class Plan:
                    f" of {self.memory_bytes / GiB:.2f} GiB: "
                    + ("fits" if self.fits else "DOES NOT FIT"))
         lines.append(f"  {'total':<{width}}  {self.total_bytes / GiB:9.3f} GiB{verdict}")
+        active = self.estimate.get("activations", 0) + self.estimate.get(
+            "vocabulary projection", 0)
+        lines.append(f"  (of the temporaries, the loop's estimate of the activations and the "
+                     f"vocabulary projection: {active / GiB:.3f} GiB)")
         if self.note:
             lines.append(self.note)
         if self.flops:
