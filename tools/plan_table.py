@@ -34,7 +34,7 @@ ROWS = [  # model / algorithm / lora or full / topology
     "gemma_2b/sft/lora/v5e-16", "gemma_2b/sft/full/v5e-16", "gemma_2b/dpo/lora/v5e-16",
     "gemma_2b/dpo/full/v5e-16",
     "gemma2_9b/sft/lora/v5e-16", "gemma2_9b/sft/full/v5e-16", "gemma2_9b/sft/full/v5e-64",
-    "gemma2_9b/dpo/lora/v5e-16", "gemma2_9b/dpo/full/v5p-128",
+    "gemma2_9b/dpo/lora/v5e-16", "gemma2_9b/dpo/full/v5p-128", "gemma2_9b/sft/full/v5e-8",
     "llama3_8b/sft/lora/v5e-16", "llama3_8b/sft/full/v5e-64", "llama3_8b/dpo/lora/v5e-64",
     "llama3_8b/dpo/full/v5p-128",
 ]
@@ -124,7 +124,8 @@ def table_row(row: str, plan: dict) -> list:
             "yes" if plan["fits"] else f"no ({fix})",
             f"{plan['parts']['inputs'] / gib:.2f}", f"{plan['parts']['XLA temporaries'] / gib:.2f}",
             f"{plan['total_bytes'] / gib:.2f} / {plan['memory_bytes'] / gib:.0f}",
-            f"{plan['flops']:.2e}", f"{plan['flops'] / peak:.2f}",
+            f"{plan['flops']:.2e}" if plan["flops"] else "(refused)",
+            f"{plan['flops'] / peak:.2f}" if plan["flops"] else "",
             f"{coll.get('all-gather', {}).get('bytes', 0) / gib:.1f} / "
             f"{coll.get('all-reduce', {}).get('bytes', 0) / gib:.1f}",
             f"{plan['compile_seconds']:.0f}"]
