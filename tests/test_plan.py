@@ -173,3 +173,11 @@ def test_the_tpu_compilers_refusal_is_read_for_its_figures():
 def test_a_quantized_base_is_refused_with_what_the_estimate_counts(v5e_8):
     with pytest.raises(errors.ConfigError, match="--quantize int8 cannot be planned yet"):
         _plan("sft", v5e_8, *MICRO, "--lora.rank", "2", "--quantize", "int8")
+
+
+def test_the_commands_help_lists_the_runs_options(capsys):
+    from nnx_posttrain import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", "sft", "--help"])
+    assert info.value.code == 0 and "--batching.max-length" in capsys.readouterr().out

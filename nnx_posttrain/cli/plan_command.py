@@ -63,7 +63,9 @@ def main(args: list[str], prog: str) -> int:
     if name not in algorithms.names():
         raise errors.ConfigError(f"plan: unknown algorithm {name!r}; one of "
                                  f"{', '.join(algorithms.names())}")
-    if "--topology" not in own and "--help" not in run_args and "-h" not in run_args:
+    if "--help" in run_args or "-h" in run_args:  # the run's options (tyro prints, exits)
+        train_command.config_from(name, run_args, f"{prog} {name}")
+    if "--topology" not in own:
         raise errors.ConfigError("plan: --topology is required (e.g. --topology v5e-16, v4-8, "
                                  "v5p-128, or cpu-8)")
     try:
