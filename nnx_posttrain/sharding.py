@@ -150,19 +150,26 @@ def batch_spec(ndim: int, leading: int = 0) -> P:
     return P(*([None] * leading), BATCH_AXES, *([None] * (ndim - leading - 1)))
 
 
-def constrain_batch(x):
-    """``x`` [rows, ...] with its rows laid out over the batch axes of the mesh in context
-    (``jax.set_mesh``: the run's), so that XLA partitions a block's computation by rows and
-    gathers FSDP-sharded weights, rather than splitting the weights' hidden dimension and holding
-    every row's activations on every device (what its sharding propagation picks on its own for
-    a batch of one row per device). Unchanged without a mesh of several devices, or for rows that
-    do not divide over the batch shards."""
+def context_row_axes(rows: int) -> tuple[str, ...] | None:
+    """The batch axes of the mesh in context (``jax.set_mesh``: the run's) that ``rows`` split
+    over: those of more than one device, or None without a mesh of several devices, or where
+    ``rows`` do not divide over them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or getattr(x, "ndim", 0) == 0:
-        return x
+    if mesh.empty or mesh.size == 1:
+        return None
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    if not axes or x.shape[0] % math.prod(sizes[a] for a in axes):
+    return axes if axes and rows % math.prod(sizes[a] for a in axes) == 0 else None
+
+
+def constrain_batch(x):
+    """``x`` [rows, ...] with its rows laid out over the batch axes of the mesh in context
+    (``context_row_axes``), so that XLA partitions a block's computation by rows and gathers
+    FSDP-sharded weights, rather than splitting the weights' hidden dimension and holding every
+    row's activations on every device (what its sharding propagation picks on its own for a
+    batch of one row per device). Unchanged where there are no such axes."""
+    axes = context_row_axes(x.shape[0]) if getattr(x, "ndim", 0) else None
+    if axes is None:
         return x
     return jax.lax.with_sharding_constraint(x, P(axes, *[None] * (x.ndim - 1)))
 

@@ -31,6 +31,13 @@ from pathlib import Path
 
 from tools import ToolError, command
 
+# what Gemma 2's published configs share: head size 256 and its scaling, the post norms, the
+# logit soft caps, local attention every other layer over 4,096 tokens
+GEMMA2 = dict(head_dim=256, query_head_dim_normalize=True, use_post_ffw_norm=True,
+              use_post_attention_norm=True, final_logit_soft_cap=30.0,
+              attention_logit_soft_cap=50.0, use_sliding_window_attention=True,
+              sliding_window_size=4096)
+
 # name -> (family, KerasHub backbone arguments, tokenizer size)
 LIKE = {
     "gemma_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=18, num_query_heads=8,
@@ -41,20 +48,14 @@ LIKE = {
                                head_dim=256), 256_000),
     "gemma2_9b": ("gemma", dict(vocabulary_size=256_000, num_layers=42, num_query_heads=16,
                                 num_key_value_heads=8, hidden_dim=3584, intermediate_dim=28_672,
-                                head_dim=256, query_head_dim_normalize=True,
-                                use_post_ffw_norm=True, use_post_attention_norm=True,
-                                final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
-                                use_sliding_window_attention=True, sliding_window_size=4096),
+                                **GEMMA2),
                   256_000),
     "llama3_8b": ("llama3", dict(vocabulary_size=128_256, num_layers=32, num_query_heads=32,
                                  num_key_value_heads=8, hidden_dim=4096, intermediate_dim=14_336,
                                  rope_max_wavelength=500_000, layer_norm_epsilon=1e-5), 128_256),
     "gemma2_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=26, num_query_heads=8,
                                 num_key_value_heads=4, hidden_dim=2304, intermediate_dim=18_432,
-                                head_dim=256, query_head_dim_normalize=True,
-                                use_post_ffw_norm=True, use_post_attention_norm=True,
-                                final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
-                                use_sliding_window_attention=True, sliding_window_size=4096),
+                                **GEMMA2),
                   256_000),
     "llama3.2_1b": ("llama3", dict(vocabulary_size=128_256, num_layers=16, num_query_heads=32,
                                    num_key_value_heads=8, hidden_dim=2048, intermediate_dim=8192,

@@ -271,15 +271,16 @@ def _splash(q, k, v, segment_ids, spec: LayerSpec, interpret: bool):
     devices (``jax.set_mesh``: the run's) it runs per device (``jax.shard_map``), on the batch
     rows of the mesh's batch axes and, where the kv heads divide by it, the heads of the
     ``tensor`` axis (else each tensor-parallel device computes every head of its rows)."""
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_posttrain.sharding import context_row_axes
+
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return _splash_local(q, k, v, segment_ids, spec, interpret)
-    from jax.sharding import PartitionSpec as P
-
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    rows = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
-    rows = rows if rows and q.shape[0] % math.prod(sizes[a] for a in rows) == 0 else None
-    heads = "tensor" if sizes.get("tensor", 1) > 1 and q.shape[2] % sizes["tensor"] == 0 else None
+    rows = context_row_axes(q.shape[0])
+    tensor = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
+    heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 else None
     qs, kvs, seg = P(rows, None, heads, None, None), P(rows, None, heads, None), P(rows, None)
     local = functools.partial(_splash_local, spec=spec, interpret=interpret)
     return jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, seg), out_specs=qs,

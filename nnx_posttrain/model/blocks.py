@@ -186,16 +186,15 @@ def _rows_sharded(call):
     return wrapper
 
 
-def _remat_scope(module):
+def _block_calls(module):
     """While active, each decoder block's ``call`` keeps its rows over the mesh's batch axes
     (``_rows_sharded``) and runs under ``jax.checkpoint`` (when enabled by ``set_remat``). Only
     array arguments are traced; the others (flags, None) stay static."""
     mode = getattr(module, "_nnx_posttrain_remat", False)
     if mode == "lazy_frozen":
-        from nnx_posttrain.model.frozen import lazy_frozen_call
-
-        return override_blocks(module, "call",
-                               lambda block, call: _rows_sharded(lazy_frozen_call(block, call)))
-    if mode:
-        return override_blocks(module, "call", lambda block, call: _rows_sharded(_checkpointed(call)))
-    return override_blocks(module, "call", lambda block, call: _rows_sharded(call))
+        from nnx_posttrain.model.frozen import lazy_frozen_call as inner
+    elif mode:
+        inner = lambda block, call: _checkpointed(call)  # noqa: E731
+    else:
+        inner = lambda block, call: call  # noqa: E731
+    return override_blocks(module, "call", lambda block, call: _rows_sharded(inner(block, call)))

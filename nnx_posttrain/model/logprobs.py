@@ -17,7 +17,7 @@ import numpy as np
 from nnx_posttrain.model import attention, dense
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
-    _remat_scope,
+    _block_calls,
     segment_attention_mask,
 )
 from nnx_posttrain.model.blocks import rope_positions as rope_positions_scope
@@ -33,7 +33,7 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     rope = (contextlib.nullcontext() if rope_positions is None
             else rope_positions_scope(module, rope_positions))
     branched = rope_positions is not None
-    with _remat_scope(module), dense.overridden(module), rope, \
+    with _block_calls(module), dense.overridden(module), rope, \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
             return constrain_batch(module({"token_ids": token_ids, "padding_mask": padding_mask}))

@@ -105,18 +105,14 @@ def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
 
 def first_batch(algorithm, ctx: RunContext, state) -> dict:
     """The device batch (numpy, [batch, ...]) of the run's first step."""
-    if isinstance(algorithm, OnlineAlgorithm):
-        source = AbstractRollouts(algorithm, ctx, state["params"])
-        try:
-            batch, _ = source.rollout(1, state, next(source.prompts))
-        finally:
-            source.close()
-    else:
-        source = algorithm.inputs(ctx, state["params"]).train
-        try:
-            batch = source.next(1, state)
-        finally:
-            source.close()
+    online = isinstance(algorithm, OnlineAlgorithm)
+    source = (AbstractRollouts(algorithm, ctx, state["params"]) if online
+              else algorithm.inputs(ctx, state["params"]).train)
+    try:
+        batch = (source.rollout(1, state, next(source.prompts))[0] if online
+                 else source.next(1, state))
+    finally:
+        source.close()
     return source.to_device(batch)
 
 

@@ -217,10 +217,9 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
                  "outputs not in place": 0, "generated code": 0}
         topology = dataclasses.replace(topology, memory_bytes=refused[1])
         cost = None
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), state["params"])
-    reference_copy = frozen["reference"] is not None
-    estimate = memory.estimate(run.cfg, run.lm.module, params, algorithm.sequences_per_example,
-                               reference_copy, dict(run.mesh.shape))
+    estimate = memory.estimate(run.cfg, run.lm.module, state["params"],
+                               algorithm.sequences_per_example, frozen["reference"] is not None,
+                               dict(run.mesh.shape))
     out = Plan(_run_summary(run.cfg, algorithm, run), topology.name, topology.kind,
                len(topology.devices), topology.slices, dict(run.mesh.shape),
                topology.memory_bytes, parts, inputs,
@@ -230,6 +229,6 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
                f"the TPU compiler refused it: its temporaries ({refused[0] / GiB:.2f} GiB) exceed "
                f"the memory it can use ({refused[1] / GiB:.2f} GiB per device)")
     width = max((np.dtype(x.dtype).itemsize for x in jax.tree.leaves(frozen["model"])), default=4)
-    out.fixes = fixes_lib.estimate(out, run.cfg, run.lm.module, params,
+    out.fixes = fixes_lib.estimate(out, run.cfg, run.lm.module, state["params"],
                                    algorithm.sequences_per_example, width)
     return out
