@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
+from tools import ToolError, command
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 SEQ = 40  # past CHUNK: the cudnn path's query chunks (recomputed in the backward pass)
@@ -85,7 +87,7 @@ def use(module, implementation: str) -> str:
 
     line = model.set_attention(module, implementation, chunk=CHUNK)
     if attention.attention_of(module).implementation != implementation:
-        raise SystemExit(f"asked for {implementation}, the layer took: {line}")
+        raise ToolError(f"asked for {implementation}, the layer took: {line}")
     return line
 
 
@@ -180,7 +182,7 @@ def check_shared_prompt(path: str, results: list) -> None:
     shared = algorithm.prepare(ragged_pairs(SEQ, [16, 12], {"chosen": [SEQ - 6, SEQ],
                                                              "rejected": [SEQ, SEQ - 9]}))
     if "shared_input_ids" not in shared:
-        raise SystemExit("the check's pairs did not take the shared-prompt rows")
+        raise ToolError("the check's pairs did not take the shared-prompt rows")
     concatenated = {k: v for k, v in shared.items() if k not in shared_prompt.KEYS}
 
     def logps(module, batch, implementation):
@@ -194,6 +196,7 @@ def check_shared_prompt(path: str, results: list) -> None:
           error(logps(bf16, concatenated, "xla"), ref), results)
 
 
+@command
 def main(argv=None) -> int:
     import argparse
 

@@ -20,6 +20,7 @@ import json
 import os
 import time
 
+from tools import ToolError, command
 from tools.bench.run import (BACKBONE_KEYS, LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb,
                          rss_now_mb, summarize, tokens_per_step)
 
@@ -83,7 +84,7 @@ def _apply_flags(flags: list[str], algorithm) -> None:
         elif flag == "all_positions":
             algorithm.scored_positions_only = False
         elif flag and flag != "no_donate":
-            raise SystemExit(f"unknown flag {flag!r}")
+            raise ToolError(f"unknown flag {flag!r}")
 
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
@@ -237,6 +238,7 @@ def set_allocator(option: str, spec: dict) -> None:
     ALLOCATOR["line"] = host_memory.set_allocator(setting)
 
 
+@command
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True)

@@ -53,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools import ToolError, command
+
 # Gemma architectures (KerasHub GemmaBackbone arguments; intermediate_dim is KerasHub's, twice the
 # Hugging Face intermediate_size). batch: examples (SFT) or pairs (DPO) per step.
 SIZES = {
@@ -377,6 +379,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows_of(results)])
 
 
+@command
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,medium", help=f"comma-separated, of {', '.join(SIZES)}")
@@ -431,7 +434,7 @@ def main(argv=None) -> list[dict]:
     for name, allowed in ((sizes, SIZES), (cases, CASES), (sides, SIDES)):
         bad = [x for x in name if x not in allowed]
         if bad:
-            raise SystemExit(f"unknown {bad}; expected {', '.join(allowed)}")
+            raise ToolError(f"unknown {bad}; expected {', '.join(allowed)}")
     command = "python -m tools.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"# {command}", flush=True)
     notes = list(args.note)
@@ -445,7 +448,7 @@ def main(argv=None) -> list[dict]:
     allowed = {"ours": CASES, "trl": TRL_CASES, "tunix": TUNIX_CASES}
     cpu_devices = sorted({int(n) for n in args.cpu_devices.split(",") if n})
     if not cpu_devices or cpu_devices[0] < 1:
-        raise SystemExit(f"--cpu-devices: counts >= 1, got {args.cpu_devices!r}")
+        raise ToolError(f"--cpu-devices: counts >= 1, got {args.cpu_devices!r}")
     results, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
         for size in sizes:
@@ -457,7 +460,7 @@ def main(argv=None) -> list[dict]:
             if "trl" in sides or "tunix" in sides:  # the same weights on every side
                 exported = export_weights(spec, hf_dir, args.seed)
                 if "error" in exported:
-                    raise SystemExit(f"export failed: {exported}")
+                    raise ToolError(f"export failed: {exported}")
             for case in cases:
                 order = [(s, n) for s in SIDES if s in sides and case in allowed[s]
                          for n in (cpu_devices if s == "ours" else [1])]

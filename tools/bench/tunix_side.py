@@ -28,6 +28,7 @@ import os
 import tempfile
 import time
 
+from tools import ToolError, command
 from tools.bench.run import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
                          summarize, tokens_per_step)
 
@@ -159,7 +160,7 @@ def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, 
     from tunix.sft.dpo import dpo_trainer
 
     if case not in ("sft", "dpo"):
-        raise SystemExit(f"tools.bench.tunix_side: case {case!r} not measured (sft, dpo)")
+        raise ToolError(f"tools.bench.tunix_side: case {case!r} not measured (sft, dpo)")
     rss_imports = rss_now_mb()
     total = 1 + warmup + steps
     model, same_weights, note = build_model(spec, hf_dir, seed)
@@ -268,6 +269,7 @@ def sample(spec: dict, hf_dir: str, prompts_file: str, new_tokens: int, repeats:
             "same_weights": same_weights, "weights_note": note, "peak_rss_mb": peak_rss_mb()}
 
 
+@command
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True)
@@ -285,7 +287,7 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
     if args.dtype != "float32":
-        raise SystemExit("tools.bench.tunix_side measures float32 only")
+        raise ToolError("tools.bench.tunix_side measures float32 only")
     os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.device == "gpu" else "cpu")
     if args.sample:
         emit(sample(json.loads(args.spec), args.hf_dir, args.sample, args.new_tokens, args.repeats,
