@@ -179,3 +179,11 @@ def test_the_commands_help_lists_the_runs_options(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["plan", "sft", "--help"])
     assert info.value.code == 0 and "--batching.max-length" in capsys.readouterr().out
+
+
+def test_a_plan_file_in_a_missing_directory_is_refused_before_compiling(tmp_path):
+    from nnx_posttrain import cli
+
+    with pytest.raises(SystemExit, match="does not exist"):
+        cli.main(["plan", "sft", *MICRO, "--topology", "cpu-1", "--json",
+                  str(tmp_path / "missing" / "plan.json")])

@@ -73,6 +73,9 @@ def main(args: list[str], prog: str) -> int:
     except ValueError:
         raise errors.ConfigError(f"--slices must be a whole number, got "
                                  f"{own['--slices']!r}") from None
+    out = Path(own["--json"]) if "--json" in own else None
+    if out is not None and not out.parent.is_dir():  # before minutes of compiling
+        raise errors.ConfigError(f"--json {out}: the directory {out.parent} does not exist")
     _compile_only_host()
     from nnx_posttrain import plan
 
@@ -80,9 +83,13 @@ def main(args: list[str], prog: str) -> int:
     cfg = train_command.config_from(name, run_args, f"{prog} {name}")
     result = plan.plan(cfg, api.build(cfg), topology)
     print(result.table())
-    if "--json" in own:
-        Path(own["--json"]).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-        print(f"wrote {own['--json']}")
+    if out is not None:
+        try:
+            out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            raise errors.ConfigError(f"--json {out}: cannot write the plan there "
+                                     f"({exc.strerror or exc})") from None
+        print(f"wrote {out}")
     refusal = result.refusal()
     if refusal:
         raise errors.ConfigError(refusal)
