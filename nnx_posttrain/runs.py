@@ -121,7 +121,7 @@ def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, h
 
     def assemble():
         lm = made["lm"] = model.load(name, dtype=dtype, seed=seed, chat_format=chat_format,
-                                     weights=not abstract)
+                                     weights=not abstract, quantize=quantize)
         if not abstract:
             echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
         if init_from and not abstract:

@@ -55,6 +55,34 @@ def test_an_embedding_is_quantized_a_block_of_rows_at_a_time_to_the_same_values(
                                   np.asarray(whole_scale, np.float32))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16-params"])
+def test_an_int8_vocabulary_projection_a_block_of_rows_at_a_time_is_keras_own(monkeypatch, dtype):
+    import importlib
+
+    blocks = importlib.import_module("nnx_posttrain.model.quantize")
+    lm = model.load("gemma_micro", dtype=dtype)
+    model.quantize(lm.module, "int8")
+    embedding = lm.module.token_embedding
+    vocab, width = embedding._embeddings.shape
+    # 7 blocks of 48 rows (4 bytes x 48 rows x width): the last one overlaps the one before it
+    monkeypatch.setattr(blocks, "VOCAB_BLOCK_BYTES", 4 * 48 * width)
+    assert vocab % 48 and -(-vocab // 48) > 2
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, width)), embedding.compute_dtype)
+    ours, own = model.vocabulary_logits(embedding, h), embedding(h, reverse=True)
+    assert ours.shape == own.shape == (2, 5, vocab) and ours.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(own, np.float32), rtol=1e-5, atol=1e-5)
+    target = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, vocab)), jnp.float32)
+
+    def grad(project):
+        return jax.grad(lambda x: jnp.sum(project(x).astype(jnp.float32) * target))(h)
+
+    ours = np.asarray(grad(lambda x: model.vocabulary_logits(embedding, x)), np.float32)
+    own = np.asarray(grad(lambda x: embedding(x, reverse=True)), np.float32)
+    # the blocks' input gradients summed in the compute dtype: bfloat16's rounding, not more
+    tolerance = 1e-5 if dtype == "float32" else 2**-7
+    assert np.abs(ours - own).max() <= tolerance * np.abs(own).max()
+
+
 def test_quantize_needs_lora(tmp_path):
     assert "--quantize int8 quantizes the frozen base under LoRA: pass --lora.rank" in refusal(
         "sft", *MICRO, *FAST_STEPS, "--run-dir", tmp_path / "run", "--quantize", "int8")

@@ -65,6 +65,9 @@ def test_headline_command_and_grpo_on_a_scaled_gemma_2b(tmp_path):
     for r in results:
         assert r["seconds_per_step"] > 0 and r["peak_rss_bytes"] > 0 and r["load_seconds"] > 0
         assert 0 < r["checkpoint_bytes"] < 5e6  # LoRA factors only: the base is not saved
+        # the run's own figures, printed before its first step: XLA's FLOPs and the peak estimate
+        assert r["step_flops"] > 1e9 and 0.3 < r["estimated_peak_bytes"] / r["peak_rss_bytes"] < 2
+        assert smoke_real.bound_percent(r, 50.0).endswith("%")
         config = json.loads((tmp_path / f"{r['method']}_bfloat16-params" / "config.json").read_text())
         assert config["init_from"] is None and config["batching"]["max_length"] == 64
         assert config["optim"]["learning_rate"] == (1e-6 if r["method"] != "sft" else 2e-5)
@@ -162,3 +165,34 @@ def test_presets_load_in_their_dtype_without_initialising(tmp_path, monkeypatch)
     assert {str(v.dtype) for v in lm.module.weights} == {"bfloat16"}
     for a, b in zip(lm.module.weights, reference.backbone.weights):
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+
+
+@pytest.mark.slow
+def test_a_preset_quantized_while_loading_equals_one_quantized_after(tmp_path):
+    """--quantize int8 on a KerasHub preset quantizes each layer as its weights are read (the
+    bfloat16 model is never whole in memory): the same int8 values and scales as loading the
+    model and quantizing it after."""
+    make_preset.build("gemma_2b", tmp_path / "g", scale=0.02, echo=lambda _: None)
+    after = model.load(str(tmp_path / "g"), dtype="bfloat16-params")
+    model.quantize(after.module, "int8")
+    loading = model.load(str(tmp_path / "g"), dtype="bfloat16-params", quantize="int8")
+    assert len(model.quantized_layers(loading.module)) == len(model.quantized_layers(after.module))
+    assert model.quantize(loading.module, "int8") == len(model.quantized_layers(after.module))
+    pairs = list(zip(loading.module.weights, after.module.weights, strict=True))
+    assert {str(a.dtype) for a, _ in pairs} >= {"int8"}
+    for a, b in pairs:
+        assert a.path == b.path and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+
+
+def test_weights_are_read_over_zeros_the_process_has_not_touched():
+    """The placeholders a preset's weights are read over: zeros in fresh pages, taken by JAX
+    without a copy (a copy would make the whole model resident before its first weight)."""
+    import sys
+
+    import jax
+
+    load = sys.modules["nnx_posttrain.model.load"]
+    zeros = load._untouched_zeros((1024, 300), np.dtype("float32"))
+    assert not zeros.any() and zeros.shape == (1024, 300)
+    assert jax.device_put(zeros).unsafe_buffer_pointer() == zeros.ctypes.data

@@ -57,6 +57,7 @@ from nnx_posttrain.model.logprobs import (
     paired_terms,
     scored_positions,
     token_logprobs,
+    vocabulary_logits,
 )
 from nnx_posttrain.model.lora import (
     ATTENTION_LAYERS,
@@ -88,6 +89,7 @@ __all__ = [
     "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
     # logprobs
     "full_logits", "hidden_states", "logprobs_from_hidden", "paired_terms", "scored_positions", "token_logprobs",
+    "vocabulary_logits",
     # heads
     "PolicyWithValue", "RewardModel",
 ]

@@ -10,6 +10,7 @@ reclaim (its usage less its inactive page cache) counts.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
@@ -32,6 +33,20 @@ def available_bytes() -> int | None:
     if headroom is None:
         return free
     return headroom if free is None else min(free, headroom)
+
+
+def in_use_bytes() -> int | None:
+    """Memory this process holds on the first local device (an accelerator's bytes in use; on
+    CPU the process's resident memory, from ``/proc/self/statm``); None where it cannot be told."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_in_use" in stats:
+        return int(stats["bytes_in_use"])
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _meminfo_available() -> int | None:

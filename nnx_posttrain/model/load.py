@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import mmap
 from pathlib import Path
 from typing import Callable
 
@@ -19,11 +20,13 @@ import jax
 import jax.numpy as jnp
 import keras
 import keras_hub
+import numpy as np
 from flax import nnx
 
 from nnx_posttrain import chat, errors
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
+from nnx_posttrain.model.quantize import while_loading
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -209,7 +212,8 @@ def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
 
 
 def load(name: str, dtype: str = "float32", seed: int = 0,
-         chat_format: str | None = None, weights: bool = True) -> LanguageModel:
+         chat_format: str | None = None, weights: bool = True,
+         quantize: str = "none") -> LanguageModel:
     """Load ``name``: a built-in tiny config, a short name, a KerasHub handle or a local directory.
 
     Local directories may be KerasHub presets (what ``save_to_preset`` writes) or Hugging Face
@@ -219,6 +223,9 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
     without a known template needs one, checked before the weights load when the directory says
     which family it holds). ``weights=False`` reads no weight file (the variables keep their
     initial values): for a model built abstractly (``nnx.eval_shape``) from its config alone.
+    ``quantize`` 'int8': a KerasHub preset's layers are quantized as their weights are read
+    (``quantize.while_loading``); other models are loaded as they are (``quantize.quantize``
+    them after).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -239,7 +246,7 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
                 f"({', '.join(PRESETS)}), a KerasHub preset name, a kaggle:// or hf:// handle, or "
                 "an existing local directory"
             )
-        task = _from_preset(name, handle, policy, weights)
+        task = _from_preset(name, handle, policy, weights, quantize)
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
     _warm_up(task.backbone)
     return LanguageModel(
@@ -278,12 +285,26 @@ def _reads_keras_weights(handle: str) -> bool:
     return handle in keras_hub.models.CausalLM.presets or handle.startswith("kaggle://")
 
 
+_UNTOUCHED_BYTES = 1 << 20
+
+
+def _untouched_zeros(shape, dtype) -> np.ndarray:
+    """Zeros in fresh anonymous pages (``mmap``): resident only once written. ``np.zeros``
+    cannot promise it: glibc serves a large block from memory freed before, which it clears."""
+    dtype = np.dtype(dtype)
+    pages = mmap.mmap(-1, max(int(np.prod(shape)) * dtype.itemsize, 1))
+    return np.frombuffer(pages, dtype, count=int(np.prod(shape))).reshape(shape)
+
+
 @contextlib.contextmanager
 def _no_initializers():
-    """Variables created within the block skip their initializer and keep the zeros NNX
-    variables are created with (in their own dtype): a preset's weights are read over them at
-    once, so random initialisation would only cost time (a compilation per shape) and memory (a
-    float32 sample of each tensor). Seed-generator states keep theirs (they are not weights)."""
+    """Variables created within the block skip their initializer and hold zeros in their own
+    dtype; on CPU, from pages the process has not touched (``_untouched_zeros``, which
+    ``jax.device_put`` takes without a copy). A preset's weights are read over them at once, so
+    random initialisation would only cost time (a compilation per shape) and memory (a float32
+    sample of each tensor), and zeros written out would make the whole model resident before
+    its first weight is read (with ``quantize.while_loading``, the model is never whole).
+    Seed-generator states keep theirs (they are not weights)."""
     from keras.src.backend.jax import core
 
     cls = getattr(core, "NnxVariable", None)
@@ -295,7 +316,10 @@ def _no_initializers():
     def keep_zeros(self, initializer):
         if "seed" in (self.name or ""):
             return original(self, initializer)
-        self._initialize(self.raw_value)
+        value = self.raw_value
+        if jax.default_backend() == "cpu" and value.nbytes >= _UNTOUCHED_BYTES:
+            value = jax.device_put(_untouched_zeros(value.shape, value.dtype))
+        self._initialize(value)
 
     cls._initialize_with_initializer = keep_zeros
     try:
@@ -304,12 +328,13 @@ def _no_initializers():
         cls._initialize_with_initializer = original
 
 
-def _from_preset(name: str, handle: str, policy: str, weights: bool = True):
+def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
+                 quantize: str = "none"):
     try:
         if not weights:
             return keras_hub.models.CausalLM.from_preset(handle, dtype=policy, load_weights=False)
         if _reads_keras_weights(handle):
-            with _no_initializers():
+            with _no_initializers(), while_loading(quantize):
                 return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
         return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain.model import attention, dense
+from nnx_posttrain.model import attention, dense, quantize
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _block_calls,
@@ -51,6 +51,15 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
 # benchmark SFT: 1,750 -> 1,555 ms); chunks bound the memory at a real vocabulary (Gemma's 256 k).
 KEEP_LOGITS_BYTES = 256 * 2**20
 CHUNK = 128
+
+
+def vocabulary_logits(embedding, h):
+    """float32 logits [..., vocab] of hidden states ``h`` [..., width]: ``embedding(h,
+    reverse=True)`` (its soft cap included); an int8 embedding a block of vocabulary rows at a
+    time (``quantize.reverse_logits``: no float copy of its whole table)."""
+    if getattr(embedding, "quantization_mode", None) == "int8":
+        return quantize.reverse_logits(embedding, h).astype(jnp.float32)
+    return embedding(h, reverse=True).astype(jnp.float32)
 
 
 def chunk_positions(chunk_size: int | None, batch: int, length: int, vocab: int) -> int:
@@ -162,7 +171,7 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
 
     def one_chunk(args):
         h_c, t_c = args
-        logits = embedding(h_c, reverse=True).astype(jnp.float32)
+        logits = vocabulary_logits(embedding, h_c)
         if temperature != 1.0:
             logits = logits / temperature
         log_z = jax.nn.logsumexp(logits, axis=-1)
@@ -185,7 +194,8 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
     def project(h, targets):
         return jax.lax.map(one_chunk, (h, targets))
 
-    if getattr(module, "_nnx_posttrain_remat", False) == "lazy_frozen":
+    lazy = getattr(module, "_nnx_posttrain_remat", False) == "lazy_frozen"
+    if lazy and getattr(embedding, "quantization_mode", None) != "int8":  # int8: converted by block
         from nnx_posttrain.model.frozen import lazy_frozen_call
 
         project = lazy_frozen_call(embedding, project)  # bfloat16 on CPU: see model.frozen
@@ -226,8 +236,8 @@ def paired_terms(module, other, token_ids, padding_mask, fn, chunk_size: int | N
 
     def one_chunk(args):
         h_c, other_c = args
-        return fn(module.token_embedding(h_c, reverse=True).astype(jnp.float32),
-                  other.token_embedding(other_c, reverse=True).astype(jnp.float32))
+        return fn(vocabulary_logits(module.token_embedding, h_c),
+                  vocabulary_logits(other.token_embedding, other_c))
 
     if chunk_size > 0:  # one chunk of each model's logits alive at a time
         one_chunk = jax.checkpoint(one_chunk)
@@ -238,4 +248,4 @@ def paired_terms(module, other, token_ids, padding_mask, fn, chunk_size: int | N
 def full_logits(module, token_ids, padding_mask):
     """Reference path: the [batch, length, vocab] logits in one piece (tests, short sequences)."""
     h = hidden_states(module, token_ids, padding_mask)
-    return module.token_embedding(h, reverse=True).astype(jnp.float32)
+    return vocabulary_logits(module.token_embedding, h)

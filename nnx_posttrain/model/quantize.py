@@ -1,20 +1,30 @@
 """A quantized frozen base (QLoRA-style): Keras' own weight-only int8 quantization of every
 Dense / EinsumDense / embedding layer, under LoRA, and its inverse for export.
 
-``quantize(module, "int8")`` calls ``Model.quantize`` with ``Int8QuantizationConfig(
-activation_quantizer=None)``: each kernel becomes int8 with one float scale per output channel
-(per token row for the embedding), activations stay in the compute dtype (weight-only, as
-QLoRA's base; Keras' default would quantize activations too). The LoRA factors that
+``quantize(module, "int8")`` calls each such layer's ``quantize`` as ``Model.quantize`` does,
+with ``Int8QuantizationConfig(activation_quantizer=None)``: each kernel becomes int8 with one
+float scale per output channel (per token row for the embedding), activations stay in the
+compute dtype (weight-only, as QLoRA's base; Keras' default would quantize activations too).
+``while_loading`` does it to each layer as its weights are read from a KerasHub preset, so the
+stored-dtype model is never whole in memory. The LoRA factors that
 ``enable_lora`` adds afterwards are ordinary float variables: Keras' int8 layers add them to the
 dequantized product. ``dequantized_into`` writes such a model's effective weights (each int8
 kernel divided by its scale, plus its LoRA delta) into an unquantized model of the same
 architecture, for export.
+
+``reverse_logits(embedding, h)`` is an int8 embedding's vocabulary projection (Keras'
+``ReversibleEmbedding._int8_call(reverse=True)``) a block of vocabulary rows at a time: Keras
+multiplies by the whole int8 table, which XLA:CPU converts to float before its dot (no mixed
+dot): a float32 copy of a 256,000-token table is 2 GB, and a step holds one per projection and
+gradient at once (a gemma_2b-shaped SimPO step: 4.5 GiB of temporaries).
 """
 
 from __future__ import annotations
 
-import warnings
+import contextlib
+import functools
 
+import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -22,29 +32,72 @@ import numpy as np
 from nnx_posttrain.model.lora import lora_delta
 
 MODES = ("none", "int8")
+# float32 bytes of the int8 vocabulary table converted at a time by ``reverse_logits``
+VOCAB_BLOCK_BYTES = 64 * 2**20
 
 
 def quantize(module, mode: str) -> int:
     """Quantize ``module``'s Dense / EinsumDense / embedding weights in place (``mode`` 'int8';
-    'none' does nothing); returns how many layers were quantized."""
+    'none' does nothing), those not quantized yet (``while_loading`` may have done some);
+    returns how many layers are quantized."""
     if mode not in MODES:
         raise ValueError(f"quantize mode must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return 0
-
-    def embedding(layer):
-        return isinstance(layer, keras.layers.Embedding)
-
-    weights_only = keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)
-    # an embedding row by row, a block of rows at a time: in one piece (Keras' default quantizer)
-    # a 256,000-token table would hold several float32 copies of itself at once
-    by_rows = keras.quantizers.Int8QuantizationConfig(weight_quantizer=RowBlockQuantizer(),
-                                                      activation_quantizer=None)
-    with warnings.catch_warnings():  # norms, rotary embeddings...: nothing to quantize, rightly
-        warnings.filterwarnings("ignore", message=".*does not have a `quantize` method")
-        module.quantize(mode, config=by_rows, filters=embedding)
-        module.quantize(mode, config=weights_only, filters=lambda layer: not embedding(layer))
+    for layer in module._flatten_layers(include_self=False):
+        quantize_layer(layer, mode)
     return len(quantized_layers(module))
+
+
+def _quantizable(layer) -> bool:
+    import keras
+
+    kinds = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
+    return (isinstance(layer, kinds) and not getattr(layer, "quantization_mode", None)
+            and not list(layer._flatten_layers(include_self=False)))
+
+
+def quantize_layer(layer, mode: str) -> bool:
+    """Quantize one Dense / EinsumDense / embedding layer (weight-only int8: one scale per
+    output channel; an embedding's per token row, a block of rows at a time), as
+    ``Model.quantize`` does to each such layer; False (nothing done) for any other layer and
+    one already quantized."""
+    if not _quantizable(layer):
+        return False
+    by_rows = isinstance(layer, keras.layers.Embedding)
+    # an embedding a block of rows at a time: in one piece (Keras' default quantizer) a
+    # 256,000-token table would hold several float32 copies of itself at once
+    layer.quantize(mode, config=keras.quantizers.Int8QuantizationConfig(
+        weight_quantizer=RowBlockQuantizer() if by_rows else None, activation_quantizer=None))
+    return True
+
+
+@contextlib.contextmanager
+def while_loading(mode: str):
+    """Within the block, every Dense / EinsumDense / embedding layer whose weights Keras reads
+    from a weight file (``load_own_variables``) is quantized (``quantize_layer``) as soon as they
+    are read, so a model loads with at most one layer in its stored dtype at a time (a
+    gemma_2b-shaped preset: 5 GB of bfloat16 never resident at once). The classes' method is
+    put back on exit."""
+    if mode == "none":
+        yield
+        return
+    classes = [keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding]
+    originals = {cls: cls.__dict__["load_own_variables"] for cls in classes}
+
+    def reading(original):
+        def load_own_variables(self, store):
+            original(self, store)
+            quantize_layer(self, mode)
+        return load_own_variables
+
+    try:
+        for cls, original in originals.items():
+            cls.load_own_variables = reading(original)
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.load_own_variables = original
 
 
 class RowBlockQuantizer(keras.quantizers.AbsMaxQuantizer):
@@ -112,3 +165,73 @@ def dequantized_into(source, target) -> list[str]:
             variable = into._kernel if name == "kernel" else getattr(into, name)
             variable.assign(value.astype(variable.dtype))
     return merged
+
+
+def reverse_logits(embedding, h):
+    """``embedding(h, reverse=True)`` (logits [..., vocab], the embedding's compute dtype, after
+    its soft cap) for an int8-quantized ``ReversibleEmbedding``, the int8 table read
+    ``VOCAB_BLOCK_BYTES`` of float rows at a time (``_int8_projection``), so no float copy of the
+    whole table exists, in the forward pass or in the gradient."""
+    tied = embedding.tie_weights
+    table = jnp.asarray((embedding._embeddings if tied else embedding.reverse_embeddings).value)
+    scale = jnp.asarray((embedding.embeddings_scale if tied else
+                         embedding.reverse_embeddings_scale).value).reshape(-1)
+    logits = _int8_projection(tied, h, table, scale.astype(embedding.compute_dtype))
+    cap = embedding.logit_soft_cap
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+def _blocks(tied: bool, table):
+    """(rows per block, number of blocks, block i -> (its first row, its [rows, width] float32
+    weights, its rows' mask: False where the last block overlaps the one before it))."""
+    axis = 0 if tied else 1  # the vocabulary's axis of the table: [V, D] tied, [D, V] not
+    vocab, width = table.shape[axis], table.shape[1 - axis]
+    rows = int(max(1, min(vocab, VOCAB_BLOCK_BYTES // (4 * width))))
+
+    def block(i):
+        start = jnp.minimum(i * rows, vocab - rows)
+        w = jax.lax.dynamic_slice_in_dim(table, start, rows, axis)
+        fresh = start + jnp.arange(rows) >= i * rows
+        return start, (w if tied else w.T).astype(jnp.float32), fresh
+
+    return rows, -(-vocab // rows), block
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _int8_projection(tied: bool, h, table, scale):
+    """``(h @ table^T) / scale`` (``table`` int8 [V, D] when ``tied``, else [D, V]; ``scale``
+    [V] in the compute dtype), as Keras' int8 reverse call computes it, one block of rows at a
+    time; the input gradient is summed over blocks in float32, recomputing each block's
+    conversion; the table and its scales get none (frozen)."""
+    rows, n, block = _blocks(tied, table)
+    vocab = scale.shape[0]
+
+    def one(i):
+        start, w, _ = block(i)
+        logits = jnp.matmul(h, w.astype(jnp.result_type(h.dtype, jnp.int8)).T).astype(scale.dtype)
+        return logits / jax.lax.dynamic_slice_in_dim(scale, start, rows)
+
+    out = jnp.moveaxis(jax.lax.map(one, jnp.arange(n)), 0, -2)  # [..., blocks, rows]
+    head = out[..., :-1, :].reshape(*h.shape[:-1], (n - 1) * rows)
+    return jnp.concatenate([head, out[..., -1, n * rows - vocab:]], axis=-1)
+
+
+def _int8_projection_forward(tied, h, table, scale):
+    return _int8_projection(tied, h, table, scale), (h, table, scale)
+
+
+def _int8_projection_backward(tied, residuals, g):
+    h, table, scale = residuals
+    rows, n, block = _blocks(tied, table)
+    g = g.astype(jnp.float32) / scale.astype(jnp.float32)
+
+    def add(i, dh):
+        start, w, fresh = block(i)
+        g_block = jnp.where(fresh, jax.lax.dynamic_slice_in_dim(g, start, rows, g.ndim - 1), 0.0)
+        return dh + jnp.matmul(g_block, w)
+
+    dh = jax.lax.fori_loop(0, n, add, jnp.zeros(h.shape, jnp.float32))
+    return dh.astype(h.dtype), None, None
+
+
+_int8_projection.defvjp(_int8_projection_forward, _int8_projection_backward)

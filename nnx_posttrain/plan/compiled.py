@@ -210,20 +210,19 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
                  "outputs not in place": max(int(stats.output_size_in_bytes)
                                              - int(stats.alias_size_in_bytes), 0),
                  "generated code": int(stats.generated_code_size_in_bytes)}
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+        flops = memory.flops(compiled)
     else:  # the compiler's own figures, from its refusal
         parts = {"inputs": sum(inputs.values()), "XLA temporaries": refused[0],
                  "outputs not in place": 0, "generated code": 0}
         topology = dataclasses.replace(topology, memory_bytes=refused[1])
-        cost = None
+        flops = None
     estimate = memory.estimate(run.cfg, run.lm.module, state["params"],
                                algorithm.sequences_per_example, frozen["reference"] is not None,
                                dict(run.mesh.shape))
     out = Plan(_run_summary(run.cfg, algorithm, run), topology.name, topology.kind,
                len(topology.devices), topology.slices, dict(run.mesh.shape),
                topology.memory_bytes, parts, inputs,
-               float(cost["flops"]) if cost and "flops" in cost else None,
+               flops,
                collectives(compiled.as_text()) if compiled is not None else {}, seconds,
                estimate, [], "" if refused is None else
                f"the TPU compiler refused it: its temporaries ({refused[0] / GiB:.2f} GiB) exceed "

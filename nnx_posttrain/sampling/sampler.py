@@ -37,6 +37,7 @@ from flax import nnx
 
 from nnx_posttrain import chat, errors, model
 from nnx_posttrain.model import attention, device_memory
+from nnx_posttrain.model.logprobs import vocabulary_logits
 from nnx_posttrain.model.device_memory import GiB
 
 # Backbones whose decoder blocks take a KV cache and whose positions are rotary (relative), by
@@ -189,7 +190,7 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask, prompt=No
         for block in blocks:
             x, _ = block(x, **{fam.cache_kw: through, fam.index_kw: index})
     h = module.layer_norm(x)
-    logits = module.token_embedding(h, reverse=True).astype(jnp.float32)
+    logits = vocabulary_logits(module.token_embedding, h)
     return logits, tuple(caches)
 
 

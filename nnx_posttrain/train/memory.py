@@ -113,6 +113,16 @@ def check_weights(cfg, what: str, nbytes: int | None) -> None:
         "model, or pass --no-memory-check if the estimate is wrong")
 
 
+def flops(compiled) -> float | None:
+    """XLA's count of a compiled program's floating-point operations, where the backend gives it."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: nothing to show
+        return None
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    return float(cost["flops"]) if isinstance(cost, dict) and cost.get("flops") else None
+
+
 class CheckedStep:
     """The jitted training step, compiled ahead of its first call (the same compilation the call
     would make) so that XLA's own figures for it — temporaries, and outputs not written over
@@ -130,18 +140,24 @@ class CheckedStep:
         shapes = (tree, [(tuple(x.shape), str(x.dtype)) for x in leaves])
         if self.compiled is None:
             self.compiled, self.shapes = self.jitted.lower(*args).compile(), shapes
-            self.check(self.compiled.memory_analysis())
+            self.check(self.compiled.memory_analysis(), flops(self.compiled))
         return (self.compiled if shapes == self.shapes else self.jitted)(*args)
 
-    def check(self, stats) -> None:
+    def check(self, stats, flops: float | None = None) -> None:
+        """Echo XLA's figures and the step's estimated peak (the memory held now plus what the
+        step adds); ``ConfigError`` when what it adds exceeds the memory free."""
         if stats is None:  # a backend that does not report it
             return
         need = stats.temp_size_in_bytes + max(stats.output_size_in_bytes
                                               - stats.alias_size_in_bytes, 0)
-        free = device_memory.available_bytes()
+        free, held = device_memory.available_bytes(), device_memory.in_use_bytes()
         self.echo(f"compiled step: {need / GiB:,.2f} GiB per device beyond its inputs "
                   f"(XLA's temporaries {stats.temp_size_in_bytes / GiB:,.2f} GiB)"
+                  + (f", {flops:.3e} FLOPs per device" if flops else "")
                   + (f", {free / GiB:,.2f} GiB free" if free is not None else ""))
+        if held is not None:
+            self.echo(f"estimated peak: {(held + need) / GiB:,.2f} GiB per device (held now "
+                      f"{held / GiB:,.2f} GiB + the step's {need / GiB:,.2f} GiB)")
         if self.cfg.memory_check and free is not None and need > free:
             raise errors.ConfigError(
                 f"the compiled training step needs {need / GiB:,.2f} GiB per device beyond its "

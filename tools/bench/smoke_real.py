@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import subprocess
@@ -58,9 +59,12 @@ def write_data(directory: Path, n: int = 64, seed: int = 0) -> tuple[Path, Path]
 
 
 def commands(preset: str, pairs: Path, prompts: Path, steps: int, max_length: int,
-             completion: int) -> dict[str, list[str]]:
-    short = ["--steps", str(steps), "--log-every", "1", "--batching.batch-size", "2",
-             "--batching.grad-accum", "1", "--batching.max-length", str(max_length)]
+             completion: int, defaults: bool = False) -> dict[str, list[str]]:
+    """Each method's command; ``defaults``: the user-data batch and length (only the steps
+    shortened), else 2 examples of at most ``max_length`` tokens."""
+    short = ["--steps", str(steps), "--log-every", "1"] + ([] if defaults else [
+        "--batching.batch-size", "2", "--batching.grad-accum", "1",
+        "--batching.max-length", str(max_length)])
     headline = ["--model", preset, "--data", str(pairs), "--lora.rank", "8"]
     return {
         "simpo": ["-m", "experiments.simpo", *headline, *short],
@@ -111,6 +115,8 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
                 if len(steps) > 1 else float("nan"))
     loaded = re.search(r"loaded \S+ in ([\d.]+) s", text)
     compiled = re.search(r"compiled step: ([\d.,]+) GiB per device", text)
+    flops = re.search(r"([\d.]+e[+-]?\d+) FLOPs per device", text)
+    estimate = re.search(r"estimated peak: ([\d.,]+) GiB", text)
     train = [json.loads(l) for l in metrics.read_text().splitlines()]
     first = next((r for r in train if r.get("split") == "train"), {})
     ckpts = sorted((p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()),
@@ -122,33 +128,64 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
             "wall_seconds": time.perf_counter() - start, "loss": first.get("loss"),
             "losses": [r["loss"] for r in train if r.get("split") == "train"],
             "compiled_step_gib": float(compiled.group(1).replace(",", "")) if compiled else None,
+            "step_flops": float(flops.group(1)) if flops else None,
+            "estimated_peak_bytes": (float(estimate.group(1).replace(",", "")) * 2**30
+                                     if estimate else None),
             "command": " ".join(["python", *argv, "--dtype", dtype, *extra])}
 
 
+def bound_percent(result: dict, peak_gflops: float | None) -> str:
+    """The step's FLOPs (XLA's count of the compiled step) at this machine's best matmul
+    throughput, as a % of the measured seconds per step: how close to the matmul bound it runs."""
+    flops, seconds = result.get("step_flops"), result.get("seconds_per_step")
+    if not (flops and seconds and peak_gflops) or seconds != seconds:
+        return "n/a"
+    return f"{100 * flops / (peak_gflops * 1e9) / seconds:.0f}%"
+
+
+def estimated(result: dict) -> str:
+    """The run's own estimate of its peak, GB, and its error against the measured peak."""
+    guess, peak = result.get("estimated_peak_bytes"), result.get("peak_rss_bytes")
+    if not guess or not peak:
+        return "n/a"
+    return f"{guess / 1e9:.2f} ({100 * (guess - peak) / peak:+.0f}%)"
+
+
 def record(name: str, like: str, scale: float, steps: int, max_length: int, results: list[dict],
-           params: int | None = None) -> None:
+           params: int | None = None, peak: dict | None = None) -> None:
     """results/NAME.json for the README (``python -m tools.results``)."""
     from tools import results as readme
 
     size = f"{params / 1e9:.2f} B parameters, " if params else ""
-    rows = [[r["method"], r["dtype"], f"{r['seconds_per_step']:.2f}",
+    best = (peak or {}).get("peak_gflops")
+    rows = [[r["method"], r.get("batch", f"2 x <= {max_length} tokens"), r["dtype"],
+             f"{r['seconds_per_step']:.2f}", bound_percent(r, best),
              f"{r['first_step_seconds']:.1f}", f"{r['load_seconds']:.1f}",
-             f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['checkpoint_bytes'] / 1e6:.1f}",
+             f"{r['peak_rss_bytes'] / 1e9:.2f}", estimated(r), f"{r['checkpoint_bytes'] / 1e6:.1f}",
              ", ".join(f"{x:.4f}" for x in r.get("losses", [])) or "n/a"]
             for r in results]
     readme.record(
         name, f"python -m tools.bench.smoke_real --like {like}" + (f" --scale {scale:g}" if scale != 1 else ""),
-        ["method", "--dtype", "s/step", "first step s", "load s", "peak RSS GB", "checkpoint MB",
-         "loss per step"],
+        ["method", "batch", "--dtype", "s/step", "of the matmul bound", "first step s", "load s",
+         "peak RSS GB", "estimated peak GB", "checkpoint MB", "loss per step"],
         rows,
         notes=[f"A {like}-shaped KerasHub preset with random weights ({size}bfloat16, written by "
-               f"`python -m tools.make_preset --like {like}`), LoRA rank 8, {steps} steps of 2 "
-               f"examples of at most {max_length} tokens, each run in its own process, one at a "
-               "time, on a machine shared with other jobs. s/step: mean after the first step "
-               "(which compiles: 'first step s'); peak RSS: the process's resident memory, polled; "
+               f"`python -m tools.make_preset --like {like}`), LoRA rank 8, {steps} steps, each run "
+               "in its own process, one at a time, on a machine shared with other jobs; 'defaults': "
+               "the headline command as a user runs it (the user-data batch of 16 pairs in 4 "
+               "micro-batches, sequences up to 1,024 tokens: these pairs are ~40 tokens), only the "
+               f"steps shortened; else 2 examples of at most {max_length} tokens. s/step: mean "
+               "after the first step (which compiles: 'first step s'); of the matmul bound: the "
+               "step's FLOPs (XLA's count of the compiled step, remat's recomputation included) at "
+               "this machine's best float32 matmul throughput "
+               + (f"({best:.0f} GFLOP/s, measured in the same run) " if best else "")
+               + "over the measured s/step; peak RSS: the process's resident memory, polled; "
+               "estimated peak: what the run printed before its first step (the memory it held "
+               "then plus XLA's figures for the compiled step), and its error against the peak; "
                "checkpoint: the last checkpoint (LoRA factors and their AdamW state). E.g. "
                + (results[0]["command"] if results else "")],
-        data={"results": results, "like": like, "scale": scale, "parameters": params})
+        data={"results": results, "like": like, "scale": scale, "parameters": params,
+              "matmul_peak": peak})
 
 
 def rerecord(name: str) -> None:
@@ -160,7 +197,8 @@ def rerecord(name: str) -> None:
     notes = saved["notes"][0]
     steps = int(notes.split(" steps of")[0].split()[-1]) if " steps of" in notes else 2
     max_length = int(notes.split("at most ")[1].split()[0]) if "at most " in notes else 64
-    record(name, d["like"], d["scale"], steps, max_length, d["results"], d.get("parameters"))
+    record(name, d["like"], d["scale"], steps, max_length, d["results"], d.get("parameters"),
+           d.get("matmul_peak"))
 
 
 @command
@@ -182,7 +220,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--parameters", type=int, default=None,
                         help="the preset's parameter count, for the record (when --preset exists)")
     parser.add_argument("--runs", default=None,
-                        help="only these METHOD:DTYPE pairs, comma-separated (default: all)")
+                        help="only these METHOD:DTYPE[:defaults] runs, comma-separated (default: "
+                             "all; ':defaults': the user-data batch and length, see commands)")
     args = parser.parse_args(argv)
     from tools import make_preset
 
@@ -194,34 +233,55 @@ def main(argv=None) -> list[dict]:
     else:
         params = args.parameters
     pairs, prompts = write_data(work / "data")
-    cmds = commands(str(preset), pairs, prompts, args.steps, args.max_length,
-                    args.completion_length)
+    cmds = {defaults: commands(str(preset), pairs, prompts, args.steps, args.max_length,
+                               args.completion_length, defaults) for defaults in (False, True)}
     results = []
-    pairs_wanted = [tuple(x.split(":")) for x in args.runs.split(",")] if args.runs else [
-        (m, d) for d in args.dtypes.split(",") for m in args.methods.split(",")]
+    wanted = [(x.split(":") + [""])[:3] for x in args.runs.split(",")] if args.runs else [
+        (m, d, "") for d in args.dtypes.split(",") for m in args.methods.split(",")]
+    peak = matmul_peak(preset)
+    print(f"matmul peak {peak['peak_gflops']:.1f} GFLOP/s {peak['matmul_gflops']}", flush=True)
     import psutil
 
-    for method, dtype in pairs_wanted:
+    for method, dtype, defaults in wanted:
         free = psutil.virtual_memory().available / 2**30
         if free < args.min_free_gb:
             print(f"stopping before {method} {dtype}: {free:.1f} GiB available, "
                   f"--min-free-gb {args.min_free_gb}", flush=True)
             break
-        run_dir = work / f"{method}_{dtype}"
+        run_dir = work / f"{method}_{dtype}{'_defaults' if defaults else ''}"
         if run_dir.exists():
             import shutil
 
             shutil.rmtree(run_dir)
-        r = run_one(cmds[method], run_dir, dtype)
-        r.update(method=method, dtype=dtype)
+        r = run_one(cmds[bool(defaults)][method], run_dir, dtype)
+        r.update(method=method, dtype=dtype, batch=("16 x 4 micro, <= 1024 tokens (defaults)"
+                                                    if defaults else
+                                                    f"2 x <= {args.max_length} tokens"))
         results.append(r)
-        print(f"{method:6s} {dtype:16s} {r['seconds_per_step']:8.2f} s/step  first step "
+        print(f"{method:6s} {dtype:16s} {r['batch']} {r['seconds_per_step']:8.2f} s/step "
+              f"({bound_percent(r, peak['peak_gflops'])} of the matmul bound)  first step "
               f"{r['first_step_seconds'] or float('nan'):7.1f} s  load {r['load_seconds']} s  "
               f"peak RSS {r['peak_rss_bytes'] / 1e9:6.2f} GB  checkpoint "
               f"{r['checkpoint_bytes'] / 1e6:8.1f} MB", flush=True)
     if args.record:
-        record(args.record, args.like, args.scale, args.steps, args.max_length, results, params)
+        record(args.record, args.like, args.scale, args.steps, args.max_length, results, params,
+               peak)
     return results
+
+
+def matmul_peak(preset: Path) -> dict:
+    """This machine's best float32 matmul throughput on the preset's own projection shapes
+    (``tools.bench.ours.matmul_peak``, in a fresh process like the runs)."""
+    config = json.loads((preset / "config.json").read_text())["config"]
+    spec = {"batch": 4, "seq": 64, "hidden_dim": config["hidden_dim"],
+            "intermediate_dim": config["intermediate_dim"], "vocab": 2048}
+    code = ("import json, sys; from tools.bench.ours import matmul_peak; "
+            f"print(json.dumps(matmul_peak({spec!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    if out.returncode != 0:
+        raise ToolError(f"measuring the matmul peak failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
