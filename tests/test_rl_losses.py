@@ -90,6 +90,28 @@ def test_clipped_policy_loss_matches_numpy(loss_type, beta):
     np.testing.assert_allclose(float(metrics["clip_ratio/region_mean"][0]), low.sum() + high.sum())
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo"])
+def test_clip_ratios_of_one_token_completions_count_tokens_not_rows(loss_type):
+    """Completions of length 1 give a [B, 1] token-level weight: the clip ratios still count the
+    masked tokens (an empty completion counts nowhere), as at any length; the level comes from
+    ``importance_sampling_level``, never from the shape."""
+    logps = np.log(np.array([[0.5], [0.5], [0.5], [0.5]], np.float32))
+    old = np.log(np.array([[0.2], [0.2], [0.9], [0.2]], np.float32))  # ratios 2.5, 2.5, 0.56, 2.5
+    adv = np.array([1.0, 1.0, -1.0, 1.0], np.float32)
+    mask = np.array([[1], [1], [1], [0]], np.float32)  # the last completion is empty
+    _, _, token = rl.clipped_policy_loss(logps, old, adv, mask, epsilon=0.2, loss_type=loss_type)
+    name = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/high_mean"
+    # clipped high: rows 0 and 1, of the 3 tokens (row 3 has none)
+    assert (float(token[name][0]), float(token[name][1])) == (2.0, 3.0)
+    if loss_type == "grpo":
+        assert float(token["clip_ratio/low_mean"][0]) == 1.0
+        _, _, seq = rl.clipped_policy_loss(logps, old, adv, mask, epsilon=0.2,
+                                           importance_sampling_level="sequence")
+        # sequence level: every row counts once, an empty one too (its weight is 1: not clipped)
+        assert (float(seq["clip_ratio/high_mean"][0]), float(seq["clip_ratio/high_mean"][1])) == (
+            2.0, 4.0)
+
+
 def test_loss_types_accumulate_over_micro_batches_as_documented():
     """dapo over two micro-batches == token mean of the whole batch; bnpo == mean of the two
     micro-batch token means (TRL's per-micro-batch normalisation)."""

@@ -186,22 +186,25 @@ def clipped_policy_loss(logps, old_logps, advantages, mask, *, epsilon: float = 
     else:  # dapo, cispo, vespo
         total, weight = masked.sum(), tokens
     metrics["loss"] = (total, weight)
+    by_sequence = importance_sampling_level == "sequence"
     if loss_type in _CLIPPED:
-        metrics.update(_clip_metrics(coef_1, adv, m, eps_low, eps_high, tokens, rows))
+        metrics.update(_clip_metrics(coef_1, adv, m, eps_low, eps_high, tokens, rows, by_sequence))
     elif loss_type == "cispo":
         clipped = ((coef_1 > eps_high) & (adv > 0)).astype(jnp.float32)
-        metrics["cispo_clip_ratio"] = ((clipped.sum(), rows) if coef_1.shape[-1] == 1
+        metrics["cispo_clip_ratio"] = ((clipped[:, 0].sum(), rows) if by_sequence
                                        else ((clipped * m).sum(), tokens))
     if entropies is not None:
         metrics["entropy"] = ((entropies * m).sum(), tokens)
     return total, weight, metrics
 
 
-def _clip_metrics(coef, adv, m, eps_low, eps_high, tokens, rows):
-    """TRL's clip ratios: token means, or sequence means when ``coef`` is one per sequence."""
+def _clip_metrics(coef, adv, m, eps_low, eps_high, tokens, rows, by_sequence: bool):
+    """TRL's clip ratios: token means over the masked tokens, or sequence means when the
+    importance weight is one per sequence (``by_sequence``: the option decides, never the
+    shape: a completion of one token has a [B, 1] token-level weight too)."""
     low = ((coef < 1.0 - eps_low) & (adv < 0)).astype(jnp.float32)
     high = ((coef > 1.0 + eps_high) & (adv > 0)).astype(jnp.float32)
-    if coef.shape[-1] == 1:  # sequence level: every row counts once, as TRL
+    if by_sequence:  # every row counts once, as TRL
         count, low, high = rows, low[:, 0], high[:, 0]
     else:
         count, low, high = tokens, low * m, high * m
@@ -235,7 +238,8 @@ def rloo_loss(logps, old_logps, advantages, mask, *, epsilon: float = 0.2,
     rows, tokens = jnp.asarray(m.shape[0], jnp.float32), m.sum()
     total = per_seq.sum()
     metrics = {"loss": (total, rows)}
-    metrics.update(_clip_metrics(ratio[:, None], adv[:, None], m, epsilon, eps_high, tokens, rows))
+    metrics.update(_clip_metrics(ratio[:, None], adv[:, None], m, epsilon, eps_high, tokens, rows,
+                                 by_sequence=True))
     if entropies is not None:
         metrics["entropy"] = ((entropies * m).sum(), tokens)
     return total, rows, metrics
