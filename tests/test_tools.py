@@ -362,3 +362,25 @@ def test_bench_targets_read_the_recorded_benchmarks(tmp_path, monkeypatch, capsy
     (tmp_path / "bench.json").unlink()
     assert bench_targets.main(["--record", "none"]) == 2
     assert "no results/bench.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_run_says_where_a_runs_step_spends_its_time(tmp_path):
+    """tools.bench.profile_run traces a run's own steps (a fresh process: XLA:CPU records its
+    operations in the trace only when asked at start) and breaks the step down by operation."""
+    import os
+    import sys
+
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.bench.profile_run", "sft", *MICRO, "--data", "builtin",
+         "--steps", "2", "--eval.every", "0", "--eval.exact-match", "0",
+         "--batching.batch-size", "4", "--run-dir", str(tmp_path / "run"), "--json", str(out)],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["ops_ms_per_step"] > 0
+    # the step program's own operations only: no compilation among them, the model's parts named
+    assert not any("Compile" in k or "compile" in k for k in result["by_kind_ms"])
+    assert any(k.startswith(("attention", "ffw")) for k in result["by_component_ms"])

@@ -63,12 +63,15 @@ def _op_names(hlo_text: str) -> dict[str, str]:
     return names
 
 
-def breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict:
-    """ms per step by fusion kind and by (component, fwd|bwd), from the trace in ``trace_dir``."""
+def breakdown(trace_dir: str, hlo_text: str, steps: int, program_only: bool = False) -> dict:
+    """ms per step by fusion kind and by (component, fwd|bwd), from the trace in ``trace_dir``.
+    ``program_only``: only the events of ``hlo_text``'s own instructions (a trace that also
+    holds compilations and other programs)."""
     path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
-    events = [e for e in json.load(gzip.open(path))["traceEvents"]
-              if e.get("ph") == "X" and not _RUNTIME.search(e["name"])]
     op_names = _op_names(hlo_text)
+    events = [e for e in json.load(gzip.open(path))["traceEvents"]
+              if e.get("ph") == "X" and not _RUNTIME.search(e["name"])
+              and (not program_only or e["name"] in op_names)]
     by_kind, by_component, by_op = (collections.Counter() for _ in range(3))
     for e in events:
         ms = e["dur"] / 1000 / steps

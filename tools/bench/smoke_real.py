@@ -134,6 +134,9 @@ def run_one(argv: list[str], run_dir: Path, dtype: str) -> dict:
             "command": " ".join(["python", *argv, "--dtype", dtype, *extra])}
 
 
+DEFAULTS_BATCH = "16 pairs in 4 micro-batches, <= 1024 tokens (defaults)"
+
+
 def bound_percent(result: dict, peak_gflops: float | None) -> str:
     """The step's FLOPs (XLA's count of the compiled step) at this machine's best matmul
     throughput, as a % of the measured seconds per step: how close to the matmul bound it runs."""
@@ -158,7 +161,7 @@ def record(name: str, like: str, scale: float, steps: int, max_length: int, resu
 
     size = f"{params / 1e9:.2f} B parameters, " if params else ""
     best = (peak or {}).get("peak_gflops")
-    rows = [[r["method"], r.get("batch", f"2 x <= {max_length} tokens"), r["dtype"],
+    rows = [[r["method"], r.get("batch", f"2 pairs, <= {max_length} tokens"), r["dtype"],
              f"{r['seconds_per_step']:.2f}", bound_percent(r, best),
              f"{r['first_step_seconds']:.1f}", f"{r['load_seconds']:.1f}",
              f"{r['peak_rss_bytes'] / 1e9:.2f}", estimated(r), f"{r['checkpoint_bytes'] / 1e6:.1f}",
@@ -178,7 +181,8 @@ def record(name: str, like: str, scale: float, steps: int, max_length: int, resu
                "after the first step (which compiles: 'first step s'); of the matmul bound: the "
                "step's FLOPs (XLA's count of the compiled step, remat's recomputation included) at "
                "this machine's best float32 matmul throughput "
-               + (f"({best:.0f} GFLOP/s, measured in the same run) " if best else "")
+               + (f"({best:.0f} GFLOP/s, the better of two measures, before and after the runs) "
+                  if best else "")
                + "over the measured s/step; peak RSS: the process's resident memory, polled; "
                "estimated peak: what the run printed before its first step (the memory it held "
                "then plus XLA's figures for the compiled step), and its error against the peak; "
@@ -215,6 +219,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--completion-length", type=int, default=16)
     parser.add_argument("--record", default=None, help="write results/NAME.json")
+    parser.add_argument("--update", action="store_true",
+                        help="with --record: keep the record's other rows, replace those run again")
     parser.add_argument("--min-free-gb", type=float, default=0.0,
                         help="before each run, stop unless this much memory is available")
     parser.add_argument("--parameters", type=int, default=None,
@@ -254,19 +260,37 @@ def main(argv=None) -> list[dict]:
 
             shutil.rmtree(run_dir)
         r = run_one(cmds[bool(defaults)][method], run_dir, dtype)
-        r.update(method=method, dtype=dtype, batch=("16 x 4 micro, <= 1024 tokens (defaults)"
-                                                    if defaults else
-                                                    f"2 x <= {args.max_length} tokens"))
+        r.update(method=method, dtype=dtype, batch=(DEFAULTS_BATCH if defaults else
+                                                    f"2 pairs, <= {args.max_length} tokens"))
         results.append(r)
         print(f"{method:6s} {dtype:16s} {r['batch']} {r['seconds_per_step']:8.2f} s/step "
               f"({bound_percent(r, peak['peak_gflops'])} of the matmul bound)  first step "
               f"{r['first_step_seconds'] or float('nan'):7.1f} s  load {r['load_seconds']} s  "
               f"peak RSS {r['peak_rss_bytes'] / 1e9:6.2f} GB  checkpoint "
               f"{r['checkpoint_bytes'] / 1e6:8.1f} MB", flush=True)
+    # measured again after the runs (a shared machine's throughput varies): the best of the two
+    after = matmul_peak(preset)
+    print(f"matmul peak after the runs {after['peak_gflops']:.1f} GFLOP/s", flush=True)
+    peak = max(peak, after, key=lambda p: p["peak_gflops"]) | {
+        "measured_gflops": [peak["peak_gflops"], after["peak_gflops"]]}
     if args.record:
-        record(args.record, args.like, args.scale, args.steps, args.max_length, results, params,
+        rows = updated(args.record, results) if args.update else results
+        record(args.record, args.like, args.scale, args.steps, args.max_length, rows, params,
                peak)
     return results
+
+
+def updated(name: str, results: list[dict]) -> list[dict]:
+    """results/NAME.json's rows with those of ``results`` (same method, dtype and batch) replaced,
+    in the record's order; new rows after them."""
+    from tools import results as readme
+
+    def key(r):
+        return r["method"], r["dtype"], r.get("batch")
+
+    fresh = {key(r): r for r in results}
+    old = readme.load(name)["data"]["results"]
+    return [fresh.pop(key(r), r) for r in old] + list(fresh.values())
 
 
 def matmul_peak(preset: Path) -> dict:
