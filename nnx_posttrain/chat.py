@@ -8,21 +8,29 @@ template, string and token ids. Deliberate differences (listed in the README):
 
 - ``gemma``: a system message is folded into the first user turn (``system + "\\n\\n"``), as
   Gemma 3's template does; Gemma 1 and 2's templates refuse a system message.
-- ``mistral`` (Mistral 7B Instruct v0.1 / v0.2): a system message is folded the same way (the
-  official template refuses one); v0.3's template (no space before ``[/INST]``, a space before
-  the answer, the system message in the last user turn) is not this one.
+- ``mistral`` (Mistral 7B Instruct v0.2, Mixtral 8x7B Instruct v0.1: one published template): a
+  system message is folded the same way (the official template refuses one). Not this one:
+  v0.1's template (a space after each ``</s>``, which changes the token ids) and v0.3's (no
+  space before ``[/INST]``, a space before the answer, the system message in the last user turn).
 - ``llama3.1`` (Llama 3.1, 3.2, 3.3): the date line is always "26 Jul 2024", the template's own
   default; transformers renders 3.2's template with today's date.
 - every format: roles need not alternate (the official templates raise), and a system message
   after the first is rendered as a user turn (Gemma, Llama 3.0, Mistral) or a system turn.
 
-An assistant segment is the message content (trimmed where the template trims it) plus the
+Tool calling (``TOOL_FORMATS``: Qwen 2.5, Qwen 3, Llama 3.1+): ``tools`` (JSON schemas), assistant
+``tool_calls`` and ``tool`` results are rendered as those templates' tool branches; the other
+formats' templates have none and refuse them by name.
+
+An assistant segment is the message content (trimmed where the template trims it; with its tool
+calls as the template writes them) plus the
 end-of-turn marker, which the model must learn to produce to stop; Qwen 3's empty think block
 (``<think>\\n\\n</think>\\n\\n``, which its template puts before the last assistant answer) is
 part of the assistant segment.
 """
 
 from __future__ import annotations
+
+import json
 
 from nnx_posttrain import errors
 
@@ -39,7 +47,10 @@ END_OF_TURN = {
     "mistral": "</s>",
 }
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# Formats whose official template has a tool-calling branch (tools, assistant tool calls, tool
+# results); the others refuse a conversation that uses them.
+TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1")
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 LLAMA31_DATE = "26 Jul 2024"
@@ -63,16 +74,61 @@ def hf_template(fmt: str) -> str:
     return (Path(__file__).parent / "chat_templates" / f"{HF_TEMPLATES[fmt]}.jinja").read_text()
 
 
-def _check(messages) -> None:
+def _check(messages, fmt: str, tools) -> list[dict]:
+    """The conversation, checked, with each tool call's arguments as an object (a JSON string
+    is parsed) and the content of a tool-calling assistant turn as a string ('' for none)."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list of {'role', 'content'} objects")
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or (
+                "content" not in m and not m.get("tool_calls")):
             raise ChatFormatError(f"message {i} must be an object with 'role' and 'content'")
         if m["role"] not in ROLES:
             raise ChatFormatError(f"message {i} has role {m['role']!r}; expected one of {ROLES}")
+        calls = m.get("tool_calls")
+        m = dict(m, content="" if m.get("content") is None and calls else m["content"])
         if not isinstance(m["content"], str):
             raise ChatFormatError(f"message {i} has non-string content ({type(m['content']).__name__})")
+        if m.get("tool_calls"):
+            if m["role"] != "assistant":
+                raise ChatFormatError(f"message {i}: only an assistant message has 'tool_calls'")
+            m["tool_calls"] = [_tool_call(i, call) for call in m["tool_calls"]]
+        out.append(m)
+    uses_tools = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in out)
+    if uses_tools and fmt not in TOOL_FORMATS:
+        raise ChatFormatError(
+            f"chat format {fmt!r}: its official template has no tool-calling format (tools, "
+            f"tool calls, tool results); formats that have one: {', '.join(TOOL_FORMATS)}")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise ChatFormatError("tools must be a list of JSON schema objects ({'type': 'function', "
+                              "'function': {'name', 'description', 'parameters'}})")
+    return out
+
+
+def _tool_call(i: int, call) -> dict:
+    """A tool call as the templates read it: {'name', 'arguments': an object}."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatFormatError(f"message {i}: each tool call must be {{'type': 'function', "
+                              "'function': {'name': str, 'arguments': object}}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ChatFormatError(f"message {i}: tool call {function['name']!r} has arguments "
+                                  f"that are not JSON ({exc.msg})") from None
+    if not isinstance(arguments, dict):
+        raise ChatFormatError(f"message {i}: tool call {function['name']!r} needs its "
+                              "arguments as an object")
+    return {"name": function["name"], "arguments": arguments}
+
+
+def _json(value, indent=None) -> str:
+    """``tojson`` as transformers' chat templates compute it (non-ASCII kept)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def _fold_system(messages, trim: bool):
@@ -104,17 +160,45 @@ def _gemma(messages, add_generation_prompt):
     return out
 
 
-def _llama3(messages, add_generation_prompt, dated: bool):
+LLAMA31_TOOLS = (
+    "Given the following functions, please respond with a JSON for a function call with its "
+    "proper arguments that best answers the given prompt.\n\nRespond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.'
+    "Do not use variables.\n\n")
+
+
+def _llama3(messages, add_generation_prompt, dated: bool, tools=None):
     out = []
     if dated:  # Llama 3.1+: a system header always, with the knowledge and today's dates
         system = ""
         if messages[0]["role"] == "system":
             system, messages = messages[0]["content"].strip(), messages[1:]
         out.append(("<|start_header_id|>system<|end_header_id|>\n\n"
-                    "Cutting Knowledge Date: December 2023\n"
+                    + ("Environment: ipython\n" if tools is not None else "")
+                    + "Cutting Knowledge Date: December 2023\n"
                     f"Today Date: {LLAMA31_DATE}\n\n{system}<|eot_id|>", False))
+    if tools is not None:  # in the first user message, as the template's default
+        if not messages or messages[0]["role"] != "user":
+            raise ChatFormatError("with tools, Llama 3.1's template needs a user message first "
+                                  "(after the system message): the tools go into it")
+        out.append(("<|start_header_id|>user<|end_header_id|>\n\n" + LLAMA31_TOOLS
+                    + "".join(_json(t, indent=4) + "\n\n" for t in tools)
+                    + messages[0]["content"].strip() + "<|eot_id|>", False))
+        messages = messages[1:]
     for m in messages:
+        if m["role"] == "tool":  # a string result is "iterable" to the template: written as JSON
+            out.append(("<|start_header_id|>ipython<|end_header_id|>\n\n"
+                        + _json(m["content"]) + "<|eot_id|>", False))
+            continue
         out.append((f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False))
+        if m.get("tool_calls"):
+            if len(m["tool_calls"]) != 1:
+                raise ChatFormatError("Llama 3.1's template takes one tool call per assistant "
+                                      f"message, got {len(m['tool_calls'])}")
+            call = m["tool_calls"][0]
+            out.append((f'{{"name": "{call["name"]}", "parameters": {_json(call["arguments"])}}}'
+                        "<|eot_id|>", True))
+            continue
         out.append((m["content"].strip() + "<|eot_id|>", m["role"] == "assistant"))
     if add_generation_prompt:
         out.append(("<|start_header_id|>assistant<|end_header_id|>\n\n", False))
@@ -134,19 +218,50 @@ def _qwen3_assistant(content: str, after_last_query: bool, last: bool) -> str:
     return content
 
 
-def _chatml(messages, add_generation_prompt, flavour: str):
+def _qwen_tools(tools) -> str:
+    """The tools' part of Qwen 2.5's and Qwen 3's system message."""
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+            + "".join("\n" + _json(t) for t in tools)
+            + "\n</tools>\n\nFor each function call, return a json object with function name "
+            "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
+
+
+def _chatml(messages, add_generation_prompt, flavour: str, tools=None):
     out = []
-    if flavour == "qwen2.5" and messages[0]["role"] != "system":
+    if tools and flavour in ("qwen2.5", "qwen3"):  # the tools go into the system message
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        if flavour == "qwen2.5":
+            head = (QWEN25_SYSTEM if system is None else system) + "\n\n"
+        else:
+            head = "" if system is None else system + "\n\n"
+        out.append(("<|im_start|>system\n" + head + _qwen_tools(tools), False))
+        messages = messages[1:] if system is not None else messages
+    elif flavour == "qwen2.5" and messages[0]["role"] != "system":
         out.append((f"<|im_start|>system\n{QWEN25_SYSTEM}<|im_end|>\n", False))
     last_query = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     if last_query < 0:
         last_query = len(messages) - 1
     for i, m in enumerate(messages):
+        if m["role"] == "tool":  # consecutive results share one user turn
+            first = i == 0 or messages[i - 1]["role"] != "tool"
+            last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+            out.append((("<|im_start|>user" if first else "") + "\n<tool_response>\n"
+                        + m["content"] + "\n</tool_response>" + ("<|im_end|>\n" if last else ""),
+                        False))
+            continue
         content = m["content"]
         if flavour == "qwen3" and m["role"] == "assistant":
             content = _qwen3_assistant(content, i > last_query, i == len(messages) - 1)
         out.append((f"<|im_start|>{m['role']}\n", False))
         if m["role"] == "assistant":
+            calls = [f'<tool_call>\n{{"name": "{c["name"]}", "arguments": '
+                     f'{_json(c["arguments"])}}}\n</tool_call>' for c in m.get("tool_calls") or ()]
+            # a call follows the answer's text on a new line (Qwen 3: the text after a think block)
+            answer = (m["content"].split("</think>")[-1].lstrip("\n") if flavour == "qwen3"
+                      else m["content"])
+            content += ("\n" if calls and answer else "") + "\n".join(calls)
             out += [(content + "<|im_end|>", True), ("\n", False)]
         else:
             out.append((content + "<|im_end|>\n", False))
@@ -165,17 +280,22 @@ def _mistral(messages, add_generation_prompt):
     return out
 
 
-def render(messages, fmt: str, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
-    """Segments (text, is_assistant) of a conversation in chat format ``fmt``."""
+def render(messages, fmt: str, add_generation_prompt: bool = False,
+           tools: list | None = None) -> list[tuple[str, bool]]:
+    """Segments (text, is_assistant) of a conversation in chat format ``fmt``. ``tools``: the
+    JSON schemas of the tools the conversation may call, placed as the format's template places
+    them (formats with a tool-calling template: ``TOOL_FORMATS``). An assistant segment of a
+    tool-calling turn is its text and calls as the template writes them (the loss learns to
+    call); tool results are never assistant segments."""
     if fmt not in FORMATS:
         raise ChatFormatError(f"unknown chat format {fmt!r}; expected one of {FORMATS}")
-    _check(messages)
+    messages = _check(messages, fmt, tools)
     if fmt == "gemma":
         out = _gemma(messages, add_generation_prompt)
     elif fmt in ("llama3", "llama3.1"):
-        out = _llama3(messages, add_generation_prompt, dated=fmt == "llama3.1")
+        out = _llama3(messages, add_generation_prompt, dated=fmt == "llama3.1", tools=tools)
     elif fmt in ("chatml", "qwen2.5", "qwen3"):
-        out = _chatml(messages, add_generation_prompt, fmt)
+        out = _chatml(messages, add_generation_prompt, fmt, tools)
     else:
         out = _mistral(messages, add_generation_prompt)
     return _merge(out)
@@ -191,5 +311,6 @@ def _merge(segments):
     return merged
 
 
-def to_text(messages, fmt: str, add_generation_prompt: bool = False) -> str:
-    return "".join(t for t, _ in render(messages, fmt, add_generation_prompt))
+def to_text(messages, fmt: str, add_generation_prompt: bool = False,
+            tools: list | None = None) -> str:
+    return "".join(t for t, _ in render(messages, fmt, add_generation_prompt, tools))

@@ -184,9 +184,19 @@ def test_unknown_format():
 
 
 def test_bad_role():
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "x"}]
-    with pytest.raises(ChatFormatError, match="message 1 has role 'tool'"):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "critic", "content": "x"}]
+    with pytest.raises(ChatFormatError, match="message 1 has role 'critic'"):
         chat.render(msgs, "gemma")
+
+
+@pytest.mark.parametrize("fmt", ["gemma", "llama3", "mistral", "chatml"])
+def test_a_format_without_a_tool_template_refuses_tools_by_name(fmt):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "x"}]
+    with pytest.raises(ChatFormatError, match=f"chat format '{fmt}': its official template has "
+                       "no tool-calling format.*qwen2.5, qwen3, llama3.1"):
+        chat.render(msgs, fmt)
+    with pytest.raises(ChatFormatError, match="no tool-calling format"):
+        chat.render([{"role": "user", "content": "Hi"}], fmt, tools=[TOOL])
 
 
 def test_missing_content():
@@ -280,12 +290,18 @@ def render_official(name, fmt, messages, add_generation_prompt):
                                           add_generation_prompt=add_generation_prompt)
 
 
-def test_every_format_has_official_templates():
+# Not yet replaced by a published copy (issue: agents / templates): rendered as remembered.
+FROM_MEMORY = {"chatml"}
+
+
+def test_every_format_has_official_templates_that_name_their_source():
     assert set(OFFICIAL) == set(chat.FORMATS)
     for templates in OFFICIAL.values():
         for name, _ in templates:
-            text = (TEMPLATES / f"{name}.jinja").read_text()
-            assert text.startswith("{#-") and "written from memory" in text.splitlines()[0]
+            first = (TEMPLATES / f"{name}.jinja").read_text().splitlines()[0]
+            assert first.startswith("{#-") and first.endswith("-#}")
+            assert ("written from memory" in first) == (name in FROM_MEMORY), first
+            assert name in FROM_MEMORY or "the published tokenizer_config.json chat_template, from" in first
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -361,3 +377,123 @@ def test_pipeline_token_ids_equal_the_official_template_tokenized(fmt, case):
         flagged = "".join(t for t, f in chat.render(messages, fmt) if f)
         assert tok.decode([i for i, t in zip(got, trained) if t]) == flagged
     assert got == expected
+
+
+def test_llama32_writes_a_tool_call_as_json_ending_its_turn():
+    """Llama 3.2's published template writes every tool call as one JSON object and ends the turn
+    with <|eot_id|> (3.1's ``<|python_tag|>`` / ``<|eom_id|>`` branch for built-in tools is not
+    in it)."""
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    messages = [{"role": "user", "content": "3 x 4?"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "12"}]
+    text = official_template("llama3.2").render(
+        messages=messages, bos_token="<|begin_of_text|>", tools=[], builtin_tools=["multiply"],
+        date_string="26 Jul 2024")
+    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "multiply", "parameters": '
+            '{"a": 3, "b": 4}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n"12"<|eot_id|>'
+            ) in text  # a string result is "iterable": the published template writes it as JSON
+    assert "<|python_tag|>" not in text and "<|eom_id|>" not in text
+
+
+# -- tool calling: rendered as the official templates' tool branches (transformers' Jinja setup)
+
+TOOL = {"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+CALL = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 37, "b": 12}}}
+ASK = {"role": "user", "content": "What is 37 x 12?"}
+TOOL_CASES = {  # name -> (messages, add_generation_prompt)
+    "call": ([ASK, {"role": "assistant", "tool_calls": [CALL]}], False),
+    "call_result_answer": ([ASK, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                            {"role": "tool", "content": "444"},
+                            {"role": "assistant", "content": "37 x 12 = 444."}], False),
+    "system_call_result_prompt": ([SYS, ASK, {"role": "assistant", "tool_calls": [CALL]},
+                                   {"role": "tool", "content": "444"}], True),
+    "text_and_two_calls_then_results": (
+        [ASK, {"role": "assistant", "content": "Let me compute.", "tool_calls": [CALL, CALL]},
+         {"role": "tool", "content": "444"}, {"role": "tool", "content": "444"},
+         {"role": "assistant", "content": "444."}], False),
+}
+TOOL_OFFICIAL = {"qwen2.5": ["qwen2.5"], "qwen3": ["qwen3"], "llama3.1": ["llama3.1", "llama3.2"]}
+
+
+def render_with_transformers(name, fmt, messages, prompt, tools):
+    """The official template rendered by transformers' own chat-template code (its ``tojson``)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    bos, eos = SPECIAL[fmt]
+    rendered, _ = render_jinja_template(
+        conversations=[messages], tools=tools, chat_template=official_template_text(name),
+        add_generation_prompt=prompt, bos_token=bos, eos_token=eos, date_string=chat.LLAMA31_DATE)
+    return rendered[0]
+
+
+def official_template_text(name):
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+@pytest.mark.parametrize("case", sorted(TOOL_CASES))
+@pytest.mark.parametrize("fmt", sorted(TOOL_OFFICIAL))
+def test_tool_conversations_render_as_the_official_templates(fmt, case):
+    messages, prompt = TOOL_CASES[case]
+    if fmt == "llama3.1" and case.startswith("text_and_two_calls"):
+        with pytest.raises(ChatFormatError, match="one tool call per assistant message"):
+            chat.render(messages, fmt, tools=[TOOL])
+        return
+    ours = chat.to_text(messages, fmt, add_generation_prompt=prompt, tools=[TOOL])
+    for name in TOOL_OFFICIAL[fmt]:
+        assert render_with_transformers(name, fmt, messages, prompt, [TOOL]) == SPECIAL[fmt][0] + ours
+    # the loss: the assistant's text and calls with their end-of-turn marker, never a result
+    flagged = [t for t, f in chat.render(messages, fmt, tools=[TOOL]) if f]
+    assert flagged and not any("444\n</tool_response>" in t or '"444"' in t for t in flagged)
+    assert any('"multiply"' in t for t in flagged)
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_OFFICIAL))
+def test_tool_conversation_token_ids_equal_the_official_template_tokenized(fmt):
+    from nnx_posttrain import data
+
+    messages, _ = TOOL_CASES["call_result_answer"]
+    tok = family_tokenizer(fmt)
+    expected = official_ids(tok, fmt, render_with_transformers(
+        TOOL_OFFICIAL[fmt][0], fmt, messages, False, [TOOL]))
+    example = data.Tokenize(tok, fmt, 4096)({"messages": messages, "tools": [TOOL]})
+    got = [int(i) for i, m in zip(example["input_ids"], example["attention_mask"]) if m]
+    assert got == expected
+    trained = np.asarray(example["loss_mask"])[: len(got)].astype(bool)
+    flagged = "".join(t for t, f in chat.render(messages, fmt, tools=[TOOL]) if f)
+    assert tok.decode([i for i, t in zip(got, trained) if t]) == flagged
+
+
+def test_tool_calls_are_checked_with_the_message_named():
+    with pytest.raises(ChatFormatError, match="message 1: tool call 'multiply' has arguments that are not JSON"):
+        chat.render([ASK, {"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "multiply", "arguments": "{a: 1"}}]}], "qwen3")
+    with pytest.raises(ChatFormatError, match="message 0: only an assistant message has 'tool_calls'"):
+        chat.render([dict(ASK, tool_calls=[CALL])], "qwen3")
+    # arguments as a JSON string are read as the object they encode
+    as_string = {"type": "function", "function": {"name": "multiply", "arguments": '{"a": 37, "b": 12}'}}
+    assert chat.to_text([ASK, {"role": "assistant", "tool_calls": [as_string]}], "qwen3") == \
+        chat.to_text([ASK, {"role": "assistant", "tool_calls": [CALL]}], "qwen3")
+
+
+def test_sft_trains_on_tool_calling_conversations_and_refuses_a_format_without_tools(tmp_path):
+    """A tool-calling dataset (TRL's columns: messages with tool_calls and tool results, tools)
+    trains in the format of a family with a tool template; a family without one is refused with
+    the line and the reason."""
+    import json as json_lib
+
+    from support import FAST_STEPS, MICRO, refusal, train_run
+
+    path = tmp_path / "tools.jsonl"
+    rows = [{"messages": TOOL_CASES["call_result_answer"][0], "tools": [TOOL]}] * 8
+    path.write_text("".join(json_lib.dumps(r) + "\n" for r in rows))
+    common = [*MICRO, "--batching.max-length", "2048", *FAST_STEPS, "--data", str(path)]
+    result = train_run("sft", *common, "--chat-format", "qwen3", "--run-dir", tmp_path / "run",
+                       recipe=False)
+    assert result.step == 4 and all(np.isfinite(r["loss"]) for r in result.train)
+    message = refusal("sft", *common, "--run-dir", tmp_path / "gemma", recipe=False)
+    assert f"{path}:1: field 'messages': chat format 'gemma': its official template has no " \
+           "tool-calling format" in message

@@ -15,6 +15,8 @@ of a record into prompt and completion segments, each flagged with whether it ca
 
 from __future__ import annotations
 
+import json
+
 from nnx_posttrain import chat
 from nnx_posttrain.data.errors import DataError
 from nnx_posttrain.data.sources import Mixture, _row_index, source_name
@@ -166,17 +168,41 @@ def implicit_prompt(chosen, rejected):
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def record_tools(record) -> list | None:
+    """The record's ``tools`` column (TRL's: the JSON schemas of the functions its conversation
+    may call, a list or that list as a JSON string), or None."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{_where(record)}: field 'tools' is a string that is not JSON "
+                            f"({exc.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{_where(record)}: field 'tools' must be a list of JSON schema objects "
+                        "({'type': 'function', 'function': {'name', 'description', 'parameters'}})")
+    return tools
+
+
+def _empty_assistant_turn(messages) -> bool:
+    """An assistant message with neither text nor a tool call: nothing to learn."""
+    return any(m.get("role") == "assistant" and not (m.get("content") or "").strip()
+               and not m.get("tool_calls") for m in messages)
+
+
 def _lm_segments(record, fmt, chat_format):
     where = _where(record)
     if fmt == "messages":
         msgs = record["messages"]
         try:
-            segs = chat.render(msgs, chat_format)
+            segs = chat.render(msgs, chat_format, tools=record_tools(record))
         except chat.ChatFormatError as exc:
             raise DataError(f"{where}: field 'messages': {exc}") from None
         if not any(flag for _, flag in segs):
             raise DataError(f"{where}: field 'messages' has no assistant turn to learn from")
-        if any(m["role"] == "assistant" and not m["content"].strip() for m in msgs):
+        if _empty_assistant_turn(msgs):
             raise DataError(f"{where}: field 'messages' has an empty assistant turn")
         return segs, False
     text = _require_str(record, "text")
@@ -194,18 +220,20 @@ def _prompt_completion(record, pfield, cfield, chat_format, prompt=None, complet
     _same_kind(record, pfield, cfield, prompt, completion)
     if isinstance(prompt, str):
         return [(prompt, False)] if prompt else [], [(completion, True)], True
+    tools = record_tools(record)
     for field_name, msgs in ((pfield, prompt), (cfield, completion)):
         if msgs:
             try:
-                chat.render(msgs, chat_format)
+                chat.render(msgs, chat_format, tools=tools if msgs is prompt or not prompt else None)
             except chat.ChatFormatError as exc:
                 raise DataError(f"{where}: field '{field_name}': {exc}") from None
-    if any(m["role"] == "assistant" and not m["content"].strip() for m in completion):
+    if _empty_assistant_turn(completion):
         raise DataError(f"{where}: field '{cfield}' has an empty assistant turn")
-    full = chat.render(prompt + completion, chat_format)
-    head = chat.to_text(prompt, chat_format, add_generation_prompt=True) if prompt else ""
+    full = chat.render(prompt + completion, chat_format, tools=tools)
+    head = (chat.to_text(prompt, chat_format, add_generation_prompt=True, tools=tools)
+            if prompt else "")
     if not "".join(t for t, _ in full).startswith(head):  # the completion opens with no assistant turn
-        head = chat.to_text(prompt, chat_format)
+        head = chat.to_text(prompt, chat_format, tools=tools)
     before, after = _cut(full, len(head))
     if not any(flag for _, flag in after):
         raise DataError(f"{where}: field '{cfield}' has no assistant turn to learn from")
