@@ -497,3 +497,15 @@ def test_sft_trains_on_tool_calling_conversations_and_refuses_a_format_without_t
     message = refusal("sft", *common, "--run-dir", tmp_path / "gemma", recipe=False)
     assert f"{path}:1: field 'messages': chat format 'gemma': its official template has no " \
            "tool-calling format" in message
+
+
+def test_a_tools_column_that_is_not_json_is_refused_with_its_field():
+    from nnx_posttrain import data
+    from nnx_posttrain.data.errors import DataError
+
+    tok = family_tokenizer("qwen3")
+    record = {"messages": TOOL_CASES["call"][0], "tools": "[{not json", "_where": "f.jsonl:3"}
+    with pytest.raises(DataError, match="f.jsonl:3: field 'tools' is a string that is not JSON"):
+        data.Tokenize(tok, "qwen3", 4096)(record)
+    with pytest.raises(DataError, match="f.jsonl:3: field 'tools' must be a list of JSON schema"):
+        data.Tokenize(tok, "qwen3", 4096)(dict(record, tools='{"a": 1}'))

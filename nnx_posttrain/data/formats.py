@@ -221,10 +221,11 @@ def _prompt_completion(record, pfield, cfield, chat_format, prompt=None, complet
     if isinstance(prompt, str):
         return [(prompt, False)] if prompt else [], [(completion, True)], True
     tools = record_tools(record)
+    opening = prompt or completion  # the part the tools go with (Llama's first user message)
     for field_name, msgs in ((pfield, prompt), (cfield, completion)):
         if msgs:
             try:
-                chat.render(msgs, chat_format, tools=tools if msgs is prompt or not prompt else None)
+                chat.render(msgs, chat_format, tools=tools if msgs is opening else None)
             except chat.ChatFormatError as exc:
                 raise DataError(f"{where}: field '{field_name}': {exc}") from None
     if _empty_assistant_turn(completion):

@@ -49,11 +49,12 @@ def quantize(module, mode: str) -> int:
     return len(quantized_layers(module))
 
 
-def _quantizable(layer) -> bool:
-    import keras
+# The layers quantized (Keras' int8 layers; ReversibleEmbedding is an Embedding)
+KINDS = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
 
-    kinds = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
-    return (isinstance(layer, kinds) and not getattr(layer, "quantization_mode", None)
+
+def _quantizable(layer) -> bool:
+    return (isinstance(layer, KINDS) and not getattr(layer, "quantization_mode", None)
             and not list(layer._flatten_layers(include_self=False)))
 
 
@@ -82,8 +83,7 @@ def while_loading(mode: str):
     if mode == "none":
         yield
         return
-    classes = [keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding]
-    originals = {cls: cls.__dict__["load_own_variables"] for cls in classes}
+    originals = {cls: cls.__dict__["load_own_variables"] for cls in KINDS}
 
     def reading(original):
         def load_own_variables(self, store):
@@ -182,7 +182,7 @@ def reverse_logits(embedding, h):
 
 
 def _blocks(tied: bool, table):
-    """(rows per block, number of blocks, block i -> (its first row, its [rows, width] float32
+    """(rows per block, number of blocks, block i -> (its first row, its [rows, width] int8
     weights, its rows' mask: False where the last block overlaps the one before it))."""
     axis = 0 if tied else 1  # the vocabulary's axis of the table: [V, D] tied, [D, V] not
     vocab, width = table.shape[axis], table.shape[1 - axis]
@@ -192,7 +192,7 @@ def _blocks(tied: bool, table):
         start = jnp.minimum(i * rows, vocab - rows)
         w = jax.lax.dynamic_slice_in_dim(table, start, rows, axis)
         fresh = start + jnp.arange(rows) >= i * rows
-        return start, (w if tied else w.T).astype(jnp.float32), fresh
+        return start, w if tied else w.T, fresh
 
     return rows, -(-vocab // rows), block
 
@@ -208,7 +208,7 @@ def _int8_projection(tied: bool, h, table, scale):
 
     def one(i):
         start, w, _ = block(i)
-        logits = jnp.matmul(h, w.astype(jnp.result_type(h.dtype, jnp.int8)).T).astype(scale.dtype)
+        logits = jnp.matmul(h, w.astype(h.dtype).T).astype(scale.dtype)  # int8 -> h's, as Keras
         return logits / jax.lax.dynamic_slice_in_dim(scale, start, rows)
 
     out = jnp.moveaxis(jax.lax.map(one, jnp.arange(n)), 0, -2)  # [..., blocks, rows]
@@ -228,7 +228,7 @@ def _int8_projection_backward(tied, residuals, g):
     def add(i, dh):
         start, w, fresh = block(i)
         g_block = jnp.where(fresh, jax.lax.dynamic_slice_in_dim(g, start, rows, g.ndim - 1), 0.0)
-        return dh + jnp.matmul(g_block, w)
+        return dh + jnp.matmul(g_block, w.astype(jnp.float32))
 
     dh = jax.lax.fori_loop(0, n, add, jnp.zeros(h.shape, jnp.float32))
     return dh.astype(h.dtype), None, None
