@@ -17,9 +17,10 @@ template, string and token ids. Deliberate differences (listed in the README):
 - every format: roles need not alternate (the official templates raise), and a system message
   after the first is rendered as a user turn (Gemma, Llama 3.0, Mistral) or a system turn.
 
-Tool calling (``TOOL_FORMATS``: Qwen 2.5, Qwen 3, Llama 3.1+): ``tools`` (JSON schemas), assistant
-``tool_calls`` and ``tool`` results are rendered as those templates' tool branches; the other
-formats' templates have none and refuse them by name.
+Tool calling (``TOOL_FORMATS``: Qwen 2.5, Qwen 3, Llama 3.1+, Gemma): ``tools`` (JSON schemas),
+assistant ``tool_calls`` and ``tool`` results are rendered as the Qwen and Llama templates' tool
+branches, and for Gemma (whose templates have none) as this package's convention (``_gemma``);
+the other formats refuse them by name.
 
 An assistant segment is the message content (trimmed where the template trims it; with its tool
 calls as the template writes them) plus the
@@ -48,9 +49,9 @@ END_OF_TURN = {
 }
 
 ROLES = ("system", "user", "assistant", "tool")
-# Formats whose official template has a tool-calling branch (tools, assistant tool calls, tool
-# results); the others refuse a conversation that uses them.
-TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1")
+# Formats that render tool calling (tools, assistant tool calls, tool results): the official
+# templates' tool branches, and gemma's convention (``_gemma``); the others refuse them.
+TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma")
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 LLAMA31_DATE = "26 Jul 2024"
@@ -99,7 +100,7 @@ def _check(messages, fmt: str, tools) -> list[dict]:
     if uses_tools and fmt not in TOOL_FORMATS:
         raise ChatFormatError(
             f"chat format {fmt!r}: its official template has no tool-calling format (tools, "
-            f"tool calls, tool results); formats that have one: {', '.join(TOOL_FORMATS)}")
+            f"tool calls, tool results); formats that render one: {', '.join(TOOL_FORMATS)}")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
         raise ChatFormatError("tools must be a list of JSON schema objects ({'type': 'function', "
@@ -145,19 +146,57 @@ def _fold_system(messages, trim: bool):
     return rest
 
 
-def _gemma(messages, add_generation_prompt):
+GEMMA_TOOLS = (
+    "You can call these functions. To call one, answer with nothing but a JSON object "
+    '{"name": function name, "parameters": an object of argument names and values}; each '
+    "result comes back as a tool_output block.\n")
+
+
+def _gemma(messages, add_generation_prompt, tools=None):
+    """Gemma's template; with tools, this package's convention (Gemma's templates have no tool
+    branch; Google documents tool use in Gemma 3 as a prompt that lists the functions' JSON
+    schemas and asks for a JSON call, results returned in a ```tool_output``` block): the
+    schemas open the first user turn (``GEMMA_TOOLS``, one schema per line); a call is the
+    assistant's text, a new line, then ``{"name": ..., "parameters": {...}}`` (one call per
+    turn); consecutive results share one user turn, each in a ```tool_output``` block."""
+    messages = _fold_system(messages, trim=True)
+    if tools is not None:
+        if messages[0]["role"] != "user":
+            raise ChatFormatError("with tools, the gemma format needs a user message first (after "
+                                  "the system message): the tools open it")
+        listed = GEMMA_TOOLS + "".join(_json(t) + "\n" for t in tools) + "\n"
+        content = messages[0]["content"]
+        messages = [dict(messages[0], content=listed + (content if messages[0].get("folded")
+                                                         else content.strip()), folded=True),
+                    *messages[1:]]
     out = []
-    for m in _fold_system(messages, trim=True):
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            first = i == 0 or messages[i - 1]["role"] != "tool"
+            last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+            out.append((("<start_of_turn>user\n" if first else "\n") + "```tool_output\n"
+                        + m["content"] + "\n```" + ("<end_of_turn>\n" if last else ""), False))
+            continue
         role = "model" if m["role"] == "assistant" else "user"
         content = m["content"] if m.get("folded") else m["content"].strip()
         out.append((f"<start_of_turn>{role}\n", False))
         if m["role"] == "assistant":
+            calls = m.get("tool_calls") or ()
+            if len(calls) > 1:
+                raise ChatFormatError("the gemma format takes one tool call per assistant "
+                                      f"message, got {len(calls)}")
+            content += "".join(("\n" if content else "") + _json_call(c) for c in calls)
             out += [(content + "<end_of_turn>", True), ("\n", False)]
         else:
             out.append((content + "<end_of_turn>\n", False))
     if add_generation_prompt:
         out.append(("<start_of_turn>model\n", False))
     return out
+
+
+def _json_call(call) -> str:
+    """A tool call as Llama 3.1's template (and the gemma convention) writes it."""
+    return f'{{"name": "{call["name"]}", "parameters": {_json(call["arguments"])}}}'
 
 
 LLAMA31_TOOLS = (
@@ -196,8 +235,7 @@ def _llama3(messages, add_generation_prompt, dated: bool, tools=None):
                 raise ChatFormatError("Llama 3.1's template takes one tool call per assistant "
                                       f"message, got {len(m['tool_calls'])}")
             call = m["tool_calls"][0]
-            out.append((f'{{"name": "{call["name"]}", "parameters": {_json(call["arguments"])}}}'
-                        "<|eot_id|>", True))
+            out.append((_json_call(call) + "<|eot_id|>", True))
             continue
         out.append((m["content"].strip() + "<|eot_id|>", m["role"] == "assistant"))
     if add_generation_prompt:
@@ -291,7 +329,7 @@ def render(messages, fmt: str, add_generation_prompt: bool = False,
         raise ChatFormatError(f"unknown chat format {fmt!r}; expected one of {FORMATS}")
     messages = _check(messages, fmt, tools)
     if fmt == "gemma":
-        out = _gemma(messages, add_generation_prompt)
+        out = _gemma(messages, add_generation_prompt, tools)
     elif fmt in ("llama3", "llama3.1"):
         out = _llama3(messages, add_generation_prompt, dated=fmt == "llama3.1", tools=tools)
     elif fmt in ("chatml", "qwen2.5", "qwen3"):

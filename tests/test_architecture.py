@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nnx_posttrain"
 
 # model -> data -> losses -> algorithms -> train (DESIGN.md). A package may import packages of its
 # own layer and below; the shared modules (errors, config, chat, sharding, checkpoint,
-# metrics_log, progress) are below everything; tasks (the built-in task) and runs sit above
-# algorithms, below train; plan (a run's step compiled ahead of time) above train; the Python API and the command line are the library's users, on top.
+# metrics_log, progress) are below everything; agents (tool calling) beside the sampler; tasks
+# (the built-in tasks) and runs sit above algorithms, below train; plan (a run's step compiled ahead of time) above train; the Python API and the command line are the library's users, on top.
 LAYERS = [
     {"errors"},
     {"config", "config_files", "chat", "metrics_log", "progress"},
@@ -20,10 +20,10 @@ LAYERS = [
     {"model"},
     {"checkpoint"},
     {"data"},
-    {"tasks"},
     {"losses"},
-    {"sampling"},
+    {"sampling", "agents"},
     {"algorithms"},
+    {"tasks"},
     {"runs", "inspection", "export", "compare"},
     {"train"},
     {"plan"},

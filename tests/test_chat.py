@@ -1,5 +1,7 @@
 """Chat templates: exact rendered strings per family, which segments carry loss, and errors."""
 
+import json
+
 import pytest
 
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before anything imports keras)
@@ -189,11 +191,11 @@ def test_bad_role():
         chat.render(msgs, "gemma")
 
 
-@pytest.mark.parametrize("fmt", ["gemma", "llama3", "mistral", "chatml"])
+@pytest.mark.parametrize("fmt", ["llama3", "mistral", "chatml"])
 def test_a_format_without_a_tool_template_refuses_tools_by_name(fmt):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "x"}]
     with pytest.raises(ChatFormatError, match=f"chat format '{fmt}': its official template has "
-                       "no tool-calling format.*qwen2.5, qwen3, llama3.1"):
+                       "no tool-calling format.*qwen2.5, qwen3, llama3.1, gemma"):
         chat.render(msgs, fmt)
     with pytest.raises(ChatFormatError, match="no tool-calling format"):
         chat.render([{"role": "user", "content": "Hi"}], fmt, tools=[TOOL])
@@ -491,11 +493,13 @@ def test_sft_trains_on_tool_calling_conversations_and_refuses_a_format_without_t
     rows = [{"messages": TOOL_CASES["call_result_answer"][0], "tools": [TOOL]}] * 8
     path.write_text("".join(json_lib.dumps(r) + "\n" for r in rows))
     common = [*MICRO, "--batching.max-length", "2048", *FAST_STEPS, "--data", str(path)]
-    result = train_run("sft", *common, "--chat-format", "qwen3", "--run-dir", tmp_path / "run",
-                       recipe=False)
-    assert result.step == 4 and all(np.isfinite(r["loss"]) for r in result.train)
-    message = refusal("sft", *common, "--run-dir", tmp_path / "gemma", recipe=False)
-    assert f"{path}:1: field 'messages': chat format 'gemma': its official template has no " \
+    for fmt in ("qwen3", "gemma"):  # an official template's tool branch, gemma's convention
+        result = train_run("sft", *common, "--chat-format", fmt, "--run-dir", tmp_path / fmt,
+                           recipe=False)
+        assert result.step == 4 and all(np.isfinite(r["loss"]) for r in result.train)
+    message = refusal("sft", *common, "--chat-format", "llama3", "--run-dir", tmp_path / "llama3",
+                      recipe=False)
+    assert f"{path}:1: field 'messages': chat format 'llama3': its official template has no " \
            "tool-calling format" in message
 
 
@@ -509,3 +513,25 @@ def test_a_tools_column_that_is_not_json_is_refused_with_its_field():
         data.Tokenize(tok, "qwen3", 4096)(record)
     with pytest.raises(DataError, match="f.jsonl:3: field 'tools' must be a list of JSON schema"):
         data.Tokenize(tok, "qwen3", 4096)(dict(record, tools='{"a": 1}'))
+
+
+def test_gemma_tool_convention_renders_schemas_call_and_results():
+    """Gemma's templates have no tool branch: the package's documented convention (chat._gemma):
+    the schemas open the first user turn, a call is JSON after the text, results come back in
+    ```tool_output``` blocks of one user turn; the loss covers the calls, never the results."""
+    messages, _ = TOOL_CASES["text_and_two_calls_then_results"]
+    with pytest.raises(ChatFormatError, match="one tool call per assistant message, got 2"):
+        chat.render(messages, "gemma", tools=[TOOL])
+    messages = [SYS, ASK, {"role": "assistant", "content": "Let me compute.", "tool_calls": [CALL]},
+                {"role": "tool", "content": "444"}, {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "444."}]
+    segments = chat.render(messages, "gemma", add_generation_prompt=False, tools=[TOOL])
+    assert "".join(t for t, _ in segments) == (
+        "<start_of_turn>user\n" + chat.GEMMA_TOOLS + json.dumps(TOOL) + "\n\n"
+        + SYS["content"] + "\n\nWhat is 37 x 12?<end_of_turn>\n<start_of_turn>model\n"
+        'Let me compute.\n{"name": "multiply", "parameters": {"a": 37, "b": 12}}<end_of_turn>\n'
+        "<start_of_turn>user\n```tool_output\n444\n```\n```tool_output\nx\n```<end_of_turn>\n"
+        "<start_of_turn>model\n444.<end_of_turn>\n")
+    assert [t for t, f in segments if f] == [
+        'Let me compute.\n{"name": "multiply", "parameters": {"a": 37, "b": 12}}<end_of_turn>',
+        "444.<end_of_turn>"]

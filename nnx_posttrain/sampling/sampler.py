@@ -253,7 +253,10 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
     to and including the stop token), ``logprobs`` [B, N] float32 (0 where the mask is 0) and
     ``finished`` [B] (a stop token was produced). Rows stop independently; decoding ends when every
     row has stopped. ``vocab_size`` (optional, traced): ids at or above it are never sampled (the
-    tokenizer's size, when the embedding has padding rows, as Qwen's 151,936 for 151,665 tokens). ``top_k`` (0 = off) is static: one compilation per value. The graphdef of a
+    tokenizer's size, when the embedding has padding rows, as Qwen's 151,936 for 151,665 tokens).
+    ``budget`` (optional, traced, [B] or a scalar): new tokens row by row at most (a row at its
+    budget stops unfinished; 0: the row generates nothing; default ``max_new_tokens``): a
+    tool-calling rollout's continuation (``nnx_posttrain.agents``). ``top_k`` (0 = off) is static: one compilation per value. The graphdef of a
     Keras model is not hashable, so it is closed over rather than passed as a static argument.
     """
     n = int(max_new_tokens)
@@ -263,7 +266,8 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
         raise ValueError(f"top_k must be >= 0, got {top_k}")
 
     @jax.jit
-    def _sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids, vocab_size):
+    def _sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids, vocab_size,
+                budget):
         module = nnx.merge(graphdef, *states)
         fam = _family(module)
         batch, width = prompt_ids.shape
@@ -277,13 +281,13 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
 
         def cond(carry):
             j, done = carry[0], carry[-1]
-            return (j < n) & ~jnp.all(done)
+            return (j < n) & jnp.any(~done & (j < budget))
 
         def body(carry):
             j, caches, logits, ids, mask, logps, done = carry
             token, logp = _choose(logits, jax.random.fold_in(rng, j), temperature, top_p, top_k,
                                   vocab_size)
-            live = ~done
+            live = ~done & (j < budget)
             token = jnp.where(live, token, pad_id)
             # [N, B] buffers: row j is one contiguous dynamic-update-slice per step
             ids = jax.lax.dynamic_update_index_in_dim(ids, token, j, 0)
@@ -303,14 +307,16 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
                 "finished": done}
 
     def sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids,
-               vocab_size=None):
+               vocab_size=None, budget=None):
         # Fixed dtypes (a Python float is weakly typed, an np.float32 is not): no recompilation
         # when callers mix them. vocab_size (traced; default: every id of the embedding).
+        rows = np.shape(prompt_ids)[0]
         return _sample(
             tuple(states), jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32),
             rng, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
             jnp.asarray(stop_ids, jnp.int32).reshape(-1),
             jnp.asarray(np.iinfo(np.int32).max if vocab_size is None else vocab_size, jnp.int32),
+            jnp.broadcast_to(jnp.asarray(n if budget is None else budget, jnp.int32), (rows,)),
         )
 
     sample.jitted = _sample

@@ -3,7 +3,8 @@ an exact checker (``arithmetic``), its SentencePiece
 tokenizer (``tokenizer``) and the tiny Gemma configurations trained on it. A *user* of the
 library: importing this package registers the task's data (``--data builtin``, with
 ``nnx_posttrain.data.register_builtin``) and its models (``gemma_tiny``, ``gemma2_tiny``,
-``gemma_tiny_half``, ``gemma_micro``, with ``nnx_posttrain.model.register_builtin``). Its recipes, one file per
+``gemma_tiny_half``, ``gemma_micro``, with ``nnx_posttrain.model.register_builtin``), and the
+agentic task (``multiply``: two-digit products with a tool) and its model ``gemma_tiny_tools``. Its recipes, one file per
 algorithm (``recipes/<algorithm>.yaml``), are the settings a run on the built-in data gets over
 the algorithm's defaults (``recipe``). The library's lower layers never import it;
 ``nnx_posttrain.runs`` (and so the training loop) does.
@@ -15,7 +16,7 @@ import hashlib
 from pathlib import Path
 
 from nnx_posttrain import data, model
-from nnx_posttrain.tasks import arithmetic, tokenizer
+from nnx_posttrain.tasks import arithmetic, multiply, tokenizer
 
 # Gemma architectures with the task's own SentencePiece tokenizer.
 MODELS = {
@@ -70,3 +71,5 @@ FINGERPRINT = hashlib.sha256(Path(arithmetic.__file__).read_bytes()).hexdigest()
 data.register_builtin(records, FINGERPRINT)
 for _name, _dims in MODELS.items():
     model.register_builtin(_name, _dims, tokenizer.builtin_proto)
+# the agentic task's model: gemma_tiny with that task's tokenizer (nnx_posttrain.tasks.multiply)
+model.register_builtin("gemma_tiny_tools", MODELS["gemma_tiny"], multiply.tokenizer_proto)

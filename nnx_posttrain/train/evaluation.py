@@ -55,6 +55,7 @@ class Evaluator:
         cfg = run.cfg
         self.pairs, self.greedy, self.completions = [], None, []
         self.scorer = getattr(inputs.train, "score", None) if algorithm.generates else None
+        self.tool_answers = getattr(inputs.train, "tool_answers", None)  # runs with tools
         if self.enabled and algorithm.generates and cfg.eval.exact_match:
             if self.scorer is not None:  # every held-out prompt, answered or not: (segs, ref, index)
                 self.pairs = held_out_prompts(run.eval_src, run.lm.chat_format, cfg.eval.exact_match)
@@ -112,11 +113,15 @@ class Evaluator:
         if self.scorer is None:
             accuracy, texts = generate.exact_match(lm, self.greedy, states,
                                                    [(s, r) for s, r, _ in self.pairs], max_new)
-            out["exact_match"] = accuracy
+            out["exact_match"], logged = accuracy, texts
         else:
-            texts, ids = _greedy_with_ids(lm, self.greedy, states, prompts)
             index = np.asarray([i for _, _, i in self.pairs])
-            total, per_fn = self.scorer(self.run.eval_src, index, *ids, texts)
+            if self.tool_answers is not None:  # the tool-calling loop, greedy
+                logged, texts, total, per_fn = self.tool_answers(states, self.run.eval_src, index)
+            else:
+                texts, ids = _greedy_with_ids(lm, self.greedy, states, prompts)
+                total, per_fn = self.scorer(self.run.eval_src, index, *ids, texts)
+                logged = texts
             for j, row in enumerate(rows):
                 row["reward"] = float(total[j])
                 row.update({f"rewards/{name}": float(v[j]) for name, v in per_fn.items()})
@@ -128,8 +133,8 @@ class Evaluator:
                         if isinstance(r, str)]
             if answered:
                 out["exact_match"] = float(np.mean(answered))
-        for row, text in zip(rows, texts):
-            row["completion"] = text
+        for row, text, shown in zip(rows, texts, logged):
+            row["completion"] = shown
             if isinstance(row["reference"], str):
                 row["score"] = float(text.strip() == row["reference"].strip())
         self.completions = rows

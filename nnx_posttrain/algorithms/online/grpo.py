@@ -9,7 +9,8 @@ import jax
 import numpy as np
 
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
-from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, SamplingConfig
+from nnx_posttrain.algorithms.online.options import SamplingConfig
+from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses import rl
 
@@ -85,6 +86,7 @@ class GRPO(OnlineAlgorithm):
     Config = GRPOConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's GRPOTrainer
     min_generations = 2  # as TRL: a group of one has no advantage
+    runs_tools = True
 
     def problems(self):
         c = self.cfg
@@ -141,6 +143,7 @@ class RLOO(OnlineAlgorithm):
     Config = RLOOConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's RLOOTrainer
     min_generations = 2  # the leave-one-out baseline needs another completion
+    runs_tools = True
 
     def problems(self):
         clip = self.cfg.reward_clip_range

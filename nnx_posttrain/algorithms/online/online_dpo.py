@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
-from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, SamplingConfig
+from nnx_posttrain.algorithms.online.options import SamplingConfig
+from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.algorithms.preference import pair_logps
 from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses.common import _mean_metric

@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
-from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, SamplingConfig
+from nnx_posttrain.algorithms.online.options import SamplingConfig
+from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses import rl
 

@@ -38,11 +38,13 @@ def first_integer(text: str) -> str | None:
 
 
 def text_of(completion) -> str:
-    """A completion's text: the string itself, or the content of a conversational completion
-    (TRL's ``[{"role": "assistant", "content": ...}]``, what rewards get for chat prompts)."""
+    """A completion's text: the string itself, or the content of a conversational completion's
+    last assistant message (TRL's ``[{"role": "assistant", "content": ...}]``, what rewards get
+    for chat prompts; a tool-calling rollout's answer after its tool results)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m.get("content", "") for m in completion)
+    answers = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
+    return answers[-1] if answers else ""
 
 
 def exact_match(prompts, completions, answer=None, **_):
@@ -269,18 +271,21 @@ def score(name: str, fn, prompts, completions, columns: dict, describe, state=No
 
 
 def score_batch(reward_fns, reward_weights, src, index, prompt_ids, prompt_mask, completion_ids,
-                completion_mask, texts, state=None):
+                completion_mask, texts, state=None, conversations=None):
     """The completions ``texts`` of the records of ``src`` at ``index`` -> ([B] sum of the rewards
     times ``reward_weights``, NaN-ignoring as TRL; {name: [B] rewards, NaN where a function does
     not apply}). Each function is called as TRL calls it (``score``): the records' columns,
     conversational completions for conversational prompts, every completion's token ids; a
-    reward model reads the prompt and completion tokens."""
+    reward model reads the prompt and completion tokens. ``conversations``: each completion as
+    chat messages (a tool-calling rollout: assistant turns, tool results), given to the functions
+    as the conversational completions."""
     records = data.extra_columns(src, index, exclude=())
     columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
     prompts = columns.pop("prompt", [None] * len(texts))
     index = np.asarray(index).reshape(-1)
-    completions = ([[{"role": "assistant", "content": t}] for t in texts]
-                   if prompts and isinstance(prompts[0], list) else texts)
+    completions = texts
+    if prompts and isinstance(prompts[0], list):
+        completions = conversations or [[{"role": "assistant", "content": t}] for t in texts]
     columns["completion_ids"] = [row[m > 0].tolist() for row, m in
                                  zip(np.asarray(completion_ids), np.asarray(completion_mask))]
 

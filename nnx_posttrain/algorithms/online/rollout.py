@@ -18,7 +18,6 @@ draws ``batch_size / num_generations`` prompts.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import types
 import warnings
@@ -29,37 +28,9 @@ import numpy as np
 
 from nnx_posttrain import data, errors, model
 from nnx_posttrain.algorithms.base import AlgorithmBase, Inputs, RunContext, device_batch
+from nnx_posttrain.algorithms.online import agentic, generation
 from nnx_posttrain.algorithms.online import rewards as rewards_lib
-from nnx_posttrain.algorithms.reference import Reference
 from nnx_posttrain.sampling import generate, sampler
-
-
-@dataclasses.dataclass
-class SamplingConfig:
-    """What every online algorithm shares: generation and rewards."""
-
-    num_generations: int = 8
-    """Completions sampled per prompt (a GRPO / RLOO group)."""
-    max_completion_length: int = 512
-    """Generated tokens per completion at most (TRL's default)."""
-    temperature: float = 1.0
-    """Sampling temperature (log-probs in the loss use the same temperature, as TRL)."""
-    top_k: int = 0
-    """Sample from the k most likely tokens only; 0 = off."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold; 1.0 = off."""
-    rewards: str = ""
-    """Reward functions, comma-separated (required; the built-in task's recipe uses exact_match): built-in names (exact_match: needs an 'answer' column, format, length), 'module:function' with TRL's signature, or a reward-model run directory."""
-    reward_weights: str | None = None
-    """Comma-separated weights of the reward functions (default: all 1)."""
-    num_iterations: int = 1
-    """Optimizer steps per rollout (TRL's num_iterations / PPO epochs); old log-probs are kept."""
-    mask_truncated_completions: bool = False
-    """Completions cut at max_completion_length (no stop token) carry no loss."""
-    reference: Reference = "auto"
-    """Reference for the KL term: lora_base (LoRA on), copy (full fine-tuning), auto picks."""
-    log_completions: int = 8
-    """Completions of the latest rollout logged (completions.jsonl, TensorBoard text, W&B) with their rewards at every logged step, as TRL's log_completions; 0: none."""
 
 
 class OnlineAlgorithm(AlgorithmBase):
@@ -69,10 +40,15 @@ class OnlineAlgorithm(AlgorithmBase):
     data_kind = "prompt_only"
     sequences_per_example = 1
     min_generations = 1  # completions per prompt the method needs (GRPO's, RLOO's groups: 2)
+    runs_tools = False  # whether the rollouts may call tools (--algo.tools, --algo.environment)
 
     def __init__(self, cfg, logprob_chunk: int | None = None):
         super().__init__(cfg, logprob_chunk)
-        if not cfg.rewards.strip():  # checked before the model loads
+        self.toolset = agentic.toolset(cfg)  # imported and checked before the model loads
+        if self.toolset.enabled and not self.runs_tools:
+            raise errors.ConfigError(f"{self.name} does not run tools (--algo.tools, "
+                                     "--algo.environment): GRPO and RLOO do")
+        if not cfg.rewards.strip() and not self.toolset.rewarding():
             raise errors.ConfigError(
                 f"{self.name} needs --algo.rewards: the functions that score each "
                 "completion, comma-separated: 'module:function' (TRL's signature f(prompts, "
@@ -104,14 +80,20 @@ class OnlineAlgorithm(AlgorithmBase):
                     ("temperature", c.temperature >= 0, ">= 0"),
                     ("top_k", c.top_k >= 0, ">= 0"),
                     ("top_p", 0 < c.top_p <= 1, "in (0, 1]"),
-                    ("num_iterations", c.num_iterations >= 1, ">= 1"))
+                    ("num_iterations", c.num_iterations >= 1, ">= 1"),
+                    ("max_tool_calling_iterations", (c.max_tool_calling_iterations or 0) >= 0,
+                     ">= 0"),
+                    ("tool_timeout", c.tool_timeout > 0, "> 0"))
                 if not ok]
 
     def open_sources(self, run_cfg):
         """The sources, and the reward functions checked against them (found, importable, the
         columns they read present)."""
         train, held_out = super().open_sources(run_cfg)
-        rewards_lib.check(self.cfg, train, run_cfg.data)
+        if self.cfg.rewards.strip():  # else the environments score (checked in __init__)
+            rewards_lib.check(self.cfg, train, run_cfg.data)
+        for i in range(min(len(train), 100)):  # multi-environment runs: an 'environment' column
+            self.toolset.check_record(train[i])
         return train, held_out
 
     def settings_for_data(self, run_cfg, echo):
@@ -172,17 +154,25 @@ class Rollouts:
         cfg, b, c = run.cfg, run.cfg.batching, algorithm.cfg
         self.algorithm, self.lm, self.train_src, self.seed = algorithm, run.lm, run.train_src, cfg.seed
         self.graphdef, self.frozen = run.graphdef, run.frozen
-        self.reward_fns = rewards_lib.resolve(c.rewards, run.load_run)
+        self.reward_fns = rewards_lib.resolve(c.rewards, run.load_run) if c.rewards.strip() else []
         self.reward_weights = rewards_lib.weights(c.reward_weights, len(self.reward_fns))
+        self.agent = None
+        if algorithm.toolset.enabled:  # environments' rewards: weight 1, as TRL
+            self.agent = agentic.ToolRollouts(algorithm.toolset, run.lm, c,
+                                              b.max_prompt_length or b.max_length)
+            extra = self.agent.reward_functions()
+            self.reward_fns += extra
+            self.reward_weights = np.concatenate([self.reward_weights, np.ones(len(extra))])
         if len(run.train_src):  # before the first rollout: the rewards' columns are there
             rewards_lib.check_columns(self.reward_fns, data.extra_columns(run.train_src, [0],
                                                                           exclude=())[0],
                                       cfg.data)
         self.stop_ids = jnp.asarray(generate.stop_ids(run.lm), jnp.int32)
         policy_graphdef, _ = algorithm.policy_view(run.graphdef, params, run.frozen["model"])
-        sampler.check_generation(run.lm.module, b.batch_size, b.max_prompt_length or b.max_length,
-                                 c.max_completion_length, "--algo.max-completion-length",
-                                 cfg.memory_check)
+        context = (b.max_prompt_length or b.max_length) + (  # a tool turn's context is longer
+            c.max_completion_length if self.agent else 0)
+        sampler.check_generation(run.lm.module, b.batch_size, context, c.max_completion_length,
+                                 "--algo.max-completion-length", cfg.memory_check)
         self._sample = sampler.make_sampler(policy_graphdef, c.max_completion_length, top_k=c.top_k,
                                             pad_id=run.lm.tokenizer.pad_id)
         self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(5, 6))
@@ -231,7 +221,7 @@ class Rollouts:
         (``time/rollout``) and in the optimizer update (``time/update``, the previous steps'
         updates: everything between two rollouts, the first step's compilation included)."""
         out = {"truncated": float(self.truncated)}
-        out.update(_means(self.since_log or [self.current[1]]))
+        out.update(generation.means(self.since_log or [self.current[1]]))
         t = self.seconds
         out["time/rollout"] = t["rollout"] / max(t["steps"], 1)
         if t["updates"]:
@@ -270,47 +260,73 @@ class Rollouts:
         jitted = jax.jit(run)
         return lambda state, *arrays: jitted(state["params"], self.frozen, *arrays)
 
+    @property
+    def tool_answers(self):
+        """``f(states, src, index)``: greedy tool-calling answers, scored (evaluation of a run
+        with tools: ``agentic.held_out_answers``); None without tools."""
+        if self.agent is None:
+            return None
+        return lambda states, src, index: agentic.held_out_answers(self, states, src, index)
+
+    def sampler_call(self, states, rng, temperature, top_p):
+        """``sample(ids, mask, budget, turn)``: the policy's sampler on host arrays (turn t draws
+        with ``rng`` folded with t; turn 0 with ``rng`` itself)."""
+        def sample(ids, mask, budget, turn):
+            key = rng if turn == 0 else jax.random.fold_in(rng, turn)
+            return jax.device_get(self._sample(
+                tuple(states), ids, mask, key, jnp.float32(temperature), jnp.float32(top_p),
+                self.stop_ids, self.lm.tokenizer.vocab_size, budget))
+        return sample
+
+    def generate(self, states, rng, prompts: dict, g: int) -> generation.Generated:
+        """The rollout's sequences: ``g`` completions of each prompt of the batch."""
+        c = self.algorithm.cfg
+        sample = self.sampler_call(states, rng, c.temperature, c.top_p)
+        index = np.repeat(np.asarray(prompts["index"]), g, axis=0)
+        if self.agent is not None:
+            return self.agent.generate(sample, self.train_src, index)
+        prompt_ids = np.repeat(np.asarray(prompts["prompt_ids"]), g, axis=0)
+        prompt_mask = np.repeat(np.asarray(prompts["prompt_mask"]), g, axis=0)
+        out = sample(prompt_ids, prompt_mask, None, 0)
+        completion_ids = np.asarray(out["completion_ids"])
+        completion_mask = np.asarray(out["completion_mask"]).astype(np.int32)
+        return generation.Generated(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                 completion_mask, np.asarray(out["finished"]).astype(bool),
+                                 self._texts(completion_ids, completion_mask))
+
     def rollout(self, step: int, state: dict, prompts: dict) -> tuple[dict, dict]:
         """Prompts batch -> (training batch of numpy arrays, host metrics)."""
         algo = self.algorithm
         c, g = algo.cfg, algo.cfg.num_generations
-        prompt_ids = np.repeat(np.asarray(prompts["prompt_ids"]), g, axis=0)
-        prompt_mask = np.repeat(np.asarray(prompts["prompt_mask"]), g, axis=0)
         index = np.repeat(np.asarray(prompts["index"]), g, axis=0)
         _, states = algo.policy_view(self.graphdef, state["params"], self.frozen["model"])
         rng = jax.random.fold_in(jax.random.key(self.seed), step)
-        out = jax.device_get(self._sample(tuple(states), prompt_ids, prompt_mask, rng,
-                                          jnp.float32(c.temperature), jnp.float32(c.top_p),
-                                          self.stop_ids, self.lm.tokenizer.vocab_size))
-        completion_ids = np.asarray(out["completion_ids"])
-        completion_mask = np.asarray(out["completion_mask"]).astype(np.int32)
-        finished = np.asarray(out["finished"]).astype(bool)
-        texts = self._texts(completion_ids, completion_mask)
-        scores, metrics, per_fn = self._rewards(prompt_ids, prompt_mask, completion_ids,
-                                                completion_mask, texts, index)
-        loss_mask = completion_mask * (finished[:, None] if c.mask_truncated_completions else 1)
-        width = prompt_ids.shape[1]
+        gen = self.generate(states, rng, prompts, g)
+        scores, metrics, per_fn = self._rewards(gen, index)
+        finished = gen.finished
+        # tool results carry no loss and are out of the ratios (TRL's tool_mask)
+        loss_mask = gen.model_mask * (finished[:, None] if c.mask_truncated_completions else 1)
+        width, shape = gen.prompt_ids.shape[1], gen.completion_ids.shape
         batch = {
-            "input_ids": np.concatenate([prompt_ids, completion_ids], axis=1),
-            "attention_mask": np.concatenate([prompt_mask, completion_mask], axis=1),
-            "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
+            "input_ids": np.concatenate([gen.prompt_ids, gen.completion_ids], axis=1),
+            "attention_mask": np.concatenate([gen.prompt_mask, gen.completion_mask], axis=1),
+            "loss_mask": np.concatenate([np.zeros_like(gen.prompt_mask), loss_mask], axis=1),
             # only the completion's positions go through the vocabulary projection
-            "positions": np.broadcast_to(np.arange(width, width + completion_ids.shape[1],
-                                                   dtype=np.int32), completion_ids.shape).copy(),
+            "positions": np.broadcast_to(np.arange(width, width + shape[1], dtype=np.int32),
+                                         shape).copy(),
         }
-        metrics.update(_completion_metrics(completion_mask, finished))
+        metrics.update(generation.completion_metrics(gen.model_mask, finished), **gen.metrics)
         batch, extra = algo.make_batch(batch, scores, finished, self, state)
         metrics.update(extra)
-        self.sample = self._sample_rows(prompt_ids, prompt_mask, texts, scores, per_fn,
-                                        batch.get("advantages"))
+        self.sample = self._sample_rows(gen, scores, per_fn, batch.get("advantages"))
         return batch, metrics
 
-    def _sample_rows(self, prompt_ids, prompt_mask, texts, scores, per_fn, advantages):
+    def _sample_rows(self, gen, scores, per_fn, advantages):
         rows = []
-        for i in range(min(self.algorithm.cfg.log_completions, len(texts))):
-            row = {"prompt": self.lm.tokenizer.decode([int(t) for t, m in
-                                                       zip(prompt_ids[i], prompt_mask[i]) if m]),
-                   "completion": texts[i], "reward": float(scores[i])}
+        for i in range(min(self.algorithm.cfg.log_completions, len(gen.texts))):
+            row = {"prompt": self.lm.tokenizer.decode(
+                       [int(t) for t, m in zip(gen.prompt_ids[i], gen.prompt_mask[i]) if m]),
+                   "completion": gen.texts[i], "reward": float(scores[i])}
             row.update({f"rewards/{name}": float(v[i]) for name, v in per_fn.items()})
             if advantages is not None and np.ndim(advantages) == 1:
                 row["advantage"] = float(advantages[i])
@@ -335,18 +351,20 @@ class Rollouts:
                 ) from None
         return out
 
-    def score(self, src, index, prompt_ids, prompt_mask, completion_ids, completion_mask, texts):
+    def score(self, src, index, prompt_ids, prompt_mask, completion_ids, completion_mask, texts,
+              conversations=None):
         """Completions of the records of ``src`` at ``index`` -> ([B] weighted reward sum,
         {function name: [B] rewards, NaN where it does not apply}) (``rewards.score_batch``).
         Rollouts score with it, and evaluation scores greedy answers to held-out prompts."""
         return rewards_lib.score_batch(self.reward_fns, self.reward_weights, src, index,
                                        prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                       texts, self.trainer_state)
+                                       texts, self.trainer_state, conversations)
 
-    def _rewards(self, prompt_ids, prompt_mask, completion_ids, completion_mask, texts, index):
+    def _rewards(self, gen, index):
         """[B] weighted reward sum, the per-function metrics, the per-function rewards."""
-        total, per_fn = self.score(self.train_src, index, prompt_ids, prompt_mask, completion_ids,
-                                   completion_mask, texts)
+        total, per_fn = self.score(self.train_src, index, gen.prompt_ids, gen.prompt_mask,
+                                   gen.completion_ids, gen.model_mask, gen.texts,
+                                   gen.conversations)
         metrics = {}
         for name, values in per_fn.items():
             applies = values[np.isfinite(values)]
@@ -390,26 +408,3 @@ class Rollouts:
         out = self._logps_jit(state["params"], self.frozen, batch["input_ids"],
                               batch["attention_mask"], batch["positions"], with_old, with_ref)
         return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
-
-
-def _completion_metrics(mask, finished) -> dict:
-    lengths = mask.sum(axis=1).astype(np.float32)
-    done = lengths[finished]
-    return {
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(1.0 - finished.mean()),
-        "completions/mean_terminated_length": float(done.mean()) if len(done) else 0.0,
-        "completions/min_terminated_length": float(done.min()) if len(done) else 0.0,
-        "completions/max_terminated_length": float(done.max()) if len(done) else 0.0,
-    }
-
-
-def _means(rows: list[dict]) -> dict:
-    """Per-key mean of host-side metrics (rollouts) since the last log, NaN-ignoring."""
-    out = {}
-    for key in sorted({k for r in rows for k in r}):
-        values = [r[key] for r in rows if key in r and np.isfinite(r[key])]
-        out[key] = float(np.mean(values)) if values else float("nan")
-    return out

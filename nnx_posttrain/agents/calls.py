@@ -1,0 +1,90 @@
+"""Tool calls in generated text, and the tokens that hand their results back to the model.
+
+``parse(text, fmt)`` reads the calls of one assistant turn as the chat format writes them
+(``nnx_posttrain.chat``): Qwen's ``<tool_call>{"name", "arguments"}</tool_call>`` blocks, Llama 3.1's
+and the gemma convention's ``{"name", "parameters"}`` JSON object. ``continuation(fmt, results)``
+is the text the format puts between the end of that turn and the next assistant turn: the
+``tool`` messages with the results, then the generation prompt (what TRL's
+``_get_tool_suffix_ids`` cuts out of a rendered conversation; here rendered by ``chat.render``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from nnx_posttrain import chat
+
+_QWEN_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+
+class Malformed(ValueError):
+    """A turn that tries to call a tool but whose call cannot be read (the message says why)."""
+
+
+def _call(obj, key: str) -> dict:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise Malformed('a tool call must be a JSON object with a "name" string')
+    arguments = obj.get(key, obj.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise Malformed(f'tool call {obj["name"]!r}: "{key}" is a string that is not '
+                            "JSON") from None
+    if not isinstance(arguments, dict):
+        raise Malformed(f'tool call {obj["name"]!r}: "{key}" must be an object')
+    return {"name": obj["name"], "arguments": arguments}
+
+
+def _qwen(text: str) -> list[dict]:
+    calls = []
+    for body, end in _QWEN_CALL.findall(text):
+        if not end:
+            raise Malformed("a <tool_call> block is not closed")
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as exc:
+            raise Malformed(f"a <tool_call> block is not JSON ({exc.msg})") from None
+        calls.append(_call(obj, "arguments"))
+    return calls
+
+
+def _json_object(text: str) -> list[dict]:
+    """Llama 3.1 (the whole turn, after an optional <|python_tag|>) and gemma (the first line
+    that opens a JSON object): one call."""
+    text = text.replace("<|python_tag|>", "")
+    start = next((m.start() for m in re.finditer(r"(?m)^\s*\{", text)), None)
+    if start is None:
+        return []
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(text[start:].lstrip())
+    except json.JSONDecodeError as exc:
+        raise Malformed(f"the tool call is not JSON ({exc.msg})") from None
+    return [_call(obj, "parameters")]
+
+
+def parse(text: str, fmt: str) -> list[dict]:
+    """The tool calls ({'name', 'arguments'}) of one assistant turn in chat format ``fmt`` ([]
+    for an answer that calls nothing); ``Malformed`` for a call that cannot be read."""
+    if fmt in ("qwen2.5", "qwen3"):
+        return _qwen(text)
+    if fmt in ("llama3.1", "gemma"):
+        return _json_object(text)
+    raise chat.ChatFormatError(f"chat format {fmt!r} has no tool-calling format; formats that "
+                               f"render one: {', '.join(chat.TOOL_FORMATS)}")
+
+
+def continuation(fmt: str, results: list[tuple[str, str]]) -> str:
+    """The text after an assistant turn that called tools: the ``tool`` messages of
+    ``results`` ((tool name, result text), in call order) and the next assistant turn's
+    generation prompt, as ``chat.render`` writes them."""
+    calls = [{"name": name, "arguments": {}} for name, _ in results]
+    if fmt in ("llama3.1", "gemma"):  # one call per turn in these formats
+        calls = calls[:1]
+    turn = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": calls}]
+    tools = [{"role": "tool", "name": name, "content": content} for name, content in results]
+    segments = chat.render(turn + tools, fmt, add_generation_prompt=True)
+    last = max(i for i, (_, is_assistant) in enumerate(segments) if is_assistant)
+    return "".join(text for text, _ in segments[last + 1:])

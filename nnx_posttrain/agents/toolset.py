@@ -1,0 +1,163 @@
+"""The tools of a run: functions (``--algo.tools module:function,...``) and environments
+(``--algo.environment module:Class``, or ``name=module:Class,...`` chosen by each record's
+``environment`` column), with TRL 1.16's semantics (``GRPOTrainer(tools=...,
+environment_factory=...)``):
+
+- one environment instance per rollout (instances are kept and ``reset`` between rollouts);
+  ``reset(**record)`` gets the record's columns and may return text appended to the last user
+  message; its public methods (not ``reset``, not ``get_reward``) are tools beside the functions;
+- an environment's ``get_reward()`` (optional) scores each finished rollout from its state: a
+  reward function named after the class, beside ``--algo.rewards``;
+- a call runs with a time limit (``--algo.tool-timeout``); a result is written as ``str(result)``,
+  a failure (an exception, an unknown tool, a malformed call, the time limit) as
+  ``str({"error": message})``, TRL's text, and counted in ``tools/failure_frequency``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+
+from nnx_posttrain import errors
+from nnx_posttrain.agents.schema import SchemaError, function_schema
+
+
+def _load(spec: str, what: str):
+    module_name, _, attr = spec.strip().partition(":")
+    if not module_name or not attr:
+        raise errors.ConfigError(f"{what} {spec!r}: expected 'module:name' (an importable "
+                                 "module and a name in it)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure names the module
+        raise errors.ConfigError(f"{what} {spec!r}: cannot import {module_name!r} "
+                                 f"({type(exc).__name__}: {exc})") from None
+    if not hasattr(module, attr):
+        raise errors.ConfigError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def _specs(text: str | None) -> list[str]:
+    return [s.strip() for s in (text or "").split(",") if s.strip()]
+
+
+def environment_methods(instance) -> list:
+    """An environment's tools: its public methods other than ``reset`` and ``get_reward``."""
+    return [member for name, member in inspect.getmembers(instance, inspect.ismethod)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+class Toolset:
+    """The functions and environment classes of a run (see the module docstring)."""
+
+    def __init__(self, tools: str | None = None, environment: str | None = None,
+                 timeout: float = 10.0):
+        self.functions = [_load(s, "--algo.tools") for s in _specs(tools)]
+        self.timeout = timeout
+        self.environments: dict[str | None, type] = {}
+        for spec in _specs(environment):
+            name, _, target = spec.rpartition("=")
+            self.environments[name or None] = _load(target, "--algo.environment")
+        if None in self.environments and len(self.environments) > 1:
+            raise errors.ConfigError("--algo.environment: give one 'module:Class', or name each "
+                                     "class ('name=module:Class,...', chosen by the records' "
+                                     "'environment' column)")
+        self._pool: dict[str | None, list] = {name: [] for name in self.environments}
+        self._schemas = {}
+        for fn in self.functions:
+            self._schemas[fn] = self._schema(fn, "--algo.tools")
+        for name, cls in self.environments.items():
+            if not callable(getattr(cls, "reset", None)):
+                raise errors.ConfigError(f"--algo.environment {cls.__name__}: an environment "
+                                         "needs a reset(**record) method")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.functions or self.environments)
+
+    @staticmethod
+    def _schema(fn, what):
+        try:
+            return function_schema(fn)
+        except SchemaError as exc:
+            raise errors.ConfigError(f"{what}: {exc}") from None
+
+    def rewarding(self) -> list[tuple[str, type]]:
+        """(class name, class) of the environments that score rollouts (``get_reward``)."""
+        return [(cls.__name__, cls) for cls in self.environments.values()
+                if callable(getattr(cls, "get_reward", None))]
+
+    def check_record(self, record: dict) -> None:
+        """``DataError`` naming the record for a multi-environment record whose ``environment``
+        column is missing or names no class."""
+        if not self.environments or None in self.environments:
+            return
+        name = record.get("environment")
+        if name not in self.environments:
+            where = record.get("_where", "a record")
+            raise errors.DataError(f"{where}: field 'environment' is {name!r}; the run's "
+                                   f"environments are {sorted(self.environments)}")
+
+    def open(self, records: list[dict]) -> list["Episode"]:
+        """One episode per rollout row: its environment instance (from the pool, ``reset`` with
+        the record's columns), its tools and their schemas, and the text ``reset`` returned."""
+        taken: dict[str | None, int] = {}
+        out = []
+        for record in records:
+            instance, observation = None, None
+            if self.environments:
+                self.check_record(record)
+                name = record.get("environment") if None not in self.environments else None
+                pool, k = self._pool[name], taken.get(name, 0)
+                if k == len(pool):
+                    pool.append(self.environments[name]())
+                taken[name], instance = k + 1, pool[k]
+                columns = {key: value for key, value in record.items()
+                           if not key.startswith("_") and not (key == "environment"
+                                                               and None not in self.environments)}
+                observation = instance.reset(**columns)
+            methods = environment_methods(instance) if instance is not None else []
+            functions = list(self.functions) + methods
+            schemas = [self._schemas[fn] for fn in self.functions] + [
+                self._method_schema(type(instance), m) for m in methods]
+            out.append(Episode(instance, {fn.__name__: fn for fn in functions}, schemas,
+                               observation, self.timeout))
+        return out
+
+    def _method_schema(self, cls, method) -> dict:
+        key = (cls, method.__name__)
+        if key not in self._schemas:
+            self._schemas[key] = self._schema(method, f"--algo.environment {cls.__name__}")
+        return self._schemas[key]
+
+
+class Episode:
+    """One rollout's tools: ``call(name, arguments) -> (text, failed)``."""
+
+    def __init__(self, environment, tools: dict, schemas: list[dict], observation, timeout):
+        self.environment, self.tools, self.schemas = environment, tools, schemas
+        self.observation, self.timeout = observation, timeout
+
+    def call(self, name: str, arguments: dict) -> tuple[str, bool]:
+        """The result's text (``str(result)``) and False, or the failure's text
+        (``str({"error": ...})``) and True: an unknown tool, an exception, the time limit."""
+        fn = self.tools.get(name)
+        if fn is None:
+            return str({"error": f"Tool {name} not found."}), True
+        box: dict = {}
+
+        def run():
+            try:
+                box["result"] = fn(**arguments)
+            except Exception as exc:  # noqa: BLE001 - a tool's failure is text for the model
+                box["error"] = str(exc)
+
+        worker = threading.Thread(target=run, daemon=True, name=f"tool {name}")
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():  # left running (a thread cannot be stopped); its result is dropped
+            return str({"error": f"Tool {name} timed out after {self.timeout:g} s."}), True
+        if "error" in box:
+            return str({"error": box["error"]}), True
+        return str(box.get("result")), False
