@@ -108,3 +108,6 @@ def test_the_table_compares_each_row_with_the_direct_answers(tmp_path):
     assert rows[3][5] == "0.90 → 1.00" and rows[3][6] == "0.20 → 0.00" and rows[2][4] == ""
     assert stats["grpo_tools"]["vs_baseline"]["diff"] == pytest.approx(0.90)
     assert stats["grpo_tools"]["vs_baseline"]["significant"] and len(columns) == len(rows[0])
+    assert stats["grpo_vs_sft_tools"]["diff"] == pytest.approx(0.15)
+    assert A.reading(stats).startswith("GRPO with the tool against its SFT start: held-out exact "
+                                       "match +15.0 [")

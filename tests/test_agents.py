@@ -294,6 +294,7 @@ def agent_run(algorithm, tmp_path, prompts_file, *extra):
                      "--run-dir", tmp_path / algorithm, *extra, recipe=False)
 
 
+@pytest.mark.slow
 def test_grpo_with_an_environment_masks_tool_results_and_scores_from_its_state(
         tmp_path, prompts_file, calling):
     import jax
@@ -354,3 +355,43 @@ def test_rloo_runs_tools_and_the_other_online_methods_refuse_them(tmp_path, prom
     assert "chat format 'llama3' has no tool-calling format" in message
     assert "needs --algo.rewards" in refusal("grpo", "--algo.environment", "agent_tools:Quiet",
                                               recipe=False)
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"prompt": "What is 2 x 3?"}\n')
+    assert f"{text}:1: field 'prompt' must be a conversation" in refusal(
+        "grpo", "--data", str(text), "--algo.tools", "agent_tools:multiply", "--algo.rewards",
+        "length", recipe=False)
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_samples_tool_calling_exchanges(tmp_path, monkeypatch, calling):
+    """The student's samples go through the same loop: results out of the loss."""
+    from nnx_posttrain.agents import loop
+    from nnx_posttrain.algorithms import distill
+    from support import FAST_STEPS, MICRO, train_run
+
+    monkeypatch.setattr(loop.calls_lib, "parse",
+                        lambda text, fmt: [{"name": "multiply", "arguments": {"a": 3, "b": 4}}])
+    batches = []
+    real = distill.MixedBatches._completed
+
+    def completed(self, batch, generate_from):
+        batches.append(real(self, batch, generate_from))
+        return batches[-1]
+    monkeypatch.setattr(distill.MixedBatches, "_completed", completed)
+    path = tmp_path / "tools.jsonl"
+    record = {"messages": [{"role": "user", "content": "What is 3 x 4?"},
+                           {"role": "assistant", "content": "12"}],
+              "tools": [function_schema(agent_tools.multiply)]}
+    path.write_text((json.dumps(record) + "\n") * 8)
+    result = train_run("distill", *MICRO, *FAST_STEPS, "--steps", "1", "--init-from", "",
+                       "--data", str(path), "--batching.max-length", "700",
+                       "--algo.teacher", "gemma_micro", "--algo.max-completion-length", "48",
+                       "--algo.tools", "agent_tools:multiply",
+                       "--algo.max-tool-calling-iterations", "1", "--run-dir", tmp_path / "run",
+                       recipe=False)
+    suffix = len(result.lm.tokenizer.encode(agents.continuation("gemma", [("multiply", "12")])))
+    mask, attention = np.asarray(batches[0]["loss_mask"]), np.asarray(batches[0]["attention_mask"])
+    start = int(mask[0].argmax())
+    assert attention[0].sum() - start == 2 + suffix  # one token, the result, one token
+    assert mask[0, start:start + 2 + suffix].tolist() == [1] + [0] * suffix + [1]
+    assert result.train[0]["completions/mean_length"] == 2.0

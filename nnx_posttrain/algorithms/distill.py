@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import errors, model
+from nnx_posttrain import agents, errors, model
 from nnx_posttrain.algorithms.base import (USER_DATA, AlgorithmBase, DatasetBatches, Inputs,
                                            RunContext, eval_loss_batches, merged)
 from nnx_posttrain.algorithms.registry import register
@@ -57,6 +57,12 @@ class DistillConfig:
     """The student samples from its k most likely tokens only; 0 = off."""
     top_p: float = 1.0
     """The student's nucleus sampling threshold; 1.0 = off."""
+    tools: str = ""
+    """Functions the sampling model may call, 'module:function,...' (as GRPO's; the schemas come from the data's 'tools' column, in its prompts): the samples are tool-calling exchanges, the results out of the loss."""
+    max_tool_calling_iterations: int | None = None
+    """Tool-calling turns per sample at most; default: until max_completion_length is used up."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may run; past it the call fails (its error is the model's result)."""
 
 
 @register
@@ -96,6 +102,9 @@ class Distill(AlgorithmBase):
         if c.max_completion_length < 1:
             problems.append(f"--algo.max-completion-length must be >= 1, got "
                             f"{c.max_completion_length}")
+        if c.tool_timeout <= 0:
+            problems.append(f"--algo.tool-timeout must be > 0, got {c.tool_timeout}")
+        agents.Toolset(c.tools)  # importable, documented: before the model loads
         if problems:
             raise errors.ConfigError("; ".join(problems))
 
@@ -204,7 +213,12 @@ class MixedBatches(DatasetBatches):
         c, b = algorithm.cfg, run.cfg.batching
         self.lm, self.seed, self.length = run.lm, run.cfg.seed, b.max_length
         self.graphdef, self.frozen = run.graphdef, run.frozen
-        sampler.check_generation(run.lm.module, b.batch_size, b.max_length, c.max_completion_length,
+        self.toolset = agents.Toolset(c.tools, timeout=c.tool_timeout)
+        self.loop = (agents.ToolLoop(run.lm, c.max_completion_length,
+                                     c.max_tool_calling_iterations)
+                     if self.toolset.enabled else None)
+        context = b.max_length + (c.max_completion_length if self.loop else 0)
+        sampler.check_generation(run.lm.module, b.batch_size, context, c.max_completion_length,
                                  "--algo.max-completion-length", run.cfg.memory_check)
         policy_graphdef, _ = algorithm.policy_view(run.graphdef, params, run.frozen["model"])
         pad_id = run.lm.tokenizer.pad_id
@@ -225,31 +239,45 @@ class MixedBatches(DatasetBatches):
         if on_policy:
             _, states = self.algorithm.policy_view(self.graphdef, state["params"],
                                                    self.frozen["model"])
-            return self._completed(batch, lambda p, m: self.sample(
-                tuple(states), p, m, key, jnp.float32(c.temperature), jnp.float32(c.top_p),
-                self.stop_ids, self.lm.tokenizer.vocab_size))
+            return self._completed(batch, lambda p, m, budget, turn: self.sample(
+                tuple(states), p, m, jax.random.fold_in(key, turn) if turn else key,
+                jnp.float32(c.temperature), jnp.float32(c.top_p), self.stop_ids,
+                self.lm.tokenizer.vocab_size, budget))
         if c.seq_kd:  # greedy: the teacher's mode, as sequence-level KD approximates it
-            return self._completed(batch, lambda p, m: self.teacher_sample(
+            return self._completed(batch, lambda p, m, budget, turn: self.teacher_sample(
                 (self.frozen["partner"],), p, m, key, jnp.float32(0.0), jnp.float32(1.0),
-                self.stop_ids, self.lm.tokenizer.vocab_size))
+                self.stop_ids, self.lm.tokenizer.vocab_size, budget))
         return batch
+
+    def _generated(self, prompts, generate_from) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(completion ids, loss mask) of each prompt: one sampler call, or with tools the
+        tool-calling loop (the results' tokens out of the loss)."""
+        def sample(ids, mask, budget, turn):
+            return jax.device_get(generate_from(ids, mask, budget, turn))
+        if self.loop is not None:
+            ex = self.loop(sample, prompts, self.toolset.open([{} for _ in prompts]))
+            return [(row[m > 0], learn[m > 0]) for row, m, learn in
+                    zip(ex.completion_ids, ex.completion_mask, ex.tool_mask)]
+        prompt_ids, prompt_mask = sampler.pad_prompts(prompts, self.lm.tokenizer.pad_id)
+        out = sample(prompt_ids, prompt_mask, None, 0)
+        return [(np.asarray(row)[m.astype(bool)], np.ones(int(m.sum()), np.int32))
+                for row, m in zip(out["completion_ids"], np.asarray(out["completion_mask"]))]
 
     def _completed(self, batch: dict, generate_from) -> dict:
         """``batch`` with each row's completion replaced by what ``generate_from(prompt_ids,
-        prompt_mask)`` generates from its prompt (cut at --batching.max-length)."""
+        prompt_mask, budget, turn)`` (a sampler call) generates from its prompt (cut at
+        --batching.max-length)."""
         ids, loss_mask = np.asarray(batch["input_ids"]), np.asarray(batch["loss_mask"])
         starts = np.where(loss_mask.any(axis=1), loss_mask.argmax(axis=1), 0)
-        prompts = [list(row[:max(int(s), 1)]) for row, s in zip(ids, starts)]
-        prompt_ids, prompt_mask = sampler.pad_prompts(prompts, self.lm.tokenizer.pad_id)
-        out = jax.device_get(generate_from(prompt_ids, prompt_mask))
+        prompts = [[int(t) for t in row[:max(int(s), 1)]] for row, s in zip(ids, starts)]
         rows = np.full_like(ids, self.lm.tokenizer.pad_id)
         attention, mask = np.zeros_like(ids), np.zeros_like(loss_mask)
-        for i, (prompt, done) in enumerate(zip(prompts, np.asarray(out["completion_mask"]))):
-            completion = np.asarray(out["completion_ids"][i])[done.astype(bool)]
+        for i, (prompt, (completion, learn)) in enumerate(
+                zip(prompts, self._generated(prompts, generate_from))):
             row = np.concatenate([prompt, completion])[:self.length]
             rows[i, :len(row)], attention[i, :len(row)] = row, 1
-            mask[i, len(prompt):len(row)] = 1
-            self.lengths.append(len(row) - len(prompt))
+            mask[i, len(prompt):len(row)] = learn[:len(row) - len(prompt)]
+            self.lengths.append(int(mask[i].sum()))
         return dict(batch, input_ids=rows, attention_mask=attention, loss_mask=mask)
 
     def host_metrics(self):

@@ -169,7 +169,7 @@ class AbstractRollouts(Rollouts):
     def _texts(self, ids, mask):
         return [""] * len(ids)
 
-    def _rewards(self, prompt_ids, prompt_mask, completion_ids, completion_mask, texts, index):
-        n = len(prompt_ids)
+    def _rewards(self, gen, index):
+        n = len(gen.prompt_ids)
         self.rewards_per_func = np.zeros((n, len(self.reward_fns)), np.float32)
         return np.zeros(n, np.float32), {}, {}

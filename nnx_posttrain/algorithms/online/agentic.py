@@ -54,7 +54,8 @@ class ToolRollouts:
                 self.tools.rewarding()]
 
     def encode(self, record: dict, episode) -> list[int]:
-        """A record's prompt with the tools' schemas (and the record's own ``tools`` column),
+        """A record's prompt with the tools' schemas (after the record's own ``tools`` column; a
+        run's tool of the same name is not listed twice),
         the environment's ``reset`` text appended to the last user message; the end kept when
         longer than the prompt limit (BOS first), as the data pipeline keeps it."""
         prompt = record.get("prompt")
@@ -66,7 +67,9 @@ class ToolRollouts:
         if episode.observation is not None:
             last = prompt[-1]
             prompt = prompt[:-1] + [dict(last, content=last["content"] + episode.observation)]
-        schemas = (data.formats.record_tools(record) or []) + episode.schemas
+        own = data.formats.record_tools(record) or []  # the record's tools column first
+        named = {t.get("function", {}).get("name") for t in own}
+        schemas = own + [t for t in episode.schemas if t["function"]["name"] not in named]
         try:
             segments = chat.render(prompt, self.lm.chat_format, add_generation_prompt=True,
                                    tools=schemas or None)

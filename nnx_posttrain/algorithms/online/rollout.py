@@ -92,8 +92,12 @@ class OnlineAlgorithm(AlgorithmBase):
         train, held_out = super().open_sources(run_cfg)
         if self.cfg.rewards.strip():  # else the environments score (checked in __init__)
             rewards_lib.check(self.cfg, train, run_cfg.data)
-        for i in range(min(len(train), 100)):  # multi-environment runs: an 'environment' column
-            self.toolset.check_record(train[i])
+        for i in range(min(len(train), 100) if self.toolset.enabled else 0):
+            self.toolset.check_record(train[i])  # multi-environment runs: the class it names
+            if "prompt" in train[i] and not isinstance(train[i]["prompt"], list):
+                raise errors.DataError(f"{train[i].get('_where', f'record {i}')}: field 'prompt' "
+                                       "must be a conversation (a list of messages) for a run "
+                                       "with tools: the tools go into its chat template")
         return train, held_out
 
     def settings_for_data(self, run_cfg, echo):
