@@ -349,6 +349,14 @@ def _merge(segments):
     return merged
 
 
+def turn_end(fmt: str) -> str:
+    """What the format's template writes after an assistant message's content: its end-of-turn
+    marker and whatever follows the turn (Gemma's ``<end_of_turn>\n``): the end of every
+    sequence a reward model is trained on."""
+    text = to_text([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], fmt)
+    return text[text.rindex("y") + 1:]
+
+
 def to_text(messages, fmt: str, add_generation_prompt: bool = False,
             tools: list | None = None) -> str:
     return "".join(t for t, _ in render(messages, fmt, add_generation_prompt, tools))

@@ -10,7 +10,9 @@ Reads each run's ``config.json`` and ``metrics.jsonl`` and prints
 (b) the scores of ``--eval-only`` commands, apart: one row per record with the checkpoint, the
     data and the settings it scored (never a run's own final or best: they may be other data);
 (c) the config keys (flattened, dotted) whose values differ between runs, as a table key x run
-    (``run_dir`` is left out: it always differs and names the column already).
+    (``run_dir`` is left out: it always differs and names the column already);
+(d) the lm-evaluation-harness scores (``nnx-posttrain eval``) and win rates (``nnx-posttrain
+    judge``) written into the runs, where there are any.
 Writes one PNG per chosen metric (one colour per run; train solid, eval dashed with markers) into
 ``--out`` (default: ``compare/`` in the runs' common parent directory) and prints the paths.
 ``--metrics`` chooses the metrics of the table and the plots; by default the table has every eval
@@ -191,6 +193,39 @@ def eval_only_table(runs: list[Run], metrics: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def benchmark_table(runs: list[Run]) -> str:
+    """Markdown: the lm-evaluation-harness scores written into the runs (``nnx-posttrain eval``:
+    RUN/lm_eval/step_<S>.json), one row per run, step, task and metric; '' if there is none."""
+    from nnx_posttrain.harness.evaluate import scores
+
+    lines = []
+    for r in runs:
+        for path in sorted((r.path / "lm_eval").glob("step_*.json"),
+                           key=lambda p: int(p.stem.split("_")[1])):
+            for task, metric, value, stderr in scores(json.loads(path.read_text())):
+                lines.append(f"| {r.label} | {path.stem.split('_')[1]} | {task} | {metric} | "
+                             f"{_fmt(value)}" + (f" ± {_fmt(stderr)}" if stderr else "") + " |")
+    if not lines:
+        return ""
+    return "\n".join(["| run | step | task | metric | value |", "|---|---|---|---|---|", *lines])
+
+
+def win_rate_table(runs: list[Run]) -> str:
+    """Markdown: the win rates written into the runs (``nnx-posttrain judge``: RUN/judge/*.json),
+    one row per run and opponent; '' if there is none."""
+    lines = []
+    for r in runs:
+        for path in sorted((r.path / "judge").glob("*.json")):
+            j = json.loads(path.read_text())
+            lines.append(f"| {r.label} | {j['run_b']} | {j['judge']} | "
+                         f"{100 * j['win_rate']:.1f}% [{100 * j['low']:.1f}, "
+                         f"{100 * j['high']:.1f}] | {j['wins']} / {j['losses']} / {j['ties']} |")
+    if not lines:
+        return ""
+    return "\n".join(["| run | against | judge | win rate (ties half) [95% CI] | "
+                      "wins / losses / ties |", "|---|---|---|---|---|", *lines])
+
+
 def config_diff(runs: list[Run], ignore=("run_dir", "resume_changed")) -> dict[str, list]:
     """{dotted key: [value per run]} for the keys whose values differ (a key a run lacks counts as
     different and shows as '-'). Left out: where a run writes (``run_dir``), what a resume of it
@@ -289,11 +324,17 @@ def compare(paths, metrics: list[str] | None = None, out: str | Path | None = No
     summary = summary_table(runs, metrics)
     apart = eval_only_table(runs, metrics)
     diff = config_diff_table(runs)
+    benchmarks, wins = benchmark_table(runs), win_rate_table(runs)
     plots = plot(runs, metrics or default_plot_metrics(runs), out)
     echo("## Eval metrics\n\n" + summary + "\n")
     if apart:
         echo("## Eval-only scores\n\n--eval-only commands, not the runs' own evaluations: each "
              "names the data and settings it scored.\n\n" + apart + "\n")
+    if benchmarks:
+        echo("## Benchmarks (lm-evaluation-harness: nnx-posttrain eval)\n\n" + benchmarks + "\n")
+    if wins:
+        echo("## Win rates (nnx-posttrain judge)\n\n" + wins + "\n")
     echo("## Config differences\n\n" + diff + "\n")
     echo("plots:" + "".join(f"\n  {p}" for p in plots) if plots else "plots: none (metrics not logged)")
-    return {"summary": summary, "eval_only": apart, "config_diff": diff, "plots": plots}
+    return {"summary": summary, "eval_only": apart, "config_diff": diff, "plots": plots,
+            "benchmarks": benchmarks, "win_rates": wins}

@@ -24,7 +24,7 @@ LAYERS = [
     {"sampling", "agents"},
     {"algorithms"},
     {"tasks"},
-    {"runs", "inspection", "export", "compare"},
+    {"runs", "inspection", "export", "compare", "harness"},
     {"train"},
     {"plan"},
     {"api"},

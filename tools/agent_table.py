@@ -167,13 +167,8 @@ def main(argv=None) -> dict:
         f"held-out problems ({args.reps} resamples)."]
     command_line = "python -m tools.agent_table " + " ".join(
         argv if argv is not None else sys.argv[1:])
-    print(readme.render({"name": args.record, "command": command_line.strip(), "commit": "",
-                         "date": "", "machine": "", "columns": columns, "rows": rows,
-                         "notes": notes}))
-    if args.record != "none":
-        path = readme.record(args.record, command_line.strip(), columns, rows, notes,
-                             data={"stats": stats, "seeds": args.seeds})
-        print(f"written {path}; render it into the docs with python -m tools.results")
+    readme.publish(args.record, command_line.strip(), columns, rows, notes,
+                   data={"stats": stats, "seeds": args.seeds})
     return stats
 
 

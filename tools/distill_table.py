@@ -207,12 +207,8 @@ def main(argv=None) -> dict:
         "mean over seeds. Wall time per run "
         + ("with one run at a time." if args.jobs <= 1 else f"with {args.jobs} runs at a time.")]
     command = "python -m tools.distill_table " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(readme.render({"name": args.record, "command": command.strip(), "commit": "", "date": "",
-                         "machine": "", "columns": columns, "rows": rows, "notes": notes}))
-    if args.record != "none":
-        path = readme.record(args.record, command.strip(), columns, rows, notes,
-                             data={"stats": stats, "seeds": args.seeds})
-        print(f"written {path}; render it into the docs with python -m tools.results")
+    readme.publish(args.record, command.strip(), columns, rows, notes,
+                   data={"stats": stats, "seeds": args.seeds})
     return stats
 
 

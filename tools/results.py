@@ -86,6 +86,20 @@ def pending(name: str, command: str, reason: str) -> Path:
     return path
 
 
+def publish(name: str, command: str, columns: list[str], rows: list[list], notes: list[str] = (),
+            data: dict | None = None, echo=print) -> Path | None:
+    """What a table tool ends with: the table printed, and unless ``name`` is 'none' recorded
+    (``record``); the path written, or None."""
+    echo(render({"name": name, "command": command, "commit": "", "date": "", "machine": "",
+                 "columns": columns, "rows": [[str(c) for c in r] for r in rows],
+                 "notes": list(notes)}))
+    if name == "none":
+        return None
+    path = record(name, command, columns, rows, notes, data)
+    echo(f"written {path}; render it into the pages with python -m tools.results")
+    return path
+
+
 def render(result: dict) -> str:
     """The Markdown of one result: the table, then how it was measured."""
     if result.get("pending"):

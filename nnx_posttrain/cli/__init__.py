@@ -9,6 +9,8 @@ and ``python -m experiments[.ALGORITHM]``.
     nnx-posttrain inspect RUN              what a checkpoint holds
     nnx-posttrain plan ALGORITHM --topology v5e-16 [options]   a run's step compiled for a TPU
                                            topology on this host: memory per device, FLOPs
+    nnx-posttrain eval RUN --tasks T1,T2   lm-evaluation-harness tasks on a checkpoint
+    nnx-posttrain judge RUN_A RUN_B --prompts FILE   win rate of A's answers against B's
 
 This package is the library's one user that owns the process: ``main`` alone turns a
 ``UserError`` into ``error: MESSAGE`` and exit status 1, a stop signal into 128 + its number,
@@ -39,6 +41,8 @@ TOOLS = {
     "sweep": ("sweep", "a grid of runs, one process per point, resumable"),
     "inspect": ("inspect_command", "what a run's checkpoint holds"),
     "plan": ("plan_command", "a run's step compiled for a TPU topology here: memory per device"),
+    "eval": ("eval_command", "a run's checkpoint through lm-evaluation-harness tasks"),
+    "judge": ("judge_command", "win rate of one run's answers against another's, under a judge"),
 }
 
 

@@ -66,11 +66,12 @@ CONTEXT_LENGTHS = {
 
 def generation_bytes(module, batch: int, prompt_length: int, max_new_tokens: int) -> int:
     """What decoding ``batch`` prompts of ``prompt_length`` tokens for ``max_new_tokens`` tokens
-    allocates beyond the weights: the KV cache of every block, the prompt pass's float32 logits."""
+    allocates beyond the weights: the KV cache of every block, the float32 logits of one
+    position (the prompt pass projects only its last)."""
     heads, head_dim, dtype = _kv_layout(module)
     length = prompt_length + max_new_tokens
     cache = 2 * len(model.decoder_blocks(module)) * batch * heads * length * head_dim
-    return cache * np.dtype(dtype).itemsize + 4 * batch * prompt_length * int(module.vocabulary_size)
+    return cache * np.dtype(dtype).itemsize + 4 * batch * int(module.vocabulary_size)
 
 
 def check_generation(module, batch: int, prompt_length: int, max_new_tokens: int,
@@ -95,7 +96,7 @@ def check_generation(module, batch: int, prompt_length: int, max_new_tokens: int
         fits = max((free - fixed) // per_token, 0)
         raise errors.ConfigError(
             f"{option} {max_new_tokens:,}: decoding {batch} sequences of {total:,} positions needs "
-            f"an estimated {need / GiB:,.2f} GiB (KV cache and prompt logits; "
+            f"an estimated {need / GiB:,.2f} GiB (KV cache and logits; "
             f"nnx_posttrain.sampling.sampler.generation_bytes), and {free / GiB:,.2f} GiB are free; "
             f"at most ~{fits:,} new tokens fit")
 
@@ -154,7 +155,8 @@ def _pass_through_cache(module, fam: _Family, batch: int, length: int):
 
 def _forward(module, fam: _Family, token_ids, caches, index, key_mask, prompt=None):
     """Run ``token_ids`` [B, T] at positions index..index+T-1 through the decoder blocks: float32
-    logits [B, T, vocab] (the path of ``model.token_logprobs``) and the updated caches.
+    logits [B, T, vocab] (the path of ``model.token_logprobs``; for the prompt pass, [B, 1, vocab]:
+    its last position, the only one read) and the updated caches.
 
     KerasHub's blocks compute everything but attention (projections, biases, q/k norms, rotary
     embedding, norms, feed-forward, LoRA); each attention layer's ``_compute_attention`` writes its
@@ -190,6 +192,8 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask, prompt=No
         for block in blocks:
             x, _ = block(x, **{fam.cache_kw: through, fam.index_kw: index})
     h = module.layer_norm(x)
+    if prompt is not None:  # only the last position's prediction is read
+        h = h[:, -1:]
     logits = vocabulary_logits(module.token_embedding, h)
     return logits, tuple(caches)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nnx_posttrain import data, errors
+from nnx_posttrain import chat, data, errors
 
 _INTEGER_IN = re.compile(r"-?\d+")
 
@@ -97,10 +97,29 @@ class RewardModelScore:
         self._score = jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, mask))
         self._state = state
         self.__name__ = Path(run_dir).name
+        fmt = loaded.lm.chat_format  # a completion ends as the reward model's training data did
+        self._end = self.tokenizer.encode(chat.turn_end(fmt))
+        marker = self.tokenizer.token_id(chat.END_OF_TURN[fmt])
+        self._stops = {t for t in (self.tokenizer.eos_id, marker) if t is not None}
 
     def score_tokens(self, ids: np.ndarray, mask: np.ndarray) -> list[float]:
-        """Scores of right-padded token rows ``ids`` [B, L] with attention ``mask``."""
-        return [float(x) for x in np.asarray(self._score(self._state, ids, mask))]
+        """Scores of right-padded (prompt + completion) token rows ``ids`` [B, L] with attention
+        ``mask``. Each row is scored as the chat template ends a conversation, the sequences
+        the reward model was trained on (TRL renders the completion's text in the template):
+        the completion's stop token, if any, replaced by the template's end of turn
+        (``chat.turn_end``: Gemma's ``<end_of_turn>\n``), whose last token the head reads."""
+        rows = []
+        for row, m in zip(np.asarray(ids), np.asarray(mask)):
+            real = [int(t) for t in row[m > 0]]
+            while real and real[-1] in self._stops:
+                real.pop()
+            rows.append(real + self._end)
+        width = -(-max(map(len, rows)) // 16) * 16
+        out_ids = np.zeros((len(rows), width), np.int32)
+        out_mask = np.zeros((len(rows), width), np.int32)
+        for i, row in enumerate(rows):
+            out_ids[i, :len(row)], out_mask[i, :len(row)] = row, 1
+        return [float(x) for x in np.asarray(self._score(self._state, out_ids, out_mask))]
 
 
 def _import(name: str, module_name: str, attr: str):

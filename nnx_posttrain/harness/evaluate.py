@@ -1,0 +1,118 @@
+"""``nnx-posttrain eval RUN_DIR --tasks T1,T2``: a run's checkpoint through lm-evaluation-harness
+(``lm_eval.simple_evaluate`` with ``harness.lm.NNXLM``), its results written into the run.
+
+Tasks are lm-eval's by name (their data must be in the local Hugging Face cache on an offline
+machine), a user's task YAML files (``--include-path DIR``, e.g. ``dataset_path: json`` with
+local ``data_files``), or ``nnx_arithmetic``: the built-in task's held-out problems, answered
+greedily with the chat template and scored by exact match, stripped (the training evaluation's
+``exact_match`` on the same problems, tests/test_harness.py).
+
+Results: ``RUN_DIR/lm_eval/step_<S>.json`` (lm-eval's result JSON: ``results``, ``configs``,
+``versions``, ``n-samples``, ...), shown by ``nnx-posttrain compare`` beside the training metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from nnx_posttrain import data, errors, runs
+
+ARITHMETIC = "nnx_arithmetic"
+
+
+def require():
+    """lm-eval's package, or a ``ConfigError`` naming the extra that installs it."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise errors.ConfigError("evaluation with lm-evaluation-harness needs its package: "
+                                 "pip install -e \".[eval]\" (or pip install lm_eval)") from None
+    return lm_eval
+
+
+def arithmetic_task(directory: Path, limit: int | None = None) -> dict:
+    """The ``nnx_arithmetic`` task's lm-eval config, its data (the built-in held-out problems:
+    question, answer) written as JSON lines under ``directory``."""
+    import nnx_posttrain.tasks  # noqa: F401  (the built-in task's records)
+
+    src = data.source("builtin", "eval", builtin="prompt_only")
+    path = Path(directory) / f"{ARITHMETIC}.jsonl"
+    path.write_text("".join(json.dumps({"question": src[i]["prompt"][0]["content"],
+                                        "answer": src[i]["answer"]}) + "\n"
+                            for i in range(len(src))))
+    return {"task": ARITHMETIC, "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(path)}}, "test_split": "test",
+            "output_type": "generate_until", "doc_to_text": "{{question}}",
+            "doc_to_target": "{{answer}}", "num_fewshot": 0,
+            "generation_kwargs": {"until": [], "max_gen_toks": 8, "do_sample": False},
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean",
+                             "higher_is_better": True,
+                             "regexes_to_ignore": [r"^\s+", r"\s+$"]}],
+            "metadata": {"version": 1.0}}
+
+
+def task_manager(include_path: str | None = None):
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise errors.ConfigError(f"--include-path {include_path}: no such directory")
+    return TaskManager(include_path=include_path)
+
+
+def check_tasks(tasks: list[str], manager) -> None:
+    """``ConfigError`` naming the tasks lm-eval does not know (before the model loads)."""
+    known = set(manager.all_tasks)
+    unknown = [t for t in tasks if t != ARITHMETIC and t not in known]
+    if unknown:
+        raise errors.ConfigError(
+            f"--tasks: unknown to lm-evaluation-harness: {', '.join(unknown)} (a task, group or "
+            f"tag name; {ARITHMETIC} is the built-in task; your own YAML files: --include-path)")
+
+
+def evaluate(run_dir, tasks: list[str], *, limit: int | float | None = None,
+             step: int | None = None, include_path: str | None = None, batch_size: int = 16,
+             apply_chat_template: bool = True, num_fewshot: int | None = None,
+             echo=print) -> dict:
+    """lm-eval's results of ``run_dir``'s checkpoint ``step`` (default: the latest) on ``tasks``,
+    also written to ``run_dir/lm_eval/step_<S>.json`` (whose path is under ``"path"``)."""
+    lm_eval = require()
+    from lm_eval.utils import handle_non_serializable
+
+    from nnx_posttrain.harness.lm import NNXLM
+
+    if not tasks:
+        raise errors.ConfigError("--tasks: give at least one task")
+    runs.check_policy(run_dir)
+    manager = task_manager(include_path)
+    check_tasks(tasks, manager)
+    run = runs.load(run_dir, step, echo=echo)
+    lm = NNXLM(run.lm, run.policy(), name=str(run_dir), batch_size=batch_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = [arithmetic_task(Path(tmp)) if t == ARITHMETIC else t for t in tasks]
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=specs, limit=limit, task_manager=manager, num_fewshot=num_fewshot,
+            apply_chat_template=apply_chat_template, log_samples=False, batch_size=batch_size)
+    results["nnx_posttrain"] = {"run_dir": str(run_dir), "step": run.step,
+                                "apply_chat_template": apply_chat_template, "limit": limit}
+    out = Path(run_dir) / "lm_eval" / f"step_{run.step}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+    results["path"] = out
+    return results
+
+
+def scores(results: dict) -> list[tuple[str, str, float, float | None]]:
+    """(task, metric, value, standard error) rows of lm-eval's ``results`` block."""
+    rows = []
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            if key in ("alias", "sample_len") or "_stderr," in key \
+                    or not isinstance(value, (int, float)):
+                continue
+            name, _, filt = key.partition(",")
+            stderr = metrics.get(f"{name}_stderr,{filt}")
+            rows.append((task, name, float(value),
+                         float(stderr) if isinstance(stderr, (int, float)) else None))
+    return rows
