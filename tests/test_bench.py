@@ -142,6 +142,7 @@ def test_profile_breakdown_attributes_the_step_to_model_components():
 TUNIX_PYTHON = "/work/venvs/tunix/bin/python"
 
 
+@pytest.mark.slow
 def test_tunix_side_end_to_end_micro(tmp_path):
     """Tunix's trainers on the same weights: its step-0 SFT loss equals ours (skipped where no
     Tunix environment exists)."""

@@ -481,6 +481,7 @@ def test_tool_calls_are_checked_with_the_message_named():
         chat.to_text([ASK, {"role": "assistant", "tool_calls": [CALL]}], "qwen3")
 
 
+@pytest.mark.slow
 def test_sft_trains_on_tool_calling_conversations_and_refuses_a_format_without_tools(tmp_path):
     """A tool-calling dataset (TRL's columns: messages with tool_calls and tool results, tools)
     trains in the format of a family with a tool template; a family without one is refused with
