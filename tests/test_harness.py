@@ -204,7 +204,8 @@ def test_what_a_user_gets_wrong_is_named_before_a_model_loads(tmp_path, monkeypa
         J.judge_runs(tmp_path / "a", tmp_path / "b", prompts)
     with pytest.raises(errors.ConfigError, match="expected 'exact', a reward-model run"):
         J.judge_runs(tmp_path / "a", tmp_path / "b", prompts, "nonsense")
-    with pytest.raises(errors.ConfigError, match="cannot load it"):
+    with pytest.raises(errors.ConfigError, match="--judge no_such_module_j:judge: cannot import "
+                                                 "'no_such_module_j'"):
         J.judge_runs(tmp_path / "a", tmp_path / "b", prompts, "no_such_module_j:judge")
     with pytest.raises(errors.ConfigError, match="give at least one task"):
         E.evaluate(tmp_path, [])

@@ -15,27 +15,11 @@ environment_factory=...)``):
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import threading
 
-from nnx_posttrain import errors
+from nnx_posttrain import errors, user_code
 from nnx_posttrain.agents.schema import SchemaError, function_schema
-
-
-def _load(spec: str, what: str):
-    module_name, _, attr = spec.strip().partition(":")
-    if not module_name or not attr:
-        raise errors.ConfigError(f"{what} {spec!r}: expected 'module:name' (an importable "
-                                 "module and a name in it)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure names the module
-        raise errors.ConfigError(f"{what} {spec!r}: cannot import {module_name!r} "
-                                 f"({type(exc).__name__}: {exc})") from None
-    if not hasattr(module, attr):
-        raise errors.ConfigError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}")
-    return getattr(module, attr)
 
 
 def _specs(text: str | None) -> list[str]:
@@ -53,12 +37,12 @@ class Toolset:
 
     def __init__(self, tools: str | None = None, environment: str | None = None,
                  timeout: float = 10.0):
-        self.functions = [_load(s, "--algo.tools") for s in _specs(tools)]
+        self.functions = [user_code.load(s, "--algo.tools") for s in _specs(tools)]
         self.timeout = timeout
         self.environments: dict[str | None, type] = {}
         for spec in _specs(environment):
             name, _, target = spec.rpartition("=")
-            self.environments[name or None] = _load(target, "--algo.environment")
+            self.environments[name or None] = user_code.load(target, "--algo.environment")
         if None in self.environments and len(self.environments) > 1:
             raise errors.ConfigError("--algo.environment: give one 'module:Class', or name each "
                                      "class ('name=module:Class,...', chosen by the records' "

@@ -20,14 +20,13 @@ prompts, wins, losses and ties, examples where the answers differ; written from 
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from nnx_posttrain import chat, data, errors, runs
+from nnx_posttrain import chat, data, errors, runs, user_code
 from nnx_posttrain.sampling import sampler
 
 _INTEGER = re.compile(r"-?\d+")
@@ -115,12 +114,7 @@ def reward_verdicts(run_dir, side_a, side_b, tokenizers=(), echo=print) -> np.nd
 
 def load_judge(spec: str):
     """``module:name`` -> the pairwise judging callable (a function, or an object's ``judge``)."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise errors.ConfigError(f"--judge {spec}: cannot load it ({type(exc).__name__}: "
-                                 f"{exc})") from None
+    target = user_code.load(spec, "--judge")
     fn = getattr(target, "judge", target)
     if not callable(fn):
         raise errors.ConfigError(f"--judge {spec}: not a function or an object with judge()")

@@ -15,18 +15,14 @@ built-in task's ``answer``). ``None`` means "does not apply" and is left out of 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
-import os
 import re
-import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 
-from nnx_posttrain import chat, data, errors
+from nnx_posttrain import chat, data, errors, user_code
 
 _INTEGER_IN = re.compile(r"-?\d+")
 
@@ -122,29 +118,6 @@ class RewardModelScore:
         return [float(x) for x in np.asarray(self._score(self._state, out_ids, out_mask))]
 
 
-def _import(name: str, module_name: str, attr: str):
-    """The function ``attr`` of module ``module_name`` (the current directory importable, as
-    under ``python -m``); ``RewardError`` naming the cause (and where, for an error in the module)."""
-    if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):
-        raise errors.RewardError(
-            f"--algo.rewards {name}: a 'module:function' names an importable module, not "
-            f"a file: e.g. {Path(module_name).stem}:{attr}, run from the file's folder or with it "
-            "on PYTHONPATH")
-    if "" not in sys.path and os.getcwd() not in sys.path:  # a console script's sys.path
-        sys.path.append(os.getcwd())
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise errors.RewardError(f"--algo.rewards {name}: cannot import it ({exc})") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
-        frames = traceback.extract_tb(exc.__traceback__)
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames and not isinstance(
-            exc, SyntaxError) else ""
-        raise errors.RewardError(
-            f"--algo.rewards {name}: importing {module_name} failed{where}: "
-            f"{type(exc).__name__}: {exc}") from None
-
-
 def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
     """``--algo.rewards`` -> [(name, function)]; a clear error for a name that is none of the
     three kinds. ``load_run`` (``nnx_posttrain.runs.load``) reads a reward-model run; without it
@@ -155,8 +128,8 @@ def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
         if name in BUILTIN:
             out.append((name, BUILTIN[name]))
         elif ":" in name and not Path(name).exists():
-            module_name, _, attr = name.partition(":")
-            out.append((attr, _import(name, module_name, attr)))
+            out.append((name.partition(":")[2],
+                        user_code.load(name, "--algo.rewards", errors.RewardError)))
         elif (Path(name) / "config.json").exists():
             out.append((Path(name).name, RewardModelScore(name, load_run(name)) if load_run
                         else _reward_run(name)))
