@@ -188,8 +188,7 @@ def test_judge_writes_the_win_rate_from_both_sides(shared_run, tmp_path, capsys)
     prompt = sampler.encode_prompt(lm, chat.render(messages[:1], "gemma", add_generation_prompt=True))
     sampled = prompt + lm.tokenizer.encode("5") + [lm.tokenizer.token_id("<end_of_turn>")]
     expected = float(loaded.module(np.asarray([trained]), np.ones((1, len(trained)), np.int32))[0])
-    got = scorer.score_tokens(np.asarray([sampled + [0, 0]]),
-                              np.asarray([[1] * len(sampled) + [0, 0]]))
+    got = scorer.score_rows([sampled])
     assert got[0] == pytest.approx(expected, abs=1e-5)
     with pytest.raises(errors.ConfigError, match="not a reward-model run"):
         J.judge_runs(a, b, prompts, str(a))

@@ -99,16 +99,10 @@ def reward_verdicts(run_dir, side_a, side_b, tokenizers=(), echo=print) -> np.nd
                 f"run's {tok.vocab_size:,}: a reward model reads the runs' token ids, so it must "
                 "share their tokenizer")
 
-    def scores(prompts, answers):
+    def scores(prompts, answers):  # 64 rows per forward
         rows = [p + ans for p, ans in zip(prompts, answers)]
-        width = -(-max(map(len, rows)) // 16) * 16
-        ids = np.zeros((len(rows), width), np.int32)
-        mask = np.zeros((len(rows), width), np.int32)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)], mask[i, :len(row)] = row, 1
         return np.asarray([s for start in range(0, len(rows), 64)
-                           for s in scorer.score_tokens(ids[start:start + 64],
-                                                        mask[start:start + 64])])
+                           for s in scorer.score_rows(rows[start:start + 64])])
     return np.sign(scores(*side_a) - scores(*side_b)).astype(int)
 
 

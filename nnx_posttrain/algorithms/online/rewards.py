@@ -73,7 +73,7 @@ BUILTIN = {"exact_match": exact_match, "format": format_reward, "length": length
 class RewardModelScore:
     """The score of a reward model trained by ``experiments.reward``, on token ids.
 
-    Called by the rollout with the prompt and completion token ids (``score_tokens``); it has no
+    Called by the rollout with the prompt and completion token ids (``score_rows``); it has no
     text interface because it must see exactly the tokens the policy produced. ``loaded`` is the
     run read back by ``nnx_posttrain.runs.load``."""
 
@@ -98,24 +98,24 @@ class RewardModelScore:
         marker = self.tokenizer.token_id(chat.END_OF_TURN[fmt])
         self._stops = {t for t in (self.tokenizer.eos_id, marker) if t is not None}
 
-    def score_tokens(self, ids: np.ndarray, mask: np.ndarray) -> list[float]:
-        """Scores of right-padded (prompt + completion) token rows ``ids`` [B, L] with attention
-        ``mask``. Each row is scored as the chat template ends a conversation, the sequences
-        the reward model was trained on (TRL renders the completion's text in the template):
-        the completion's stop token, if any, replaced by the template's end of turn
-        (``chat.turn_end``: Gemma's ``<end_of_turn>\n``), whose last token the head reads."""
-        rows = []
-        for row, m in zip(np.asarray(ids), np.asarray(mask)):
-            real = [int(t) for t in row[m > 0]]
+    def score_rows(self, rows: list[list[int]]) -> list[float]:
+        """Scores of (prompt + completion) token rows, each scored as the chat template ends a
+        conversation, the sequences the reward model was trained on (TRL renders the
+        completion's text in the template): the completion's stop token, if any, replaced by
+        the template's end of turn (``chat.turn_end``: Gemma's ``<end_of_turn>\n``), whose
+        last token the head reads."""
+        ended = []
+        for row in rows:
+            real = [int(t) for t in row]
             while real and real[-1] in self._stops:
                 real.pop()
-            rows.append(real + self._end)
-        width = -(-max(map(len, rows)) // 16) * 16
-        out_ids = np.zeros((len(rows), width), np.int32)
-        out_mask = np.zeros((len(rows), width), np.int32)
-        for i, row in enumerate(rows):
-            out_ids[i, :len(row)], out_mask[i, :len(row)] = row, 1
-        return [float(x) for x in np.asarray(self._score(self._state, out_ids, out_mask))]
+            ended.append(real + self._end)
+        width = -(-max(map(len, ended)) // 16) * 16
+        ids = np.zeros((len(ended), width), np.int32)
+        mask = np.zeros((len(ended), width), np.int32)
+        for i, row in enumerate(ended):
+            ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        return [float(x) for x in np.asarray(self._score(self._state, ids, mask))]
 
 
 def resolve(spec: str, load_run=None) -> list[tuple[str, object]]:
@@ -289,8 +289,8 @@ def score_batch(reward_fns, reward_weights, src, index, prompt_ids, prompt_mask,
     per_fn = np.zeros((len(texts), len(reward_fns)), np.float32)
     for j, (name, fn) in enumerate(reward_fns):
         if getattr(fn, "needs_tokens", False):
-            values = fn.score_tokens(*_right_aligned(prompt_ids, prompt_mask,
-                                                     completion_ids, completion_mask))
+            values = fn.score_rows(_token_rows(prompt_ids, prompt_mask, completion_ids,
+                                               completion_mask))
         else:
             values = score(name, fn, prompts, completions, columns, describe, state)
         per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
@@ -298,17 +298,11 @@ def score_batch(reward_fns, reward_weights, src, index, prompt_ids, prompt_mask,
     return total, {name: per_fn[:, j] for j, (name, _) in enumerate(reward_fns)}
 
 
-def _right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Left-padded prompt + completion -> right-padded rows (for models reading the last token)."""
+def _token_rows(prompt_ids, prompt_mask, completion_ids, completion_mask) -> list[list[int]]:
+    """Left-padded prompts + completions -> each row's real tokens."""
     ids = np.concatenate([prompt_ids, completion_ids], axis=1)
     mask = np.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-    out = np.zeros_like(ids)
-    out_mask = np.zeros_like(ids, dtype=np.int32)
-    for i in range(len(ids)):
-        row = ids[i][mask[i]]
-        out[i, : len(row)] = row
-        out_mask[i, : len(row)] = 1
-    return out, out_mask
+    return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
 def _first_failing_row(fn, prompts, completions, columns, state) -> int | None:
