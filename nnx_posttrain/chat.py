@@ -127,6 +127,13 @@ def _tool_call(i: int, call) -> dict:
     return {"name": function["name"], "arguments": arguments}
 
 
+def _tool_run_edges(messages, i: int) -> tuple[bool, bool]:
+    """Whether tool result ``i`` opens and whether it closes its run of consecutive results
+    (which Qwen's template and the gemma convention write as one user turn)."""
+    return (i == 0 or messages[i - 1]["role"] != "tool",
+            i == len(messages) - 1 or messages[i + 1]["role"] != "tool")
+
+
 def _json(value, indent=None) -> str:
     """``tojson`` as transformers' chat templates compute it (non-ASCII kept)."""
     return json.dumps(value, ensure_ascii=False, indent=indent)
@@ -172,8 +179,7 @@ def _gemma(messages, add_generation_prompt, tools=None):
     out = []
     for i, m in enumerate(messages):
         if m["role"] == "tool":
-            first = i == 0 or messages[i - 1]["role"] != "tool"
-            last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+            first, last = _tool_run_edges(messages, i)
             out.append((("<start_of_turn>user\n" if first else "\n") + "```tool_output\n"
                         + m["content"] + "\n```" + ("<end_of_turn>\n" if last else ""), False))
             continue
@@ -283,8 +289,7 @@ def _chatml(messages, add_generation_prompt, flavour: str, tools=None):
         last_query = len(messages) - 1
     for i, m in enumerate(messages):
         if m["role"] == "tool":  # consecutive results share one user turn
-            first = i == 0 or messages[i - 1]["role"] != "tool"
-            last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+            first, last = _tool_run_edges(messages, i)
             out.append((("<|im_start|>user" if first else "") + "\n<tool_response>\n"
                         + m["content"] + "\n</tool_response>" + ("<|im_end|>\n" if last else ""),
                         False))
