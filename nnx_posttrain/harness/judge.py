@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nnx_posttrain import chat, data, errors, runs, user_code
+from nnx_posttrain import data, errors, runs, user_code
 from nnx_posttrain.sampling import sampler
 
 _INTEGER = re.compile(r"-?\d+")
@@ -54,12 +54,7 @@ def answers(run_dir, records, *, max_new_tokens: int, temperature: float, top_p:
     runs.check_policy(run_dir)
     run = runs.load(run_dir, echo=echo)
     lm, module = run.lm, run.policy()
-    prompts = []
-    for r in records:
-        messages = r["prompt"] if isinstance(r["prompt"], list) else [
-            {"role": "user", "content": r["prompt"]}]
-        prompts.append(sampler.encode_prompt(lm, chat.render(messages, lm.chat_format,
-                                                             add_generation_prompt=True)))
+    prompts = [sampler.chat_prompt(lm, r["prompt"]) for r in records]
     sampler.check_generation(module, min(64, len(prompts)), max(map(len, prompts)),
                              max_new_tokens, "--max-new-tokens")
     from flax import nnx

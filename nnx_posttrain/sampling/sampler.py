@@ -360,10 +360,11 @@ def encode_prompt(lm, segments) -> list[int]:
     return ids
 
 
-def chat_prompt(lm, user_message: str) -> list[int]:
-    """A user message rendered with the family's chat template and its generation prompt."""
-    return encode_prompt(lm, chat.render([{"role": "user", "content": user_message}],
-                                         lm.chat_format, add_generation_prompt=True))
+def chat_prompt(lm, prompt: str | list[dict]) -> list[int]:
+    """A user message (or a conversation) rendered with the family's chat template and its
+    generation prompt."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return encode_prompt(lm, chat.render(messages, lm.chat_format, add_generation_prompt=True))
 
 
 def decode_completions(lm, out: dict, stops) -> list[str]:
