@@ -39,7 +39,6 @@ class NNXLM(TemplateLM):
     def __init__(self, lm, module, name: str, batch_size: int = 16, max_length: int | None = None):
         super().__init__()
         self.lm, self.name, self.batch_size = lm, name, batch_size
-        self.module = module
         self.graphdef, *self.states = nnx.split(module)
         family = sampler.CONTEXT_LENGTHS.get(type(module).__name__, 2048)
         self.max_length = max_length or min(family, 4096)

@@ -39,7 +39,7 @@ class ToolRollouts:
     """Prompts -> ``Generated`` through the tool-calling loop (see the module docstring)."""
 
     def __init__(self, tools: agents.Toolset, lm, cfg, max_prompt_length: int):
-        self.tools, self.lm, self.cfg, self.max_prompt_length = tools, lm, cfg, max_prompt_length
+        self.tools, self.lm, self.max_prompt_length = tools, lm, max_prompt_length
         if lm.chat_format not in chat.TOOL_FORMATS:
             raise errors.ConfigError(
                 f"--algo.tools / --algo.environment: chat format {lm.chat_format!r} has no "
