@@ -42,8 +42,14 @@ def load(spec: str, option: str, error: type[errors.UserError] = errors.ConfigEr
     return getattr(module, attr)
 
 
-def _failed(where: str, module_name: str, exc: BaseException) -> str:
+def failure(exc: BaseException) -> str:
+    """`` at FILE:LINE: Type: message`` of an exception raised in user code (where it was
+    raised; no place for a syntax error, whose message holds it)."""
     frames = traceback.extract_tb(exc.__traceback__)
     at = (f" at {frames[-1].filename}:{frames[-1].lineno}"
           if frames and not isinstance(exc, SyntaxError) else "")
-    return f"{where}: importing {module_name} failed{at}: {type(exc).__name__}: {exc}"
+    return f"{at}: {type(exc).__name__}: {exc}"
+
+
+def _failed(where: str, module_name: str, exc: BaseException) -> str:
+    return f"{where}: importing {module_name} failed{failure(exc)}"

@@ -69,3 +69,10 @@ class Quiet:
     def ping(self) -> str:
         """Answer pong."""
         return "pong"
+
+
+class Failing:
+    """An environment whose reset raises."""
+
+    def reset(self, **record):
+        raise KeyError("level")

@@ -243,6 +243,13 @@ def test_a_mapping_of_environments_is_chosen_by_the_environment_column():
         tools.open([{"environment": "game", "_where": "f.jsonl:4"}])
 
 
+def test_an_environment_that_raises_is_named_with_the_record_and_the_line():
+    tools = Toolset(environment="agent_tools:Failing")
+    with pytest.raises(agents.EnvironmentFailed, match=r"--algo.environment Failing: reset failed "
+                       r"for f.jsonl:3 at .*agent_tools.py:\d+: KeyError: 'level'"):
+        tools.open([{"prompt": "p", "_where": "f.jsonl:3"}])
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(tools="agent_tools"), "expected 'module:name'"),
     (dict(tools="no_such_module:f"), "cannot import 'no_such_module'"),

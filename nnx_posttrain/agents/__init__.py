@@ -13,7 +13,7 @@
 from nnx_posttrain.agents.calls import Malformed, continuation, parse
 from nnx_posttrain.agents.loop import Exchange, ToolLoop
 from nnx_posttrain.agents.schema import SchemaError, function_schema
-from nnx_posttrain.agents.toolset import Episode, Toolset
+from nnx_posttrain.agents.toolset import EnvironmentFailed, Episode, Toolset
 
-__all__ = ["Episode", "Exchange", "Malformed", "SchemaError", "ToolLoop", "Toolset",
+__all__ = ["EnvironmentFailed", "Episode", "Exchange", "Malformed", "SchemaError", "ToolLoop", "Toolset",
            "continuation", "function_schema", "parse"]

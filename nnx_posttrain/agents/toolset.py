@@ -93,14 +93,14 @@ class Toolset:
             if self.environments:
                 self.check_record(record)
                 name = record.get("environment") if None not in self.environments else None
-                pool, k = self._pool[name], taken.get(name, 0)
+                cls, pool, k = self.environments[name], self._pool[name], taken.get(name, 0)
                 if k == len(pool):
-                    pool.append(self.environments[name]())
+                    pool.append(_called(cls, "creating it", record, cls))
                 taken[name], instance = k + 1, pool[k]
                 columns = {key: value for key, value in record.items()
                            if not key.startswith("_") and not (key == "environment"
                                                                and None not in self.environments)}
-                observation = instance.reset(**columns)
+                observation = _called(cls, "reset", record, instance.reset, **columns)
             methods = environment_methods(instance) if instance is not None else []
             functions = list(self.functions) + methods
             schemas = [self._schemas[fn] for fn in self.functions] + [
@@ -114,6 +114,22 @@ class Toolset:
         if key not in self._schemas:
             self._schemas[key] = self._schema(method, f"--algo.environment {cls.__name__}")
         return self._schemas[key]
+
+
+class EnvironmentFailed(errors.UserError):
+    """An environment class raised while it was created or reset; the message names the class,
+    the record, and the file and line that raised."""
+
+
+def _called(cls, what: str, record: dict, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, user code of environment ``cls``: an exception it raises ends
+    the run as ``EnvironmentFailed`` naming what failed where."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a user's environment: report where it fails
+        raise EnvironmentFailed(
+            f"--algo.environment {cls.__name__}: {what} failed for "
+            f"{record.get('_where', 'a record')}{user_code.failure(exc)}") from None
 
 
 class Episode:
