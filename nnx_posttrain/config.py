@@ -199,6 +199,8 @@ class Config:
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
     host_allocator: Literal["auto", "heap", "default"] = "auto"
     """On CPU, glibc's allocator for XLA's step buffers: 'heap' serves every block from the heap and keeps its freed pages between steps (no page faults per step); 'auto' does that for models whose steps have no block of 32 MB (the built-in tiny ones); 'default' leaves glibc's settings. A GLIBC_TUNABLES set by the user wins."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache, so that a resume or a second run of the same shapes reads its compiled step instead of compiling it again: auto = the folder .jax_cache beside the run directory (runs/.jax_cache), unless JAX already has one (JAX_COMPILATION_CACHE_DIR); a folder; none = off."""
     attention: Literal["auto", "keras", "xla", "cudnn", "splash"] = "auto"
     """Attention kernel of the training forward: auto = splash on TPU, cuDNN on GPU, the exact XLA formulation otherwise; keras = KerasHub's own. A kernel that cannot do a layer's feature falls back to keras; the run prints the path it took."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)

@@ -33,6 +33,17 @@ from filelock import FileLock  # noqa: E402
 from nnx_posttrain import model  # noqa: E402
 from support import FAST_STEPS, MICRO, train_run  # noqa: E402
 
+def pytest_collection_modifyitems(config, items):
+    """The TPU tier (tests/test_tpu.py) runs only when selected, ``python -m pytest -m tpu``:
+    deselected otherwise (CI and the README's command run on CPUs)."""
+    if "tpu" in (config.option.markexpr or "").replace("not tpu", ""):
+        return
+    chip = [item for item in items if "tpu" in item.keywords]
+    if chip:
+        config.hook.pytest_deselected(items=chip)
+        items[:] = [item for item in items if "tpu" not in item.keywords]
+
+
 @pytest.fixture
 def optimized(monkeypatch):
     """The processes a test starts compile with XLA's usual optimisation (as a user's run

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from nnx_posttrain import checkpoint, errors, model, runs
 from nnx_posttrain.progress import console
 from nnx_posttrain.algorithms.base import RunContext
-from nnx_posttrain.train import host_memory, memory, resume, rundir, setup, storage
+from nnx_posttrain.train import compile_cache, host_memory, memory, resume, rundir, setup, storage
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
 from nnx_posttrain.train.hooks import Interruptible, StopSignals
@@ -104,6 +104,7 @@ def prepare(cfg, algorithm, echo=print) -> Run:
         run.guards.enter_context(storage.quiet_logs(run.run_dir))
         run.interrupted()
         run.cfg = setup.settings_for_data(cfg, algorithm, echo)
+        compile_cache.use(run.cfg.compile_cache, run.run_dir, echo)  # before anything compiles
         run.mesh = _devices(run.cfg, echo)
         # the run's mesh in context (kernels XLA cannot partition run per device: model.attention)
         run.guards.enter_context(jax.set_mesh(run.mesh))

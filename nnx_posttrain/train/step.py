@@ -148,9 +148,13 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
 
         def update(grads, opt_state, params):
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, new_opt_state = tx.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-            return optax.apply_updates(params, updates), opt_state
+            # the moments keep the dtype they were made in (bfloat16 beside bfloat16 weights,
+            # --dtype bfloat16-params): the float32 gradients would otherwise promote them
+            new_opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state,
+                                         opt_state)
+            return optax.apply_updates(params, updates), new_opt_state
 
         def keep(grads, opt_state, params):
             return params, opt_state
