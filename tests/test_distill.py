@@ -79,7 +79,7 @@ def test_the_two_projections_in_chunks_and_at_scored_positions_change_nothing(mi
 
         def total(p):
             s = nnx.merge(graphdef, p, rest)
-            div, ent = model.paired_terms(s, teacher, ids, pad, fn, chunk, positions=positions)
+            div, ent = model.paired_terms((s, teacher), ids, pad, fn, chunk, positions=positions)
             return jnp.sum(div * loss_mask), (div, ent)
         return jax.value_and_grad(total, has_aux=True)(params)
 

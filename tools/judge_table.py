@@ -120,8 +120,9 @@ def main(argv=None) -> dict:
             verdicts[(run, kind)] = {}
             for s in range(args.seeds):
                 spec = "exact" if kind == "exact" else str(out / f"seed{s}" / "reward")
-                result = judge.judge_runs(out / f"seed{s}" / run, start(s), prompts, spec,
-                                          max_new_tokens=8, reps=200, echo=lambda _: None)
+                result = judge.judge_runs(out / f"seed{s}" / run, start(s), prompts,
+                                          judge.Judging(spec, max_new_tokens=8, reps=200),
+                                          echo=lambda _: None)
                 verdicts[(run, kind)][s] = result["verdicts"]
     columns, rows, stats = summarise(verdicts, args.seeds, args.reps)
     notes = disagreement(verdicts, args.seeds) + [

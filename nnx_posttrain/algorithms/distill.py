@@ -151,7 +151,7 @@ class Distill(AlgorithmBase):
         teacher = nnx.merge(self.teacher_graphdef, teacher_state)
         c = self.cfg
         div, entropy = model.paired_terms(
-            module, teacher, batch["input_ids"], batch["attention_mask"],
+            (module, teacher), batch["input_ids"], batch["attention_mask"],
             lambda s, t: divergence(s, t, c.beta, c.temperature), self.logprob_chunk,
             positions=batch.get("positions"))
         return gkd(div, entropy, batch["loss_mask"])
@@ -241,12 +241,13 @@ class MixedBatches(DatasetBatches):
                                                    self.frozen["model"])
             return self._completed(batch, lambda p, m, budget, turn: self.sample(
                 tuple(states), p, m, jax.random.fold_in(key, turn) if turn else key,
-                jnp.float32(c.temperature), jnp.float32(c.top_p), self.stop_ids,
-                self.lm.tokenizer.vocab_size, budget))
+                sampler.Draw(jnp.float32(c.temperature), jnp.float32(c.top_p), self.stop_ids,
+                             self.lm.tokenizer.vocab_size, budget)))
         if c.seq_kd:  # greedy: the teacher's mode, as sequence-level KD approximates it
             return self._completed(batch, lambda p, m, budget, turn: self.teacher_sample(
-                (self.frozen["partner"],), p, m, key, jnp.float32(0.0), jnp.float32(1.0),
-                self.stop_ids, self.lm.tokenizer.vocab_size, budget))
+                (self.frozen["partner"],), p, m, key, sampler.Draw(
+                    jnp.float32(0.0), jnp.float32(1.0), self.stop_ids,
+                    self.lm.tokenizer.vocab_size, budget)))
         return batch
 
     def _generated(self, prompts, generate_from) -> list[tuple[np.ndarray, np.ndarray]]:

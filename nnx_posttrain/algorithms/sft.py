@@ -27,10 +27,9 @@ class SFT(AlgorithmBase):
 
     def loss(self, module, batch, reference=None):
         logps, correct = model.token_logprobs(
-            module, batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
-            segment_ids=batch.get("segment_ids"), positions=batch.get("positions"),
-            with_correct=True,
-        )
+            module, batch["input_ids"], batch["attention_mask"],
+            model.Projection(self.logprob_chunk, correct=True), positions=batch.get("positions"),
+            segment_ids=batch.get("segment_ids"))
         return sft(logps, batch["loss_mask"], correct)
 
     def eval_metrics(self, metrics):

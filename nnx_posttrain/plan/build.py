@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnx_posttrain import errors, model, sharding
 from nnx_posttrain.algorithms.base import RunContext
-from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, Rollouts
+from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, Rollouts, rollout_rows
 from nnx_posttrain.train import setup
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.mesh import check_batch_rows, check_micro_batch
@@ -163,8 +163,7 @@ class AbstractRollouts(Rollouts):
         if not (with_old or with_ref):
             return {}
         return _zeros_like_output(self._rollout_logps, state["params"], self.frozen,
-                                  batch["input_ids"], batch["attention_mask"],
-                                  batch["positions"], with_old=with_old, with_ref=with_ref)
+                                  rollout_rows(batch), with_old=with_old, with_ref=with_ref)
 
     def _texts(self, ids, mask):
         return [""] * len(ids)

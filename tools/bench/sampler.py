@@ -118,7 +118,7 @@ def main(argv=None) -> dict[str, float]:
 
     def ours():
         nonlocal ours_ids
-        out = sample(states, d_ids, d_mask, key, args.temperature, 1.0, no_stop)
+        out = sample(states, d_ids, d_mask, key, sampler.Draw(args.temperature, 1.0, no_stop))
         ours_ids = out["completion_ids"]
         return out
 
