@@ -211,8 +211,9 @@ class Config:
     """Algorithm settings (a dataclass per algorithm)."""
 
     def validate(self) -> "Config":
-        """Every problem of the settings at once, as one ``ConfigError`` ('invalid
-        configuration'); returns ``self``."""
+        """Every problem of the settings at once, the algorithm's (``algo.problems()``, its loss
+        family's checks) included, as one ``ConfigError`` ('invalid configuration'); returns
+        ``self``."""
         problems = [f"{option} must be a finite number, got {value}"
                     for option, value in _floats(self) if not math.isfinite(value)]
         if self.steps < 0:
@@ -234,6 +235,7 @@ class Config:
                             "--eval.exact-match is 0")
         problems.extend(self.mesh.problems())
         problems.extend(report_problems(self.report_to))
+        problems.extend(getattr(self.algo, "problems", list)())
         if problems:
             source = f" (the flags and {self.config})" if self.config else ""
             raise errors.ConfigError(f"invalid configuration{source}:\n  " + "\n  ".join(problems))

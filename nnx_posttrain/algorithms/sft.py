@@ -7,16 +7,14 @@ import math
 
 from nnx_posttrain import model
 from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
-from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses.sft import sft
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """Supervised fine-tuning: next-token loss on completions only (prompt tokens carry none)."""
 
 
-@register
 class SFT(AlgorithmBase):
     name = "sft"
     Config = SFTConfig
