@@ -13,8 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import checkpoint, config as config_lib, errors, model, sharding
-from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models and data)
+from nnx_posttrain import checkpoint, config as config_lib, errors, model, sharding, tasks
 from nnx_posttrain.algorithms import registry
 from nnx_posttrain.model import heads
 
@@ -126,7 +125,9 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
     costs no loading time). ``abstract``: the same model built from its config alone inside
     ``nnx.eval_shape`` (no weight file read, no memory taken: every variable a
     ``jax.ShapeDtypeStruct``; ``init_from``'s weights are not read), for planning a run whose
-    step runs on ``platform`` (default: this process's backend)."""
+    step runs on ``platform`` (default: this process's backend). The built-in models are
+    registered first (``tasks.register``)."""
+    tasks.register()
     platform = platform or jax.default_backend()
     if spec.init_from:
         check_init_from(spec.init_from, spec.name, spec.init_step)

@@ -216,6 +216,34 @@ def test_losses_take_arrays_and_options():
     assert list(inspect.signature(distill.divergence).parameters)[-1] == "options"
 
 
+def _top_level_calls(path: Path):
+    """The names of the functions a module calls when it is imported (its top-level statements,
+    not the bodies of its functions and classes)."""
+    for stmt in ast.parse(path.read_text()).body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield from (ast.unparse(d.func if isinstance(d, ast.Call) else d)
+                        for d in stmt.decorator_list)  # a decorator runs on import too
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Call):
+                yield ast.unparse(node.func)
+
+
+def test_importing_a_module_registers_nothing():
+    """Algorithms, the built-in task's data and models are in tables (``algorithms.registry``,
+    ``tasks.BUILTIN_MODELS``): no module registers anything, or reads a file, when imported;
+    ``tasks.register()`` is called by those who need the built-in task."""
+    found = [f"{path.relative_to(PACKAGE)}: {call}" for path in FILES
+             for call in _top_level_calls(path)
+             if "register" in call.split(".")[-1] or call.split(".")[-1] in (
+                 "read_bytes", "read_text", "hexdigest")]
+    assert not found, found
+    from nnx_posttrain import algorithms
+
+    assert list(algorithms.ALGORITHMS) == algorithms.names() and len(set(
+        cls.Config for cls in algorithms.ALGORITHMS.values())) == len(algorithms.ALGORITHMS)
+
+
 TRAIN_DIR = None  # (another checkout's train/, to see the test fail on the code before the fix)
 
 

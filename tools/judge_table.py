@@ -34,8 +34,9 @@ LABELS = {"cpo": "CPO (the best preference-family run)", "ppo": "PPO (the best o
 
 def prompts_file(path: Path) -> Path:
     """The built-in task's held-out problems as a prompts file (prompt, answer)."""
-    import nnx_posttrain.tasks  # noqa: F401
-    from nnx_posttrain import data
+    from nnx_posttrain import data, tasks
+
+    tasks.register()
 
     src = data.source("builtin", "eval", builtin="prompt_only")
     path.write_text("".join(json.dumps({"prompt": src[i]["prompt"], "answer": src[i]["answer"]})

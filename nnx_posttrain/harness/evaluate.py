@@ -37,8 +37,9 @@ def require():
 def arithmetic_task(directory: Path, limit: int | None = None) -> dict:
     """The ``nnx_arithmetic`` task's lm-eval config, its data (the built-in held-out problems:
     question, answer) written as JSON lines under ``directory``."""
-    import nnx_posttrain.tasks  # noqa: F401  (the built-in task's records)
+    from nnx_posttrain import tasks
 
+    tasks.register()  # the built-in task's records
     src = data.source("builtin", "eval", builtin="prompt_only")
     path = Path(directory) / f"{ARITHMETIC}.jsonl"
     path.write_text("".join(json.dumps({"question": src[i]["prompt"][0]["content"],

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import errors, model, sharding
+from nnx_posttrain import errors, model, sharding, tasks
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, Rollouts, rollout_rows
 from nnx_posttrain.train import setup
@@ -63,7 +63,8 @@ def _placed(tree, shardings):
 
 def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
     """The abstract step of the run ``cfg`` of ``algorithm`` on ``topology``
-    (``plan.topology.Topology``)."""
+    (``plan.topology.Topology``); the built-in task's data and models are registered first."""
+    tasks.register()
     if not algorithm.plannable:
         raise errors.ConfigError(f"plan: {algorithm.name} cannot be planned yet "
                                  f"({algorithm.plannable_not})")

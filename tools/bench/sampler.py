@@ -37,9 +37,10 @@ import keras_hub
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import model
-from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models)
+from nnx_posttrain import model, tasks
 from nnx_posttrain.sampling import sampler
+
+tasks.register()  # the built-in models
 
 
 def make_no_cache_greedy(graphdef, max_new_tokens: int):
