@@ -21,13 +21,15 @@ import json
 import sys
 
 import nnx_posttrain  # noqa: F401  (the Keras backend)
-import nnx_posttrain.tasks  # noqa: F401  (the built-in models)
+import nnx_posttrain.tasks
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain import model
 from nnx_posttrain.model import attention
+
+nnx_posttrain.tasks.register()  # the built-in models (gemma_micro, gemma_tiny)
 
 SPLASH_CASES = {"causal": (False, None, None), "packed": (True, None, None),
                 "window": (False, 96, None), "packed_window_softcap": (True, 96, 50.0)}

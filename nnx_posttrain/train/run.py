@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from nnx_posttrain import checkpoint, errors, model, runs
+from nnx_posttrain import checkpoint, errors, model, runs, tasks
 from nnx_posttrain.progress import console
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.train import compile_cache, host_memory, memory, resume, rundir, setup, storage
@@ -95,7 +95,9 @@ class Run:
 
 def prepare(cfg, algorithm, echo=print) -> Run:
     """Build a run of ``algorithm`` (an instance) with settings ``cfg``; raises a ``UserError``
-    naming the problem, leaving no new run directory behind, when it cannot run."""
+    naming the problem, leaving no new run directory behind, when it cannot run. The built-in
+    task's data and models are registered first (``tasks.register``)."""
+    tasks.register()
     run = Run(cfg, algorithm, Path(cfg.run_dir or f"runs/{algorithm.name}"), echo)
     created = not run.run_dir.exists()
     try:

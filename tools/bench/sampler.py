@@ -42,9 +42,10 @@ import keras_hub
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import model
-from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models)
+from nnx_posttrain import model, tasks
 from nnx_posttrain.sampling import sampler
+
+tasks.register()  # the built-in models
 
 
 def make_no_cache_greedy(graphdef, max_new_tokens: int):
@@ -140,7 +141,7 @@ def main(argv=None) -> dict[str, float]:
 
     def ours():
         nonlocal ours_ids
-        out = sample(states, d_ids, d_mask, key, args.temperature, 1.0, no_stop)
+        out = sample(states, d_ids, d_mask, key, sampler.Draw(args.temperature, 1.0, no_stop))
         ours_ids = out["completion_ids"]
         return out
 
