@@ -1,0 +1,66 @@
+"""Faults in the newest features (issue 58): readers of a run that is still training, user code
+that misbehaves in agent runs, evaluation and judging, plan, the Python API, restarts over a run
+without checkpoints, libtpu noise, and the metrics window across a resume. In-process on the
+micro model and the session's shared runs, except where a process must own its exit."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nnx_posttrain import checkpoint, cli, errors, runs
+
+
+@pytest.fixture
+def copy(shared_run, tmp_path):
+    """A copy of the session's finished 4-step SFT run (checkpoints 2 and 4)."""
+    run = tmp_path / "run"
+    shutil.copytree(shared_run("sft"), run)
+    return run
+
+
+# ----------------------------------------------------------------------------- runs read live
+
+
+def test_a_damaged_newest_checkpoint_is_read_past_and_left_in_place(copy):
+    """A reader (sample, export, eval, a teacher, runs.load) of a run whose newest checkpoint
+    cannot be read reads the one before it and says so; it moves nothing (resuming does)."""
+    (copy / "checkpoints" / "4" / "record" / "metadata").write_bytes(b'{"\xff\xfe')
+    said = []
+    assert runs.load(copy, echo=said.append).step == 2
+    assert [s for s in said if "damaged" in s] == [
+        f"checkpoint {copy / 'checkpoints' / '4'} cannot be read (UnicodeDecodeError: 'utf-8' "
+        "codec can't decode byte 0xff in position 2: invalid start byte): it is damaged; reading "
+        "the one before it (resuming the run sets it aside)"]
+    assert (copy / "checkpoints" / "4").is_dir()
+    with pytest.raises(errors.CheckpointError, match=r"checkpoints/4 cannot be read \("
+                                                     r"UnicodeDecodeError.*\): it is damaged. "
+                                                     "Read another --step, or none"):
+        runs.load(copy, step=4, echo=lambda _: None)
+
+
+def test_a_reader_whose_every_checkpoint_is_damaged_names_each(copy, capfd):
+    for step in (2, 4):
+        for f in (copy / "checkpoints" / str(step) / "state").rglob("d/*"):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(runs.NoCheckpointError, match=r"no complete checkpoint that can be read "
+                                                     r"\(checkpoint 2: .*; checkpoint 4: "):
+        runs.load(copy, echo=lambda _: None)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "never retrieved" not in err  # the failed reads
+
+
+def test_a_checkpoint_listed_then_removed_is_listed_again(copy, monkeypatch):
+    """Orbax lists a run's steps, then reads each one's metadata: a rotation between the two
+    (FileNotFoundError of checkpoints/N) is a new listing, not a traceback."""
+    reload = checkpoint.ocp.CheckpointManager.reload
+    calls = []
+
+    def rotating(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise FileNotFoundError(2, "No such file or directory", str(copy / "checkpoints" / "3"))
+        return reload(self)
+
+    monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "reload", rotating)
+    assert runs.latest_step(copy) == 4 and len(calls) == 3
