@@ -230,11 +230,11 @@ def score(name: str, fn, prompts, completions, columns: dict, describe, state=No
     on (``describe(i)``: where row i comes from; called only for that message)."""
     try:
         raw = _call(fn, prompts, completions, columns, state)
-    except Exception as exc:  # noqa: BLE001 - a user's function: report where it fails
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's function: where it fails
         row = _first_failing_row(fn, prompts, completions, columns, state)
         at = f" on {describe(row)}" if row is not None else ""
-        raise errors.RewardError(
-            f"reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
+        raise errors.RewardError(f"reward {name!r} failed{at}{user_code.failure(exc, fn)}"
+                                 ) from None
     try:
         values = None if raw is None or isinstance(raw, (str, bytes)) else list(raw)
     except TypeError:  # one number, not one per completion
@@ -310,7 +310,7 @@ def _first_failing_row(fn, prompts, completions, columns, state) -> int | None:
         try:
             _call(fn, prompts[i:i + 1], completions[i:i + 1],
                   {k: v[i:i + 1] for k, v in columns.items()}, state)
-        except Exception:  # noqa: BLE001
+        except (Exception, SystemExit):  # noqa: BLE001
             return i
     return None
 
