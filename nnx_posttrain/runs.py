@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import checkpoint, config as config_lib, errors, model, sharding
+from nnx_posttrain import checkpoint, config as config_lib, cpu_host, errors, model, sharding
 from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models and data)
 from nnx_posttrain.algorithms import registry
 from nnx_posttrain.model import heads
@@ -155,6 +155,7 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
     rotate its checkpoints meanwhile, and its newest may be damaged: see ``read_whole``."""
     run_dir = Path(run_dir)
     saved_cfg = run_config(run_dir)
+    cpu_host.prefer_cpu()
     cfg = config_lib.Config(
         model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],
         lora=config_lib.LoraConfig(**saved_cfg["lora"]),

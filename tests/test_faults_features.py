@@ -64,3 +64,32 @@ def test_a_checkpoint_listed_then_removed_is_listed_again(copy, monkeypatch):
 
     monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "reload", rotating)
     assert runs.latest_step(copy) == 4 and len(calls) == 3
+
+
+# ----------------------------------------------------------------------------- libtpu noise
+
+
+def test_a_cpu_host_with_libtpu_installed_never_starts_the_tpu_runtime():
+    """With jax[tpu] installed on a host without TPU chips, JAX would load libtpu first (a page
+    of start-up errors, when no other process holds the TPU lock); the command line and the
+    library's runs choose the CPU, where nothing else chose."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (the test extra installs it)")
+    code = ("from nnx_posttrain import cpu_host\nimport jax\nfrom jax._src import xla_bridge\n"
+            "chose = cpu_host.prefer_cpu()\njax.devices()\n"
+            "print(chose, sorted(xla_bridge.backends()), xla_bridge._backend_errors,"
+            " cpu_host.prefer_cpu())")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        pytest.skip("a TPU host: JAX's own choice stands")
+    assert out.stdout.split() == ["True", "['cpu']", "{}", "False"], out.stderr[-2000:]
+    assert "TPU" not in out.stderr

@@ -87,8 +87,9 @@ def main(argv=None, prog: str = "nnx-posttrain", own_process: bool = False,
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before JAX loads: no C++ log lines
     argv = sys.argv[1:] if argv is None else list(argv)
     with _Imports() as imports:
-        from nnx_posttrain import algorithms, errors
+        from nnx_posttrain import algorithms, cpu_host, errors
         from nnx_posttrain.cli import train_command
+    cpu_host.prefer_cpu()  # no TPU runtime start-up (and its page of errors) on a CPU host
     if imports.interrupted:
         _exit_now(130, "interrupted (Ctrl-C) while starting", own_process)
     if not argv or argv[0] in ("-h", "--help"):
