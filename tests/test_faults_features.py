@@ -3,6 +3,7 @@ that misbehaves in agent runs, evaluation and judging, plan, the Python API, res
 without checkpoints, libtpu noise, and the metrics window across a resume. In-process on the
 micro model and the session's shared runs, except where a process must own its exit."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -93,3 +94,59 @@ def test_a_cpu_host_with_libtpu_installed_never_starts_the_tpu_runtime():
         pytest.skip("a TPU host: JAX's own choice stands")
     assert out.stdout.split() == ["True", "['cpu']", "{}", "False"], out.stderr[-2000:]
     assert "TPU" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- evaluation, judging
+
+
+def test_a_task_file_lm_eval_skips_or_whose_data_is_missing_is_named_before_the_model_loads(
+        shared_run, tmp_path, monkeypatch):
+    from nnx_posttrain.harness import evaluate as E
+
+    pytest.importorskip("lm_eval")
+    monkeypatch.setattr(runs, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "broken.yaml").write_text("task: broken\ndataset_path: json\n  test_split: [x\n")
+    (tasks / "nodata.yaml").write_text(
+        "task: nodata\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+        f"{tmp_path / 'gone.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\nmetric_list: [{metric: exact_match}]\n")
+    run = shared_run("sft")
+    with pytest.raises(errors.ConfigError, match=r"unknown to lm-evaluation-harness: broken .*\n  "
+                                                 r".*broken.yaml: not read: mapping values are "
+                                                 r"not allowed .*line 3, column 13"):
+        E.check_tasks(["broken"], E._manager(str(tasks), False), str(tasks))  # lm-eval's own
+        # tasks not indexed (7 s): evaluate() refuses an unknown task with the same check
+    with pytest.raises(errors.DataError, match=f"--tasks nodata: task 'nodata' \\(.*nodata.yaml\\) "
+                                               f"reads {tmp_path / 'gone.jsonl'}, which does not "
+                                               "exist"):
+        E.evaluate(run, ["nodata"], include_path=str(tasks))
+
+
+def test_a_judge_that_raises_is_named_at_the_users_line():
+    from nnx_posttrain.harness import judge as J
+
+    def judge(prompts, pairs):
+        return [0] * len(pairs[5])  # IndexError, on this line
+
+    with pytest.raises(errors.ConfigError, match=r"--judge mine:judge: the judge failed on 2 "
+                                                 r"pairs at .*test_faults_features.py:\d+: "
+                                                 "IndexError: list index out of range"):
+        J.pairwise_verdicts(judge, "mine:judge", ["q"] * 2, ["a"] * 2, ["b"] * 2)
+
+
+def test_judge_results_against_runs_of_the_same_name_keep_their_own_files(tmp_path):
+    """judge A B1 then judge A B2, with B1 and B2 named alike: two files in A/judge; the same
+    pair judged again replaces its own."""
+    from nnx_posttrain.harness import judge as J
+
+    a, b1, b2 = tmp_path / "a", tmp_path / "x" / "sft", tmp_path / "y" / "sft"
+    for d in (a, b1, b2):
+        d.mkdir(parents=True)
+    first = J._write(a, b1, {"run_b": str(b1), "win_rate": 0.25})
+    second = J._write(a, b2, {"run_b": str(b2), "win_rate": 0.75})
+    again = J._write(a, b1, {"run_b": str(b1), "win_rate": 0.5})
+    assert first == again == str(a / "judge" / "sft.json") and second != first
+    assert Path(second).name.startswith("sft-") and len(list((a / "judge").iterdir())) == 2
+    assert [json.loads(Path(p).read_text())["win_rate"] for p in (first, second)] == [0.5, 0.75]
