@@ -150,3 +150,40 @@ def test_judge_results_against_runs_of_the_same_name_keep_their_own_files(tmp_pa
     assert first == again == str(a / "judge" / "sft.json") and second != first
     assert Path(second).name.startswith("sft-") and len(list((a / "judge").iterdir())) == 2
     assert [json.loads(Path(p).read_text())["win_rate"] for p in (first, second)] == [0.5, 0.75]
+
+
+# ----------------------------------------------------------------------------- metrics over a resume
+
+
+def test_the_log_window_a_stop_cuts_is_logged_after_the_resume_as_without_the_stop(
+        tmp_path, monkeypatch):
+    """Logged every 3 steps, stopped (SIGTERM) after step 2: the checkpoint keeps steps 1-2's
+    device and host metrics (``truncated``: prompts cut at 24 tokens), and the resumed run's
+    record of step 3 is the uninterrupted run's."""
+    import signal
+
+    from nnx_posttrain.train import loop
+    from support import FAST_STEPS, MICRO, records, train_run
+
+    args = [*MICRO, *FAST_STEPS, "--steps", "6", "--log-every", "3", "--checkpoint.every", "0",
+            "--batching.max-length", "20"]
+    train_run("sft", *args, "--run-dir", tmp_path / "whole", echo=lambda _: None)
+    one_step = loop.Steps.one_step
+
+    def stopped_at_2(self, step, *rest):
+        if step == 2:
+            self.stop.received = signal.SIGTERM  # as the handler records a SIGTERM
+        one_step(self, step, *rest)
+
+    monkeypatch.setattr(loop.Steps, "one_step", stopped_at_2)
+    stopped = train_run("sft", *args, "--run-dir", tmp_path / "cut", echo=lambda _: None)
+    assert stopped.stopped_by == "SIGTERM" and stopped.train == []  # nothing logged at the stop
+    monkeypatch.setattr(loop.Steps, "one_step", one_step)
+    train_run("sft", *args, "--run-dir", tmp_path / "cut", echo=lambda _: None)
+
+    def untimed(run):
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_second", "compile_seconds")}
+                for r in records(run)]
+    whole = untimed(tmp_path / "whole")
+    assert [r["step"] for r in whole] == [3, 6] and whole[0]["truncated"] > 0
+    assert untimed(tmp_path / "cut") == whole

@@ -73,6 +73,14 @@ class BatchSource(Protocol):
     def host_metrics(self) -> dict:
         """Metrics measured on the host since the last call (``truncated``, rollout rewards)."""
 
+    def host_window(self) -> dict:
+        """What ``host_metrics`` has gathered since its last call, as JSON: a checkpoint keeps
+        it, so that a resumed run's first log covers the same steps as the uninterrupted run's
+        (optional: a source without it starts its window again at a resume)."""
+
+    def set_host_window(self, window: dict) -> None:
+        """Continue from ``host_window()``'s result (a resumed run, before its first step)."""
+
     def checkpoint_ok(self, step: int) -> bool:
         """Whether a checkpoint may follow step ``step`` (a resumed run restarts from it)."""
 
@@ -338,6 +346,12 @@ class DatasetBatches:
     def host_metrics(self):
         out, self.truncated = {"truncated": float(self.truncated)}, 0
         return out
+
+    def host_window(self) -> dict:
+        return {"truncated": self.truncated}
+
+    def set_host_window(self, window: dict) -> None:
+        self.truncated = int(window.get("truncated", 0))
 
     def checkpoint_ok(self, step):
         return True

@@ -291,3 +291,12 @@ class MixedBatches(DatasetBatches):
             out["on_policy"] = float(np.mean(self.drawn))
         self.lengths, self.drawn = [], []
         return out
+
+    def host_window(self) -> dict:
+        return {**super().host_window(), "lengths": list(self.lengths),
+                "drawn": list(self.drawn)}
+
+    def set_host_window(self, window: dict) -> None:
+        super().set_host_window(window)
+        self.lengths = [int(n) for n in window.get("lengths", [])]
+        self.drawn = [float(x) for x in window.get("drawn", [])]

@@ -234,6 +234,16 @@ class Rollouts:
         self.seconds = {"rollout": 0.0, "update": 0.0, "steps": 0, "updates": 0}
         return out
 
+    def host_window(self) -> dict:
+        """The prompts truncated and the rollouts' metrics since the last log (the seconds
+        spent are not kept: a resumed run times its own steps)."""
+        return {"truncated": self.truncated,
+                "rollouts": [{k: float(v) for k, v in m.items()} for m in self.since_log]}
+
+    def set_host_window(self, window: dict) -> None:
+        self.truncated = int(window.get("truncated", 0))
+        self.since_log = [dict(m) for m in window.get("rollouts", [])]
+
     def logged_completions(self) -> list[dict]:
         """A sample of the latest rollout (``--algo.log-completions`` rows: prompt, completion,
         rewards, advantage), once per rollout."""
