@@ -187,3 +187,60 @@ def test_the_log_window_a_stop_cuts_is_logged_after_the_resume_as_without_the_st
     whole = untimed(tmp_path / "whole")
     assert [r["step"] for r in whole] == [3, 6] and whole[0]["truncated"] > 0
     assert untimed(tmp_path / "cut") == whole
+
+
+# ----------------------------------------------------------------------------- the Python API
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda npt: npt.configure(42), r"the algorithm is a name \(sft, dpo, .*\) or its class, got "
+                                    "int 42"),
+    (lambda npt: npt.configure("sft", config=123), r"configure\(config=...\): the path of a YAML "
+                                                   "or JSON file, got int 123"),
+    (lambda npt: npt.run({"steps": 4}), "a run takes the config that nnx_posttrain.configure "
+                                        "builds, got dict {'steps': 4}"),
+    (lambda npt: npt.evaluate({"steps": 4}), "a run takes the config"),
+    (lambda npt: npt.load_run(7), r"load_run\(\): a run directory's path, got int 7"),
+    (lambda npt: npt.configure("sft", **{"optim.learning_rate": 1e-3,
+                                         "optim": {"learning_rate": 2e-3}}),
+     r"configure\(\): optim.learning_rate is given twice, as 'optim.learning_rate' and as "
+     r"'learning_rate' inside optim=\{...\}; give each setting once"),
+    (lambda npt: npt.configure("sft", **{"optim.learning_rate": 1e-3, "optim.learning-rate": 1}),
+     "as 'optim.learning_rate' and as 'optim.learning-rate'"),
+])
+def test_the_python_api_refuses_wrong_types_and_ambiguous_keys_with_a_config_error(call, message):
+    import nnx_posttrain as npt
+
+    with pytest.raises(errors.ConfigError, match=message):
+        call(npt)
+
+
+def test_two_threads_of_one_process_on_one_run_directory(tmp_path):
+    """The second is told the directory is held by a run of this very process (its thread),
+    not by 'a process that left no details'; once the first ends, it is free again."""
+    import threading
+
+    from nnx_posttrain.train import rundir
+
+    started, finish, said = threading.Event(), threading.Event(), []
+
+    def first():
+        with rundir.RunLock(tmp_path):
+            started.set()
+            finish.wait(30)
+
+    holder = threading.Thread(target=first, name="first run")
+    holder.start()
+    started.wait(30)
+    try:
+        with pytest.raises(errors.RunDirError) as info:
+            rundir.RunLock(tmp_path).__enter__()
+        said.append(str(info.value))
+    finally:
+        finish.set()
+        holder.join(30)
+    assert said == [f"{tmp_path} is in use by another run of this process (thread 'first run', "
+                    f"pid {__import__('os').getpid()}): two runs cannot write one run directory; "
+                    "wait for it to finish, or give this run another run_dir / --run-dir"]
+    with rundir.RunLock(tmp_path):
+        pass

@@ -70,21 +70,52 @@ def _describe(holder: dict) -> str:
             f"{holder.get('started')}")
 
 
+# the run directories this process holds -> the thread holding each: a second run of the same
+# process (another thread, a notebook's second call) is told so, not "another process"
+_HELD: dict[str, str] = {}
+_HELD_LOCK = threading.Lock()
+
+
 class RunLock:
     """``with RunLock(run_dir, echo):`` — this process alone writes ``run_dir`` until the end
-    of the block (``enabled=False``: a no-op, for processes other than 0 of a multi-process
-    run, which share process 0's directory)."""
+    of the block, and within it one run at a time (``enabled=False``: a no-op, for processes
+    other than 0 of a multi-process run, which share process 0's directory)."""
 
     def __init__(self, run_dir: Path, echo=print, enabled: bool = True):
         self.path, self.echo, self.enabled, self.fd = Path(run_dir) / LOCK, echo, enabled, None
+        self._key = None
 
     def __enter__(self):
         if self.enabled:
-            self.acquire()
+            self._hold_in_process()
+            try:
+                self.acquire()
+            except BaseException:
+                self._let_go_in_process()
+                raise
         return self
 
     def __exit__(self, *exc):
         self.release()
+        self._let_go_in_process()
+
+    def _hold_in_process(self) -> None:
+        key = str(self.path.parent.resolve())
+        with _HELD_LOCK:
+            holder = _HELD.get(key)
+            if holder is not None:
+                raise errors.RunDirError(
+                    f"{self.path.parent} is in use by another run of this process (thread "
+                    f"{holder!r}, pid {os.getpid()}): two runs cannot write one run directory; "
+                    "wait for it to finish, or give this run another run_dir / --run-dir")
+            _HELD[key] = threading.current_thread().name
+        self._key = key
+
+    def _let_go_in_process(self) -> None:
+        if self._key is not None:
+            with _HELD_LOCK:
+                _HELD.pop(self._key, None)
+            self._key = None
 
     def acquire(self) -> None:
         run_dir = self.path.parent
