@@ -244,3 +244,22 @@ def test_two_threads_of_one_process_on_one_run_directory(tmp_path):
                     "wait for it to finish, or give this run another run_dir / --run-dir"]
     with rundir.RunLock(tmp_path):
         pass
+
+
+# ----------------------------------------------------------------------------- a restart over a run
+
+
+def test_starting_over_where_every_checkpoint_is_gone_keeps_the_earlier_files_aside(copy, capsys):
+    from support import FAST_STEPS, MICRO, records, train_run
+
+    before = {name: (copy / name).read_text() for name in ("config.json", "metrics.jsonl")}
+    shutil.rmtree(copy / "checkpoints")
+    train_run("sft", *MICRO, *FAST_STEPS, "--steps", "2", "--optim.learning-rate", "1e-3",
+              "--run-dir", copy)
+    (earlier,) = copy.glob("earlier-*")
+    assert {name: (earlier / name).read_text() for name in before} == before
+    assert sorted(p.name for p in earlier.iterdir()) == ["config.json", "metrics.jsonl", "tb"]
+    assert f"{copy} has no checkpoint to resume from: this run starts from step 0. The earlier " \
+           "run's config.json, metrics.jsonl, tb (metrics.jsonl holds the training records of " \
+           f"steps 1-4; other settings) are kept in {earlier}" in capsys.readouterr().out
+    assert [r["step"] for r in records(copy)] == [1, 2]

@@ -142,6 +142,8 @@ def _record_start(run: Run) -> None:
                     if "steps" in changes and run.cfg.optim.schedule != "constant" else ""))
     if jax.process_index() != 0:
         return
+    if restored is None:  # starting over: an earlier run's files are kept aside, not rewritten
+        rundir.keep_earlier(run.run_dir, config_lib.saved(run.cfg), console(run.echo))
     written = config_lib.save(run.cfg, run.run_dir / "config.json")
     rundir.append_history(run.run_dir, "resume" if restored else "start", start, run.changes,
                           config=written)

@@ -206,6 +206,38 @@ def sigterm_exits():
         signal.signal(signal.SIGTERM, old)
 
 
+# what a run starting from step 0 writes anew (history.jsonl, append-only, keeps every start)
+EARLIER = ("config.json", "metrics.jsonl", "completions.jsonl", "exact_match.jsonl", "tb")
+
+
+def keep_earlier(run_dir: Path, config: dict, echo=print) -> Path | None:
+    """Before a run starts from step 0 in ``run_dir`` (no checkpoint left to resume from): the
+    files of the earlier run there that it would rewrite (``EARLIER``) moved into
+    ``run_dir/earlier-<time>/``, and said, where that run logged a record or ran with settings
+    other than ``config`` (what this run writes as config.json); returns that folder, or None
+    where there was nothing to keep."""
+    from nnx_posttrain.train import storage
+
+    present = [name for name in EARLIER if (run_dir / name).exists()]
+    try:
+        before = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        before = None
+    logged = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size
+    if not present or (not logged and before in (None, config)):
+        return None
+    what = storage.logged_steps(run_dir)
+    folder = run_dir / f"earlier-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    folder.mkdir()
+    for name in present:
+        (run_dir / name).rename(folder / name)
+    echo(f"{run_dir} has no checkpoint to resume from: this run starts from step 0. The earlier "
+         f"run's {', '.join(present)} ({what}"
+         + ("" if before in (None, config) else "; other settings")
+         + f") are kept in {folder}")
+    return folder
+
+
 def append_history(run_dir: Path, event: str, step: int, changed: dict | None = None,
                    config: dict | None = None) -> None:
     """One line in ``history.jsonl``: a start or a resume, the settings it changed, and the
