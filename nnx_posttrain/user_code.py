@@ -57,7 +57,9 @@ def failure(exc: BaseException, fn=None) -> str:
     was called with arguments it does not take, ``fn``'s definition; no place for a syntax
     error, whose message holds it."""
     frames = traceback.extract_tb(exc.__traceback__)
-    users = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_NOT_USERS)]
+    users = [f for f in frames if not (f.filename == "<string>"  # eval'd: typing's, say
+                                       or f.filename.startswith("<frozen")
+                                       or str(Path(f.filename).resolve()).startswith(_NOT_USERS))]
     at = ""
     if isinstance(exc, SyntaxError):
         pass

@@ -65,6 +65,17 @@ def test_a_function_that_cannot_be_a_tool_is_named_with_its_parameter():
     with pytest.raises(agents.SchemaError, match="parameter 'a' is not described"):
         function_schema(undescribed)
 
+    def unresolved(a: "Undefined"):  # noqa: F821 - a name the user's module does not define
+        """Doc.
+
+        Args:
+            a: A.
+        """
+    with pytest.raises(agents.SchemaError, match=r"tool 'unresolved': its type hints cannot be "
+                                                 r"read \(calling .*unresolved at .*test_agents"
+                                                 r".py:\d+\): NameError: name 'Undefined'"):
+        function_schema(unresolved)
+
 
 # -- calls in generated text, and the results' tokens
 
