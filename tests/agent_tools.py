@@ -115,3 +115,8 @@ class NoRecord:
 
     def reset(self):
         return None
+
+
+def judge_that_raises(prompts, pairs):
+    """A pairwise judge (nnx-posttrain judge --judge) with a bug: an IndexError on this line."""
+    return [0] * len(pairs[len(pairs)])
