@@ -232,17 +232,23 @@ def _none_whole(run_dir: Path, damaged: dict[int, str]) -> NoCheckpointError:
 
 
 def _steps(ckpt: checkpoint.Checkpointer) -> list[int]:
-    """The complete checkpoints' steps as the directory holds them now (listed again where a
-    run rotating them removed one while it was listed)."""
+    """The complete checkpoints' steps as the directory holds them now."""
+    def listed():
+        ckpt.manager.reload()
+        return ckpt.all_steps()
+    return _listed(listed)
+
+
+def _listed(fn):
+    """``fn()``, which lists a run's checkpoints: again where a run rotating them removed one
+    while it was listed (Orbax lists the folders, then reads each one's metadata)."""
     for attempt in range(READ_ATTEMPTS):
         try:
-            ckpt.manager.reload()
-            return ckpt.all_steps()
+            return fn()
         except FileNotFoundError:
             if attempt == READ_ATTEMPTS - 1:
                 raise
             time.sleep(0.05)
-    return []
 
 
 def _rotated(ckpt: checkpoint.Checkpointer, step: int, explicit: bool, damaged: set) -> bool:
@@ -331,14 +337,9 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
 
 def _reader(run_dir: str | Path) -> checkpoint.Checkpointer:
     """A checkpointer that reads ``run_dir``'s checkpoints (it writes none: no async saves)."""
-    for attempt in range(READ_ATTEMPTS):
-        try:
-            return checkpoint.Checkpointer(Path(run_dir) / "checkpoints", dataclasses.replace(
-                config_lib.CheckpointConfig(), async_save=False))
-        except FileNotFoundError:  # a checkpoint removed while it was listed
-            if attempt == READ_ATTEMPTS - 1:
-                raise
-            time.sleep(0.05)
+    return _listed(lambda: checkpoint.Checkpointer(Path(run_dir) / "checkpoints",
+                                                   dataclasses.replace(config_lib.CheckpointConfig(),
+                                                                       async_save=False)))
 
 
 @contextlib.contextmanager

@@ -59,12 +59,12 @@ def test_a_checkpoint_listed_then_removed_is_listed_again(copy, monkeypatch):
 
     def rotating(self):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 1:
             raise FileNotFoundError(2, "No such file or directory", str(copy / "checkpoints" / "3"))
         return reload(self)
 
     monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "reload", rotating)
-    assert runs.latest_step(copy) == 4 and len(calls) == 3
+    assert runs.latest_step(copy) == 4 and len(calls) >= 2
 
 
 # ----------------------------------------------------------------------------- libtpu noise
