@@ -119,20 +119,27 @@ def tools_problem(tools) -> str | None:
     if not isinstance(tools, list):
         return f"must be a list of JSON schema objects {TOOL_SHAPE}, got {type(tools).__name__}"
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        problem = (
-            f"is a {type(tool).__name__}, not an object" if not isinstance(tool, dict)
-            else f"has 'type' {tool['type']!r}, not 'function'" if tool.get("type",
-                                                                           "function") != "function"
-            else f"has 'function' {_kind(function)}, not an object" if not isinstance(function, dict)
-            else f"has 'function.name' {_kind(function.get('name'))}, not a string"
-            if not isinstance(function.get("name"), str) or not function.get("name")
-            else f"has 'function.description' {_kind(function['description'])}, not a string"
-            if not isinstance(function.get("description", ""), str)
-            else f"has 'function.parameters' {_kind(function['parameters'])}, not an object"
-            if not isinstance(function.get("parameters", {}), dict) else None)
+        problem = _tool_problem(tool)
         if problem:
             return f"item {i} {problem}; each tool is {TOOL_SHAPE}"
+    return None
+
+
+def _tool_problem(tool) -> str | None:
+    """What is wrong with one tool's schema (``tools_problem``), or None."""
+    if not isinstance(tool, dict):
+        return f"is a {type(tool).__name__}, not an object"
+    if tool.get("type", "function") != "function":
+        return f"has 'type' {tool['type']!r}, not 'function'"
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        return f"has 'function' {_kind(function)}, not an object"
+    if not isinstance(function.get("name"), str) or not function.get("name"):
+        return f"has 'function.name' {_kind(function.get('name'))}, not a string"
+    if not isinstance(function.get("description", ""), str):
+        return f"has 'function.description' {_kind(function['description'])}, not a string"
+    if not isinstance(function.get("parameters", {}), dict):
+        return f"has 'function.parameters' {_kind(function['parameters'])}, not an object"
     return None
 
 

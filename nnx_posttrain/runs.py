@@ -337,9 +337,8 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
 
 def _reader(run_dir: str | Path) -> checkpoint.Checkpointer:
     """A checkpointer that reads ``run_dir``'s checkpoints (it writes none: no async saves)."""
-    return _listed(lambda: checkpoint.Checkpointer(Path(run_dir) / "checkpoints",
-                                                   dataclasses.replace(config_lib.CheckpointConfig(),
-                                                                       async_save=False)))
+    cfg = dataclasses.replace(config_lib.CheckpointConfig(), async_save=False)
+    return _listed(lambda: checkpoint.Checkpointer(Path(run_dir) / "checkpoints", cfg))
 
 
 @contextlib.contextmanager

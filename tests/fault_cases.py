@@ -883,7 +883,7 @@ def teacher_damaged_newest(c):
     return works(out, bool(steps_of(c.work / "student")), "damaged")
 
 
-# ----------------------------------------------------------------------------- user code in agent runs
+# ----------------------------------------------------------------------------- agents
 
 def _user_module(c) -> dict:
     """The environment of a process that imports the user code of tests/agent_tools.py (this

@@ -96,7 +96,7 @@ def test_a_cpu_host_with_libtpu_installed_never_starts_the_tpu_runtime():
     assert "TPU" not in out.stderr
 
 
-# ----------------------------------------------------------------------------- evaluation, judging
+# -------------------------------------------------------------------------- evaluation, judging
 
 
 def test_a_task_file_lm_eval_skips_or_whose_data_is_missing_is_named_before_the_model_loads(
@@ -152,7 +152,7 @@ def test_judge_results_against_runs_of_the_same_name_keep_their_own_files(tmp_pa
     assert [json.loads(Path(p).read_text())["win_rate"] for p in (first, second)] == [0.5, 0.75]
 
 
-# ----------------------------------------------------------------------------- metrics over a resume
+# ------------------------------------------------------------------------ metrics over a resume
 
 
 def test_the_log_window_a_stop_cuts_is_logged_after_the_resume_as_without_the_stop(
@@ -246,7 +246,7 @@ def test_two_threads_of_one_process_on_one_run_directory(tmp_path):
         pass
 
 
-# ----------------------------------------------------------------------------- a restart over a run
+# -------------------------------------------------------------------------- a restart over a run
 
 
 def test_starting_over_where_every_checkpoint_is_gone_keeps_the_earlier_files_aside(copy, capsys):

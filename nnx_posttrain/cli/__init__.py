@@ -13,8 +13,8 @@ and ``python -m experiments[.ALGORITHM]``.
     nnx-posttrain judge RUN_A RUN_B --prompts FILE   win rate of A's answers against B's
 
 This package is the library's one user that owns the process: ``main`` alone turns a
-``UserError`` into ``error: MESSAGE`` and exit status 1 (nothing printed after it), a stop signal into 128 + its number,
-Ctrl-C into 130. Everything it calls raises exceptions instead.
+``UserError`` into ``error: MESSAGE`` and exit status 1 (nothing printed after it), a stop
+signal into 128 + its number, Ctrl-C into 130. Everything it calls raises exceptions instead.
 """
 
 from __future__ import annotations
