@@ -291,7 +291,7 @@ class Steps:
                  "unlogged_metrics": _host(self.pending),
                  "host_window": source.host_window() if hasattr(source, "host_window") else {}}
         with self.stop.saving():  # (Orbax may wait here for the previous checkpoint)
-            self.run.checkpointer.save(info.step, info.state, self.run.source.get_state(), saved,
+            self.run.checkpointer.save(info.step, info.state, source.get_state(), saved,
                                        metrics=info.eval or None)
 
     def stop_now(self, info: StepInfo) -> None:
