@@ -16,6 +16,7 @@ settings, built once per run.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
@@ -321,9 +322,27 @@ def device_batch(algorithm, batch: dict, reference: dict | None = None) -> dict:
     return algorithm.prepare(batch)
 
 
-class DatasetBatches:
+class HostWindow:
+    """``BatchSource.host_window`` / ``set_host_window`` of a source whose host metrics since
+    its last ``host_metrics`` call are its attributes named in ``WINDOW`` (JSON-able: numbers,
+    lists and dicts of them)."""
+
+    WINDOW: ClassVar[tuple[str, ...]] = ()
+
+    def host_window(self) -> dict:
+        return json.loads(json.dumps({k: getattr(self, k) for k in self.WINDOW}, default=float))
+
+    def set_host_window(self, window: dict) -> None:
+        for name in self.WINDOW:
+            if name in window:
+                setattr(self, name, window[name])
+
+
+class DatasetBatches(HostWindow):
     """The batch source of offline algorithms: the training data, shuffled by seed, tokenized
     (packed for SFT with ``--batching.packing``), batched; resumable."""
+
+    WINDOW = ("truncated",)
 
     def __init__(self, algorithm, run: RunContext, reference: dict | None = None):
         cfg, b = run.cfg, run.cfg.batching
@@ -346,12 +365,6 @@ class DatasetBatches:
     def host_metrics(self):
         out, self.truncated = {"truncated": float(self.truncated)}, 0
         return out
-
-    def host_window(self) -> dict:
-        return {"truncated": self.truncated}
-
-    def set_host_window(self, window: dict) -> None:
-        self.truncated = int(window.get("truncated", 0))
 
     def checkpoint_ok(self, step):
         return True

@@ -208,6 +208,8 @@ class MixedBatches(DatasetBatches):
     resumed run draws the same), their completions replaced by the student's samples, and
     otherwise, with ``seq_kd``, by the teacher's greedy completions."""
 
+    WINDOW = ("truncated", "lengths", "drawn")
+
     def __init__(self, algorithm: Distill, run: RunContext, params):
         super().__init__(algorithm, run)
         c, b = algorithm.cfg, run.cfg.batching
@@ -291,12 +293,3 @@ class MixedBatches(DatasetBatches):
             out["on_policy"] = float(np.mean(self.drawn))
         self.lengths, self.drawn = [], []
         return out
-
-    def host_window(self) -> dict:
-        return {**super().host_window(), "lengths": list(self.lengths),
-                "drawn": list(self.drawn)}
-
-    def set_host_window(self, window: dict) -> None:
-        super().set_host_window(window)
-        self.lengths = [int(n) for n in window.get("lengths", [])]
-        self.drawn = [float(x) for x in window.get("drawn", [])]

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain import data, errors, model
-from nnx_posttrain.algorithms.base import AlgorithmBase, Inputs, RunContext, device_batch
+from nnx_posttrain.algorithms.base import (AlgorithmBase, HostWindow, Inputs, RunContext,
+                                           device_batch)
 from nnx_posttrain.algorithms.online import agentic, generation
 from nnx_posttrain.algorithms.online import rewards as rewards_lib
 from nnx_posttrain.sampling import generate, sampler
@@ -150,9 +151,11 @@ class OnlineAlgorithm(AlgorithmBase):
                                     positions=batch.get("positions"))
 
 
-class Rollouts:
+class Rollouts(HostWindow):
     """The batch source of online algorithms: prompts -> rollout -> training batch, reused for
     ``num_iterations`` steps."""
+
+    WINDOW = ("truncated", "since_log")  # not the seconds: a resumed run times its own steps
 
     def __init__(self, algorithm: OnlineAlgorithm, run: RunContext, params):
         cfg, b, c = run.cfg, run.cfg.batching, algorithm.cfg
@@ -233,16 +236,6 @@ class Rollouts:
         self.since_log, self.truncated = [], 0
         self.seconds = {"rollout": 0.0, "update": 0.0, "steps": 0, "updates": 0}
         return out
-
-    def host_window(self) -> dict:
-        """The prompts truncated and the rollouts' metrics since the last log (the seconds
-        spent are not kept: a resumed run times its own steps)."""
-        return {"truncated": self.truncated,
-                "rollouts": [{k: float(v) for k, v in m.items()} for m in self.since_log]}
-
-    def set_host_window(self, window: dict) -> None:
-        self.truncated = int(window.get("truncated", 0))
-        self.since_log = [dict(m) for m in window.get("rollouts", [])]
 
     def logged_completions(self) -> list[dict]:
         """A sample of the latest rollout (``--algo.log-completions`` rows: prompt, completion,
