@@ -45,8 +45,8 @@ class Case:
                *(FAST if fast else []), *args]
         if algo != "sft" and "--init-from" not in args:
             cmd += ["--init-from", ""]
-        full_env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(self.root),
-                                          **(env or {})).items() if v is not None}
+        full_env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(self.root),
+                                      **(env or {})}.items() if v is not None}
         try:
             out = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True,
                                  timeout=timeout, env=full_env)
@@ -67,7 +67,7 @@ class Case:
         try:
             out = subprocess.run([sys.executable, "-m", "nnx_posttrain.cli", *map(str, args)],
                                  cwd=self.root, capture_output=True, text=True, timeout=timeout,
-                                 env=dict(os.environ, PYTHONPATH=str(self.root), **(env or {})))
+                                 env={**os.environ, "PYTHONPATH": str(self.root), **(env or {})})
         except subprocess.TimeoutExpired as exc:
             out = subprocess.CompletedProcess(args, 124, exc.stdout or "", exc.stderr or "")
         self.outs.append(out)
@@ -76,7 +76,7 @@ class Case:
     def python(self, code: str, *args, env=None):
         out = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=self.root,
                              capture_output=True, text=True, timeout=900,
-                             env=dict(os.environ, PYTHONPATH=str(self.root), **(env or {})))
+                             env={**os.environ, "PYTHONPATH": str(self.root), **(env or {})})
         self.outs.append(out)
         return out
 
