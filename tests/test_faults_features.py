@@ -155,6 +155,7 @@ def test_judge_results_against_runs_of_the_same_name_keep_their_own_files(tmp_pa
 # ------------------------------------------------------------------------ metrics over a resume
 
 
+@pytest.mark.slow
 def test_the_log_window_a_stop_cuts_is_logged_after_the_resume_as_without_the_stop(
         tmp_path, monkeypatch):
     """Logged every 3 steps, stopped (SIGTERM) after step 2: the checkpoint keeps steps 1-2's
@@ -166,7 +167,7 @@ def test_the_log_window_a_stop_cuts_is_logged_after_the_resume_as_without_the_st
     from support import FAST_STEPS, MICRO, records, train_run
 
     args = [*MICRO, *FAST_STEPS, "--steps", "6", "--log-every", "3", "--checkpoint.every", "0",
-            "--batching.max-length", "20"]
+            "--batching.max-length", "20", "--eval.batches", "0"]
     train_run("sft", *args, "--run-dir", tmp_path / "whole", echo=lambda _: None)
     one_step = loop.Steps.one_step
 
