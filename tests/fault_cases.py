@@ -941,7 +941,9 @@ _BAD_TOOLS = [{"type": "function", "function": "multiply"}]
 def tools_column_not_a_schema_sft(c):
     rows = [{"messages": [{"role": "user", "content": "What is 2 x 3?"},
                           {"role": "assistant", "content": "6"}], "tools": _BAD_TOOLS}] * 8
-    out = c.run("sft", c.work / "run", "--data", c.file("tools.jsonl", rows))
+    # long enough for the schemas: a run that trains wrote the bad ones into every prompt
+    out = c.run("sft", c.work / "run", "--data", c.file("tools.jsonl", rows),
+                "--batching.max-length", "256")
     return "data loss" if out.returncode == 0 else refused(out, "tools.jsonl:1", "'tools'")
 
 
