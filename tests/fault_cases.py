@@ -1180,9 +1180,9 @@ def table(*paths: str) -> None:
            notes=["Not fine after: " + (", ".join(left) or "none"),
                   f"{len(after['results'])} cases, each one to three real processes on the micro "
                   "model, run one after the other on a machine shared with other jobs.",
-                  *([f"Rerun at {after['rerun']['commit']} (--only): "
-                     f"{', '.join(after['rerun']['cases'])}: {after['rerun']['why']}."]
-                    if after.get("rerun") else [])],
+                  *[f"{'After' if r is after else 'Before'}: rerun at {r['rerun']['commit']} "
+                    f"(--only): {', '.join(r['rerun']['cases'])}: {r['rerun']['why']}."
+                    for r in runs if r.get("rerun")]],
            data={"runs": runs, "changed": changed})
 
 
