@@ -51,7 +51,7 @@ class Case:
             out = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True,
                                  timeout=timeout, env=full_env)
         except subprocess.TimeoutExpired as exc:
-            out = subprocess.CompletedProcess(cmd, 124, exc.stdout or "", exc.stderr or "")
+            out = _timed_out(cmd, exc)
         self.outs.append(out)
         return out
 
@@ -69,7 +69,7 @@ class Case:
                                  cwd=self.root, capture_output=True, text=True, timeout=timeout,
                                  env={**os.environ, "PYTHONPATH": str(self.root), **(env or {})})
         except subprocess.TimeoutExpired as exc:
-            out = subprocess.CompletedProcess(args, 124, exc.stdout or "", exc.stderr or "")
+            out = _timed_out(args, exc)
         self.outs.append(out)
         return out
 
@@ -86,6 +86,14 @@ class Case:
             for line in lines:
                 f.write(line if isinstance(line, bytes) else (json.dumps(line) + "\n").encode())
         return path
+
+
+def _timed_out(cmd, exc: subprocess.TimeoutExpired) -> subprocess.CompletedProcess:
+    """A process killed at its time limit, as a finished one of status 124 (its output as text:
+    ``TimeoutExpired`` keeps bytes)."""
+    def text(b):
+        return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+    return subprocess.CompletedProcess(cmd, 124, text(exc.stdout), text(exc.stderr))
 
 
 # ----------------------------------------------------------------------------- judging
