@@ -951,7 +951,7 @@ def tools_column_not_a_schema_sft(c):
                           {"role": "assistant", "content": "6"}], "tools": _BAD_TOOLS}] * 8
     # long enough for the schemas: a run that trains wrote the bad ones into every prompt
     out = c.run("sft", c.work / "run", "--data", c.file("tools.jsonl", rows),
-                "--batching.max-length", "256")
+                "--batching.max-length", "1024")
     return "data loss" if out.returncode == 0 else refused(out, "tools.jsonl:1", "'tools'")
 
 
