@@ -1188,7 +1188,7 @@ def table(*paths: str) -> None:
            notes=["Not fine after: " + (", ".join(left) or "none"),
                   f"{len(after['results'])} cases, each one to three real processes on the micro "
                   "model, run one after the other on a machine shared with other jobs.",
-                  *[f"{'After' if r is after else 'Before'}: rerun at {r['rerun']['commit']} "
+                  *[f"{'After' if r is after else 'Before'}: run at {r['rerun']['commit']} "
                     f"(--only): {', '.join(r['rerun']['cases'])}: {r['rerun']['why']}."
                     for r in runs if r.get("rerun")]],
            data={"runs": runs, "changed": changed})
