@@ -120,7 +120,10 @@ def configure(algorithm, config: str | Path | None = None, **settings) -> config
     run's data, then the YAML / JSON file ``config`` (as ``--config``), then ``settings``,
     nested by group as dicts or dotted (``optim={"learning_rate": 1e-3}`` or
     ``**{"optim.learning_rate": 1e-3}``; the algorithm's own under ``algo``). An unknown name,
-    a value of the wrong type or a setting given twice raises ``ConfigError`` naming it."""
+    a value of the wrong type or a setting given twice raises ``ConfigError`` naming it. The
+    algorithm's settings are checked once all of them are applied (``Config.validate``)."""
+    from nnx_posttrain.losses.common import unchecked_options
+
     if config is not None and not isinstance(config, (str, Path)):
         raise errors.ConfigError(f"configure(config=...): the path of a YAML or JSON file, got "
                                  f"{_shown(config)}")
@@ -129,10 +132,11 @@ def configure(algorithm, config: str | Path | None = None, **settings) -> config
     data = settings.get("data")
     if data is None and config is not None:
         data = config_files.read(config).get("data")
-    cfg = defaults(algorithm, BUILTIN if data is None else data)
-    if config is not None:
-        cfg = dataclasses.replace(config_files.apply(cfg, config), config=str(config))
-    cfg = config_files.merge(cfg, settings, "configure()")
+    with unchecked_options():  # a file's values, then the settings: checked when all are in
+        cfg = defaults(algorithm, BUILTIN if data is None else data)
+        if config is not None:
+            cfg = dataclasses.replace(config_files.apply(cfg, config), config=str(config))
+        cfg = config_files.merge(cfg, settings, "configure()")
     return cfg.validate()
 
 

@@ -199,6 +199,8 @@ class Config:
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
     host_allocator: Literal["auto", "heap", "default"] = "auto"
     """On CPU, glibc's allocator for XLA's step buffers: 'heap' serves every block from the heap and keeps its freed pages between steps (no page faults per step); 'auto' does that for models whose steps have no block of 32 MB (the built-in tiny ones); 'default' leaves glibc's settings. A GLIBC_TUNABLES set by the user wins."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache, so that a resume or a second run of the same shapes reads its compiled step instead of compiling it again: auto = the folder .jax_cache beside the run directory (runs/.jax_cache), unless JAX already has one (JAX_COMPILATION_CACHE_DIR); a folder; none = off."""
     attention: Literal["auto", "keras", "xla", "cudnn", "splash"] = "auto"
     """Attention kernel of the training forward: auto = splash on TPU, cuDNN on GPU, the exact XLA formulation otherwise; keras = KerasHub's own. A kernel that cannot do a layer's feature falls back to keras; the run prints the path it took."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -211,52 +213,17 @@ class Config:
     """Algorithm settings (a dataclass per algorithm)."""
 
     def validate(self) -> "Config":
-        """Every problem of the settings at once, as one ``ConfigError`` ('invalid
-        configuration'); returns ``self``."""
+        """Every problem of the settings at once, the algorithm's (``algo.problems()``, its loss
+        family's checks) included, as one ``ConfigError`` ('invalid configuration'); returns
+        ``self``."""
         problems = [f"{option} must be a finite number, got {value}"
                     for option, value in _floats(self) if not math.isfinite(value)]
         if self.steps < 0:
             problems.append(f"--steps must be >= 0, got {self.steps}")
-        b = self.batching
-        if b.batch_size <= 0 or b.grad_accum <= 0 or b.batch_size % b.grad_accum:
-            problems.append(
-                f"--batching.batch-size ({b.batch_size}) must be a positive multiple of "
-                f"--batching.grad-accum ({b.grad_accum})"
-            )
-        if b.max_length < 2:
-            problems.append(f"--batching.max-length must be >= 2, got {b.max_length}")
-        if b.num_workers < 0:
-            problems.append(f"--batching.num-workers must be >= 0, got {b.num_workers}")
-        if b.max_prompt_length is not None and b.max_prompt_length < 1:
-            problems.append(f"--batching.max-prompt-length must be >= 1, got {b.max_prompt_length}")
+        problems += _batching_problems(self.batching)
         if self.lora.rank < 0:
             problems.append(f"--lora.rank must be >= 0, got {self.lora.rank}")
-        o = self.optim
-        if o.learning_rate < 0:
-            problems.append("--optim.learning-rate must be >= 0")
-        for option, value, low, high in (
-            ("--optim.warmup-steps", 0 if o.warmup_steps is None else o.warmup_steps, 0, None),
-            ("--optim.warmup-ratio", o.warmup_ratio, 0, 1),
-            ("--optim.weight-decay", o.weight_decay, 0, None),
-            ("--optim.max-grad-norm", o.max_grad_norm, 0, None),
-            ("--optim.eps", o.eps, 0, None),
-            ("--optim.min-lr-ratio", o.min_lr_ratio, 0, 1),
-            ("--eval.every", self.eval.every, 0, None),
-            ("--eval.batches", self.eval.batches, 0, None),
-            ("--eval.exact-match", self.eval.exact_match, 0, None),
-            ("--eval.max-new-tokens", self.eval.max_new_tokens, 1, None),
-            ("--checkpoint.every", self.checkpoint.every, 0, None),
-            ("--checkpoint.keep", self.checkpoint.keep, 1, None),
-        ):
-            if not math.isfinite(value):
-                continue  # reported as not finite
-            if value < low or (high is not None and value > high):
-                problems.append(f"{option} must be "
-                                + (f">= {low}" if high is None else f"in [{low}, {high}]")
-                                + f", got {value}")
-        for option, value in (("--optim.b1", o.b1), ("--optim.b2", o.b2)):
-            if not 0 <= value < 1:
-                problems.append(f"{option} must be in [0, 1), got {value}")
+        problems += _optim_problems(self)
         if self.logprob_chunk is not None and self.logprob_chunk < 0:
             problems.append(f"--logprob-chunk must be >= 0 (0: no chunking), got {self.logprob_chunk}")
         if self.log_every <= 0:
@@ -265,16 +232,62 @@ class Config:
             problems.append(f"--quantize {self.quantize} quantizes the frozen base under LoRA: "
                             "pass --lora.rank (full fine-tuning trains the weights it would "
                             "quantize)")
-        c = self.checkpoint
-        if c.keep_best == "exact_match" and self.eval.exact_match == 0:
+        if self.checkpoint.keep_best == "exact_match" and self.eval.exact_match == 0:
             problems.append("--checkpoint.keep-best exact_match needs exact-match evaluation, but "
                             "--eval.exact-match is 0")
         problems.extend(self.mesh.problems())
         problems.extend(report_problems(self.report_to))
+        problems.extend(getattr(self.algo, "problems", list)())
         if problems:
             source = f" (the flags and {self.config})" if self.config else ""
             raise errors.ConfigError(f"invalid configuration{source}:\n  " + "\n  ".join(problems))
         return self
+
+
+def _batching_problems(b: DataConfig) -> list[str]:
+    out = []
+    if b.batch_size <= 0 or b.grad_accum <= 0 or b.batch_size % b.grad_accum:
+        out.append(f"--batching.batch-size ({b.batch_size}) must be a positive multiple of "
+                   f"--batching.grad-accum ({b.grad_accum})")
+    if b.max_length < 2:
+        out.append(f"--batching.max-length must be >= 2, got {b.max_length}")
+    if b.num_workers < 0:
+        out.append(f"--batching.num-workers must be >= 0, got {b.num_workers}")
+    if b.max_prompt_length is not None and b.max_prompt_length < 1:
+        out.append(f"--batching.max-prompt-length must be >= 1, got {b.max_prompt_length}")
+    return out
+
+
+def _optim_problems(cfg: Config) -> list[str]:
+    """The learning rate, the numbers that must lie in a range, Adam's betas."""
+    o = cfg.optim
+    out = ["--optim.learning-rate must be >= 0"] if o.learning_rate < 0 else []
+    return out + _range_problems(cfg) + [
+        f"{option} must be in [0, 1), got {value}"
+        for option, value in (("--optim.b1", o.b1), ("--optim.b2", o.b2)) if not 0 <= value < 1]
+
+
+def _range_problems(cfg: Config) -> list[str]:
+    """The numbers that must lie in a range (the ones that are not finite are reported as such)."""
+    o, out = cfg.optim, []
+    for option, value, low, high in (
+        ("--optim.warmup-steps", 0 if o.warmup_steps is None else o.warmup_steps, 0, None),
+        ("--optim.warmup-ratio", o.warmup_ratio, 0, 1),
+        ("--optim.weight-decay", o.weight_decay, 0, None),
+        ("--optim.max-grad-norm", o.max_grad_norm, 0, None),
+        ("--optim.eps", o.eps, 0, None),
+        ("--optim.min-lr-ratio", o.min_lr_ratio, 0, 1),
+        ("--eval.every", cfg.eval.every, 0, None),
+        ("--eval.batches", cfg.eval.batches, 0, None),
+        ("--eval.exact-match", cfg.eval.exact_match, 0, None),
+        ("--eval.max-new-tokens", cfg.eval.max_new_tokens, 1, None),
+        ("--checkpoint.every", cfg.checkpoint.every, 0, None),
+        ("--checkpoint.keep", cfg.checkpoint.keep, 1, None),
+    ):
+        if math.isfinite(value) and (value < low or (high is not None and value > high)):
+            out.append(f"{option} must be " + (f">= {low}" if high is None else f"in [{low}, {high}]")
+                       + f", got {value}")
+    return out
 
 
 REPORT_TO = ("tensorboard", "jsonl", "wandb", "none")

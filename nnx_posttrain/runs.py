@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnx_posttrain import checkpoint, config as config_lib, cpu_host, errors, model, sharding
-from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models and data)
+from nnx_posttrain import tasks
 from nnx_posttrain.algorithms import registry
 from nnx_posttrain.model import heads
 
@@ -94,57 +94,88 @@ def run_config(run_dir: str | Path) -> dict:
     return saved
 
 
-def build_model(name: str, dtype: str, seed: int, lora: config_lib.LoraConfig, head: str | None = None,
-                init_from: str | None = None, remat: bool = False, echo=print,
-                chat_format: str | None = None, init_step: int | None = None,
-                quantize: str = "none", abstract: bool = False, platform: str | None = None):
-    """(language model, module) of a run: the model loaded, the weights of ``init_from``'s
-    checkpoint ``init_step`` (default: its latest) copied in, LoRA added, rematerialisation set,
-    and the algorithm's scalar ``head`` (if any) on top; ``quantize`` 'int8' quantizes the frozen
-    base before LoRA is added (``model.quantize``). ``init_from`` is checked before the model
-    loads (a mismatch costs no loading time). ``seed`` decides every random initialisation: a
-    built-in model's weights, LoRA, the head. ``abstract``: the same model built from its config
-    alone inside ``nnx.eval_shape`` (no weight file read, no memory taken: every variable a
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What a run's model is built from: the model (``--model``), ``dtype`` (``--dtype``),
+    ``seed`` (every random initialisation: a built-in model's weights, LoRA, the head),
+    ``lora``, the algorithm's scalar ``head`` (if any), ``chat_format``, ``quantize`` ('int8'
+    quantizes the frozen base before LoRA is added: ``model.quantize``), ``remat``, and the
+    weights of ``init_from``'s checkpoint ``init_step`` (default: its latest) copied in."""
+
+    name: str
+    dtype: str = "auto"
+    seed: int = 0
+    lora: config_lib.LoraConfig = dataclasses.field(default_factory=config_lib.LoraConfig)
+    head: str | None = None
+    chat_format: str | None = None
+    quantize: str = "none"
+    remat: bool = False
+    init_from: str | None = None
+    init_step: int | None = None
+
+    @classmethod
+    def of(cls, cfg, head: str | None = None, init_step: int | None = None) -> "ModelSpec":
+        """The model of run config ``cfg`` (``nnx_posttrain.config.Config``)."""
+        return cls(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head, cfg.chat_format, cfg.quantize,
+                   cfg.remat == "blocks", cfg.init_from, init_step)
+
+
+def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: str | None = None):
+    """(language model, module) of a run (``spec``): the model loaded, the weights of
+    ``init_from``'s checkpoint copied in, LoRA added, rematerialisation set, and the algorithm's
+    scalar head (if any) on top. ``init_from`` is checked before the model loads (a mismatch
+    costs no loading time). ``abstract``: the same model built from its config alone inside
+    ``nnx.eval_shape`` (no weight file read, no memory taken: every variable a
     ``jax.ShapeDtypeStruct``; ``init_from``'s weights are not read), for planning a run whose
-    step runs on ``platform`` (default: this process's backend)."""
+    step runs on ``platform`` (default: this process's backend). The built-in models are
+    registered first (``tasks.register``)."""
+    tasks.register()
     platform = platform or jax.default_backend()
-    if init_from:
-        check_init_from(init_from, name, init_step)
-    chosen, dtype = dtype, model.resolve_dtype(name, dtype, bool(lora.rank))
-    float32_factors = chosen == model.AUTO and dtype == "bfloat16-params"
-    stored = model.checkpoint_dtype(name) if chosen == model.AUTO else None
-    echo(f"{'building' if abstract else 'loading'} model {name} ({dtype}"
-         + (", LoRA factors in float32" if float32_factors and lora.rank else "")
+    if spec.init_from:
+        check_init_from(spec.init_from, spec.name, spec.init_step)
+    dtype = model.resolve_dtype(spec.name, spec.dtype, bool(spec.lora.rank))
+    float32_factors = spec.dtype == model.AUTO and dtype == "bfloat16-params"
+    stored = model.checkpoint_dtype(spec.name) if spec.dtype == model.AUTO else None
+    echo(f"{'building' if abstract else 'loading'} model {spec.name} ({dtype}"
+         + (", LoRA factors in float32" if float32_factors and spec.lora.rank else "")
          + (f": the checkpoint's {stored}, --dtype auto" if stored else "")
          + (", abstract: no weights" if abstract else "") + ") ...")
     start = time.perf_counter()
     made = {}
 
     def assemble():
-        lm = made["lm"] = model.load(name, dtype=dtype, seed=seed, chat_format=chat_format,
-                                     weights=not abstract, quantize=quantize)
+        lm = made["lm"] = model.load(spec.name, dtype=dtype, seed=spec.seed,
+                                     chat_format=spec.chat_format, weights=not abstract,
+                                     quantize=spec.quantize)
         if not abstract:
-            echo(f"loaded {name} in {time.perf_counter() - start:.1f} s")
-        if init_from and not abstract:
-            echo(init_weights(lm.module, init_from, init_step))
-        if quantize != "none":
-            echo(f"quantized {model.quantize(lm.module, quantize)} layers to {quantize} "
-                 "(weights only)")
-        if lora.rank:
-            try:
-                model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=seed,
-                                  factor_dtype="float32" if float32_factors else None)
-            except ValueError as exc:  # e.g. targets that name no layer of this model
-                raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
+            echo(f"loaded {spec.name} in {time.perf_counter() - start:.1f} s")
+        if spec.init_from and not abstract:
+            echo(init_weights(lm.module, spec.init_from, spec.init_step))
+        _adapt(lm, spec, float32_factors, echo)
         # XLA:CPU computes bfloat16 matmuls in float32: keep those copies of frozen weights local
-        model.set_remat(lm.module, remat, lazy_frozen=dtype != "float32" and platform == "cpu")
-        return lm.task, heads.wrap(head, lm.module, seed=seed)
+        model.set_remat(lm.module, spec.remat,
+                        lazy_frozen=dtype != "float32" and platform == "cpu")
+        return lm.task, heads.wrap(spec.head, lm.module, seed=spec.seed)
 
     if not abstract:
         _, module = assemble()
         return made["lm"], module
     task, module = nnx.eval_shape(assemble)  # the task and the module share their variables
     return dataclasses.replace(made["lm"], task=task), module
+
+
+def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
+    """``spec``'s int8 quantization of the frozen base, then its LoRA adapters."""
+    if spec.quantize != "none":
+        echo(f"quantized {model.quantize(lm.module, spec.quantize)} layers to {spec.quantize} "
+             "(weights only)")
+    lora = spec.lora
+    if lora.rank:
+        try:
+            model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=spec.seed,
+                              factor_dtype="float32" if float32_factors else None)
+        except ValueError as exc:  # e.g. targets that name no layer of this model
+            raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
@@ -164,9 +195,9 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
     )
     with _reading(run_dir) as ckpt:
         _pick_step(ckpt, run_dir, step)  # a missing checkpoint: before the model is built
-        lm, module = build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
-                                 head=head_of(saved_cfg), echo=echo, chat_format=cfg.chat_format,
-                                 quantize=cfg.quantize)
+        lm, module = build_model(ModelSpec(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
+                                           head=head_of(saved_cfg), chat_format=cfg.chat_format,
+                                           quantize=cfg.quantize), echo=echo)
         _, params, _ = model.split(module)
         mesh = sharding.make_mesh(config_lib.MeshConfig(data=mesh_devices))
         replicated = NamedSharding(mesh, P())

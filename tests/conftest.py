@@ -1,4 +1,4 @@
-"""Shared fixtures. Importing ``nnx_posttrain.tasks`` registers the built-in models and data
+"""Shared fixtures. ``nnx_posttrain.tasks.register()`` registers the built-in models and data
 (``gemma_micro``, ``--data builtin``), as the training loop does; plain helpers (command lines of
 the micro model, in-process runs, metric readers) live in ``support.py``.
 
@@ -26,12 +26,26 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
 
 import nnx_posttrain  # noqa: E402,F401  (the Keras backend, before keras is imported)
-import nnx_posttrain.tasks  # noqa: E402,F401  (registers the built-in models and data)
+import nnx_posttrain.tasks  # noqa: E402
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
 
 from nnx_posttrain import model  # noqa: E402
 from support import FAST_STEPS, MICRO, train_run  # noqa: E402
+
+nnx_posttrain.tasks.register()  # the built-in models and data, as the training loop registers them
+
+
+def pytest_collection_modifyitems(config, items):
+    """The TPU tier (tests/test_tpu.py) runs only when selected, ``python -m pytest -m tpu``:
+    deselected otherwise (CI and the README's command run on CPUs)."""
+    if "tpu" in (config.option.markexpr or "").replace("not tpu", ""):
+        return
+    chip = [item for item in items if "tpu" in item.keywords]
+    if chip:
+        config.hook.pytest_deselected(items=chip)
+        items[:] = [item for item in items if "tpu" not in item.keywords]
+
 
 @pytest.fixture
 def optimized(monkeypatch):

@@ -5,7 +5,6 @@ the tool runs, every run of the table a valid command, and the table's statistic
 import json
 from pathlib import Path
 
-import nnx_posttrain.tasks  # noqa: F401  (registers gemma_tiny_tools)
 import pytest
 
 from nnx_posttrain import data, model

@@ -151,21 +151,97 @@ def test_only_the_command_line_ends_the_process():
     assert not found, found
 
 
-def test_train_functions_fit_on_a_screen():
-    """No function of nnx_posttrain/train over 60 lines or over 6 parameters (self excluded)."""
+MAX_LINES, MAX_PARAMETERS = 60, 6
+
+
+def _parameters(node) -> list[str]:
+    """What a caller passes: positional and keyword parameters, ``*args`` and ``**kwargs`` one
+    each; ``self`` / ``cls`` are not counted (the caller does not pass them), and an options
+    object counts as one, like any parameter."""
+    a = node.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+    return names + [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+
+
+def test_functions_fit_on_a_screen():
+    """No function (or method, nested ones included) of the package over 60 lines (from its
+    ``def`` to its last line, docstring included) or over 6 parameters (``_parameters``). Long
+    lists of settings are grouped in a small frozen dataclass (a loss family's options, a
+    ``Projection``, a ``Draw``); a long function is split by job."""
     over = []
-    for path in sorted((PACKAGE / "train").rglob("*.py")):
+    for path in FILES:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef):
-                a = node.args
-                params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
-                params = [p for p in params if p not in ("self", "cls")]
-                params += [x for x in (a.vararg, a.kwarg) if x is not None]
-                lines = node.end_lineno - node.lineno + 1
-                if lines > 60 or len(params) > 6:
-                    over.append(f"{path.name}:{node.lineno} {node.name}: {lines} lines, "
-                                f"{len(params)} parameters")
-    assert not over, over
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params, lines = _parameters(node), node.end_lineno - node.lineno + 1
+                if lines > MAX_LINES or len(params) > MAX_PARAMETERS:
+                    over.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: "
+                                f"{lines} lines, {len(params)} parameters")
+    assert not over, "\n".join(over)
+
+
+# ----------------------------------------------------------------------------- options, registries
+
+
+def test_each_algorithm_option_is_its_loss_familys_and_written_once():
+    """An algorithm's settings (``--algo.*``) derive from its loss family's options
+    (``losses.common.Options``: the fields, TRL's defaults, the checks): the algorithm's
+    ``Config`` adds fields of its own, never declares one of the options' again."""
+    import dataclasses
+
+    from nnx_posttrain import algorithms
+    from nnx_posttrain.losses.common import Options
+
+    with_options = set()
+    for name, cls in algorithms.ALGORITHMS.items():
+        families = [b for b in cls.Config.__mro__ if issubclass(b, Options) and b is not Options
+                    and "Config" not in b.__name__]
+        for family in families:
+            with_options.add(name)
+            assert dataclasses.is_dataclass(family) and family.__dataclass_params__.frozen
+            again = {f.name for f in dataclasses.fields(family)} & set(
+                cls.Config.__dict__.get("__annotations__", {}))
+            assert not again, f"{name}: {cls.Config.__name__} declares {again} again"
+    assert with_options >= {"dpo", "simpo", "cpo", "orpo", "kto", "reward", "grpo", "rloo", "ppo",
+                            "distill"}
+
+
+def test_losses_take_arrays_and_options():
+    import inspect
+
+    from nnx_posttrain.losses import distill, dpo, grpo, kto, preference, reward, rl, rloo
+
+    for fn in (dpo.dpo, preference.simpo, preference.cpo, preference.orpo, kto.kto,
+               reward.reward_bt, grpo.clipped_policy_loss, rloo.rloo_loss, rl.ppo_loss):
+        assert list(inspect.signature(fn).parameters)[1:] == ["options"], fn.__name__
+    assert list(inspect.signature(distill.divergence).parameters)[-1] == "options"
+
+
+def _top_level_calls(path: Path):
+    """The names of the functions a module calls when it is imported (its top-level statements,
+    not the bodies of its functions and classes)."""
+    for stmt in ast.parse(path.read_text()).body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield from (ast.unparse(d.func if isinstance(d, ast.Call) else d)
+                        for d in stmt.decorator_list)  # a decorator runs on import too
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Call):
+                yield ast.unparse(node.func)
+
+
+def test_importing_a_module_registers_nothing():
+    """Algorithms, the built-in task's data and models are in tables (``algorithms.registry``,
+    ``tasks.BUILTIN_MODELS``): no module registers anything, or reads a file, when imported;
+    ``tasks.register()`` is called by those who need the built-in task."""
+    found = [f"{path.relative_to(PACKAGE)}: {call}" for path in FILES
+             for call in _top_level_calls(path)
+             if "register" in call.split(".")[-1] or call.split(".")[-1] in (
+                 "read_bytes", "read_text", "hexdigest")]
+    assert not found, found
+    from nnx_posttrain import algorithms
+
+    assert list(algorithms.ALGORITHMS) == algorithms.names() and len(set(
+        cls.Config for cls in algorithms.ALGORITHMS.values())) == len(algorithms.ALGORITHMS)
 
 
 TRAIN_DIR = None  # (another checkout's train/, to see the test fail on the code before the fix)

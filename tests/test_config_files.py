@@ -46,6 +46,22 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path, simpo):
     assert parse(simpo, ["--steps", "5", "--config", path]).steps == 5
 
 
+def test_the_algorithms_options_are_checked_once_file_and_flags_are_applied(tmp_path):
+    """A file may name an option whose companion a flag gives (exo_pair and its epsilon); the
+    finished settings are checked, every problem listed with the option to change."""
+    dpo = api.defaults("dpo", data="my.jsonl")
+    path = _write(tmp_path, "algo: {loss_type: exo_pair}\n")
+    cfg = parse(dpo, ["--config", path, "--algo.label-smoothing", "1e-3"])
+    assert (cfg.algo.loss_type, cfg.algo.label_smoothing) == ("exo_pair", 1e-3)
+    assert api.configure("dpo", config=path, data="my.jsonl",
+                         algo={"label_smoothing": 1e-3}).algo == cfg.algo
+    with pytest.raises(errors.ConfigError) as info:
+        parse(dpo, ["--config", path, "--algo.ld-alpha", "2", "--steps", "-1"])
+    assert all(text in str(info.value) for text in (
+        "--steps must be >= 0", "exo_pair needs 0 < label_smoothing < 1",
+        "--algo.ld-alpha must be in [0, 1], got 2.0"))
+
+
 def test_a_runs_config_json_repeats_the_run(tmp_path, simpo):
     cfg = parse(simpo, ["--steps", "9", "--lora.rank", "4", "--algo.gamma", "0.7",
                                "--batching.max-prompt-length", "12", "--dtype", "bfloat16"])

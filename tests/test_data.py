@@ -1,6 +1,7 @@
 """Data: JSONL reading, format detection, tokenization and loss masks, batching."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -521,19 +522,20 @@ def test_make_transform_picks_by_format(tok):
     def src(*records):
         return data.ListSource(list(records), "m")
 
-    t = data.make_transform(src({"text": "x"}), tok, "gemma", 16, "keep_end", 8)
+    lm = SimpleNamespace(tokenizer=tok, chat_format="gemma")
+    t = data.make_transform(src({"text": "x"}), lm, 16, "keep_end", 8)
     assert type(t) is data.Tokenize and t.kind == "sft"
     assert (t.max_length, t.truncation, t.max_prompt_length, t.format) == (16, "keep_end", 8, "auto")
-    t = data.make_transform(src({"chosen": "a", "rejected": "b"}), tok, "gemma", 16)
+    t = data.make_transform(src({"chosen": "a", "rejected": "b"}), lm, 16)
     assert type(t) is data.TokenizePreference and t.kind == "preference"
-    t = data.make_transform(src({"prompt": "a", "completion": "b", "label": False}), tok, "gemma", 16)
+    t = data.make_transform(src({"prompt": "a", "completion": "b", "label": False}), lm, 16)
     assert type(t) is data.TokenizeUnpaired and t.kind == "unpaired_preference"
-    t = data.make_transform(src({"prompt": "a"}), tok, "gemma", 16)
+    t = data.make_transform(src({"prompt": "a"}), lm, 16)
     assert type(t) is data.TokenizePrompt and t.max_prompt_length == 16
-    t = data.make_transform(src({"text": "a"}), tok, "gemma", 16, max_prompt_length=4,
+    t = data.make_transform(src({"text": "a"}), lm, 16, max_prompt_length=4,
                             format="prompt_only")
     assert type(t) is data.TokenizePrompt and t.max_prompt_length == 4
-    t = data.make_transform(src({"text": "a"}), tok, "gemma", 16, format="prompt_completion")
+    t = data.make_transform(src({"text": "a"}), lm, 16, format="prompt_completion")
     assert type(t) is data.Tokenize and t.format == "prompt_completion"
     with pytest.raises(ValueError, match="max_prompt_length must be >= 1 or None, got 0"):
         data.TokenizePreference(tok, "gemma", 16, max_prompt_length=0)

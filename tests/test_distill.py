@@ -12,7 +12,7 @@ import pytest
 
 from nnx_posttrain import errors, model, runs
 from nnx_posttrain.algorithms import distill
-from nnx_posttrain.losses.distill import divergence, gkd
+from nnx_posttrain.losses.distill import DistillOptions, divergence, gkd
 from support import FAST_STEPS, MICRO, losses, records, refusal, train_run
 
 
@@ -40,7 +40,7 @@ def test_divergence_entropy_and_gradients_equal_trls_chunked_divergence(beta, te
 
     def ours(h, w):
         div, ent = divergence(capped(h @ w.T), capped(jnp.asarray(h_t @ w_t.T, jnp.float32)),
-                              beta, temperature)
+                              DistillOptions(beta, temperature))
         return jnp.sum(div * mask) / mask.sum(), (div, ent)
 
     args = jnp.asarray(h_s, jnp.float32), jnp.asarray(w_s, jnp.float32)
@@ -67,10 +67,11 @@ def test_the_two_projections_in_chunks_and_at_scored_positions_change_nothing(mi
     pad = jnp.ones((2, 10), jnp.int32)
     loss_mask = np.zeros((2, 10), np.int32)
     loss_mask[:, 6:] = 1
-    fn = lambda s, t: divergence(s, t, 0.5, 1.5)
+    options = DistillOptions(beta=0.5, temperature=1.5)
+    fn = lambda s, t: divergence(s, t, options)
     full = model.full_logits(teacher, ids, pad)
     assert float(jnp.max(jnp.abs(full))) <= 30.0  # the final soft cap is in the teacher's logits
-    want = divergence(model.full_logits(student, ids, pad)[:, :-1], full[:, :-1], 0.5, 1.5)
+    want = divergence(model.full_logits(student, ids, pad)[:, :-1], full[:, :-1], options)
 
     def value_and_grad(chunk, positions=None):
         from flax import nnx
@@ -79,7 +80,7 @@ def test_the_two_projections_in_chunks_and_at_scored_positions_change_nothing(mi
 
         def total(p):
             s = nnx.merge(graphdef, p, rest)
-            div, ent = model.paired_terms(s, teacher, ids, pad, fn, chunk, positions=positions)
+            div, ent = model.paired_terms((s, teacher), ids, pad, fn, chunk, positions=positions)
             return jnp.sum(div * loss_mask), (div, ent)
         return jax.value_and_grad(total, has_aux=True)(params)
 

@@ -45,7 +45,7 @@ def test_the_checkpoints_dtype_is_read_before_it_loads(tmp_path):
 @pytest.mark.slow
 def test_lora_on_a_bfloat16_checkpoint_trains_float32_factors_over_a_bfloat16_base(
         tmp_path, bf16_preset, capsys):
-    lm, _ = runs.build_model(bf16_preset, "auto", 0, config_lib.LoraConfig(rank=4))
+    lm, _ = runs.build_model(runs.ModelSpec(bf16_preset, "auto", 0, config_lib.LoraConfig(rank=4)))
     assert "(bfloat16-params, LoRA factors in float32: the checkpoint's bfloat16, --dtype auto)" \
         in capsys.readouterr().out
     _, params, frozen = model.split(lm.module)

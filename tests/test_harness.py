@@ -172,7 +172,7 @@ def test_judge_writes_the_win_rate_from_both_sides(shared_run, tmp_path, capsys)
     reward = tmp_path / "reward"
     train_run("reward", *MICRO, *FAST_STEPS, "--init-from", "", "--run-dir", reward,
               echo=lambda _: None)
-    result = J.judge_runs(a, b, prompts, str(reward), max_new_tokens=4, reps=200)
+    result = J.judge_runs(a, b, prompts, J.Judging(str(reward), max_new_tokens=4, reps=200))
     assert result["judge"] == str(reward) and result["n"] == 16
 
     # a sampled completion is scored as the reward model's training sequences end: the stop
@@ -191,7 +191,7 @@ def test_judge_writes_the_win_rate_from_both_sides(shared_run, tmp_path, capsys)
     got = scorer.score_rows([sampled])
     assert got[0] == pytest.approx(expected, abs=1e-5)
     with pytest.raises(errors.ConfigError, match="not a reward-model run"):
-        J.judge_runs(a, b, prompts, str(a))
+        J.judge_runs(a, b, prompts, J.Judging(str(a)))
 
 
 def test_what_a_user_gets_wrong_is_named_before_a_model_loads(tmp_path, monkeypatch):
@@ -202,10 +202,10 @@ def test_what_a_user_gets_wrong_is_named_before_a_model_loads(tmp_path, monkeypa
     with pytest.raises(errors.ConfigError, match="no 'answer' column for the exact judge"):
         J.judge_runs(tmp_path / "a", tmp_path / "b", prompts)
     with pytest.raises(errors.ConfigError, match="expected 'exact', a reward-model run"):
-        J.judge_runs(tmp_path / "a", tmp_path / "b", prompts, "nonsense")
+        J.judge_runs(tmp_path / "a", tmp_path / "b", prompts, J.Judging("nonsense"))
     with pytest.raises(errors.ConfigError, match="--judge no_such_module_j:judge: cannot import "
                                                  "'no_such_module_j'"):
-        J.judge_runs(tmp_path / "a", tmp_path / "b", prompts, "no_such_module_j:judge")
+        J.judge_runs(tmp_path / "a", tmp_path / "b", prompts, J.Judging("no_such_module_j:judge"))
     with pytest.raises(errors.ConfigError, match="give at least one task"):
         E.evaluate(tmp_path, [])
     with pytest.raises(errors.ConfigError, match="--include-path nowhere: no such directory"):

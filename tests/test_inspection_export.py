@@ -128,7 +128,7 @@ def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(
 
 def test_export_hf_writes_safetensors_and_config(lora_run, tmp_path):
     out = tmp_path / "hf"
-    export.export(lora_run, out, fmt="hf")
+    export.export(lora_run, out, target=export.Target("hf"))
     assert (out / "model.safetensors").stat().st_size > 0
     config = json.loads((out / "config.json").read_text())
     assert config.get("model_type") == "gemma"
@@ -157,8 +157,8 @@ def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path):
 def test_export_dtype_defaults_to_the_source_and_can_be_chosen(lora_run, tmp_path):
     from safetensors import safe_open
 
-    export.export(lora_run, tmp_path / "f32", fmt="hf")
-    export.export(lora_run, tmp_path / "bf16", fmt="hf", dtype="bfloat16")
+    export.export(lora_run, tmp_path / "f32", target=export.Target("hf"))
+    export.export(lora_run, tmp_path / "bf16", target=export.Target("hf", "bfloat16"))
     for name, dtype in (("f32", "float32"), ("bf16", "bfloat16")):
         assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == dtype
         with safe_open(tmp_path / name / "model.safetensors", "np") as f:
@@ -180,7 +180,7 @@ def test_export_dtype_defaults_to_the_source_and_can_be_chosen(lora_run, tmp_pat
 def test_export_adapters_only_writes_peft_files(lora_run, full_run, tmp_path):
     from safetensors.numpy import load_file
 
-    files = export.export(lora_run, tmp_path / "a", fmt="hf", adapters_only=True)
+    files = export.export(lora_run, tmp_path / "a", target=export.Target("hf", adapters_only=True))
     assert sorted(p.name for p in files) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 2
@@ -193,9 +193,9 @@ def test_export_adapters_only_writes_peft_files(lora_run, full_run, tmp_path):
     assert tensors["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"].shape == (32, 2)
     assert config["rank_pattern"] == {"q_proj": 4}
     with pytest.raises(errors.UserError, match="trained every weight"):
-        export.export(full_run, tmp_path / "b", fmt="hf", adapters_only=True)
+        export.export(full_run, tmp_path / "b", target=export.Target("hf", adapters_only=True))
     with pytest.raises(errors.UserError, match="use it with --format hf"):
-        export.export(lora_run, tmp_path / "c", adapters_only=True)
+        export.export(lora_run, tmp_path / "c", target=export.Target(adapters_only=True))
 
 
 def test_inspect_reports_the_checkpoint_its_parameters_and_last_metrics(lora_run, tmp_path,

@@ -82,6 +82,7 @@ def test_bpe_tokenizers_without_tensorflow():
 
 def test_the_package_does_not_import_tensorflow():
     code = ("import sys, nnx_posttrain.tasks, nnx_posttrain.train, keras_hub; "
+            "nnx_posttrain.tasks.register(); "
             "from nnx_posttrain import model; model.load('gemma_micro'); "
             "assert not [m for m in sys.modules if m.startswith('tensorflow') and sys.modules[m]]")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -92,7 +92,7 @@ def _naive_logps(module, ids, mask):
 @pytest.mark.parametrize("chunk", [1, 5, 64, None])  # None: the default, by the logits' size
 def test_chunked_logprobs_equal_naive_full_logits(name, chunk):
     lm = model.load(name, seed=0)
-    chunked = model.token_logprobs(lm.module, IDS, MASK, chunk_size=chunk)
+    chunked = model.token_logprobs(lm.module, IDS, MASK, model.Projection(chunk))
     assert chunked.shape == IDS.shape and chunked.dtype == jnp.float32
     np.testing.assert_allclose(chunked, _naive_logps(lm.module, IDS, MASK), atol=1e-5)
     assert np.all(np.asarray(chunked[:, 0]) == 0)
@@ -118,7 +118,7 @@ def test_chunked_logprob_gradients_equal_naive(micro):
         m = nnx.merge(graphdef, p, frozen)
         return jnp.sum(fn(m) * weights)
 
-    g1 = jax.grad(loss)(params, lambda m: model.token_logprobs(m, IDS, MASK, chunk_size=4))
+    g1 = jax.grad(loss)(params, lambda m: model.token_logprobs(m, IDS, MASK, model.Projection(4)))
     g2 = jax.grad(loss)(params, lambda m: _naive_logps(m, IDS, MASK))
     for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
@@ -149,7 +149,7 @@ def test_logprobs_at_scored_positions_equal_the_full_ones_with_their_gradients(m
 
     def loss(p, positions):
         m = nnx.merge(graphdef, p, frozen)
-        logp = model.token_logprobs(m, IDS, MASK, chunk_size=2, positions=positions)
+        logp = model.token_logprobs(m, IDS, MASK, model.Projection(2), positions=positions)
         return jnp.sum(logp * loss_mask), logp
 
     (full_loss, full), g_full = jax.value_and_grad(loss, has_aux=True)(params, None)
@@ -161,7 +161,8 @@ def test_logprobs_at_scored_positions_equal_the_full_ones_with_their_gradients(m
 
 
 def test_entropy_matches_the_full_distribution(micro):
-    _, entropy = model.token_logprobs(micro.module, IDS, MASK, chunk_size=3, with_entropy=True)
+    _, entropy = model.token_logprobs(micro.module, IDS, MASK,
+                                      model.Projection(3, entropy=True))
     logits = model.full_logits(micro.module, IDS, MASK)[:, :-1]
     p = jax.nn.softmax(logits, -1)
     expected = -jnp.sum(p * jax.nn.log_softmax(logits, -1), -1)
@@ -175,11 +176,12 @@ def test_correct_marks_the_tokens_the_model_ranks_first(micro, chunk):
     ids = IDS.at[0, 6].set(first[0, 5]).at[0, 9].set(first[0, 8])  # two tokens the model predicts
     logits = model.full_logits(micro.module, ids, MASK)
     expected = np.asarray(jnp.argmax(logits[:, :-1], -1) == ids[:, 1:], np.float32)
-    logp, correct = model.token_logprobs(micro.module, ids, MASK, chunk_size=chunk,
-                                         with_correct=True)
+    logp, correct = model.token_logprobs(micro.module, ids, MASK,
+                                         model.Projection(chunk, correct=True))
     np.testing.assert_array_equal(correct[:, 1:], expected)
     assert correct[0, 6] == correct[0, 9] == 1 and float(correct.sum()) < ids.size / 2
-    np.testing.assert_array_equal(logp, model.token_logprobs(micro.module, ids, MASK, chunk))
+    np.testing.assert_array_equal(logp, model.token_logprobs(micro.module, ids, MASK,
+                                                                model.Projection(chunk)))
 
 
 def test_bfloat16_compute_keeps_float32_weights_and_logprobs():
@@ -250,13 +252,13 @@ def test_a_packed_row_gives_the_same_per_example_logprobs_as_separate_rows(name)
     segments[0, : len(a)] = 1
     segments[0, len(a) : len(a) + len(b)] = 2
     lp_packed = model.token_logprobs(
-        lm.module, jnp.asarray(packed), jnp.asarray(segments > 0, jnp.int32), chunk_size=4,
+        lm.module, jnp.asarray(packed), jnp.asarray(segments > 0, jnp.int32), model.Projection(4),
         segment_ids=jnp.asarray(segments),
     )[0]
     separate = np.zeros((2, width), np.int32)
     separate[0, : len(a)], separate[1, : len(b)] = a, b
     lp_separate = model.token_logprobs(
-        lm.module, jnp.asarray(separate), jnp.asarray(separate > 0, jnp.int32), chunk_size=4
+        lm.module, jnp.asarray(separate), jnp.asarray(separate > 0, jnp.int32), model.Projection(4)
     )
     # position 0 of each example has no prediction; compare the predicted tokens
     np.testing.assert_allclose(lp_packed[1 : len(a)], lp_separate[0, 1 : len(a)], atol=2e-5)

@@ -95,6 +95,7 @@ def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files
     import jax
 
     from nnx_posttrain import data
+    from nnx_posttrain.sampling import sampler
 
     result = _run("grpo", online.GRPO, tmp_path, prompt_files, "--steps", "1",
                   "--batching.batch-size", "8", "--algo.num-generations", "4",
@@ -111,7 +112,8 @@ def test_grpo_rollout_logprobs_match_the_training_forward(tmp_path, prompt_files
     states = algo.policy_view(rollouts.graphdef, state["params"], frozen["model"])[1]
     sampled = rollouts._sample(states, batch["input_ids"][:, :width],
                                batch["attention_mask"][:, :width],
-                               jax.random.fold_in(jax.random.key(0), 7), 1.0, 1.0, rollouts.stop_ids)
+                               jax.random.fold_in(jax.random.key(0), 7),
+                               sampler.Draw(1.0, 1.0, rollouts.stop_ids))
     mask = np.asarray(sampled["completion_mask"])
     np.testing.assert_array_equal(batch["attention_mask"][:, width:], mask)  # the same sample
     np.testing.assert_allclose(batch["old_logps"][:, width:] * mask,
@@ -245,9 +247,9 @@ def test_a_reward_module_or_result_a_user_gets_wrong_is_named(tmp_path, monkeypa
     row = lambda i: f"row {i}"  # noqa: E731
     with pytest.raises(errors.UserError, match=r"reward 'scalar' returned a float \(1.0\) for 2 "
                                          "completions; it must return a list"):
-        rewards.score(name, scalar, ["p"] * 2, ["c"] * 2, {}, row)
+        rewards.score(name, scalar, rewards.Call(["p"] * 2, ["c"] * 2, {}), row)
     with pytest.raises(errors.UserError, match="reward 'strings' returned '1' on row 0; expected a number"):
-        rewards.score("strings", strings, ["p"] * 2, ["c"] * 2, {}, row)
+        rewards.score("strings", strings, rewards.Call(["p"] * 2, ["c"] * 2, {}), row)
     with pytest.raises(errors.UserError, match="not a file: e.g. user_rewards_a:scalar"):
         rewards.resolve("../elsewhere/user_rewards_a.py:scalar")
     with pytest.raises(errors.UserError, match="importing broken_rewards_a failed: SyntaxError"):

@@ -65,7 +65,7 @@ def _pair_batch(lm, records, max_length=MAX_LEN):
     """Tokenized pairs as one device batch. The tests keep to 4 pairs of MAX_LEN tokens: eager
     computations then reuse each other's compiled operations."""
     src = data.ListSource(records, "test")
-    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, max_length)
+    transform = data.make_transform(src, lm, max_length)
     assert transform.kind == "preference"
     examples = [transform(src[i]) for i in range(len(src))]
     return {k: jnp.asarray(np.stack([e[k] for e in examples]))
@@ -302,7 +302,7 @@ def test_reference_cache_key_includes_the_init_from_checkpoint(tmp_path):
     graphdef, params, frozen_model = model.split(lm.module)
     frozen = {"model": frozen_model, "reference": None}
     src = data.ListSource(_builtin("train", "preference", 4), "four")
-    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, MAX_LEN)
+    transform = data.make_transform(src, lm, MAX_LEN)
     inits = {name: tmp_path / name for name in ("sft_a", "sft_b")}
     for d in inits.values():
         (d / "checkpoints" / "100").mkdir(parents=True)
@@ -378,7 +378,7 @@ def test_kto_kl_rows_pair_each_prompt_with_the_next_completion():
 def test_kto_kl_rows_of_chat_data_read_as_a_prompt_and_another_answer():
     lm = model.load("gemma_micro", seed=0)
     src = data.ListSource(_builtin("train", "unpaired_preference", 3), "three")
-    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, 32)
+    transform = data.make_transform(src, lm, 32)
     examples = [transform(src[i]) for i in range(3)]
     batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
     out = KTO(KTO.Config(), CHUNK).prepare(batch)
@@ -438,7 +438,7 @@ def test_the_data_margin_column_reaches_the_reward_loss_and_a_bad_one_is_named()
     assert float(total) / float(weight) > 20  # the margin of 100 dominates
     src = data.ListSource([dict(UNEVEN[0], margin=1.0), UNEVEN[1],
                            dict(UNEVEN[2], margin="big")], "pairs.jsonl")
-    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, MAX_LEN)
+    transform = data.make_transform(src, lm, MAX_LEN)
     with pytest.raises(data.DataError, match="field 'margin' is missing"):
         transform(src[1])
     with pytest.raises(data.DataError, match="field 'margin' must be a finite number, got str"):
@@ -447,12 +447,12 @@ def test_the_data_margin_column_reaches_the_reward_loss_and_a_bad_one_is_named()
     # a margin on a later record only is refused, never dropped
     for rows in ([UNEVEN[0], dict(UNEVEN[1], margin=2.0)], [dict(UNEVEN[0], margin=None), UNEVEN[1]]):
         src = data.ListSource(rows, "pairs.jsonl")
-        transform = data.make_transform(src, lm.tokenizer, lm.chat_format, MAX_LEN)
+        transform = data.make_transform(src, lm, MAX_LEN)
         assert transform.margin
         with pytest.raises(data.DataError, match=r"field 'margin' is (missing|null) \(the data"):
             transform(src[0])
     src = data.ListSource([UNEVEN[0]] * 100 + [dict(UNEVEN[1], margin=2.0)], "pairs.jsonl")
-    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, MAX_LEN)
+    transform = data.make_transform(src, lm, MAX_LEN)
     assert not transform.margin and "margin" not in transform(src[0])
     with pytest.raises(data.DataError, match="field 'margin' is set here but in none of the data's "
                                              "first records"):

@@ -8,9 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loss_calls import cpo, dpo, kto, orpo, reward_bt, simpo
+from nnx_posttrain import errors
 from nnx_posttrain.losses import preference as pl
 from nnx_posttrain.losses.common import log1mexp
-from nnx_posttrain.losses.dpo import BATCH_COUPLED_LOSS_TYPES, DPO_LOSS_TYPES, dpo
+from nnx_posttrain.losses.dpo import BATCH_COUPLED_LOSS_TYPES, DPO_LOSS_TYPES, DPOOptions
+
+
 
 # Five pairs whose DPO log-ratio differences d = (pc - rc) - (pr - rr) are
 # 1.5, -2.0, 0.0, -3.0, 1.8: positive, negative and zero margins.
@@ -180,19 +184,31 @@ def test_dpo_mpo_is_the_weighted_sum_of_its_terms():
     assert float(total1) == pytest.approx(sum(separate), rel=1e-6)
 
 
-def test_dpo_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="unknown"):
-        dpo(PC, PR, RC, RR, loss_type="kto_pair")
+def test_dpo_options_are_checked_when_made_and_the_arrays_when_called():
+    with pytest.raises(errors.ConfigError, match="unknown DPO loss_type 'kto_pair'"):
+        DPOOptions(loss_type="kto_pair")
+    with pytest.raises(errors.ConfigError, match="--algo.loss-weights has 1 entries for 2"):
+        DPOOptions(loss_type=("sigmoid", "hinge"), loss_weights=(1.0,))
+    with pytest.raises(errors.ConfigError, match="label_smoothing < 0.5"):
+        DPOOptions(loss_type="robust", label_smoothing=0.5)
+    with pytest.raises(errors.ConfigError, match="--algo.ld-alpha must be in"):
+        DPOOptions(ld_alpha=1.5)
+    # every problem at once, each naming its option
+    with pytest.raises(errors.ConfigError) as info:
+        DPOOptions(loss_type="sigmoid,sigmoid,aot", use_weighting=True,
+                   f_divergence_type="forward_kl")
+    assert all(text in str(info.value) for text in (
+        "--algo.loss-type lists a loss twice", "--algo.use-weighting (WPO) does not apply",
+        "--algo.f-divergence-type 'forward_kl' only applies"))
+    assert DPOOptions(loss_type="sigmoid, bco_pair,sft").loss_types == ("sigmoid", "bco_pair", "sft")
     with pytest.raises(ValueError, match="sigmoid_norm"):
         dpo(PC, PR, RC, RR, loss_type="sigmoid_norm")
     with pytest.raises(ValueError, match="chosen_nll"):
         dpo(PC, PR, RC, RR, loss_type=("sigmoid", "sft"))
-    with pytest.raises(ValueError, match="loss_weights"):
-        dpo(PC, PR, RC, RR, loss_type=("sigmoid", "hinge"), loss_weights=(1.0,))
-    with pytest.raises(ValueError, match="label_smoothing"):
-        dpo(PC, PR, RC, RR, loss_type="robust", label_smoothing=0.5)
     with pytest.raises(ValueError, match="both"):
         dpo(PC, PR, RC, RR, loss_type="ipo", chosen_lengths=LEN_C)
+    with pytest.raises(ValueError, match="pair_weights"):
+        dpo(PC, PR, RC, RR, use_weighting=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +219,7 @@ def test_dpo_rejects_bad_arguments():
 @pytest.mark.parametrize("ls, nll_weight", [(0.0, 0.0), (0.1, 0.0), (0.0, 1.0)])
 def test_simpo_matches_numpy_reference(ls, nll_weight):
     beta, gamma = 2.0, 1.2
-    total, weight, metrics = pl.simpo(
+    total, weight, metrics = simpo(
         AVG_C, AVG_R, beta=beta, gamma=gamma, label_smoothing=ls, nll_weight=nll_weight,
         chosen_nll=NLL if nll_weight else None,
     )
@@ -220,34 +236,34 @@ def test_simpo_matches_numpy_reference(ls, nll_weight):
 
 def test_simpo_hand_computed_and_trl_parameterisation():
     # beta (avg_c - avg_r) - gamma = 2 * 1 - 1 = 1: loss = log(1 + e^-1).
-    total, _, _ = pl.simpo(jnp.array([-1.0]), jnp.array([-2.0]), beta=2.0, gamma=1.0)
+    total, _, _ = simpo(jnp.array([-1.0]), jnp.array([-2.0]), beta=2.0, gamma=1.0)
     assert float(total) == pytest.approx(0.3132616875, abs=1e-6)
     # TRL's CPOTrainer: logits = (c - r) - simpo_gamma / beta; loss = -logsigmoid(beta * logits).
     beta, simpo_gamma = 2.5, 0.8
     trl = -np_logsig(beta * ((AVG_C - AVG_R) - simpo_gamma / beta))
-    total, _, _ = pl.simpo(AVG_C, AVG_R, beta=beta, gamma=simpo_gamma)
+    total, _, _ = simpo(AVG_C, AVG_R, beta=beta, gamma=simpo_gamma)
     assert float(total) == pytest.approx(trl.sum(), rel=1e-5)
 
 
 def test_simpo_gamma_and_ratio_parameterisations_agree():
     beta, ratio = 2.5, 0.55
-    by_ratio = pl.simpo(AVG_C, AVG_R, beta=beta, gamma_beta_ratio=ratio)
-    by_gamma = pl.simpo(AVG_C, AVG_R, beta=beta, gamma=ratio * beta)
+    by_ratio = simpo(AVG_C, AVG_R, beta=beta, gamma_beta_ratio=ratio)
+    by_gamma = simpo(AVG_C, AVG_R, beta=beta, gamma=ratio * beta)
     assert float(by_ratio[0]) == pytest.approx(float(by_gamma[0]), rel=1e-6)
     # default: gamma_beta_ratio 0.25, i.e. gamma 0.5 at beta 2
-    default = pl.simpo(AVG_C, AVG_R)
-    assert float(default[0]) == pytest.approx(float(pl.simpo(AVG_C, AVG_R, gamma=0.5)[0]), rel=1e-6)
-    with pytest.raises(ValueError, match="not both"):
-        pl.simpo(AVG_C, AVG_R, gamma=1.0, gamma_beta_ratio=0.5)
+    default = simpo(AVG_C, AVG_R)
+    assert float(default[0]) == pytest.approx(float(simpo(AVG_C, AVG_R, gamma=0.5)[0]), rel=1e-6)
+    with pytest.raises(errors.ConfigError, match="not both"):
+        simpo(AVG_C, AVG_R, gamma=1.0, gamma_beta_ratio=0.5)
     with pytest.raises(ValueError, match="chosen_nll"):
-        pl.simpo(AVG_C, AVG_R, nll_weight=1.0)
+        simpo(AVG_C, AVG_R, nll_weight=1.0)
 
 
 @pytest.mark.parametrize("kind", ["sigmoid", "hinge", "ipo"])
 def test_cpo_matches_numpy_reference(kind):
     beta, alpha, ls = 0.2, 0.7, 0.05
     pc, pr = (PC, PR) if kind != "ipo" else (AVG_C, AVG_R)
-    total, weight, metrics = pl.cpo(
+    total, weight, metrics = cpo(
         pc, pr, beta=beta, loss_type=kind, label_smoothing=ls, chosen_nll=NLL, nll_weight=alpha
     )
     d = pc - pr
@@ -266,17 +282,24 @@ def test_cpo_matches_numpy_reference(kind):
 
 def test_cpo_arguments():
     with pytest.raises(ValueError, match="chosen_nll"):
-        pl.cpo(PC, PR)
-    total, _, metrics = pl.cpo(PC, PR, nll_weight=0.0)  # reference-free DPO alone
+        cpo(PC, PR)
+    total, _, metrics = cpo(PC, PR, nll_weight=0.0)  # reference-free DPO alone
     assert float(total) == pytest.approx(-np_logsig(0.1 * (PC - PR)).sum(), rel=1e-5)
     assert "nll_loss" not in metrics
-    with pytest.raises(ValueError, match="simpo"):
-        pl.cpo(PC, PR, loss_type="simpo", chosen_nll=NLL)
+    with pytest.raises(errors.ConfigError, match="unknown CPO loss_type 'kto'"):
+        pl.CPOOptions(loss_type="kto")
+    # TRL's loss_type="simpo" / "alphapo": SimPO's margin loss with simpo_gamma (alphapo: no NLL)
+    for kind, weight in (("simpo", 0.7), ("alphapo", 0.0)):
+        total, _, metrics = cpo(AVG_C, AVG_R, loss_type=kind, nll_weight=0.7, simpo_gamma=0.3,
+                                alpha=0.2, chosen_nll=NLL if weight else None)
+        want = simpo(AVG_C, AVG_R, beta=0.1, gamma=0.3, nll_weight=weight, alpha=0.2,
+                     chosen_nll=NLL if weight else None)
+        assert float(total) == float(want[0]) and set(metrics) == set(want[2])
 
 
 def test_orpo_matches_numpy_reference():
     beta = 0.25
-    total, weight, metrics = pl.orpo(AVG_C, AVG_R, NLL, beta=beta)
+    total, weight, metrics = orpo(AVG_C, AVG_R, NLL, beta=beta)
     log_odds = (AVG_C - AVG_R) - (np_log1mexp(AVG_C) - np_log1mexp(AVG_R))
     ref = NLL - beta * np_logsig(log_odds)
     assert float(weight) == 5
@@ -291,7 +314,7 @@ def test_orpo_hand_computed():
     # p_c = 1/2 (odds 1), p_r = 1/4 (odds 1/3): odds ratio 3, sigmoid(log 3) = 3/4,
     # loss = nll + beta * log(4/3).
     half, quarter = jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25]))
-    total, _, metrics = pl.orpo(half, quarter, 2.0, beta=0.1)
+    total, _, metrics = orpo(half, quarter, 2.0, beta=0.1)
     assert float(total) == pytest.approx(2.0 + 0.1 * math.log(4 / 3), abs=1e-6)
     assert mean_of(metrics["log_odds_chosen"]) == pytest.approx(math.log(3.0), abs=1e-6)
     assert mean_of(metrics["log_odds_ratio"]) == pytest.approx(math.log(0.75), abs=1e-6)
@@ -327,7 +350,7 @@ def np_kto(beta, wd, wu, kl=None):
 
 @pytest.mark.parametrize("beta, wd, wu", [(0.1, 1.0, 1.0), (0.5, 1.0, 1.33)])
 def test_kto_matches_numpy_reference(beta, wd, wu):
-    total, weight, metrics = pl.kto(
+    total, weight, metrics = kto(
         KTO_POLICY, KTO_REF, KTO_LABELS, KL_POLICY, KL_REF,
         beta=beta, desirable_weight=wd, undesirable_weight=wu,
     )
@@ -348,24 +371,24 @@ def test_kto_matches_numpy_reference(beta, wd, wu):
 
 def test_kto_kl_is_clamped_detached_and_overridable():
     # a negative KL estimate is clamped to 0
-    total, _, metrics = pl.kto(KTO_POLICY, KTO_REF, KTO_LABELS, KL_REF, KL_POLICY)
+    total, _, metrics = kto(KTO_POLICY, KTO_REF, KTO_LABELS, KL_REF, KL_POLICY)
     assert float(metrics["kl"][0]) == 0.0
     assert float(total) == pytest.approx(np_kto(0.1, 1, 1, kl=0.0)[0].sum(), rel=1e-5)
     # hand-computed: rho = 0 and kl = 0 gives 1 - sigmoid(0) = 1/2 for either label
-    total, _, _ = pl.kto(jnp.zeros(2), jnp.zeros(2), jnp.array([1, 0]), None, None)
+    total, _, _ = kto(jnp.zeros(2), jnp.zeros(2), jnp.array([1, 0]), None, None)
     assert float(total) == pytest.approx(1.0)
     # explicit kl
-    total, _, metrics = pl.kto(KTO_POLICY, KTO_REF, KTO_LABELS, None, None, kl=0.4)
+    total, _, metrics = kto(KTO_POLICY, KTO_REF, KTO_LABELS, None, None, kl=0.4)
     assert float(total) == pytest.approx(np_kto(0.1, 1, 1, kl=0.4)[0].sum(), rel=1e-5)
     # no gradient flows through the KL estimate
-    grad = jax.grad(lambda kp: pl.kto(KTO_POLICY, KTO_REF, KTO_LABELS, kp, KL_REF)[0])(
+    grad = jax.grad(lambda kp: kto(KTO_POLICY, KTO_REF, KTO_LABELS, kp, KL_REF)[0])(
         jnp.asarray(KL_POLICY, jnp.float32)
     )
     np.testing.assert_array_equal(grad, 0.0)
 
 
 def test_kto_counts_with_one_class_only():
-    _, _, metrics = pl.kto(KTO_POLICY, KTO_REF, np.ones(6, bool), KL_POLICY, KL_REF)
+    _, _, metrics = kto(KTO_POLICY, KTO_REF, np.ones(6, bool), KL_POLICY, KL_REF)
     assert float(metrics["rewards/rejected"][1]) == 0.0
     assert float(metrics["rewards/rejected"][0]) == 0.0
     assert float(metrics["logps/chosen"][1]) == 6.0
@@ -376,7 +399,7 @@ def test_reward_bt_matches_numpy_reference():
     rr = np.array([0.0, 0.5, -1.0, 0.3, 4.0])
     margin = np.array([0.5, 0.0, 1.0, 0.2, 0.0])
     coef = 0.01
-    total, weight, metrics = pl.reward_bt(rc, rr, margin=margin, center_rewards_coefficient=coef)
+    total, weight, metrics = reward_bt(rc, rr, margin=margin, center_rewards_coefficient=coef)
     ref = -np_logsig(rc - rr - margin) + coef * (rc + rr) ** 2
     assert float(weight) == 5
     assert float(total) == pytest.approx(ref.sum(), rel=1e-5)
@@ -391,14 +414,14 @@ def test_reward_bt_matches_numpy_reference():
     trl = (-np_logsig(rc - rr - margin)).mean() + coef * np.mean((rc + rr) ** 2)
     assert float(total / weight) == pytest.approx(trl, rel=1e-5)
     # a [batch, 1] score head output is accepted
-    total2, _, _ = pl.reward_bt(
+    total2, _, _ = reward_bt(
         rc[:, None], rr[:, None], margin=margin, center_rewards_coefficient=coef
     )
     assert float(total2) == pytest.approx(float(total), rel=1e-6)
 
 
 def test_reward_bt_hand_computed():
-    total, _, metrics = pl.reward_bt(jnp.array([1.0]), jnp.array([0.0]))
+    total, _, metrics = reward_bt(jnp.array([1.0]), jnp.array([0.0]))
     assert float(total) == pytest.approx(0.3132616875, abs=1e-6)  # log(1 + e^-1)
     assert mean_of(metrics["accuracy"]) == 1.0
 
@@ -449,17 +472,17 @@ def test_dpo_edge_cases_are_finite(kind, case):
 def test_other_losses_edge_cases_are_finite(name, case):
     chosen, rejected = EDGE_CASES[case]
     fns = {
-        "simpo": lambda c, r: pl.simpo(c, r, beta=2.0, gamma=1.0, label_smoothing=0.1),
-        "cpo_simpo": lambda c, r: pl.simpo(c, r, nll_weight=1.0, chosen_nll=-c),
-        "cpo_sigmoid": lambda c, r: pl.cpo(c, r, chosen_nll=-c, label_smoothing=0.1),
-        "cpo_hinge": lambda c, r: pl.cpo(c, r, loss_type="hinge", chosen_nll=-c),
-        "cpo_ipo": lambda c, r: pl.cpo(c, r, loss_type="ipo", chosen_nll=-c),
-        "orpo": lambda c, r: pl.orpo(c, r, -c, beta=0.1),
-        "kto": lambda c, r: pl.kto(
+        "simpo": lambda c, r: simpo(c, r, beta=2.0, gamma=1.0, label_smoothing=0.1),
+        "cpo_simpo": lambda c, r: simpo(c, r, nll_weight=1.0, chosen_nll=-c),
+        "cpo_sigmoid": lambda c, r: cpo(c, r, chosen_nll=-c, label_smoothing=0.1),
+        "cpo_hinge": lambda c, r: cpo(c, r, loss_type="hinge", chosen_nll=-c),
+        "cpo_ipo": lambda c, r: cpo(c, r, loss_type="ipo", chosen_nll=-c),
+        "orpo": lambda c, r: orpo(c, r, -c, beta=0.1),
+        "kto": lambda c, r: kto(
             jnp.concatenate([c, r]), jnp.concatenate([r, c]), jnp.array([1, 1, 1, 0, 0, 0]),
             jnp.concatenate([r, c]), jnp.concatenate([c, r]),
         ),
-        "reward_bt": lambda c, r: pl.reward_bt(c, r, margin=1.0, center_rewards_coefficient=0.01),
+        "reward_bt": lambda c, r: reward_bt(c, r, margin=1.0, center_rewards_coefficient=0.01),
     }
     assert_finite_loss_and_grads(fns[name], chosen, rejected)
 
@@ -467,7 +490,7 @@ def test_other_losses_edge_cases_are_finite(name, case):
 def test_orpo_near_zero_and_zero_logps_are_finite():
     chosen = np.array([0.0, -1e-8, -1e-3, -1e4])
     rejected = np.array([-1e-6, 0.0, -1e4, -1e-7])
-    assert_finite_loss_and_grads(lambda c, r: pl.orpo(c, r, -c, beta=0.1), chosen, rejected)
+    assert_finite_loss_and_grads(lambda c, r: orpo(c, r, -c, beta=0.1), chosen, rejected)
 
 
 def test_losses_are_float32_even_for_float64_or_int_inputs():
@@ -518,14 +541,14 @@ def test_dpo_accumulates_exactly(kind):
     [
         (
             "simpo",
-            lambda c, r, n: pl.simpo(c, r, nll_weight=0.5, chosen_nll=n),
+            lambda c, r, n: simpo(c, r, nll_weight=0.5, chosen_nll=n),
             (AVG_C, AVG_R, NLL),
         ),
-        ("cpo", lambda c, r, n: pl.cpo(c, r, chosen_nll=n), (PC, PR, NLL)),
-        ("orpo", lambda c, r, n: pl.orpo(c, r, n), (AVG_C, AVG_R, NLL)),
+        ("cpo", lambda c, r, n: cpo(c, r, chosen_nll=n), (PC, PR, NLL)),
+        ("orpo", lambda c, r, n: orpo(c, r, n), (AVG_C, AVG_R, NLL)),
         (
             "reward_bt",
-            lambda c, r, m: pl.reward_bt(c, r, margin=m, center_rewards_coefficient=0.1),
+            lambda c, r, m: reward_bt(c, r, margin=m, center_rewards_coefficient=0.1),
             (PC / 10, PR / 10, LEN_C / 10),
         ),
     ],
@@ -538,7 +561,7 @@ def test_kto_accumulates_exactly_with_a_shared_kl():
     kl = float(np.mean(KL_POLICY - KL_REF))
 
     def fn(p, r, y):
-        return pl.kto(p, r, y, None, None, beta=0.2, undesirable_weight=1.3, kl=kl)
+        return kto(p, r, y, None, None, beta=0.2, undesirable_weight=1.3, kl=kl)
 
     _split_and_compare(fn, (KTO_POLICY, KTO_REF, KTO_LABELS), cut=2)
     # a cut that leaves one half without undesirable examples

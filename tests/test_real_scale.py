@@ -100,8 +100,8 @@ def test_sampler_never_emits_ids_past_the_tokenizer_of_a_padded_embedding(tmp_pa
     lm = model.load(str(tmp_path / "qwen"), dtype="float32")
     assert lm.chat_format == "qwen2.5" and lm.tokenizer.vocab_size == 151_665
     assert lm.module.token_embedding.embeddings.shape[0] == 151_936
-    texts = sampler.sample_texts(lm, lm.module, ["Hi", "Hello"], 6, temperature=1.0,
-                                 num_samples=2)
+    texts = sampler.sample_texts(lm, lm.module, ["Hi", "Hello"],
+                                 sampler.Sampling(6, temperature=1.0, num_samples=2))
     assert [len(t) for t in texts] == [2, 2]
 
 

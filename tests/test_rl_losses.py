@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loss_calls import grpo_loss, rloo_loss
 from nnx_posttrain.losses import rl
 
 
@@ -71,7 +72,7 @@ def test_clipped_policy_loss_matches_numpy(loss_type, beta):
     adv = np.array([1.0, -1.0, 0.5, -2.0], np.float32)
     mask = np.array([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0],
                      [0, 0, 1, 1, 0, 0]], np.float32)
-    total, weight, metrics = rl.clipped_policy_loss(
+    total, weight, metrics = grpo_loss(
         logps, old, adv, mask, epsilon=0.2, epsilon_high=0.28, beta=beta, ref_logps=ref,
         loss_type=loss_type, max_completion_length=4, use_bias_correction_kl=False)
     want = _np_clipped(logps, old, adv, mask, 0.2, 0.28, beta, ref, loss_type, 4)
@@ -99,14 +100,14 @@ def test_clip_ratios_of_one_token_completions_count_tokens_not_rows(loss_type):
     old = np.log(np.array([[0.2], [0.2], [0.9], [0.2]], np.float32))  # ratios 2.5, 2.5, 0.56, 2.5
     adv = np.array([1.0, 1.0, -1.0, 1.0], np.float32)
     mask = np.array([[1], [1], [1], [0]], np.float32)  # the last completion is empty
-    _, _, token = rl.clipped_policy_loss(logps, old, adv, mask, epsilon=0.2, loss_type=loss_type)
+    _, _, token = grpo_loss(logps, old, adv, mask, epsilon=0.2, loss_type=loss_type)
     name = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/high_mean"
     # clipped high: rows 0 and 1, of the 3 tokens (row 3 has none)
     assert (float(token[name][0]), float(token[name][1])) == (2.0, 3.0)
     if loss_type == "grpo":
         assert float(token["clip_ratio/low_mean"][0]) == 1.0
-        _, _, seq = rl.clipped_policy_loss(logps, old, adv, mask, epsilon=0.2,
-                                           importance_sampling_level="sequence")
+        _, _, seq = grpo_loss(logps, old, adv, mask, epsilon=0.2,
+                              importance_sampling_level="sequence")
         # sequence level: every row counts once, an empty one too (its weight is 1: not clipped)
         assert (float(seq["clip_ratio/high_mean"][0]), float(seq["clip_ratio/high_mean"][1])) == (
             2.0, 4.0)
@@ -120,12 +121,12 @@ def test_loss_types_accumulate_over_micro_batches_as_documented():
     adv = np.array([1.0, -1.0, 2.0, 0.5], np.float32)
     mask = np.array([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], np.float32)
     per = -(adv[:, None]) * mask  # ratio 1
-    parts = [rl.clipped_policy_loss(logps[i:i + 2], logps[i:i + 2], adv[i:i + 2], mask[i:i + 2],
-                                    loss_type=t) for i in (0, 2) for t in ("dapo",)]
+    parts = [grpo_loss(logps[i:i + 2], logps[i:i + 2], adv[i:i + 2], mask[i:i + 2],
+                       loss_type=t) for i in (0, 2) for t in ("dapo",)]
     dapo = sum(float(p[0]) for p in parts) / sum(float(p[1]) for p in parts)
     np.testing.assert_allclose(dapo, per.sum() / mask.sum(), rtol=1e-6)
-    parts = [rl.clipped_policy_loss(logps[i:i + 2], logps[i:i + 2], adv[i:i + 2], mask[i:i + 2],
-                                    loss_type="bnpo") for i in (0, 2)]
+    parts = [grpo_loss(logps[i:i + 2], logps[i:i + 2], adv[i:i + 2], mask[i:i + 2],
+                       loss_type="bnpo") for i in (0, 2)]
     bnpo = sum(float(p[0]) for p in parts) / sum(float(p[1]) for p in parts)
     want = np.mean([per[i:i + 2].sum() / mask[i:i + 2].sum() for i in (0, 2)])
     np.testing.assert_allclose(bnpo, want, rtol=1e-6)
@@ -138,8 +139,8 @@ def test_policy_gradient_with_one_iteration_is_reinforce():
     mask = jnp.ones((2, 2))
 
     def f(lp):
-        total, weight, _ = rl.clipped_policy_loss(lp, jax.lax.stop_gradient(lp), adv, mask,
-                                                  loss_type="dapo")
+        total, weight, _ = grpo_loss(lp, jax.lax.stop_gradient(lp), adv, mask,
+                                     loss_type="dapo")
         return total / weight
 
     value, grad = jax.value_and_grad(f)(logps)
@@ -154,19 +155,19 @@ def test_extreme_ratios_and_zero_masks_stay_finite(level):
     for loss_type in rl.LOSS_TYPES:
         for mask in (jnp.ones((1, 3)), jnp.zeros((1, 3))):
             def f(lp):
-                t, w, _ = rl.clipped_policy_loss(lp, old, jnp.array([1.5]), mask, beta=0.1,
-                                                 ref_logps=old, loss_type=loss_type,
-                                                 max_completion_length=3, delta=2.0,
-                                                 importance_sampling_level=level,
-                                                 top_entropy_quantile=0.5,
-                                                 entropies=jnp.ones((1, 3)))
+                t, w, _ = grpo_loss(lp, old, jnp.array([1.5]), mask, beta=0.1,
+                                    ref_logps=old, loss_type=loss_type,
+                                    max_completion_length=3, delta=2.0,
+                                    importance_sampling_level=level,
+                                    top_entropy_quantile=0.5,
+                                    entropies=jnp.ones((1, 3)))
                 return t / jnp.maximum(w, 1e-9)  # as the training step divides
             value, grad = jax.value_and_grad(f)(logps)
             assert np.isfinite(value) and np.isfinite(np.asarray(grad)).all(), loss_type
     # RLOO's sequence ratio of a 3-token sum of +-80 log-ratios
     for mask in (jnp.ones((1, 3)), jnp.zeros((1, 3))):
         value, grad = jax.value_and_grad(
-            lambda lp: rl.rloo_loss(lp, old, jnp.array([1.5]), mask)[0])(logps)
+            lambda lp: rloo_loss(lp, old, jnp.array([1.5]), mask)[0])(logps)
         assert np.isfinite(value) and np.isfinite(np.asarray(grad)).all()
 
 
@@ -211,9 +212,10 @@ def test_ppo_loss_by_hand():
     # 1 clipped to 1.2: vf = 0.5 * max(4, 1.44) = 2
     logps, old = jnp.array([[0.0, -0.5]]), jnp.array([[0.0, -1.0]])
     mask = jnp.array([[0.0, 1.0]])
-    total, weight, m = rl.ppo_loss(logps, old, jnp.array([[0.0, 1.0]]), jnp.zeros((1, 2)),
-                                   jnp.array([[0.0, 2.0]]), jnp.array([[0.0, 1.0]]), mask,
-                                   cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+    total, weight, m = rl.ppo_loss(
+        rl.PPOInputs(logps, old, jnp.array([[0.0, 1.0]]), jnp.zeros((1, 2)),
+                     jnp.array([[0.0, 2.0]]), jnp.array([[0.0, 1.0]]), mask),
+        rl.PPOOptions(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1))
     np.testing.assert_allclose(float(total / weight), -1.2 + 0.1 * 2.0, rtol=1e-6)
     np.testing.assert_allclose(float(m["policy/clipfrac_avg"][0]), 1.0)
     np.testing.assert_allclose(float(m["val/clipfrac_avg"][0]), 0.0)

@@ -63,7 +63,7 @@ def test_pad_prompts_left_pads_to_a_bucket():
 def test_greedy_equals_no_cache_argmax_with_different_prompt_lengths(micro_sampler, reference):
     lm, _, states, sample = micro_sampler
     ids, mask = _batch()
-    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    out = sample(states, ids, mask, jax.random.key(0), sampler.Draw(0.0, 1.0, NO_STOP))
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]), reference)
     assert np.asarray(out["completion_mask"]).all() and not np.asarray(out["finished"]).any()
 
@@ -82,13 +82,13 @@ def test_greedy_equals_no_cache_argmax_gemma2_sliding_window_soft_caps_and_lora(
     graphdef, *states = nnx.split(lm.module)
     ids, mask = _batch(prompts, 32)
     sample = sampler.make_sampler(graphdef, 6)
-    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    out = sample(states, ids, mask, jax.random.key(0), sampler.Draw(0.0, 1.0, NO_STOP))
     ref = argmax_reference(lm.module, ids, mask, 6)
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]), ref)
     # the sampler reads the weights from the states it is given, not from the module they were
     # split from (a merged module's ``transformer_layers`` still lists the original blocks)
     other = jax.tree.map(lambda x: x * 1.25, states)
-    out = sample(other, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    out = sample(other, ids, mask, jax.random.key(0), sampler.Draw(0.0, 1.0, NO_STOP))
     other_ref = argmax_reference(nnx.merge(graphdef, *other), ids, mask, 6)
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]), other_ref)
     assert not np.array_equal(other_ref, ref)
@@ -105,11 +105,11 @@ def test_every_family_decodes_as_a_full_forward_pass(family):
     graphdef, *states = nnx.split(bb)
     ids, mask = _batch([p[:18] for p in PROMPTS], 18)
     sample = sampler.make_sampler(graphdef, N)
-    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    out = sample(states, ids, mask, jax.random.key(0), sampler.Draw(0.0, 1.0, NO_STOP))
     with support.kerashub_as_written():
         np.testing.assert_array_equal(np.asarray(out["completion_ids"]),
                                       argmax_reference(bb, ids, mask, N))
-        out = sample(states, ids, mask, jax.random.key(1), 1.0, 1.0, NO_STOP)
+        out = sample(states, ids, mask, jax.random.key(1), sampler.Draw(1.0, 1.0, NO_STOP))
         seq = jnp.concatenate([ids, out["completion_ids"]], 1)
         seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
         want = model.token_logprobs(bb, seq, seq_mask)[:, ids.shape[1]:]
@@ -124,7 +124,8 @@ def test_prompt_longer_than_one_chunk_takes_the_blocked_path_and_decodes_the_sam
     model.set_attention(bb, "xla", chunk=8)
     graphdef, *states = nnx.split(bb)
     ids, mask = _batch()  # width 32 > 8
-    out = sampler.make_sampler(graphdef, N)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    out = sampler.make_sampler(graphdef, N)(states, ids, mask, jax.random.key(0),
+        sampler.Draw(0.0, 1.0, NO_STOP))
     model.set_attention(bb, "keras")
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]),
                                   argmax_reference(bb, ids, mask, N))
@@ -140,7 +141,8 @@ def test_attention_dropout_does_not_stop_decoding():
     assert isinstance(attention.layer_spec(model.decoder_blocks(bb)[0]), str)
     graphdef, *states = nnx.split(bb)
     ids, mask = _batch()
-    out = sampler.make_sampler(graphdef, 4)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    out = sampler.make_sampler(graphdef, 4)(states, ids, mask, jax.random.key(0),
+        sampler.Draw(0.0, 1.0, NO_STOP))
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]),
                                   argmax_reference(bb, ids, mask, 4))
 
@@ -151,40 +153,42 @@ def test_unsupported_family_is_named():
     graphdef, *states = nnx.split(bb)
     ids, mask = _batch()
     with pytest.raises(NotImplementedError, match="GPT2Backbone"):
-        sampler.make_sampler(graphdef, 2)(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+        sampler.make_sampler(graphdef, 2)(states, ids, mask, jax.random.key(0),
+                                          sampler.Draw(0.0, 1.0, NO_STOP))
 
 
 @pytest.mark.slow
 def test_logprobs_equal_one_full_forward_pass(micro_sampler):
     lm, _, states, sample = micro_sampler
     ids, mask = _batch()
-    out = sample(states, ids, mask, jax.random.key(1), 1.0, 1.0, NO_STOP)
+    out = sample(states, ids, mask, jax.random.key(1), sampler.Draw(1.0, 1.0, NO_STOP))
     seq = jnp.concatenate([ids, out["completion_ids"]], 1)
     seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
     ref = model.token_logprobs(lm.module, seq, seq_mask)[:, ids.shape[1]:]
     np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(ref), atol=1e-4)
-    greedy = sample(states, ids, mask, jax.random.key(1), 0.0, 1.0, NO_STOP)
+    greedy = sample(states, ids, mask, jax.random.key(1), sampler.Draw(0.0, 1.0, NO_STOP))
     assert not np.array_equal(np.asarray(out["completion_ids"]), np.asarray(greedy["completion_ids"]))
 
-    out = sample(states, ids, mask, jax.random.key(2), 0.7, 1.0, NO_STOP)
+    out = sample(states, ids, mask, jax.random.key(2), sampler.Draw(0.7, 1.0, NO_STOP))
     seq = jnp.concatenate([ids, out["completion_ids"]], 1)
     seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
     logits = model.full_logits(lm.module, seq, seq_mask)[:, ids.shape[1] - 1:-1]
     want = jnp.take_along_axis(jax.nn.log_softmax(logits / 0.7, -1), out["completion_ids"][..., None], -1)
     np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want[..., 0]), atol=1e-4)
     # compiled once: temperature, top_p, rng and their Python / NumPy types do not recompile
-    sample(states, ids, mask, jax.random.key(3), np.float32(0.5), 0.9, NO_STOP)
+    sample(states, ids, mask, jax.random.key(3), sampler.Draw(np.float32(0.5), 0.9, NO_STOP))
     assert sample._cache_size() == 1
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(micro_sampler):
     lm, graphdef, states, sample = micro_sampler
     ids, mask = _batch()
-    greedy_out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)
+    greedy_out = sample(states, ids, mask, jax.random.key(0), sampler.Draw(0.0, 1.0, NO_STOP))
     greedy = np.asarray(greedy_out["completion_ids"])
-    top1 = sampler.make_sampler(graphdef, N, top_k=1)(states, ids, mask, jax.random.key(4), 1.0, 1.0, NO_STOP)
+    top1 = sampler.make_sampler(graphdef, N, top_k=1)(states, ids, mask, jax.random.key(4),
+        sampler.Draw(1.0, 1.0, NO_STOP))
     np.testing.assert_array_equal(np.asarray(top1["completion_ids"]), greedy)
-    nucleus = sample(states, ids, mask, jax.random.key(5), 1.0, 1e-6, NO_STOP)
+    nucleus = sample(states, ids, mask, jax.random.key(5), sampler.Draw(1.0, 1e-6, NO_STOP))
     np.testing.assert_array_equal(np.asarray(nucleus["completion_ids"]), greedy)
     # log-probs stay those of the untruncated distribution (greedy reports temperature 1's)
     np.testing.assert_allclose(np.asarray(nucleus["logprobs"]), np.asarray(greedy_out["logprobs"]),
@@ -200,7 +204,7 @@ def test_sampled_frequencies_follow_the_model_distribution(micro_sampler):
     sample = sampler.make_sampler(graphdef, 1)
 
     def chi_square(temperature):
-        out = sample(states, ids, mask, jax.random.key(7), temperature, 1.0, NO_STOP)
+        out = sample(states, ids, mask, jax.random.key(7), sampler.Draw(temperature, 1.0, NO_STOP))
         counts = np.bincount(np.asarray(out["completion_ids"])[:, 0], minlength=probs.size)
         expected = draws * probs
         return float(np.sum((counts - expected) ** 2 / expected)), probs.size - 1
@@ -229,9 +233,11 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_pick_masked_ids():
 def test_stop_tokens_rows_stop_independently(micro_sampler):
     lm, _, states, sample = micro_sampler
     ids, mask = _batch()
-    free = np.asarray(sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, NO_STOP)["completion_ids"])
+    free = np.asarray(sample(states, ids, mask, jax.random.key(0),
+                             sampler.Draw(0.0, 1.0, NO_STOP))["completion_ids"])
     stop = int(free[0, 2])
-    out = sample(states, ids, mask, jax.random.key(0), 0.0, 1.0, np.array([stop, -5], np.int32))
+    out = sample(states, ids, mask, jax.random.key(0),
+                 sampler.Draw(0.0, 1.0, np.array([stop, -5], np.int32)))
     got_ids, got_mask = np.asarray(out["completion_ids"]), np.asarray(out["completion_mask"])
     got_lp = np.asarray(out["logprobs"])
     for row in range(len(PROMPTS)):
@@ -299,11 +305,11 @@ def test_generation_past_the_context_or_the_memory_is_refused_with_the_limit(mic
     free = sampler.generation_bytes(lm.module, 1, prompt, 1000)
     monkeypatch.setattr(device_memory, "available_bytes", lambda: free)
     with pytest.raises(errors.ConfigError, match=r"max_new_tokens 4,000: decoding 1 sequences") as info:
-        sampler.sample_texts(lm, lm.module, ["Hi"], 4000)
+        sampler.sample_texts(lm, lm.module, ["Hi"], sampler.Sampling(4000))
     fits = int(str(info.value).rsplit("at most ~", 1)[1].split()[0].replace(",", ""))
     assert sampler.generation_bytes(lm.module, 1, prompt, fits) <= free
     assert sampler.generation_bytes(lm.module, 1, prompt, fits + 1) > free
-    assert sampler.sample_texts(lm, lm.module, ["Hi"], fits // 2)  # what fits runs
+    assert sampler.sample_texts(lm, lm.module, ["Hi"], sampler.Sampling(fits // 2))  # what fits runs
 
 
 def test_eval_and_rollout_lengths_are_bounded_by_the_context(tmp_path):

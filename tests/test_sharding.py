@@ -206,10 +206,11 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, "tests")
 from test_sharding import _batch
-from nnx_posttrain import config, model, sharding, train
+from nnx_posttrain import config, model, sharding, tasks, train
 from nnx_posttrain.algorithms import SFT
 
 assert jax.device_count() == 8, jax.devices()
+tasks.register()  # the built-in models
 lm = model.load("gemma_micro", seed=0)
 graphdef, params0, frozen0 = model.split(lm.module)
 tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-3, schedule="constant"), 10)

@@ -147,8 +147,8 @@ def test_a_batch_it_cannot_take_runs_both_rows_in_one_forward(monkeypatch):
     batch = algorithm.prepare(_pairs(left_padded=True))
     assert "shared_input_ids" not in batch
     forwards, side_logps = [], pairs._side_logps
-    monkeypatch.setattr(pairs, "_side_logps", lambda module, ids, *a: (
-        forwards.append(ids.shape) or side_logps(module, ids, *a)))
+    monkeypatch.setattr(pairs, "_side_logps", lambda module, rows, *a: (
+        forwards.append(rows["input_ids"].shape) or side_logps(module, rows, *a)))
     algorithm.pair_logps(bb, jax.tree.map(jnp.asarray, batch))
     assert forwards == [(4, SEQ)]
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_posttrain.algorithms.online.grpo import GRPO, RLOO, GRPOConfig, RLOOConfig
+from loss_calls import grpo_loss, rloo_loss
+from nnx_posttrain.algorithms.online import GRPO, RLOO, GRPOConfig, RLOOConfig
 from nnx_posttrain.losses import rl
 
 RNG = np.random.default_rng(3)
@@ -126,9 +127,9 @@ def trl_grpo(loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, delta=N
 
 def ours(old=OLD, **kw):
     kw.setdefault("max_completion_length", T)
-    return rl.clipped_policy_loss(jnp.asarray(LOGPS), jnp.asarray(old), jnp.asarray(ADV),
-                                  jnp.asarray(MASK), ref_logps=jnp.asarray(REF),
-                                  entropies=jnp.asarray(ENT), **kw)
+    return grpo_loss(jnp.asarray(LOGPS), jnp.asarray(old), jnp.asarray(ADV),
+                     jnp.asarray(MASK), ref_logps=jnp.asarray(REF),
+                     entropies=jnp.asarray(ENT), **kw)
 
 
 def check(kw, rtol=2e-5):
@@ -178,7 +179,7 @@ def test_top_entropy_quantile(quantile):
     assert kept == max(1, round(quantile * MASK.sum())) or abs(kept - quantile * MASK.sum()) <= 1
     assert (mask <= MASK).all()
     with pytest.raises(ValueError, match="entropies"):
-        rl.clipped_policy_loss(LOGPS, OLD, ADV, MASK, top_entropy_quantile=0.5)
+        grpo_loss(LOGPS, OLD, ADV, MASK, top_entropy_quantile=0.5)
 
 
 def test_bias_corrected_kl_changes_the_gradient_even_on_policy():
@@ -187,7 +188,7 @@ def test_bias_corrected_kl_changes_the_gradient_even_on_policy():
     lp = jnp.asarray(LOGPS)
 
     def f(x, corrected):
-        total, weight, _ = rl.clipped_policy_loss(
+        total, weight, _ = grpo_loss(
             x, jax.lax.stop_gradient(x), ADV, MASK, beta=0.1, ref_logps=REF,
             use_bias_correction_kl=corrected)
         return total / weight
@@ -206,8 +207,8 @@ def test_off_policy_mask():
     threshold = 0.05
     check(dict(loss_type="dapo", off_policy_mask_threshold=threshold))
     # on-policy (old = current): the KL is 0 and nothing is dropped
-    on = rl.clipped_policy_loss(LOGPS, LOGPS, ADV, MASK, off_policy_mask_threshold=threshold)
-    plain = rl.clipped_policy_loss(LOGPS, LOGPS, ADV, MASK)
+    on = grpo_loss(LOGPS, LOGPS, ADV, MASK, off_policy_mask_threshold=threshold)
+    plain = grpo_loss(LOGPS, LOGPS, ADV, MASK)
     assert float(on[0]) == pytest.approx(float(plain[0]))
 
 
@@ -215,8 +216,8 @@ def test_default_loss_type_is_trls_dapo():
     """GRPOConfig.loss_type defaults to 'dapo' in TRL 1.16, and so do ours (the loss function and
     the algorithm's config)."""
     assert GRPOConfig().loss_type == "dapo"
-    default = rl.clipped_policy_loss(LOGPS, OLD, ADV, MASK)
-    dapo = rl.clipped_policy_loss(LOGPS, OLD, ADV, MASK, loss_type="dapo")
+    default = grpo_loss(LOGPS, OLD, ADV, MASK)
+    dapo = grpo_loss(LOGPS, OLD, ADV, MASK, loss_type="dapo")
     assert float(default[0]) == float(dapo[0]) and float(default[1]) == MASK.sum()
 
 
@@ -227,8 +228,8 @@ def test_sequence_and_token_weighted_types_accumulate_exactly(loss_type):
     sequences, num_items_in_batch tokens, or sequences x max length)."""
     kw = dict(loss_type=loss_type, max_completion_length=T, beta=0.02, ref_logps=REF,
               importance_sampling_level="sequence" if loss_type == "luspo" else "token")
-    whole = rl.clipped_policy_loss(LOGPS, OLD, ADV, MASK, **kw)
-    parts = [rl.clipped_policy_loss(LOGPS[s], OLD[s], ADV[s], MASK[s], **dict(kw, ref_logps=REF[s]))
+    whole = grpo_loss(LOGPS, OLD, ADV, MASK, **kw)
+    parts = [grpo_loss(LOGPS[s], OLD[s], ADV[s], MASK[s], **dict(kw, ref_logps=REF[s]))
              for s in (slice(0, 2), slice(2, None))]
     total, weight = sum(float(p[0]) for p in parts), sum(float(p[1]) for p in parts)
     assert total / weight == pytest.approx(float(whole[0]) / float(whole[1]), rel=1e-5)
@@ -363,14 +364,14 @@ def test_rloo_loss_is_trls_sequence_level_loss(eps_high):
     """One ratio per sequence, exp(sum logp - sum old_logp), clipped, mean over sequences; the
     old per-token (GRPO) loss differs whenever lengths differ."""
     old = (LOGPS + RNG.normal(0, 0.15, (B, T))).astype(np.float32)
-    total, weight, metrics = rl.rloo_loss(LOGPS, old, ADV, MASK, epsilon_high=eps_high,
-                                          entropies=ENT)
+    total, weight, metrics = rloo_loss(LOGPS, old, ADV, MASK, epsilon_high=eps_high,
+                                       entropies=ENT)
     want, want_metrics = trl_rloo_loss(LOGPS, old, ADV, MASK, 0.2, eps_high or 0.2)
     assert float(weight) == B
     assert float(total / weight) == pytest.approx(want, rel=1e-5)
     for name, value in want_metrics.items():
         assert float(metrics[name][0] / metrics[name][1]) == pytest.approx(value, rel=1e-5), name
-    grpo = rl.clipped_policy_loss(LOGPS, old, ADV, MASK, epsilon_high=eps_high)
+    grpo = grpo_loss(LOGPS, old, ADV, MASK, epsilon_high=eps_high)
     assert abs(float(grpo[0] / grpo[1]) - want) > 1e-3
 
 
@@ -381,19 +382,19 @@ def test_rloo_loss_by_hand():
     logps = jnp.array([[-0.5, 0.0, 0.0], [-0.2, -0.3, -0.4]])
     mask = jnp.array([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     adv = jnp.array([1.0, -1.0])
-    total, weight, _ = rl.rloo_loss(logps, logps, adv, mask)
+    total, weight, _ = rloo_loss(logps, logps, adv, mask)
     assert float(total / weight) == 0.0
-    total, weight, _ = rl.clipped_policy_loss(logps, logps, adv, mask, loss_type="dapo")
+    total, weight, _ = grpo_loss(logps, logps, adv, mask, loss_type="dapo")
     assert float(total / weight) == pytest.approx(0.5)
     # the gradient: each sequence's summed log-prob weighted by -A / 2
-    g = jax.grad(lambda x: rl.rloo_loss(x, jax.lax.stop_gradient(x), adv, mask)[0] / 2)(logps)
+    g = jax.grad(lambda x: rloo_loss(x, jax.lax.stop_gradient(x), adv, mask)[0] / 2)(logps)
     np.testing.assert_allclose(g, -np.array([[1.0, 0, 0], [-1, -1, -1]]) / 2)
 
 
 def test_rloo_loss_clips_the_sequence_ratio_with_several_iterations():
     # log-ratio +0.5 summed over 2 tokens: w = e^1 > 1.2 and A > 0: clipped to 1.2
     logps, old = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.5, -1.5]])
-    total, weight, m = rl.rloo_loss(logps, old, jnp.array([2.0]), jnp.ones((1, 2)))
+    total, weight, m = rloo_loss(logps, old, jnp.array([2.0]), jnp.ones((1, 2)))
     assert float(total / weight) == pytest.approx(-2.4)
     assert float(m["clip_ratio/high_mean"][0]) == 1.0
 
@@ -450,8 +451,8 @@ def test_ppo_rewards_kl_estimators_and_whitening(estimator, whiten_rewards):
     masked_whiten(rewards, shift_mean=False) then zeroed outside the mask. (The score sits on the
     last completion token here; see ``losses.rl.ppo_rewards``.)"""
     scores = np.array([1.0, -0.5, 2.0, 0.0, 0.3, 1.5], np.float32)
-    rewards, kl = (np.asarray(x) for x in rl.ppo_rewards(scores, LOGPS, REF, MASK, kl_coef=0.05,
-                                                         kl_estimator=estimator))
+    rewards, kl = (np.asarray(x) for x in rl.ppo_rewards(
+        scores, LOGPS, REF, MASK, rl.PPOOptions(kl_coef=0.05, kl_estimator=estimator)))
     logr = REF.astype(np.float64) - LOGPS
     want_kl = (-logr if estimator == "k1" else (np.exp(logr) - 1) - logr) * MASK
     want = -0.05 * want_kl
@@ -468,3 +469,5 @@ def test_ppo_rewards_kl_estimators_and_whitening(estimator, whiten_rewards):
                                    rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="kl_estimator"):
         rl.kl_penalty(LOGPS, REF, "k2")
+    with pytest.raises(ValueError, match="--algo.kl-estimator must be one of k1, k3, got 'k2'"):
+        rl.PPOOptions(kl_estimator="k2")

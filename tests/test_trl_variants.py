@@ -10,10 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loss_calls import dpo, kto
 from nnx_posttrain.losses import preference as pl
-from nnx_posttrain.losses.common import token_mean_terms
-from nnx_posttrain.losses.dpo import (F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES, dpo,
-                                      f_divergence_scores, ld_split, wpo_weights)
+from nnx_posttrain.losses.common import Pairs, token_mean_terms
+from nnx_posttrain.losses.dpo import (F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES, DPOOptions,
+                                      ld_split, wpo_weights)
+from nnx_posttrain.losses.dpo import f_divergence_scores as scores_of
+
+
+def f_divergence_scores(u, kind, alpha=0.5):
+    return scores_of(u, DPOOptions(f_divergence_type=kind, f_alpha_divergence_coef=alpha))
+
 
 RNG = np.random.default_rng(0)
 B, T = 6, 9
@@ -349,11 +356,11 @@ def test_cpo_alphapo(loss_type, alpha):
     want = losses.mean() + cpo_alpha * nll
     terms = token_mean_terms(-SUM_C, LEN_C)
     if loss_type == "simpo":
-        out = pl.simpo(pc, pr, beta=beta, gamma=0.5, label_smoothing=ls, alpha=alpha,
-                       nll_weight=cpo_alpha, chosen_nll=terms)
+        out = pl.simpo(Pairs(pc, pr, terms), pl.SimPOOptions(
+            beta=beta, gamma=0.5, label_smoothing=ls, alpha=alpha, nll_weight=cpo_alpha))
     else:
-        out = pl.cpo(pc, pr, beta=beta, loss_type=loss_type, label_smoothing=ls, alpha=alpha,
-                     nll_weight=cpo_alpha, chosen_nll=terms)
+        out = pl.cpo(Pairs(pc, pr, terms), pl.CPOOptions(
+            beta=beta, loss_type=loss_type, label_smoothing=ls, alpha=alpha, nll_weight=cpo_alpha))
     assert mean(out) == pytest.approx(want, rel=2e-5)
     metrics = out[2]
     assert float(metrics["rewards/chosen"][0]) / B == pytest.approx(rc.mean(), rel=2e-5)
@@ -364,7 +371,8 @@ def test_cpo_alphapo(loss_type, alpha):
 def test_alphapo_stays_finite_where_the_power_overflows():
     """p^(-alpha) of a summed log-prob of -1e4 overflows in TRL; the capped exponent keeps the
     loss and its gradient finite."""
-    f = lambda c: pl.cpo(c, jnp.array([-1.0, -2.0]), alpha=0.5, nll_weight=0.0)[0]
+    f = lambda c: pl.cpo(Pairs(c, jnp.array([-1.0, -2.0])), pl.CPOOptions(alpha=0.5,
+                                                                          nll_weight=0.0))[0]
     c = jnp.array([-1e4, -3.0])
     assert np.isfinite(float(f(c))) and np.isfinite(np.asarray(jax.grad(f)(c))).all()
 
@@ -385,14 +393,14 @@ def test_kto_apo_zero_unpaired():
     chosen = wd * (1 - np_sig(beta * rho[labels == 1]))
     rejected = wu * np_sig(beta * rho[labels == 0])
     want = np.concatenate([chosen, rejected]).mean()
-    total, weight, metrics = pl.kto(policy, ref, labels, None, None, beta=beta,
+    total, weight, metrics = kto(policy, ref, labels, None, None, beta=beta,
                                     desirable_weight=wd, undesirable_weight=wu,
                                     loss_type="apo_zero_unpaired")
     assert float(total / weight) == pytest.approx(want, rel=1e-6)
     assert float(metrics["kl"][0]) == 0.0
     # mismatched-completion log-probs, if given, are ignored: no reference point
-    again = pl.kto(policy, ref, labels, policy - 3, ref, beta=beta, desirable_weight=wd,
+    again = kto(policy, ref, labels, policy - 3, ref, beta=beta, desirable_weight=wd,
                    undesirable_weight=wu, loss_type="apo_zero_unpaired")
     assert float(again[0]) == pytest.approx(float(total), rel=1e-7)
     with pytest.raises(ValueError, match="KTO loss_type"):
-        pl.kto(policy, ref, labels, None, None, loss_type="bco")
+        kto(policy, ref, labels, None, None, loss_type="bco")

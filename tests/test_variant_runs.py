@@ -35,7 +35,7 @@ def lm():
 
 def _host_batch(lm, recs, max_length=24):
     src = data.ListSource(recs, "test")
-    transform = data.make_transform(src, lm.tokenizer, lm.chat_format, max_length)
+    transform = data.make_transform(src, lm, max_length)
     examples = [transform(src[i]) for i in range(len(src))]
     return {k: np.stack([e[k] for e in examples]) for k in examples[0] if k != "truncated"}
 
@@ -50,8 +50,8 @@ def test_log_sum_sq_is_log_sum_of_squared_probabilities(lm):
     want = jax.nn.logsumexp(2 * logp, axis=-1)[:, :-1]
     positions = model.scored_positions(batch["chosen_loss_mask"])
     for pos in (None, jnp.asarray(positions[0]) if positions else None):
-        tok, lss = model.token_logprobs(lm.module, ids, att, CHUNK, positions=pos,
-                                        with_log_sum_sq=True)
+        tok, lss = model.token_logprobs(lm.module, ids, att,
+                                        model.Projection(CHUNK, log_sum_sq=True), positions=pos)
         m = batch["chosen_loss_mask"][:, 1:] > 0
         np.testing.assert_allclose(np.asarray(lss)[:, 1:][m], np.asarray(want)[m], rtol=1e-5,
                                    atol=1e-5)

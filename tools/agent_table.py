@@ -146,8 +146,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--record", default="agent_table")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
-    import nnx_posttrain.tasks  # noqa: F401  (registers gemma_tiny_tools)
+    from nnx_posttrain import tasks
     from nnx_posttrain.tasks import multiply
+
+    tasks.register()  # gemma_tiny_tools
 
     data = multiply.write_files(out / "data")
     stages = [jobs(out, data, s, args.sft_steps, args.grpo_steps) for s in range(args.seeds)]

@@ -34,8 +34,9 @@ LABELS = {"cpo": "CPO (the best preference-family run)", "ppo": "PPO (the best o
 
 def prompts_file(path: Path) -> Path:
     """The built-in task's held-out problems as a prompts file (prompt, answer)."""
-    import nnx_posttrain.tasks  # noqa: F401
-    from nnx_posttrain import data
+    from nnx_posttrain import data, tasks
+
+    tasks.register()
 
     src = data.source("builtin", "eval", builtin="prompt_only")
     path.write_text("".join(json.dumps({"prompt": src[i]["prompt"], "answer": src[i]["answer"]})
@@ -120,8 +121,9 @@ def main(argv=None) -> dict:
             verdicts[(run, kind)] = {}
             for s in range(args.seeds):
                 spec = "exact" if kind == "exact" else str(out / f"seed{s}" / "reward")
-                result = judge.judge_runs(out / f"seed{s}" / run, start(s), prompts, spec,
-                                          max_new_tokens=8, reps=200, echo=lambda _: None)
+                result = judge.judge_runs(out / f"seed{s}" / run, start(s), prompts,
+                                          judge.Judging(spec, max_new_tokens=8, reps=200),
+                                          echo=lambda _: None)
                 verdicts[(run, kind)][s] = result["verdicts"]
     columns, rows, stats = summarise(verdicts, args.seeds, args.reps)
     notes = disagreement(verdicts, args.seeds) + [

@@ -60,16 +60,17 @@ def machine() -> str:
 
 
 def record(name: str, command: str, columns: list[str], rows: list[list], notes: list[str] = (),
-           data: dict | None = None) -> Path:
+           data: dict | None = None, where: str | None = None) -> Path:
     """Write ``results/<name>.json`` (rows formatted as strings) and return its path. ``data``
-    keeps the raw numbers beside the formatted table."""
+    keeps the raw numbers beside the formatted table; ``where``: the machine that measured it,
+    when not this one (an accelerator's results recorded here)."""
     if any(len(r) != len(columns) for r in rows):
         raise ValueError(f"{name}: every row needs {len(columns)} cells")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({
         "name": name, "command": command, "commit": _commit(),
-        "date": datetime.date.today().isoformat(), "machine": machine(),
+        "date": datetime.date.today().isoformat(), "machine": where or machine(),
         "columns": list(columns), "rows": [[str(c) for c in r] for r in rows],
         "notes": list(notes), "data": data or {},
     }, indent=1) + "\n")

@@ -44,6 +44,18 @@ def _turn(out: dict, row: int, stops: set) -> tuple[list[int], str | None, bool]
     return ids, [t for t in ids if t not in stops], bool(out["finished"][row])
 
 
+@dataclasses.dataclass
+class _Rows:
+    """What the loop has of every row so far: its generated and result tokens (``seqs``), which of
+    them are the model's (``tool_mask`` 1) or a tool result's (0), its messages, and the calls
+    made and failed over all rows."""
+
+    seqs: list
+    tool_mask: list
+    messages: list
+    counts: dict
+
+
 class ToolLoop:
     """``ToolLoop(lm, n, max_iterations)(sample, prompts, episodes) -> Exchange``: ``sample(ids,
     mask, budget, turn)`` is a sampler call on left-padded arrays (numpy outputs; ``turn``
@@ -60,19 +72,19 @@ class ToolLoop:
         tok, n, rows = self.lm.tokenizer, self.n, len(prompts)
         ids, mask = sampler.pad_prompts(prompts, tok.pad_id)
         out = sample(ids, mask, np.full(rows, n, np.int32), 0)
-        seqs, tool_mask = [[] for _ in prompts], [[] for _ in prompts]
-        messages, finished = [[] for _ in prompts], np.zeros(rows, bool)
-        counts = {"calls": 0, "failures": 0}
+        state = _Rows([[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts],
+                      {"calls": 0, "failures": 0})
+        seqs, finished = state.seqs, np.zeros(rows, bool)
         pending = list(range(rows))
         for turn in range(self.max_iterations + 1):
             calling = []
             for i in pending:
                 generated, kept, finished[i] = _turn(out, i, self.stops)
                 seqs[i] += generated
-                tool_mask[i] += [1] * len(generated)
+                state.tool_mask[i] += [1] * len(generated)
                 text = tok.decode(kept)
                 if self._act(i, text, finished[i] and turn < self.max_iterations, episodes[i],
-                             seqs, tool_mask, messages, counts):
+                             state):
                     calling.append(i)
             if not calling:
                 break
@@ -84,13 +96,14 @@ class ToolLoop:
             width = -(-max(map(len, prompts)) // 16) * 16 + n  # one width per batch of prompts
             ids, mask = sampler.pad_prompts(context, tok.pad_id, bucket=width)
             out, pending = sample(ids, mask, budget, turn + 1), calling
-        return Exchange(*_pad(seqs, tool_mask, n, tok.pad_id), finished, messages,
-                        counts["calls"], counts["failures"])
+        return Exchange(*_pad(seqs, state.tool_mask, n, tok.pad_id), finished, state.messages,
+                        state.counts["calls"], state.counts["failures"])
 
-    def _act(self, i, text, may_call, episode, seqs, tool_mask, messages, counts) -> bool:
+    def _act(self, i, text, may_call, episode, state: _Rows) -> bool:
         """Record row ``i``'s turn; run its calls and append their results when it may call
         and there is room: whether the row continues."""
-        fmt = self.lm.chat_format
+        fmt, counts = self.lm.chat_format, state.counts
+        seqs, messages = state.seqs, state.messages
         try:
             found, error = calls_lib.parse(text, fmt), None
         except calls_lib.Malformed as exc:
@@ -116,7 +129,7 @@ class ToolLoop:
         messages[i] += [{"role": "tool", "name": name, "content": content}
                         for name, content in results]
         seqs[i] += suffix
-        tool_mask[i] += [0] * len(suffix)
+        state.tool_mask[i] += [0] * len(suffix)
         return True
 
 

@@ -28,13 +28,13 @@ from flax import nnx
 from nnx_posttrain import agents, errors, model
 from nnx_posttrain.algorithms.base import (USER_DATA, AlgorithmBase, DatasetBatches, Inputs,
                                            RunContext, eval_loss_batches, merged)
-from nnx_posttrain.algorithms.registry import register
-from nnx_posttrain.losses.distill import divergence, gkd
+from nnx_posttrain.losses.common import out_of_range
+from nnx_posttrain.losses.distill import DistillOptions, divergence, gkd
 from nnx_posttrain.sampling import generate, sampler
 
 
-@dataclasses.dataclass
-class DistillConfig:
+@dataclasses.dataclass(frozen=True)
+class DistillConfig(DistillOptions):
     """Distillation: a frozen teacher's token distributions into the student (generalized JSD, on-policy and offline)."""
 
     teacher: str = ""
@@ -43,10 +43,6 @@ class DistillConfig:
     """A run directory teacher's checkpoint step (default: its latest)."""
     teacher_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """The teacher's weights and compute (bfloat16 halves its memory; a float32 student is fine with it). A run directory teacher keeps its run's dtype."""
-    beta: float = 1.0
-    """Generalized JSD interpolation (TRL's): 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the JSD with mixture (1 - beta) p_student + beta p_teacher."""
-    temperature: float = 1.0
-    """Divides both models' logits in the loss (after Gemma's final soft cap) and the student's when it samples."""
     lmbda: float = 1.0
     """Fraction of batches whose completions the student samples (on-policy; TRL's core = 1.0); the rest keep the dataset's (GKD's lmbda)."""
     seq_kd: bool = False
@@ -64,8 +60,17 @@ class DistillConfig:
     tool_timeout: float = 10.0
     """Seconds a tool call may run; past it the call fails (its error is the model's result)."""
 
+    def problems(self) -> list[str]:
+        return super().problems() + [
+            problem for name, ok, rule in (
+                ("lmbda", 0.0 <= self.lmbda <= 1.0, "in [0, 1]"),
+                ("top_k", self.top_k >= 0, ">= 0"),
+                ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+                ("max_completion_length", self.max_completion_length >= 1, ">= 1"),
+                ("tool_timeout", self.tool_timeout > 0, "> 0"))
+            for problem in out_of_range(self, name, ok, rule)]
 
-@register
+
 class Distill(AlgorithmBase):
     name = "distill"
     Config = DistillConfig
@@ -89,21 +94,6 @@ class Distill(AlgorithmBase):
                                "`python -m experiments.sft` and `python -m experiments.grpo` "
                                "first, or pass --algo.teacher)"
                                if c.teacher == "runs/grpo" else ""))
-        if not 0.0 <= c.beta <= 1.0:
-            problems.append(f"--algo.beta must be in [0, 1], got {c.beta}")
-        if not 0.0 <= c.lmbda <= 1.0:
-            problems.append(f"--algo.lmbda must be in [0, 1], got {c.lmbda}")
-        if c.temperature <= 0:
-            problems.append(f"--algo.temperature must be > 0, got {c.temperature}")
-        if c.top_k < 0:
-            problems.append(f"--algo.top-k must be >= 0, got {c.top_k}")
-        if not 0.0 < c.top_p <= 1.0:
-            problems.append(f"--algo.top-p must be in (0, 1], got {c.top_p}")
-        if c.max_completion_length < 1:
-            problems.append(f"--algo.max-completion-length must be >= 1, got "
-                            f"{c.max_completion_length}")
-        if c.tool_timeout <= 0:
-            problems.append(f"--algo.tool-timeout must be > 0, got {c.tool_timeout}")
         agents.Toolset(c.tools)  # importable, documented: before the model loads
         if problems:
             raise errors.ConfigError("; ".join(problems))
@@ -151,8 +141,8 @@ class Distill(AlgorithmBase):
         teacher = nnx.merge(self.teacher_graphdef, teacher_state)
         c = self.cfg
         div, entropy = model.paired_terms(
-            module, teacher, batch["input_ids"], batch["attention_mask"],
-            lambda s, t: divergence(s, t, c.beta, c.temperature), self.logprob_chunk,
+            (module, teacher), batch["input_ids"], batch["attention_mask"],
+            lambda s, t: divergence(s, t, c), self.logprob_chunk,
             positions=batch.get("positions"))
         return gkd(div, entropy, batch["loss_mask"])
 
@@ -243,12 +233,13 @@ class MixedBatches(DatasetBatches):
                                                    self.frozen["model"])
             return self._completed(batch, lambda p, m, budget, turn: self.sample(
                 tuple(states), p, m, jax.random.fold_in(key, turn) if turn else key,
-                jnp.float32(c.temperature), jnp.float32(c.top_p), self.stop_ids,
-                self.lm.tokenizer.vocab_size, budget))
+                sampler.Draw(jnp.float32(c.temperature), jnp.float32(c.top_p), self.stop_ids,
+                             self.lm.tokenizer.vocab_size, budget)))
         if c.seq_kd:  # greedy: the teacher's mode, as sequence-level KD approximates it
             return self._completed(batch, lambda p, m, budget, turn: self.teacher_sample(
-                (self.frozen["partner"],), p, m, key, jnp.float32(0.0), jnp.float32(1.0),
-                self.stop_ids, self.lm.tokenizer.vocab_size, budget))
+                (self.frozen["partner"],), p, m, key, sampler.Draw(
+                    jnp.float32(0.0), jnp.float32(1.0), self.stop_ids,
+                    self.lm.tokenizer.vocab_size, budget)))
         return batch
 
     def _generated(self, prompts, generate_from) -> list[tuple[np.ndarray, np.ndarray]]:

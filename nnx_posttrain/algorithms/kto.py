@@ -5,7 +5,6 @@ mismatched completions (``losses.preference.kto``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,24 +13,16 @@ from nnx_posttrain import data, errors
 from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
 from nnx_posttrain.algorithms.pairs import sequence_logps
 from nnx_posttrain.algorithms.reference import Reference
-from nnx_posttrain.algorithms.registry import register
-from nnx_posttrain.losses import preference as pl
+from nnx_posttrain.losses.kto import KTOExamples, KTOOptions, kto
 
 
-@dataclasses.dataclass
-class KTOConfig:
+@dataclasses.dataclass(frozen=True)
+class KTOConfig(KTOOptions):
     """Kahneman-Tversky Optimization on unpaired desirable / undesirable examples."""
 
-    beta: float = 0.1
-    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
-    """kto, or apo_zero_unpaired (APO-zero on unpaired data: no KL reference point)."""
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
     reference: Reference = "auto"
 
 
-
-@register
 class KTO(AlgorithmBase):
     """KTO's KL reference point uses mismatched completions: each prompt of the batch with the
     next example's completion (as TRL), built on the host by ``prepare``. Those pairs depend on
@@ -91,7 +82,7 @@ class KTO(AlgorithmBase):
     @property
     def calculate_kl(self) -> bool:
         """TRL's ``calculate_KL``: apo_zero_unpaired needs no KL rows (z0 = 0)."""
-        return self.cfg.loss_type == "kto"
+        return self.cfg.calculate_kl
 
     def prepare(self, batch):
         if not self.calculate_kl:
@@ -134,11 +125,7 @@ class KTO(AlgorithmBase):
             ref, kl_ref = batch["ref_logps"], batch.get("ref_kl_logps")
         else:
             ref, kl_ref = self.reference(module, reference, lambda m: self._forward(m, batch))
-        return pl.kto(
-            policy, ref, batch["label"], kl_policy, kl_ref, beta=self.cfg.beta,
-            desirable_weight=self.cfg.desirable_weight, undesirable_weight=self.cfg.undesirable_weight,
-            loss_type=self.cfg.loss_type,
-        )
+        return kto(KTOExamples(policy, ref, batch["label"], kl_policy, kl_ref), self.cfg)
 
     def reference_logps(self, module, batch):
         ref, kl_ref = self._forward(module, batch)

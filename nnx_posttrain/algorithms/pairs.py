@@ -18,17 +18,20 @@ from nnx_posttrain.losses.common import token_mean_terms
 def sequence_logps(module, ids, attention, loss_mask, chunk, positions=None):
     """(summed, averaged, lengths) completion log-probs of each row, float32 [rows];
     ``positions`` as in ``model.token_logprobs``."""
-    token = model.token_logprobs(module, ids, attention, chunk, positions=positions)
+    token = model.token_logprobs(module, ids, attention, model.Projection(chunk), positions)
     mask = loss_mask.astype(jnp.float32)
     summed = jnp.sum(token * mask, axis=-1)
     lengths = jnp.sum(mask, axis=-1)
     return summed, summed / jnp.maximum(lengths, 1.0), lengths
 
 
-def _side_logps(module, ids, attention, loss_mask, chunk, positions, with_log_sum_sq):
-    out = model.token_logprobs(module, ids, attention, chunk, positions=positions,
-                               with_log_sum_sq=with_log_sum_sq)
-    return _side(out if with_log_sum_sq else (out, None), loss_mask, with_log_sum_sq)
+def _side_logps(module, rows: dict, chunk, with_log_sum_sq):
+    """``_side`` of ``rows`` (``input_ids``, ``attention_mask``, ``loss_mask`` and, if any,
+    ``positions``) through the model."""
+    out = model.token_logprobs(module, rows["input_ids"], rows["attention_mask"],
+                               model.Projection(chunk, log_sum_sq=with_log_sum_sq),
+                               rows.get("positions"))
+    return _side(out if with_log_sum_sq else (out, None), rows["loss_mask"], with_log_sum_sq)
 
 
 def _side(token_and_lss, loss_mask, with_log_sum_sq):
@@ -55,16 +58,16 @@ def pair_logps(module, batch, chunk, concatenated: bool = True, with_log_sum_sq:
             side = _side(token_and_lss, batch[f"{name}_loss_mask"], with_log_sum_sq)
             out.update({name + k: v for k, v in side.items()})
         return out
+    keys = ("input_ids", "attention_mask", "loss_mask") + (
+        ("positions",) if "chosen_positions" in batch else ())
     if not concatenated:
         for name in ("chosen", "rejected"):
-            side = _side_logps(module, batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"],
-                               batch[f"{name}_loss_mask"], chunk, batch.get(f"{name}_positions"),
+            side = _side_logps(module, {k: batch[f"{name}_{k}"] for k in keys}, chunk,
                                with_log_sum_sq)
             out.update({name + k: v for k, v in side.items()})
         return out
-    cat = lambda k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=0)
-    both = _side_logps(module, cat("input_ids"), cat("attention_mask"), cat("loss_mask"), chunk,
-                       cat("positions") if "chosen_positions" in batch else None, with_log_sum_sq)
+    both = _side_logps(module, {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]],
+                                                   axis=0) for k in keys}, chunk, with_log_sum_sq)
     n = batch["chosen_input_ids"].shape[0]
     for k, v in both.items():
         out["chosen" + k], out["rejected" + k] = v[:n], v[n:]

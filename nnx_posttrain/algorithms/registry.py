@@ -1,20 +1,25 @@
-"""Every algorithm, registered once by name: ``@register`` on its class.
+"""Every algorithm, by name, in one table (``ALGORITHMS``), in the order the command line and
+the method table list them: SFT, the preference methods, the online ones, distillation.
 
-``python -m experiments ALGORITHM``, ``nnx_posttrain.runs`` and the method table read this
-registry; ``nnx_posttrain.algorithms`` imports every algorithm module, so importing it fills it.
+Nothing registers itself: importing an algorithm's module defines its class and nothing more;
+this table names the built-in ones. ``python -m experiments ALGORITHM``, ``nnx_posttrain.api``,
+``nnx_posttrain.runs`` and the method table read it.
 """
 
 from __future__ import annotations
 
-ALGORITHMS: dict[str, type] = {}
+from nnx_posttrain.algorithms.distill import Distill
+from nnx_posttrain.algorithms.kto import KTO
+from nnx_posttrain.algorithms.online.grpo import GRPO
+from nnx_posttrain.algorithms.online.online_dpo import OnlineDPO
+from nnx_posttrain.algorithms.online.ppo import PPO
+from nnx_posttrain.algorithms.online.rloo import RLOO
+from nnx_posttrain.algorithms.preference import CPO, DPO, ORPO, SimPO
+from nnx_posttrain.algorithms.reward import Reward
+from nnx_posttrain.algorithms.sft import SFT
 
-
-def register(cls: type) -> type:
-    """Class decorator: ``ALGORITHMS[cls.name] = cls`` (a name registered twice is an error)."""
-    if cls.name in ALGORITHMS and ALGORITHMS[cls.name] is not cls:
-        raise ValueError(f"algorithm {cls.name!r} is registered twice")
-    ALGORITHMS[cls.name] = cls
-    return cls
+ALGORITHMS: dict[str, type] = {cls.name: cls for cls in (
+    SFT, DPO, SimPO, CPO, ORPO, KTO, Reward, GRPO, RLOO, PPO, OnlineDPO, Distill)}
 
 
 def get(name: str) -> type:

@@ -8,20 +8,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
-from nnx_posttrain.algorithms.registry import register
-from nnx_posttrain.losses import preference as pl
+from nnx_posttrain.losses.reward import RewardOptions, RewardPairs, reward_bt
 
 
-@dataclasses.dataclass
-class RewardConfig:
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(RewardOptions):
     """Bradley-Terry reward model: a scalar head on the backbone, trained on preference pairs."""
 
-    center_rewards_coefficient: float | None = None
-    """Weight of the reward-centering term (mean squared reward); none by default."""
 
-
-
-@register
 class Reward(AlgorithmBase):
     name = "reward"
     Config = RewardConfig
@@ -37,5 +31,4 @@ class Reward(AlgorithmBase):
         att = jnp.concatenate([batch["chosen_attention_mask"], batch["rejected_attention_mask"]], 0)
         rewards = module(ids, att)
         n = batch["chosen_input_ids"].shape[0]
-        return pl.reward_bt(rewards[:n], rewards[n:], margin=batch.get("margin"),
-                            center_rewards_coefficient=self.cfg.center_rewards_coefficient)
+        return reward_bt(RewardPairs(rewards[:n], rewards[n:], batch.get("margin")), self.cfg)

@@ -7,16 +7,14 @@ import math
 
 from nnx_posttrain import model
 from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
-from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses.sft import sft
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """Supervised fine-tuning: next-token loss on completions only (prompt tokens carry none)."""
 
 
-@register
 class SFT(AlgorithmBase):
     name = "sft"
     Config = SFTConfig
@@ -27,10 +25,9 @@ class SFT(AlgorithmBase):
 
     def loss(self, module, batch, reference=None):
         logps, correct = model.token_logprobs(
-            module, batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
-            segment_ids=batch.get("segment_ids"), positions=batch.get("positions"),
-            with_correct=True,
-        )
+            module, batch["input_ids"], batch["attention_mask"],
+            model.Projection(self.logprob_chunk, correct=True), positions=batch.get("positions"),
+            segment_ids=batch.get("segment_ids"))
         return sft(logps, batch["loss_mask"], correct)
 
     def eval_metrics(self, metrics):

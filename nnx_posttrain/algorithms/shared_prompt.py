@@ -117,7 +117,8 @@ def pair_logps(module, batch, chunk, with_log_sum_sq: bool):
     for name in ("chosen", "rejected"):
         g = batch[f"{name}_gather"]
         length = batch[f"{name}_input_ids"].shape[1]
-        res = model.logprobs_from_hidden(module, h, ids, chunk, with_log_sum_sq=with_log_sum_sq,
+        res = model.logprobs_from_hidden(module, h, ids,
+                                         model.Projection(chunk, log_sum_sq=with_log_sum_sq),
                                          gather=(g[:, 0], g[:, 1], g[:, 2], length))
         token, lss = res if with_log_sum_sq else (res, None)
         out[name] = (token, lss)

@@ -35,10 +35,11 @@ def main(argv: list[str], prog: str) -> int:
     from nnx_posttrain.harness import evaluate
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    results = evaluate.evaluate(args.run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()],
-                                limit=limit, step=args.step, include_path=args.include_path,
-                                batch_size=args.batch_size, num_fewshot=args.num_fewshot,
-                                apply_chat_template=not args.no_chat_template)
+    how = evaluate.Evaluation(limit=limit, step=args.step, include_path=args.include_path,
+                              batch_size=args.batch_size, num_fewshot=args.num_fewshot,
+                              apply_chat_template=not args.no_chat_template)
+    results = evaluate.evaluate(args.run_dir,
+                                [t.strip() for t in args.tasks.split(",") if t.strip()], how)
     from lm_eval.utils import make_table  # installed: evaluate checked it
 
     print(make_table(results))

@@ -26,5 +26,6 @@ def main(argv: list[str], prog: str) -> int:
     parser.add_argument("--adapters-only", action="store_true",
                         help="with --format hf: only the LoRA adapters, in PEFT's format")
     args = parser.parse_args(argv)
-    export.export(args.run_dir, args.to, args.step, args.format, args.dtype, args.adapters_only)
+    export.export(args.run_dir, args.to, args.step,
+                  export.Target(args.format, args.dtype, args.adapters_only))
     return 0

@@ -33,9 +33,9 @@ def main(argv: list[str], prog: str) -> int:
         parser.error("need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1")
     from nnx_posttrain.harness import judge
 
-    r = judge.judge_runs(args.run_a, args.run_b, args.prompts, args.judge,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_p=args.top_p, seed=args.seed, examples=args.examples)
+    r = judge.judge_runs(args.run_a, args.run_b, args.prompts, judge.Judging(
+        args.judge, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, seed=args.seed, examples=args.examples))
     print(f"{args.run_a} vs {args.run_b} ({r['judge']}, {r['n']} prompts): win rate "
           f"{100 * r['win_rate']:.1f}% [95% CI {100 * r['low']:.1f}, {100 * r['high']:.1f}] "
           f"(ties half); {r['wins']} wins, {r['losses']} losses, {r['ties']} ties")

@@ -22,7 +22,7 @@ def answers(run_dir, prompts: list[str], step: int | None = None, **sampling) ->
     (``sampling``: ``sampler.sample_texts``' options)."""
     runs.check_policy(run_dir)  # a reward model: refused before it loads
     run = runs.load(run_dir, step)
-    return sampler.sample_texts(run.lm, run.policy(), prompts, **sampling)
+    return sampler.sample_texts(run.lm, run.policy(), prompts, sampler.Sampling(**sampling))
 
 
 def main(argv: list[str], prog: str) -> int:

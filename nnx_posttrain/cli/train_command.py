@@ -18,6 +18,7 @@ import threading
 import tyro
 
 from nnx_posttrain import algorithms, api, config_files, train
+from nnx_posttrain.losses.common import unchecked_options
 
 
 def flag_value(args: list[str], flag: str) -> str | None:
@@ -36,11 +37,14 @@ def parse(default, args: list[str], description: str | None = None, prog: str | 
     """Command line -> validated config, starting from ``default``; ``--config FILE`` replaces
     those defaults by the file's values first, so flags override the file. tyro rejects an
     unknown or ill-typed option by name (``SystemExit`` with its usage: this is the command
-    line)."""
+    line). The algorithm's settings are checked once the file and the flags are applied
+    (``Config.validate``, with every other problem)."""
     path, args = config_files.split_arg(list(args))
-    if path is not None:
-        default = dataclasses.replace(config_files.apply(default, path), config=path)
-    cfg = tyro.cli(type(default), default=default, args=args, description=description, prog=prog)
+    with unchecked_options():  # the file's values, then the flags: checked when all are in
+        if path is not None:
+            default = dataclasses.replace(config_files.apply(default, path), config=path)
+        cfg = tyro.cli(type(default), default=default, args=args, description=description,
+                       prog=prog)
     return cfg.validate()
 
 

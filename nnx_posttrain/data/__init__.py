@@ -50,6 +50,7 @@ from nnx_posttrain.data.sources import (
     ParquetSource,
     Subset,
     builtin_fingerprint,
+    builtin_registered,
     register_builtin,
 )
 from nnx_posttrain.data.specs import extra_columns, signature, source
@@ -78,6 +79,7 @@ __all__ = [
     "Subset",
     "extra_columns",
     "builtin_fingerprint",
+    "builtin_registered",
     "register_builtin",
     "signature",
     "source",

@@ -366,6 +366,11 @@ def register_builtin(records: Callable[[str, str], list[dict]], fingerprint: str
     _builtin_records, _builtin_fingerprint = records, fingerprint
 
 
+def builtin_registered() -> bool:
+    """Whether a built-in task is registered (``register_builtin``)."""
+    return _builtin_records is not None
+
+
 def builtin_fingerprint() -> str:
     """The registered built-in task's fingerprint (see ``register_builtin``)."""
     _builtin_provider()
@@ -375,5 +380,5 @@ def builtin_fingerprint() -> str:
 def _builtin_provider() -> Callable[[str, str], list[dict]]:
     if _builtin_records is None:
         raise DataError("builtin: no built-in task is registered (the module that provides it, "
-                        "e.g. nnx_posttrain.tasks, calls nnx_posttrain.data.register_builtin)")
+                        "e.g. nnx_posttrain.tasks.register(), calls nnx_posttrain.data.register_builtin)")
     return _builtin_records

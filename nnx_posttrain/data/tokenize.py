@@ -70,8 +70,10 @@ def _keep_prompt_end(ids: list[int], max_prompt_length: int, bos_id) -> list[int
     return ids[len(ids) - max_prompt_length :]
 
 
-def _sequence(tok, chat_format, head, tail, add_eos, max_length, truncation, max_prompt_length):
-    """BOS + prompt (kept to ``max_prompt_length``) + completion (+ EOS), padded to ``max_length``."""
+def _sequence(t, head, tail, add_eos, max_prompt_length):
+    """BOS + prompt (kept to ``max_prompt_length``) + completion (+ EOS), padded to the
+    transform ``t``'s ``max_length`` (its tokenizer, chat format and truncation)."""
+    tok, chat_format, max_length, truncation = t.tokenizer, t.chat_format, t.max_length, t.truncation
     prompt_ids = _bos(tok) + _encode(tok, head, chat_format)[0]
     ids, mask = _encode(tok, tail, chat_format)
     if add_eos and tok.eos_id is not None:
@@ -147,11 +149,9 @@ class Tokenize:
         tok = self.tokenizer
         if fmt == "prompt_completion":
             head, tail, add_eos = _prompt_completion(record, "prompt", "completion", self.chat_format)
-            return _sequence(tok, self.chat_format, head, tail, add_eos, self.max_length,
-                             self.truncation, self.max_prompt_length)
+            return _sequence(self, head, tail, add_eos, self.max_prompt_length)
         segs, add_eos = _lm_segments(record, fmt, self.chat_format)
-        return _sequence(tok, self.chat_format, [], segs, add_eos, self.max_length, self.truncation,
-                         None)
+        return _sequence(self, [], segs, add_eos, None)
 
     def _record_format(self, record):
         where, keys = _where(record), _columns(record)
@@ -209,8 +209,7 @@ class TokenizePreference(_SequenceTransform):
         for name, completion in (("chosen", chosen), ("rejected", rejected)):
             head, tail, add_eos = _prompt_completion(record, "prompt", name, self.chat_format,
                                                      prompt=prompt, completion=completion)
-            ex = _sequence(self.tokenizer, self.chat_format, head, tail, add_eos, self.max_length,
-                           self.truncation, self.max_prompt_length)
+            ex = _sequence(self, head, tail, add_eos, self.max_prompt_length)
             truncated |= int(ex.pop("truncated"))
             out.update({f"{name}_{k}": v for k, v in ex.items()})
         out["truncated"] = np.int32(truncated)
@@ -269,8 +268,7 @@ class TokenizeUnpaired(_SequenceTransform):
             raise DataError(f"{where}: field 'label' must be a boolean (true or false, or 1 / 0), "
                             f"got {shown}")
         head, tail, add_eos = _prompt_completion(record, "prompt", "completion", self.chat_format)
-        ex = _sequence(self.tokenizer, self.chat_format, head, tail, add_eos, self.max_length,
-                       self.truncation, self.max_prompt_length)
+        ex = _sequence(self, head, tail, add_eos, self.max_prompt_length)
         ex["label"] = np.float32(bool(label))
         return ex
 
@@ -320,15 +318,17 @@ class TokenizePrompt:
         }
 
 
-def make_transform(src, tokenizer, chat_format: str, max_length: int, truncation: str = "keep_start",
+def make_transform(src, lm, max_length: int, truncation: str = "keep_start",
                    max_prompt_length: int | None = None, format: str = "auto"):
-    """The transform for the data's format (``format``, or detected from ``src`` when 'auto'):
+    """The transform of ``lm``'s tokenizer and chat format (``lm.tokenizer``, ``lm.chat_format``:
+    a ``model.LanguageModel``) for the data's format (``format``, or detected from ``src`` when
+    'auto'):
     ``Tokenize`` for language modelling and prompt-completion, ``TokenizePreference``,
     ``TokenizeUnpaired``, or ``TokenizePrompt`` (``max_prompt_length``, default ``max_length``).
     The transform's ``kind`` ('sft', 'preference', 'unpaired_preference', 'prompt_only') says what
     its examples hold. An algorithm that needs another view (e.g. prompts of preference data for
     RL) builds that transform itself."""
-    fmt = data_format(src, format)
+    fmt, tokenizer, chat_format = data_format(src, format), lm.tokenizer, lm.chat_format
     if fmt in ("language_modeling", "prompt_completion"):
         return Tokenize(tokenizer, chat_format, max_length, truncation, max_prompt_length, format)
     if fmt == "preference":

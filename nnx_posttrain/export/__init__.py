@@ -20,6 +20,7 @@ model's (the dtype a local preset or Hugging Face directory was saved in, else t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from nnx_posttrain import errors
@@ -69,13 +70,25 @@ def _cast_task(task, dtype: str):
     return type(task)(backbone=new, preprocessor=task.preprocessor)
 
 
-def export(run_dir: str | Path, to: str | Path, step: int | None = None, fmt: str = "keras",
-           dtype: str | None = None, adapters_only: bool = False, echo=print) -> list[Path]:
-    """Write ``run_dir``'s checkpoint ``step`` to ``to`` in format ``fmt``; returns the files
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What ``export`` writes: ``format`` (``FORMATS``), the weights' ``dtype`` (``DTYPES``;
+    default: the source model's), ``adapters_only`` (with hf: the LoRA adapters alone, in PEFT's
+    format)."""
+
+    format: str = "keras"
+    dtype: str | None = None
+    adapters_only: bool = False
+
+
+def export(run_dir: str | Path, to: str | Path, step: int | None = None,
+           target: Target = Target(), echo=print) -> list[Path]:
+    """Write ``run_dir``'s checkpoint ``step`` to ``to`` as ``target`` says; returns the files
     written. ``ExportError`` (a ``UserError``) when it cannot be done as asked."""
     from nnx_posttrain import inspection, runs
     from nnx_posttrain.export import hf as hf_export
 
+    fmt, dtype, adapters_only = target.format, target.dtype, target.adapters_only
     run_dir, to = Path(run_dir), Path(to)
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")

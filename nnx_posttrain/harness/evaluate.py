@@ -13,6 +13,7 @@ Results: ``RUN_DIR/lm_eval/step_<S>.json`` (lm-eval's result JSON: ``results``, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import tempfile
@@ -36,8 +37,9 @@ def require():
 def arithmetic_task(directory: Path, limit: int | None = None) -> dict:
     """The ``nnx_arithmetic`` task's lm-eval config, its data (the built-in held-out problems:
     question, answer) written as JSON lines under ``directory``."""
-    import nnx_posttrain.tasks  # noqa: F401  (the built-in task's records)
+    from nnx_posttrain import tasks
 
+    tasks.register()  # the built-in task's records
     src = data.source("builtin", "eval", builtin="prompt_only")
     path = Path(directory) / f"{ARITHMETIC}.jsonl"
     path.write_text("".join(json.dumps({"question": src[i]["prompt"][0]["content"],
@@ -140,12 +142,25 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [] if value is None else [value]
 
 
-def evaluate(run_dir, tasks: list[str], *, limit: int | float | None = None,
-             step: int | None = None, include_path: str | None = None, batch_size: int = 16,
-             apply_chat_template: bool = True, num_fewshot: int | None = None,
-             echo=print) -> dict:
-    """lm-eval's results of ``run_dir``'s checkpoint ``step`` (default: the latest) on ``tasks``,
-    also written to ``run_dir/lm_eval/step_<S>.json`` (whose path is under ``"path"``)."""
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """How ``evaluate`` runs lm-eval: ``limit`` documents per task (a count, or a fraction
+    below 1; None: all), the checkpoint ``step`` (default: the latest), ``include_path`` (a
+    folder of the user's task YAML files), ``batch_size``, ``apply_chat_template`` (prompts in
+    the run's chat template, as it was trained), ``num_fewshot`` (None: the task's)."""
+
+    limit: int | float | None = None
+    step: int | None = None
+    include_path: str | None = None
+    batch_size: int = 16
+    apply_chat_template: bool = True
+    num_fewshot: int | None = None
+
+
+def evaluate(run_dir, tasks: list[str], how: Evaluation = Evaluation(), echo=print) -> dict:
+    """lm-eval's results of ``run_dir``'s checkpoint ``how.step`` (default: the latest) on
+    ``tasks``, also written to ``run_dir/lm_eval/step_<S>.json`` (whose path is under
+    ``"path"``)."""
     lm_eval = require()
     from lm_eval.utils import handle_non_serializable
 
@@ -154,24 +169,25 @@ def evaluate(run_dir, tasks: list[str], *, limit: int | float | None = None,
     if not tasks:
         raise errors.ConfigError("--tasks: give at least one task")
     runs.check_policy(run_dir)
-    manager = task_manager(include_path, tuple(tasks))
-    check_tasks(tasks, manager, include_path)
-    run = runs.load(run_dir, step, echo=echo)
-    lm = NNXLM(run.lm, run.policy(), name=str(run_dir), batch_size=batch_size)
+    manager = task_manager(how.include_path, tuple(tasks))
+    check_tasks(tasks, manager, how.include_path)
+    run = runs.load(run_dir, how.step, echo=echo)
+    lm = NNXLM(run.lm, run.policy(), name=str(run_dir), batch_size=how.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         specs = [arithmetic_task(Path(tmp)) if t == ARITHMETIC else t for t in tasks]
         try:
             results = lm_eval.simple_evaluate(
-                model=lm, tasks=specs, limit=limit, task_manager=manager,
-                num_fewshot=num_fewshot, apply_chat_template=apply_chat_template,
-                log_samples=False, batch_size=batch_size)
+                model=lm, tasks=specs, limit=how.limit, task_manager=manager,
+                num_fewshot=how.num_fewshot, apply_chat_template=how.apply_chat_template,
+                log_samples=False, batch_size=how.batch_size)
         except (FileNotFoundError, ConnectionError) as exc:  # a task's data: not here, offline
             raise errors.DataError(
                 f"--tasks {','.join(tasks)}: lm-eval could not read a task's data "
                 f"({type(exc).__name__}: {str(exc).strip()[:300]}); an offline machine reads "
                 "a task's data from the Hugging Face cache or local files") from None
     results["nnx_posttrain"] = {"run_dir": str(run_dir), "step": run.step,
-                                "apply_chat_template": apply_chat_template, "limit": limit}
+                                "apply_chat_template": how.apply_chat_template,
+                                "limit": how.limit}
     out = Path(run_dir) / "lm_eval" / f"step_{run.step}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=handle_non_serializable))

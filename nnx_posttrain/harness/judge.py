@@ -21,6 +21,7 @@ the result against another run of the same name: results are never overwritten b
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -49,10 +50,12 @@ def read_prompts(path: str) -> list[dict]:
     return records
 
 
-def answers(run_dir, records, *, max_new_tokens: int, temperature: float, top_p: float,
-            seed: int, echo=print) -> tuple[list[str], list[list[int]], list[list[int]], object]:
-    """``run_dir``'s answers to the records' prompts (its chat template), with the prompt and
-    answer token ids, and its tokenizer."""
+def answers(run_dir, records, sampling: sampler.Sampling,
+            echo=print) -> tuple[list[str], list[list[int]], list[list[int]], object]:
+    """``run_dir``'s answers to the records' prompts (its chat template), sampled as
+    ``sampling`` says (its max_new_tokens, temperature, top_p, seed), with the prompt and answer
+    token ids, and its tokenizer."""
+    max_new_tokens = sampling.max_new_tokens
     runs.check_policy(run_dir)
     run = runs.load(run_dir, echo=echo)
     lm, module = run.lm, run.policy()
@@ -63,8 +66,8 @@ def answers(run_dir, records, *, max_new_tokens: int, temperature: float, top_p:
 
     graphdef, *states = nnx.split(module)
     sample = sampler.make_sampler(graphdef, max_new_tokens, pad_id=lm.tokenizer.pad_id)
-    texts = sampler.sample_ids(lm, sample, states, prompts, temperature=temperature,
-                               top_p=top_p, seed=seed, batch_size=min(64, len(prompts)))
+    texts = sampler.sample_ids(lm, sample, states, prompts, sampling,
+                               batch_size=min(64, len(prompts)))
     return texts, prompts, [lm.tokenizer.encode(t) for t in texts], lm.tokenizer
 
 
@@ -160,21 +163,41 @@ def _check_judge(spec: str, records) -> None:
                                  "directory or 'module:name' (a pairwise judge)")
 
 
-def judge_runs(run_a, run_b, prompts_path, judge: str | None = None, *, max_new_tokens: int = 64,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, reps: int = 10_000,
-               examples: int = 5, echo=print) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Judging:
+    """How ``judge_runs`` compares two runs: the ``judge`` ('exact', a reward-model run
+    directory or 'module:name'; default: exact where the prompts have answers), how both runs
+    answer (``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``seed``), the
+    bootstrap's ``reps`` and the ``examples`` of differing answers kept."""
+
+    judge: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    reps: int = 10_000
+    examples: int = 5
+
+    @property
+    def settings(self) -> dict:
+        """The answers' settings, as the result records them."""
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    top_p=self.top_p, seed=self.seed)
+
+
+def judge_runs(run_a, run_b, prompts_path, how: Judging = Judging(), echo=print) -> dict:
     """Both runs' answers to the prompts, judged pair by pair (see the module docstring); the
     result is written into both runs (``"paths"``)."""
     records = read_prompts(prompts_path)
+    judge, reps, examples = how.judge, how.reps, how.examples
     spec = judge or ("exact" if all(r.get("answer") is not None for r in records) else None)
     if spec is None:
         raise errors.ConfigError("--judge: the prompts have no 'answer' column for the exact "
                                  "judge: give a reward-model run or a 'module:name' judge")
     _check_judge(spec, records)
-    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    seed=seed)
-    a = answers(run_a, records, echo=echo, **settings)
-    b = answers(run_b, records, echo=echo, **settings)
+    settings = how.settings
+    a = answers(run_a, records, sampler.Sampling(**settings), echo=echo)
+    b = answers(run_b, records, sampler.Sampling(**settings), echo=echo)
     if spec == "exact":
         verdicts = exact_verdicts(records, a[0], b[0])
     elif ":" in spec and not (Path(spec) / "config.json").exists():

@@ -46,7 +46,8 @@ class NNXLM(TemplateLM):
 
         def scores(states, ids, mask, positions):
             policy = nnx.merge(graphdef, *states)
-            return model.token_logprobs(policy, ids, mask, with_correct=True, positions=positions)
+            return model.token_logprobs(policy, ids, mask, model.Projection(correct=True),
+                                        positions=positions)
         self._scores = jax.jit(scores)
         self._samplers = {}
 
@@ -157,7 +158,7 @@ class NNXLM(TemplateLM):
             prompts = [self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):]
                        for i in members]
             texts = sampler.sample_ids(self.lm, self._sampler(max_new), self.states, prompts,
-                                       temperature=temperature, top_p=top_p,
+                                       sampler.Sampling(temperature=temperature, top_p=top_p),
                                        batch_size=min(self.batch_size, len(prompts)))
             for i, text in zip(members, texts):
                 for stop in settings[i]:

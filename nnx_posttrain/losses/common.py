@@ -1,4 +1,5 @@
-"""Conventions and helpers shared by the losses of this package. Imports jax only.
+"""Conventions and helpers shared by the losses of this package. Imports jax and
+``nnx_posttrain.errors`` only.
 
 Every loss returns ``(total, weight, metrics)``:
 
@@ -45,15 +46,85 @@ Numerics: everything is computed in float32 with ``log_sigmoid`` / ``softplus`` 
 forms, so equal log-probs, huge margins (|x| ~ 1e4) and very negative log-probs give finite
 losses and finite gradients.
 
+Options: each loss family owns a frozen dataclass of its options (:class:`Options`; TRL's names
+and defaults), whose checks run when it is made and raise ``nnx_posttrain.errors.ConfigError``
+naming the option and the fix. An algorithm's settings (``--algo.*``) *are* its loss family's
+options (the algorithm's ``Config`` derives from them), so every option and its default is written
+once, here. A loss takes ``(arrays, options)``: a ``NamedTuple`` of arrays and the options.
+
 Names with a leading underscore are internal to this package (shared by its modules).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from nnx_posttrain import errors
+
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
+
+# ----------------------------------------------------------------------------- options
+
+_CHECKED = contextvars.ContextVar("nnx_posttrain_options_checked", default=True)
+
+
+@contextlib.contextmanager
+def unchecked_options():
+    """Options made inside this block are not checked when made: a run's settings built in
+    layers (defaults, a config file, then flags) may pass through combinations the finished
+    settings do not have. Check the finished ones with ``Options.check`` (``Config.validate``
+    lists their ``problems`` with every other problem of the settings)."""
+    token = _CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
+def flag(name: str) -> str:
+    """How an option is spelled on the command line: ``--algo.loss-type`` for ``loss_type``."""
+    return "--algo." + name.replace("_", "-")
+
+
+def out_of_range(options, name: str, ok: bool, rule: str) -> list[str]:
+    """``[problem]`` when ``ok`` is false: ``--algo.NAME must be RULE, got VALUE``; else ``[]``."""
+    return [] if ok else [f"{flag(name)} must be {rule}, got {getattr(options, name)}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The base of every loss family's options: frozen, checked when made (``problems``)."""
+
+    def __post_init__(self):
+        if _CHECKED.get():
+            self.check()
+
+    def problems(self) -> list[str]:
+        """What is wrong with these options, one sentence each naming the option and the fix
+        (a subclass adds its own to its base's)."""
+        return []
+
+    def check(self) -> None:
+        """``ConfigError`` listing every problem of these options (none: returns)."""
+        problems = self.problems()
+        if problems:
+            raise errors.ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+class Pairs(NamedTuple):
+    """The arrays of a reference-free pairwise loss (SimPO, CPO, ORPO): the policy's log-probs of
+    the chosen and rejected completions, ``[batch]`` (summed or averaged, as the loss's docstring
+    says), and the per-pair NLL term of the chosen one (see :func:`token_mean_terms`) or None."""
+
+    chosen: jax.Array
+    rejected: jax.Array
+    chosen_nll: jax.Array | None = None
 
 # log1mexp(x) = log(1 - exp(x)) is -inf at x = 0 (probability 1, infinite odds). Inputs are
 # clamped to at most this value so ORPO stays finite for a sequence the model is certain of;
@@ -140,3 +211,8 @@ def _smoothed_sigmoid(logits, label_smoothing) -> jax.Array:
         return loss
     eps = _f32(label_smoothing)
     return (1.0 - eps) * loss - eps * jax.nn.log_sigmoid(-logits)
+
+
+def _uses(weight) -> bool:
+    """Whether a term weighted by ``weight`` is added (a Python 0 adds nothing)."""
+    return not (_is_python_number(weight) and weight == 0)

@@ -1,6 +1,6 @@
 """Distillation: the generalized Jensen-Shannon divergence between a student's and a teacher's
 next-token distributions (Agarwal et al. 2023, "On-Policy Distillation of Language Models",
-arXiv:2306.13649; TRL 1.16's ``DistillationTrainer`` and GKD). Imports jax only.
+arXiv:2306.13649; TRL 1.16's ``DistillationTrainer`` and GKD).
 
 With p_s, p_t the student's and the teacher's distributions (logits divided by ``temperature``)
 and the mixture m = (1 - beta) p_s + beta p_t:
@@ -14,15 +14,35 @@ completion tokens (TRL's token mean, exact under gradient accumulation: see ``co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
+from nnx_posttrain.losses.common import Options, out_of_range
 
-def divergence(student_logits, teacher_logits, beta: float, temperature: float = 1.0):
+
+@dataclasses.dataclass(frozen=True)
+class DistillOptions(Options):
+    """Distillation's loss options: TRL 1.16 DistillationConfig's / GKDConfig's names and
+    defaults (``--algo.*`` of ``distill``, with its teacher and sampling options)."""
+
+    beta: float = 1.0
+    """Generalized JSD interpolation (TRL's): 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the JSD with mixture (1 - beta) p_student + beta p_teacher."""
+    temperature: float = 1.0
+    """Divides both models' logits in the loss (after Gemma's final soft cap) and the student's when it samples."""
+
+    def problems(self) -> list[str]:
+        return (out_of_range(self, "beta", 0.0 <= self.beta <= 1.0, "in [0, 1]")
+                + out_of_range(self, "temperature", self.temperature > 0, "> 0"))
+
+
+def divergence(student_logits, teacher_logits, options: DistillOptions):
     """(per-position divergence, the student's entropy without gradient), both ``[...]``, from
-    float32 logits ``[..., vocab]``. ``beta`` (a Python float) picks the divergence."""
+    float32 logits ``[..., vocab]``. ``options.beta`` (a Python float) picks the divergence,
+    ``options.temperature`` divides both logits."""
+    beta, temperature = options.beta, options.temperature
     log_ps = jax.nn.log_softmax(student_logits / temperature, axis=-1)
     log_pt = jax.lax.stop_gradient(jax.nn.log_softmax(teacher_logits / temperature, axis=-1))
     ps, pt = jnp.exp(log_ps), jnp.exp(log_pt)

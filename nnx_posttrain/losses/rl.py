@@ -1,5 +1,6 @@
-"""Online RL advantages, whitening, GAE and the PPO loss: pure functions of arrays. No model, no
-I/O. The GRPO-family and RLOO policy losses are in :mod:`.grpo` (re-exported here).
+"""Online RL advantages, whitening, GAE, and PPO's options, rewards and loss: pure functions of
+arrays. No model, no I/O. The GRPO-family policy losses and their options are in :mod:`.grpo`,
+RLOO's in :mod:`.rloo` (both re-exported here).
 
 Shapes: ``B`` completions (``num_generations`` consecutive rows per prompt), ``T`` positions.
 Per-token arrays (``logps``, ``old_logps``, ``ref_logps``, ``mask``) are aligned as
@@ -18,20 +19,27 @@ statistics and get advantage 0, as TRL.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from nnx_posttrain.losses.common import Options, flag
 from nnx_posttrain.losses.grpo import (  # noqa: F401  (re-exported: the RL losses in one place)
+    AGGREGATIONS,
+    GRPO_LOSSES,
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
+    SCALE_REWARDS,
+    GRPOOptions,
+    PolicyInputs,
     clipped_policy_loss,
     high_entropy_mask,
     k3_kl,
-    rloo_loss,
 )
+from nnx_posttrain.losses.rloo import RLOOOptions, rloo_loss  # noqa: F401  (re-exported)
 
-SCALE_REWARDS = ("group", "batch", "none")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 KL_ESTIMATORS = ("k1", "k3")
 
 
@@ -68,7 +76,7 @@ def _shifted(r, axis=None):
 # ----------------------------------------------------------------------------- advantages
 
 
-def group_advantages(rewards, group_size: int, scale_rewards: str = "group", eps: float = 1e-4):
+def group_advantages(rewards, group_size: int, scale_rewards: str, eps: float = 1e-4):
     """GRPO group-relative advantages (Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3).
 
         A_i = (r_i - mean(r_group)) / (std + eps)
@@ -79,10 +87,9 @@ def group_advantages(rewards, group_size: int, scale_rewards: str = "group", eps
     (``GRPOTrainer._generate_and_score_completions``, ``multi_objective_aggregation=
     "sum_then_normalize"``). A group whose rewards are all equal gets advantage exactly 0, for
     any values and group sizes (see ``_shifted``); NaN rewards (unscorable completions) are left
-    out of the mean and std and get 0.
+    out of the mean and std and get 0. ``scale_rewards`` is one of ``SCALE_REWARDS``
+    (``GRPOOptions`` checks it).
     """
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     r = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
     d = _shifted(r, axis=1)
     centred = d - _nanmean(d, axis=1, keepdims=True)
@@ -90,6 +97,8 @@ def group_advantages(rewards, group_size: int, scale_rewards: str = "group", eps
         centred = centred / (_nanstd(d, axis=1, keepdims=True) + eps)
     elif scale_rewards == "batch":
         centred = centred / (_nanstd(_shifted(r)) + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     # an equal group is exactly 0 above; a group with a single scored completion has NaN std
     return jnp.nan_to_num(centred.reshape(-1), nan=0.0)
 
@@ -164,34 +173,35 @@ def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
     return out if shift_mean else out + mean
 
 
-def kl_penalty(logps, ref_logps, estimator: str = "k1"):
+def kl_penalty(logps, ref_logps, estimator: str):
     """Per-token KL(pi || ref) estimate of PPO's reward penalty (Schulman, "Approximating KL
     Divergence", http://joschu.net/blog/kl-approx.html), as TRL's PPOTrainer ``kl_estimator``:
 
         k1 = log pi - log pi_ref                       unbiased, can be negative
         k3 = (r - 1) - log r,  r = pi_ref / pi         unbiased, >= 0, lower variance
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     logr = ref_logps - logps
-    return -logr if estimator == "k1" else jnp.expm1(logr) - logr
+    if estimator == "k1":
+        return -logr
+    if estimator == "k3":
+        return jnp.expm1(logr) - logr
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def ppo_rewards(scores, logps, ref_logps, mask, *, kl_coef: float = 0.05,
-                kl_estimator: str = "k1"):
+def ppo_rewards(scores, logps, ref_logps, mask, options: PPOOptions):
     """PPO's per-token rewards (Ziegler et al., arXiv:1909.08593; TRL's ``PPOTrainer.train``,
-    "4. compute rewards"): -kl_coef * kl_t on every completion token, plus the sequence's score on
-    its last completion token (TRL puts it one position later, on the first padding position,
-    which ``whiten_rewards`` then also covers; here the score sits on the last token the policy
-    produced and whitening covers the completion tokens). ``ref_logps`` None: no KL. Returns
-    (rewards [B, T], kl [B, T] masked)."""
+    "4. compute rewards"): -kl_coef * kl_t on every completion token (``kl_estimator``), plus
+    the sequence's score on its last completion token (TRL puts it one position later, on the
+    first padding position, which ``whiten_rewards`` then also covers; here the score sits on the
+    last token the policy produced and whitening covers the completion tokens). ``ref_logps``
+    None: no KL. Returns (rewards [B, T], kl [B, T] masked)."""
     m = jnp.asarray(mask, jnp.float32)
     if ref_logps is None:
         kl = jnp.zeros_like(m)
     else:
         kl = kl_penalty(jnp.asarray(logps, jnp.float32), jnp.asarray(ref_logps, jnp.float32),
-                        kl_estimator) * m
-    rewards = -kl_coef * kl
+                        options.kl_estimator) * m
+    rewards = -options.kl_coef * kl
     width = m.shape[1]
     last = jnp.maximum(width - 1 - jnp.argmax(m[:, ::-1], axis=1), 0)
     score = jnp.asarray(scores, jnp.float32) * (m.sum(axis=1) > 0)
@@ -199,7 +209,7 @@ def ppo_rewards(scores, logps, ref_logps, mask, *, kl_coef: float = 0.05,
     return rewards, kl
 
 
-def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
+def gae(rewards, values, mask, gamma: float, lam: float):
     """Generalised advantage estimation (Schulman et al., arXiv:1506.02438) over the masked
     positions.
 
@@ -226,29 +236,73 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
 # ----------------------------------------------------------------------------- PPO
 
 
-def ppo_loss(logps, old_logps, advantages, returns, values, old_values, mask, *,
-             cliprange: float = 0.2, cliprange_value: float = 0.2, vf_coef: float = 0.1,
-             entropies=None):
+@dataclasses.dataclass(frozen=True)
+class PPOOptions(Options):
+    """PPO's options: the names and defaults of TRL's last PPOConfig (``--algo.*`` of ``ppo``,
+    with the sampling options of every online algorithm)."""
+
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    kl_coef: float = 0.05
+    """Per-token KL penalty in the reward."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """Per-token KL estimate in the reward: k1 = log pi - log pi_ref, k3 = (r - 1) - log r (r = pi_ref / pi; >= 0, lower variance)."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards (scale only, the mean kept) over the completion tokens before GAE."""
+    whiten_advantages: bool = True
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of a completion with no stop token."""
+
+    def problems(self) -> list[str]:
+        if self.kl_estimator not in KL_ESTIMATORS:
+            return [f"{flag('kl_estimator')} must be one of {', '.join(KL_ESTIMATORS)}, got "
+                    f"{self.kl_estimator!r}"]
+        return []
+
+
+class PPOInputs(NamedTuple):
+    """The arrays of :func:`ppo_loss`, ``[B, T]``: the policy's log-probs and values, those of the
+    policy that generated the rollout (``old_*``), GAE's advantages and returns, the loss mask,
+    the policy's entropies (None: no entropy metric)."""
+
+    logps: jax.Array
+    old_logps: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+    values: jax.Array
+    old_values: jax.Array
+    mask: jax.Array
+    entropies: jax.Array | None = None
+
+
+def ppo_loss(inputs: PPOInputs, options: PPOOptions):
     """PPO (Schulman et al., arXiv:1707.06347) with a clipped value loss, as TRL's PPOTrainer
-    (``PPOTrainer.train``); token means over the (accumulated) batch.
+    (``PPOTrainer.train``); token means over the (accumulated) batch (c = ``cliprange``, c_v =
+    ``cliprange_value``).
 
         pg_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - c, 1 + c))
         vf_t = 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old - c_v, V_old + c_v) - R_t)^2)
         loss = mean(pg) + vf_coef * mean(vf)
     """
-    m = mask.astype(jnp.float32)
+    x, c, c_v = inputs, options.cliprange, options.cliprange_value
+    m = x.mask.astype(jnp.float32)
     tokens = m.sum()
-    log_ratio = logps - old_logps
+    log_ratio = x.logps - x.old_logps
     ratio = jnp.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * jnp.clip(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg1 = -x.advantages * ratio
+    pg2 = -x.advantages * jnp.clip(ratio, 1.0 - c, 1.0 + c)
     pg = jnp.maximum(pg1, pg2)
-    v_clipped = jnp.clip(values, old_values - cliprange_value, old_values + cliprange_value)
-    vf1 = (values - returns) ** 2
-    vf2 = (v_clipped - returns) ** 2
+    v_clipped = jnp.clip(x.values, x.old_values - c_v, x.old_values + c_v)
+    vf1 = (x.values - x.returns) ** 2
+    vf2 = (v_clipped - x.returns) ** 2
     vf = 0.5 * jnp.maximum(vf1, vf2)
     pg_sum, vf_sum = (pg * m).sum(), (vf * m).sum()
-    total = pg_sum + vf_coef * vf_sum
+    total = pg_sum + options.vf_coef * vf_sum
     metrics = {
         "loss": (total, tokens),
         "loss/policy_avg": (pg_sum, tokens),
@@ -258,6 +312,6 @@ def ppo_loss(logps, old_logps, advantages, returns, values, old_values, mask, *,
         "policy/approxkl_avg": ((0.5 * log_ratio**2 * m).sum(), tokens),
         "val/ratio": ((ratio * m).sum(), tokens),
     }
-    if entropies is not None:
-        metrics["policy/entropy_avg"] = ((entropies * m).sum(), tokens)
+    if x.entropies is not None:
+        metrics["policy/entropy_avg"] = ((x.entropies * m).sum(), tokens)
     return total, tokens, metrics

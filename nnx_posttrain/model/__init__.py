@@ -51,6 +51,8 @@ from nnx_posttrain.model.load import (
 )
 from nnx_posttrain.model.quantize import dequantized_into, quantize, quantized_layers
 from nnx_posttrain.model.logprobs import (
+    LOGPROBS,
+    Projection,
     full_logits,
     hidden_states,
     logprobs_from_hidden,
@@ -88,7 +90,7 @@ __all__ = [
     # blocks
     "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
     # logprobs
-    "full_logits", "hidden_states", "logprobs_from_hidden", "paired_terms", "scored_positions", "token_logprobs",
+    "LOGPROBS", "Projection", "full_logits", "hidden_states", "logprobs_from_hidden", "paired_terms", "scored_positions", "token_logprobs",
     "vocabulary_logits",
     # heads
     "PolicyWithValue", "RewardModel",

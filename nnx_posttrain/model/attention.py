@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from nnx_posttrain.model.blocks import decoder_blocks, mask_method, override_blocks
-from nnx_posttrain.model.flash import NEG, allowed, flash
+from nnx_posttrain.model.flash import NEG, Visible, allowed, flash
 
 IMPLEMENTATIONS = ("auto", "keras", "xla", "cudnn", "splash")
 _ATTRIBUTE = "_nnx_posttrain_attention"
@@ -189,13 +189,13 @@ def attention_of(module) -> Choice:
 # ----------------------------------------------------------------------------- the kernels
 
 
-def _xla_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
+def _xla_chunk(q, k, v, visible: Visible, spec: LayerSpec):
     """q [B, C, K, G, H], k / v [B, S, K, H] -> [B, C, K, G, H]."""
     b, c, kv, g, h = q.shape
     if not spec.scale_scores:
         q = q * jnp.asarray(spec.scale, q.dtype)
     # an additive bias, one per batch row and (query, key) (not per head; no select backward)
-    bias = jnp.where(allowed(seg_q, seg_k, pos_q, pos_k, spec.window), 0.0, NEG)
+    bias = jnp.where(allowed(*visible, spec.window), 0.0, NEG)
     if kv == 1:  # one kv head: every (query, head) is a row of one batched matmul, no transpose
         s = jnp.einsum("bqh,bsh->bqs", q.reshape(b, c * g, h), k[:, :, 0]).reshape(b, c, g, -1)
         bias = bias[:, :, None, :]
@@ -240,28 +240,30 @@ def _softmax_bwd(p, g):
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-def _cudnn_chunk(q, k, v, seg_q, seg_k, pos_q, pos_k, spec: LayerSpec):
+def _cudnn_chunk(q, k, v, visible: Visible, spec: LayerSpec):
     b, c, kv, g, h = q.shape
-    ok = allowed(seg_q, seg_k, pos_q, pos_k, spec.window)[:, None]
+    ok = allowed(*visible, spec.window)[:, None]
     out = jax.nn.dot_product_attention(q.reshape(b, c, kv * g, h), k, v, mask=ok,
                                        scale=spec.scale, implementation="cudnn")
     return out.reshape(b, c, kv, g, h)
 
 
-def _chunked(kernel, q, k, v, segment_ids, spec: LayerSpec, chunk: int):
+def _chunked(kernel, qkv: tuple, segment_ids, spec: LayerSpec, chunk: int):
     """Query chunks of ``chunk`` positions, each against the keys it can see, recomputed in the
-    backward pass when there is more than one chunk."""
+    backward pass when there is more than one chunk; ``qkv`` = (q, k, v)."""
+    q, k, v = qkv
     t = q.shape[1]
     pos = jnp.arange(t)
     if t <= chunk:
-        return kernel(q, k, v, segment_ids, segment_ids, pos, pos, spec)
-    one = jax.checkpoint(lambda q, k, v, sq, sk, pq, pk: kernel(q, k, v, sq, sk, pq, pk, spec))
+        return kernel(q, k, v, Visible(segment_ids, segment_ids, pos, pos), spec)
+    one = jax.checkpoint(lambda q, k, v, visible: kernel(q, k, v, visible, spec))
     outs = []
     for lo in range(0, t, chunk):
         hi = min(lo + chunk, t)
         first = max(0, lo - spec.window + 1) if spec.window else 0
-        outs.append(one(q[:, lo:hi], k[:, first:hi], v[:, first:hi], segment_ids[:, lo:hi],
-                        segment_ids[:, first:hi], pos[lo:hi], pos[first:hi]))
+        outs.append(one(q[:, lo:hi], k[:, first:hi], v[:, first:hi],
+                        Visible(segment_ids[:, lo:hi], segment_ids[:, first:hi], pos[lo:hi],
+                                pos[first:hi])))
     return jnp.concatenate(outs, axis=1)
 
 
@@ -325,11 +327,12 @@ def attend(q, k, v, segment_ids, spec: LayerSpec, choice: Choice):
     if impl == "splash" and t % 128 == 0 and k.shape[1] == t:
         out = _splash(q5, k, v, segment_ids, spec, choice.interpret)
     elif impl == "cudnn":
-        out = _chunked(_cudnn_chunk, q5, k, v, segment_ids, spec, choice.chunk)
+        out = _chunked(_cudnn_chunk, (q5, k, v), segment_ids, spec, choice.chunk)
     elif t > choice.chunk:  # xla past one chunk (and splash at a length it cannot tile)
         out = flash(q5, k, v, segment_ids, spec, min(choice.chunk, FLASH_BLOCK))
     else:
-        out = _xla_chunk(q5, k, v, segment_ids, segment_ids, jnp.arange(t), jnp.arange(t), spec)
+        out = _xla_chunk(q5, k, v, Visible(segment_ids, segment_ids, jnp.arange(t), jnp.arange(t)),
+                         spec)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 

@@ -19,6 +19,7 @@ Layout: q [B, T, K, G, H] (K kv heads, G query heads per kv head), k / v [B, T, 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,16 @@ BRANCH = 2**20
 def example_of(seg):
     """The example a segment id belongs to (its branches' ids carry ``BRANCH`` multiples)."""
     return jnp.where(seg > 0, seg % BRANCH, seg)
+
+
+class Visible(NamedTuple):
+    """Which keys each query sees (``allowed``): the queries' and the keys' segment ids
+    [B, C] / [B, S] and positions [C] / [S]."""
+
+    seg_q: jax.Array
+    seg_k: jax.Array
+    pos_q: jax.Array
+    pos_k: jax.Array
 
 
 def allowed(seg_q, seg_k, pos_q, pos_k, window):
@@ -69,9 +80,11 @@ def _needed(seg, block):
     return jnp.any(overlap, axis=0)
 
 
-def _tile(q, k, seg_q, seg_k, i, j, block, spec):
-    """Scores of query block i against key block j: (s [B, C, K, G, C] float32 after scale and
-    soft cap, with masked entries at NEG; capped tanh for the backward pass or None)."""
+def _tile(q, k, segs: tuple, ij: tuple, block, spec):
+    """Scores of query block i against key block j (``ij``; ``segs``: their segment ids): (s [B,
+    C, K, G, C] float32 after scale and soft cap, with masked entries at NEG; capped tanh for the
+    backward pass or None)."""
+    (seg_q, seg_k), (i, j) = segs, ij
     s = jnp.einsum("bqkgh,bskh->bqkgs", q, k).astype(jnp.float32)
     if spec.scale_scores:
         s = s * spec.scale
@@ -108,7 +121,7 @@ def _forward(q, k, v, seg, spec, block):
 
         def tile(j, carry):
             m, l, acc = carry
-            s, _ = _tile(qi, _slice(k, j, block), si, _slice(seg, j, block), i, j, block, spec)
+            s, _ = _tile(qi, _slice(k, j, block), (si, _slice(seg, j, block)), (i, j), block, spec)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
@@ -127,8 +140,10 @@ def _forward(q, k, v, seg, spec, block):
     return merge(out), merge(lse)
 
 
-def _backward(q, k, v, seg, out, lse, dout, spec, block):
-    """dq, dk, dv (float32) of the scaled-query attention, recomputing each tile from ``lse``."""
+def _backward(residuals, dout, spec, block):
+    """dq, dk, dv (float32) of the scaled-query attention, recomputing each tile from ``lse``
+    (``residuals``: q, k, v, seg, out, lse of the forward pass)."""
+    q, k, v, seg, out, lse = residuals
     b, t, kv, g, h = q.shape
     blocks = t // block
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, K, G]
@@ -142,7 +157,7 @@ def _backward(q, k, v, seg, out, lse, dout, spec, block):
         def tile(j, inner):
             dq_i, dk, dv = inner
             kj, vj = _slice(k, j, block), _slice(v, j, block)
-            s, cap = _tile(qi, kj, si, _slice(seg, j, block), i, j, block, spec)
+            s, cap = _tile(qi, kj, (si, _slice(seg, j, block)), (i, j), block, spec)
             p = jnp.exp(s - lse_i[..., None])  # masked entries: exp(NEG - lse) = 0
             dp = jnp.einsum("bqkgh,bskh->bqkgs", doi, vj).astype(jnp.float32)
             ds = p * (dp - delta_i[..., None])
@@ -178,8 +193,8 @@ def _flash_fwd(q, k, v, seg, spec, block):
 
 
 def _flash_bwd(spec, block, residuals, dout):
-    q, k, v, seg, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, seg, out, lse, dout, spec, block)
+    q, k, v = residuals[:3]
+    dq, dk, dv = _backward(residuals, dout, spec, block)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

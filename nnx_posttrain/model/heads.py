@@ -10,7 +10,7 @@ import keras
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain.model.logprobs import hidden_states, logprobs_from_hidden
+from nnx_posttrain.model.logprobs import Projection, hidden_states, logprobs_from_hidden
 
 
 class RewardModel(nnx.Module):
@@ -47,8 +47,8 @@ class PolicyWithValue(nnx.Module):
         h = hidden_states(self.backbone, ids, att)
         values = self.value_head(h)[..., 0].astype(jnp.float32)
         values = jnp.pad(values[:, :-1], ((0, 0), (1, 0)))
-        out = logprobs_from_hidden(self.backbone, h, ids, chunk, with_entropy, temperature,
-                                   positions)
+        out = logprobs_from_hidden(self.backbone, h, ids,
+                                   Projection(chunk, temperature, entropy=with_entropy), positions)
         return out, values
 
 

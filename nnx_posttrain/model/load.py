@@ -242,7 +242,7 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
         elif not (handle.startswith(("kaggle://", "hf://", "modelscope://", "gs://"))
                   or handle in keras_hub.models.CausalLM.presets):
             raise ModelLoadError(
-                f"unknown model {name!r}: not a built-in config ({', '.join(TINY) or 'none registered: import nnx_posttrain.tasks'}), a short name "
+                f"unknown model {name!r}: not a built-in config ({', '.join(TINY) or 'none registered: nnx_posttrain.tasks.register() registers the built-in ones'}), a short name "
                 f"({', '.join(PRESETS)}), a KerasHub preset name, a kaggle:// or hf:// handle, or "
                 "an existing local directory"
             )

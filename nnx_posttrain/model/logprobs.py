@@ -9,6 +9,7 @@ when asked (``scored_positions``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -70,36 +71,49 @@ def chunk_positions(chunk_size: int | None, batch: int, length: int, vocab: int)
     return 0 if batch * length * vocab * 4 <= KEEP_LOGITS_BYTES else CHUNK
 
 
-def token_logprobs(module, token_ids, padding_mask, chunk_size: int | None = None, with_entropy=False,
-                   segment_ids=None, temperature: float = 1.0, positions=None,
-                   with_log_sum_sq=False, with_correct=False):
-    """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length].
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """How ``token_logprobs`` runs the vocabulary projection, and what it returns besides the
+    log-probs.
 
-    Position 0 has no prediction and is 0. Logits are computed ``chunk_size`` positions at a time
-    (and recomputed in the backward pass), so peak memory holds [batch, chunk, vocab], never
-    [batch, length, vocab]; ``chunk_size`` 0 projects the whole sequence at once, without
-    recomputation (more memory, fewer FLOPs); None (the default) chooses by the size of the
-    logits (``chunk_positions``). With ``with_entropy`` also returns the per-position entropy of the
-    predictive distribution. ``segment_ids`` marks the examples of packed rows (see
-    ``hidden_states``); the first token of each example has no meaningful prediction and must
-    carry no loss. ``temperature`` divides the logits (RL: the sampling distribution).
+    ``chunk_size``: positions projected at a time (and recomputed in the backward pass), so peak
+    memory holds [batch, chunk, vocab], never [batch, length, vocab]; 0 projects the whole
+    sequence at once, without recomputation (more memory, fewer FLOPs); None (the default)
+    chooses by the size of the logits (``chunk_positions``). ``temperature`` divides the logits
+    (RL: the sampling distribution). Then, in this order after the log-probs: ``entropy``, the
+    per-position entropy of the predictive distribution; ``log_sum_sq``, log sum_v p(v | x_<t)^2
+    per position, without gradient (WPO's weights; TRL's fused LM head output
+    ``log_sum_sq_probs``); ``correct``, 1.0 where the token is the model's most likely next
+    token (its logit is the largest; a tie counts as correct) and 0.0 elsewhere, without
+    gradient: SFT's ``mean_token_accuracy`` (the largest logit is the one the log-sum-exp
+    already takes, so this costs no pass over the vocabulary)."""
+
+    chunk_size: int | None = None
+    temperature: float = 1.0
+    entropy: bool = False
+    log_sum_sq: bool = False
+    correct: bool = False
+
+
+LOGPROBS = Projection()
+
+
+def token_logprobs(module, token_ids, padding_mask, projection: Projection = LOGPROBS,
+                   positions=None, segment_ids=None):
+    """log p(token_ids[:, t] | token_ids[:, <t]) for every t, float32, shape [batch, length];
+    with the extras ``projection`` asks for, a tuple (log-probs first, see :class:`Projection`).
+
+    Position 0 has no prediction and is 0. ``segment_ids`` marks the examples of packed rows
+    (see ``hidden_states``); the first token of each example has no meaningful prediction and
+    must carry no loss.
 
     ``positions`` [batch, k] (from :func:`scored_positions`) limits the vocabulary projection to
     those positions, the ones that carry loss: the others come back as 0. The projection is the
     largest matmul of a small model; a preference pair's prompt needs none (TRL's fused LM head
     does the same).
-
-    ``with_log_sum_sq`` also returns log sum_v p(v | x_<t)^2 per position, without gradient (WPO's
-    weights; TRL's fused LM head output ``log_sum_sq_probs``), after the entropy.
-
-    ``with_correct`` also returns, last, 1.0 where the token is the model's most likely next token
-    (its logit is the largest; a tie counts as correct) and 0.0 elsewhere, without gradient: SFT's
-    ``mean_token_accuracy``. The largest logit is the one the log-sum-exp already takes, so this
-    costs no pass over the vocabulary.
     """
     h = hidden_states(module, token_ids, padding_mask, segment_ids)
-    return logprobs_from_hidden(module, h, token_ids, chunk_size, with_entropy, temperature,
-                                positions, with_log_sum_sq, with_correct)
+    return logprobs_from_hidden(module, h, token_ids, projection, positions)
 
 
 def scored_positions(*loss_masks: np.ndarray) -> list[np.ndarray] | None:
@@ -144,30 +158,23 @@ def _placed(x, length: int, full_length: int, places=None):
     return jnp.zeros((batch, full_length), x.dtype).at[rows, places].set(x, mode="drop")
 
 
-def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, with_entropy=False,
-                         temperature: float = 1.0, positions=None, with_log_sum_sq=False,
-                         with_correct=False, gather=None):
-    """``token_logprobs`` from the final hidden states ``h`` [batch, length, width] (for models
-    that read the hidden states twice, e.g. a policy with a value head). ``gather`` (sources,
-    targets, places, out_length), each [batch, k] but the last: the token at index ``targets``
-    predicted from the hidden state at ``sources``, its results placed at ``places`` (out of
-    range: dropped) of [batch, out_length] arrays; ``positions`` p is the gather (p - 1, p, p,
-    length)."""
-    batch, full_length = token_ids.shape
+def _gathered(h, token_ids, positions, gather):
+    """(hidden states, targets, where the results go: ``places`` or None, their length)."""
+    full_length = token_ids.shape[1]
     if positions is not None:  # position t is predicted from the hidden state at t - 1
         clipped = jnp.clip(positions, 1, full_length - 1)
         gather = (clipped - 1, clipped, positions, full_length)
     if gather is None:
-        h, targets = h[:, :-1], token_ids[:, 1:]
-    else:
-        sources, targets, places, full_length = gather
-        h = jnp.take_along_axis(h, sources[..., None], axis=1)
-        targets = jnp.take_along_axis(token_ids, targets, axis=1)
-    length = h.shape[1]
-    embedding = module.token_embedding
-    chunk_size = chunk_positions(chunk_size, batch, length, int(embedding.input_dim))
-    chunk = min(chunk_size, length) if chunk_size > 0 else length
-    h, targets = _chunked(h, chunk), _chunked(targets, chunk)
+        return h[:, :-1], token_ids[:, 1:], None, full_length
+    sources, targets, places, full_length = gather
+    return (jnp.take_along_axis(h, sources[..., None], axis=1),
+            jnp.take_along_axis(token_ids, targets, axis=1), places, full_length)
+
+
+def _chunk_terms(embedding, projection: Projection):
+    """The per-chunk function of ``logprobs_from_hidden``: (hidden states, targets) of a chunk
+    -> (log-probs, entropy, log sum p^2, correct), zeros for what ``projection`` does not ask."""
+    temperature = projection.temperature
 
     def one_chunk(args):
         h_c, t_c = args
@@ -179,15 +186,34 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
         logp = picked - log_z
         zeros = jnp.zeros_like(logp)
         lss = (jax.lax.stop_gradient(jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * log_z)
-               if with_log_sum_sq else zeros)
+               if projection.log_sum_sq else zeros)
         correct = (jax.lax.stop_gradient(picked >= jnp.max(logits, axis=-1)).astype(jnp.float32)
-                   if with_correct else zeros)
-        if not with_entropy:
+                   if projection.correct else zeros)
+        if not projection.entropy:
             return logp, zeros, lss, correct
         probs = jax.nn.softmax(logits, axis=-1)
         entropy = log_z - jnp.sum(probs * logits, axis=-1)
         return logp, entropy, lss, correct
 
+    return one_chunk
+
+
+def logprobs_from_hidden(module, h, token_ids, projection: Projection = LOGPROBS, positions=None,
+                         gather=None):
+    """``token_logprobs`` from the final hidden states ``h`` [batch, length, width] (for models
+    that read the hidden states twice, e.g. a policy with a value head). ``gather`` (sources,
+    targets, places, out_length), each [batch, k] but the last: the token at index ``targets``
+    predicted from the hidden state at ``sources``, its results placed at ``places`` (out of
+    range: dropped) of [batch, out_length] arrays; ``positions`` p is the gather (p - 1, p, p,
+    length)."""
+    batch = token_ids.shape[0]
+    h, targets, places, full_length = _gathered(h, token_ids, positions, gather)
+    length = h.shape[1]
+    embedding = module.token_embedding
+    chunk_size = chunk_positions(projection.chunk_size, batch, length, int(embedding.input_dim))
+    chunk = min(chunk_size, length) if chunk_size > 0 else length
+    h, targets = _chunked(h, chunk), _chunked(targets, chunk)
+    one_chunk = _chunk_terms(embedding, projection)
     if chunk_size > 0:  # recomputed in the backward pass: one chunk of logits alive at a time
         one_chunk = jax.checkpoint(one_chunk)
 
@@ -202,24 +228,25 @@ def logprobs_from_hidden(module, h, token_ids, chunk_size: int | None = None, wi
     logp, entropy, lss, correct = project(h, targets)
 
     def unchunk(x):
-        return _placed(x, length, full_length, None if gather is None else places)
+        return _placed(x, length, full_length, places)
 
-    out = (unchunk(logp),) + ((unchunk(entropy),) if with_entropy else ())
-    out += (unchunk(lss),) if with_log_sum_sq else ()
-    out += (unchunk(correct),) if with_correct else ()
+    out = (unchunk(logp),) + ((unchunk(entropy),) if projection.entropy else ())
+    out += (unchunk(lss),) if projection.log_sum_sq else ()
+    out += (unchunk(correct),) if projection.correct else ()
     return out if len(out) > 1 else out[0]
 
 
-def paired_terms(module, other, token_ids, padding_mask, fn, chunk_size: int | None = None,
+def paired_terms(models, token_ids, padding_mask, fn, chunk_size: int | None = None,
                  positions=None):
-    """``fn(logits, other_logits)`` -> per-position arrays, from two models that read the same
-    ``token_ids`` (distillation's student and frozen teacher, sharing one tokenizer): each a
-    ``[batch, length]`` array placed as ``token_logprobs`` places its log-probs (position t: the
-    prediction of token t; 0 where not computed). Both vocabulary projections run a chunk of
-    positions at a time (recomputed in the backward pass): the step holds [batch, chunk, vocab]
-    logits of each model, never [batch, length, vocab]; ``positions`` (``scored_positions``)
-    projects only those. ``other`` gets no gradient. Logits are float32, after each family's
-    final soft cap (Gemma 2's)."""
+    """``fn(logits, other_logits)`` -> per-position arrays, from two models ``models`` = (module,
+    other) that read the same ``token_ids`` (distillation's student and frozen teacher, sharing
+    one tokenizer): each a ``[batch, length]`` array placed as ``token_logprobs`` places its
+    log-probs (position t: the prediction of token t; 0 where not computed). Both vocabulary
+    projections run a chunk of positions at a time (recomputed in the backward pass): the step
+    holds [batch, chunk, vocab] logits of each model, never [batch, length, vocab];
+    ``positions`` (``scored_positions``) projects only those. ``other`` gets no gradient. Logits
+    are float32, after each family's final soft cap (Gemma 2's)."""
+    module, other = models
     h = hidden_states(module, token_ids, padding_mask)
     h_other = jax.lax.stop_gradient(hidden_states(other, token_ids, padding_mask))
     batch, full_length = token_ids.shape

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import errors, model, sharding
+from nnx_posttrain import errors, model, sharding, tasks
 from nnx_posttrain.algorithms.base import RunContext
-from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, Rollouts
+from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, Rollouts, rollout_rows
 from nnx_posttrain.train import setup
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.mesh import check_batch_rows, check_micro_batch
@@ -64,7 +64,8 @@ def _placed(tree, shardings):
 
 def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
     """The abstract step of the run ``cfg`` of ``algorithm`` on ``topology``
-    (``plan.topology.Topology``)."""
+    (``plan.topology.Topology``); the built-in task's data and models are registered first."""
+    tasks.register()
     if not algorithm.plannable:
         raise errors.ConfigError(f"plan: {algorithm.name} cannot be planned yet "
                                  f"({algorithm.plannable_not})")
@@ -184,8 +185,7 @@ class AbstractRollouts(Rollouts):
         if not (with_old or with_ref):
             return {}
         return _zeros_like_output(self._rollout_logps, state["params"], self.frozen,
-                                  batch["input_ids"], batch["attention_mask"],
-                                  batch["positions"], with_old=with_old, with_ref=with_ref)
+                                  rollout_rows(batch), with_old=with_old, with_ref=with_ref)
 
     def _texts(self, ids, mask):
         return [""] * len(ids)

@@ -5,7 +5,8 @@ trainable weights, optimizer state, frozen weights, the reference copy and the b
 shapes and shardings), XLA's temporaries (the activations kept for the backward pass among
 them), outputs not written over donated inputs, and the generated code; their total against the
 device's memory. Also XLA's FLOPs per
-device and step (``compiled.cost_analysis()``), and the collectives of the compiled program
+device and step (``compiled.cost_analysis()``, each iteration of the gradient-accumulation loop
+counted: ``train.flops``), and the collectives of the compiled program
 (all-gathers, reduce-scatters, all-reduces, ...: count and bytes of their results, each
 occurrence in the program counted once: an operation inside the gradient-accumulation loop runs
 once per micro-batch).
@@ -180,7 +181,7 @@ def compile_step(run: build_lib.AbstractRun):
 def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
     """Compile the step of the run ``cfg`` of ``algorithm`` for ``topology`` (nothing runs,
     nothing is allocated) and report it (``Plan``)."""
-    from nnx_posttrain.train import memory
+    from nnx_posttrain.train import flops as flops_lib, memory
 
     run = build_lib.build(cfg, algorithm, topology, echo)
     echo(f"compiling the {algorithm.name} step for {topology.name} "
@@ -210,7 +211,7 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
                  "outputs not in place": max(int(stats.output_size_in_bytes)
                                              - int(stats.alias_size_in_bytes), 0),
                  "generated code": int(stats.generated_code_size_in_bytes)}
-        flops = memory.flops(compiled)
+        flops = flops_lib.step_flops(compiled)
     else:  # the compiler's own figures, from its refusal
         parts = {"inputs": sum(inputs.values()), "XLA temporaries": refused[0],
                  "outputs not in place": 0, "generated code": 0}

@@ -103,7 +103,7 @@ def _tpu(name: str, generation: str, count: int, slices: int) -> Topology:
 
     _compile_only_libtpu()
     options = dict(chip_config_name="megacore" if gen.counts_cores else "default",
-                   chips_per_host_bounds=(2, 2, 1), num_slices=slices,
+                   chips_per_host_bounds=_host_bounds(grid), num_slices=slices,
                    wrap=tuple(g >= 16 if gen.dims == 2 else g >= 4 for g in grid)
                    + (False,) * (3 - gen.dims))
     try:
@@ -116,6 +116,12 @@ def _tpu(name: str, generation: str, count: int, slices: int) -> Topology:
             "for TPUs needs the TPU compiler: pip install \"jax[tpu]\" (libtpu; it runs on a CPU "
             "host), or plan on this host's CPU with --topology cpu-N") from None
     return Topology(name, list(desc.devices), gen.hbm_bytes, slices)
+
+
+def _host_bounds(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    """The chips one host holds: four (2x2x1), or all of a smaller slice (v5e-1: one chip)."""
+    full = (2, 2, 1)
+    return tuple(min(g, f) for g, f in zip((*grid, 1, 1)[:3], full))
 
 
 def _compile_only_libtpu() -> None:

@@ -7,9 +7,11 @@ modules (``config``, ``chat``, ``sharding``, ``checkpoint``, ``metrics_log``): n
 algorithms, train or tasks.
 """
 
-from nnx_posttrain.sampling import generate, sampler
+from nnx_posttrain.sampling import capacity, generate, sampler
 from nnx_posttrain.sampling.generate import complete_chat, exact_match, greedy_complete, make_greedy
 from nnx_posttrain.sampling.sampler import (
+    Draw,
+    Sampling,
     chat_prompt,
     decode_completions,
     encode_prompt,
@@ -21,9 +23,9 @@ from nnx_posttrain.sampling.sampler import (
 )
 
 __all__ = [
-    "generate", "sampler",
+    "capacity", "generate", "sampler",
     # sampler
-    "chat_prompt", "decode_completions", "encode_prompt", "make_sampler", "pad_prompts",
+    "Draw", "Sampling", "chat_prompt", "decode_completions", "encode_prompt", "make_sampler", "pad_prompts",
     "sample_ids", "sample_texts", "stop_ids",
     # generate
     "complete_chat", "exact_match", "greedy_complete", "make_greedy",

@@ -30,7 +30,7 @@ def greedy_complete(lm, greedy, states, prompts: list[list[int]], max_new_tokens
     ``greedy`` comes from ``make_greedy`` (its own ``max_new_tokens`` applies); ``states`` are the
     model's states from ``nnx.split``."""
     del max_new_tokens  # fixed when ``greedy`` was made
-    return sampler.sample_ids(lm, greedy, states, prompts, temperature=0.0,
+    return sampler.sample_ids(lm, greedy, states, prompts, sampler.GREEDY,
                               batch_size=min(batch_size, len(prompts)))
 
 
@@ -45,4 +45,5 @@ def exact_match(lm, greedy, states, pairs, max_new_tokens: int) -> tuple[float, 
 def complete_chat(lm, module, prompts: list[str], max_new_tokens: int = 32) -> list[str]:
     """Greedy answers of ``module`` (e.g. ``runs.load(...).module``) to user messages, each
     rendered with the model family's chat template and its generation prompt."""
-    return [texts[0] for texts in sampler.sample_texts(lm, module, prompts, max_new_tokens)]
+    return [texts[0] for texts in sampler.sample_texts(
+        lm, module, prompts, sampler.Sampling(max_new_tokens))]

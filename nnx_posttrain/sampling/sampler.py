@@ -1,9 +1,9 @@
 """A compiled, batched sampler with a KV cache: rollouts for RL, greedy evaluation, ``nnx-posttrain sample``.
 
 ``make_sampler(graphdef, max_new_tokens, top_k=...)`` returns ``sample(states, prompt_ids,
-prompt_mask, rng, temperature, top_p, stop_ids)``, compiled once per (batch, prompt width,
-``max_new_tokens``, ``top_k``); temperature and top-p are traced, so changing them does not
-recompile. Prompts are LEFT-padded: every row's last prompt token sits at column P - 1, so all rows
+prompt_mask, rng, draw)``, compiled once per (batch, prompt width, ``max_new_tokens``,
+``top_k``); how it draws (``Draw``: temperature, top-p, stop ids, ...) is traced, so changing it
+does not recompile. Prompts are LEFT-padded: every row's last prompt token sits at column P - 1, so all rows
 decode in lock-step and ``[prompt_ids, completion_ids]`` with mask ``[prompt_mask,
 completion_mask]`` is exactly the sequence the training side scores with ``model.token_logprobs``
 (left pads, prompt, completion, right pads). Rotary embeddings make attention scores depend only
@@ -27,18 +27,22 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import chat, errors, model
-from nnx_posttrain.model import attention, device_memory
+from nnx_posttrain import chat, model
+from nnx_posttrain.model import attention
 from nnx_posttrain.model.logprobs import vocabulary_logits
-from nnx_posttrain.model.device_memory import GiB
+from nnx_posttrain.sampling.capacity import (  # noqa: F401  (re-exported: the sampler's limits)
+    CONTEXT_LENGTHS,
+    check_generation,
+    generation_bytes,
+)
+from nnx_posttrain.sampling.capacity import kv_layout as _kv_layout
 
 # Backbones whose decoder blocks take a KV cache and whose positions are rotary (relative), by
 # class name. Absolute-position families (GPT-2, OPT, ...) would see shifted positions with left
@@ -47,58 +51,6 @@ _EMBED_SCALED = ("GemmaBackbone", "Gemma3Backbone")  # multiply embeddings by sq
 _SUPPORTED = _EMBED_SCALED + (
     "LlamaBackbone", "Llama3Backbone", "MistralBackbone", "QwenBackbone", "Qwen3Backbone",
 )
-
-
-# The longest context of each family's released checkpoints (their configs'
-# max_position_embeddings; the longest where a family's sizes differ: Gemma 3 1B has 32,768,
-# Llama 3.0 8,192). Rotary positions past it are untrained: a generation that would need them is
-# refused. A model trained for less still gets the family's bound.
-CONTEXT_LENGTHS = {
-    "GemmaBackbone": 8_192,  # Gemma, Gemma 2
-    "Gemma3Backbone": 131_072,
-    "LlamaBackbone": 4_096,  # Llama 2
-    "Llama3Backbone": 131_072,  # Llama 3.1 / 3.2
-    "MistralBackbone": 32_768,
-    "QwenBackbone": 131_072,  # Qwen 2.5 with YaRN (32,768 without)
-    "Qwen3Backbone": 131_072,  # Qwen 3 with YaRN (40,960 without)
-}
-
-
-def generation_bytes(module, batch: int, prompt_length: int, max_new_tokens: int) -> int:
-    """What decoding ``batch`` prompts of ``prompt_length`` tokens for ``max_new_tokens`` tokens
-    allocates beyond the weights: the KV cache of every block, the float32 logits of one
-    position (the prompt pass projects only its last)."""
-    heads, head_dim, dtype = _kv_layout(module)
-    length = prompt_length + max_new_tokens
-    cache = 2 * len(model.decoder_blocks(module)) * batch * heads * length * head_dim
-    return cache * np.dtype(dtype).itemsize + 4 * batch * int(module.vocabulary_size)
-
-
-def check_generation(module, batch: int, prompt_length: int, max_new_tokens: int,
-                     option: str = "max_new_tokens", memory_check: bool = True) -> None:
-    """``ConfigError`` naming ``option`` when a prompt of ``prompt_length`` tokens plus
-    ``max_new_tokens`` is longer than the family's context (``CONTEXT_LENGTHS``), or when (with
-    ``memory_check``) ``generation_bytes`` is more than the memory free; with the longest
-    ``max_new_tokens`` that would pass."""
-    name, total = type(module).__name__, prompt_length + max_new_tokens
-    context = CONTEXT_LENGTHS.get(name)
-    if context and total > context:
-        raise errors.ConfigError(
-            f"{option} {max_new_tokens:,}: a prompt of up to {prompt_length:,} tokens and "
-            f"{max_new_tokens:,} new ones make {total:,} positions, past the {context:,} of "
-            f"{name}'s context (nnx_posttrain.sampling.sampler.CONTEXT_LENGTHS); at most "
-            f"{max(context - prompt_length, 0):,} new tokens")
-    free = device_memory.available_bytes() if memory_check else None
-    need = generation_bytes(module, batch, prompt_length, max_new_tokens)
-    if free is not None and need > free:
-        fixed = generation_bytes(module, batch, prompt_length, 0)
-        per_token = generation_bytes(module, batch, prompt_length, 1) - fixed
-        fits = max((free - fixed) // per_token, 0)
-        raise errors.ConfigError(
-            f"{option} {max_new_tokens:,}: decoding {batch} sequences of {total:,} positions needs "
-            f"an estimated {need / GiB:,.2f} GiB (KV cache and logits; "
-            f"nnx_posttrain.sampling.sampler.generation_bytes), and {free / GiB:,.2f} GiB are free; "
-            f"at most ~{fits:,} new tokens fit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +79,6 @@ def _family(module) -> _Family:
     raise NotImplementedError(f"{name}: decoder block {block.__name__} takes no KV cache")
 
 
-def _kv_layout(module) -> tuple[int, int, str]:
-    """(kv heads, head dim, compute dtype) of the backbone's keys and values."""
-    heads = int(module.num_key_value_heads)
-    head_dim = getattr(module, "head_dim", None) or module.hidden_dim // module.num_query_heads
-    return heads, int(head_dim), keras.backend.standardize_dtype(module.compute_dtype)
-
-
 def _empty_cache(module, batch: int, length: int):
     """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``)."""
     heads, head_dim, dtype = _kv_layout(module)
@@ -153,7 +98,16 @@ def _pass_through_cache(module, fam: _Family, batch: int, length: int):
     return jnp.zeros((batch, 2, length, heads, head_dim), dtype)
 
 
-def _forward(module, fam: _Family, token_ids, caches, index, key_mask, prompt=None):
+class _Cache(NamedTuple):
+    """The KV cache of every block, the position of the next token written to it, and the mask
+    of its keys (the prompt's left pads masked)."""
+
+    caches: tuple
+    index: Any
+    key_mask: Any
+
+
+def _forward(module, fam: _Family, token_ids, cache: _Cache, prompt=None):
     """Run ``token_ids`` [B, T] at positions index..index+T-1 through the decoder blocks: float32
     logits [B, T, vocab] (the path of ``model.token_logprobs``; for the prompt pass, [B, 1, vocab]:
     its last position, the only one read) and the updated caches.
@@ -166,10 +120,11 @@ def _forward(module, fam: _Family, token_ids, caches, index, key_mask, prompt=No
     mask), the module's training path over the prompt's own keys; for a decoding step, one query
     per row against the cache (``attend_cached``), its left pads masked by ``key_mask``."""
     batch, t = token_ids.shape
+    index, key_mask = cache.index, cache.key_mask
     x = module.token_embedding(token_ids)
     if fam.embed_scale:
         x = x * jnp.sqrt(jnp.asarray(module.hidden_dim, jnp.float32)).astype(x.dtype)
-    caches = list(caches)
+    caches = list(cache.caches)
     choice = attention.attention_of(module)
     if choice.implementation == "keras":
         choice = attention.Choice("xla", choice.chunk)
@@ -247,81 +202,108 @@ def _choose(logits, rng, temperature, top_p, top_k: int, vocab_size=None):
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
+class Draw(NamedTuple):
+    """How a sampler of ``make_sampler`` draws (traced: changing it does not recompile):
+    ``temperature`` (0: greedy), ``top_p`` (1.0: off), ``stop_ids`` int32 [S], ``vocab_size``
+    (ids at or above it are never sampled: the tokenizer's size, when the embedding has padding
+    rows, as Qwen's), ``budget`` ([B] or a scalar: new tokens row by row at most, a row at its
+    budget stops unfinished; default the sampler's ``max_new_tokens``: tool-calling turns)."""
+
+    temperature: Any = 0.0
+    top_p: Any = 1.0
+    stop_ids: Any = ()
+    vocab_size: Any = None
+    budget: Any = None
+
+
+class _Decoder:
+    """The compiled body of ``make_sampler``'s sampler: the prompt pass, then one token per step
+    until every row has stopped (``max_new`` tokens at most, ``top_k`` static)."""
+
+    def __init__(self, graphdef, max_new: int, top_k: int, pad_id: int):
+        self.graphdef, self.n, self.top_k, self.pad_id = graphdef, max_new, top_k, pad_id
+
+    def __call__(self, states, prompt_ids, prompt_mask, rng, draw: Draw):
+        module = nnx.merge(self.graphdef, *states)
+        fam = _family(module)
+        batch, width = prompt_ids.shape
+        n = self.n
+        key_mask = jnp.concatenate(
+            [prompt_mask.astype(jnp.int32), jnp.ones((batch, n), jnp.int32)], axis=1
+        )
+        cache = _Cache(_empty_cache(module, batch, width + n), 0, key_mask)
+        logits, caches = _forward(module, fam, prompt_ids, cache, prompt=prompt_mask)
+        logits = logits[:, -1]
+
+        def cond(carry):
+            j, done = carry[0], carry[-1]
+            return (j < n) & jnp.any(~done & (j < draw.budget))
+
+        init = (
+            jnp.int32(0), caches, logits,
+            jnp.full((n, batch), self.pad_id, jnp.int32), jnp.zeros((n, batch), jnp.int32),
+            jnp.zeros((n, batch), jnp.float32), jnp.zeros((batch,), bool),
+        )
+        body = self._step(module, fam, _Cache(None, width, key_mask), rng, draw)
+        _, _, _, ids, mask, logps, done = jax.lax.while_loop(cond, body, init)
+        return {"completion_ids": ids.T, "completion_mask": mask.T, "logprobs": logps.T,
+                "finished": done}
+
+    def _step(self, module, fam, cache: _Cache, rng, draw: Draw):
+        """The decoding loop's body: token j of every live row (``cache.index``: the prompt's
+        width, where token 0 goes)."""
+        width, key_mask = cache.index, cache.key_mask
+
+        def body(carry):
+            j, caches, logits, ids, mask, logps, done = carry
+            token, logp = _choose(logits, jax.random.fold_in(rng, j), draw.temperature,
+                                  draw.top_p, self.top_k, draw.vocab_size)
+            live = ~done & (j < draw.budget)
+            token = jnp.where(live, token, self.pad_id)
+            # [N, B] buffers: row j is one contiguous dynamic-update-slice per step
+            ids = jax.lax.dynamic_update_index_in_dim(ids, token, j, 0)
+            mask = jax.lax.dynamic_update_index_in_dim(mask, live.astype(jnp.int32), j, 0)
+            logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(live, logp, 0.0), j, 0)
+            done = done | (live & jnp.isin(token, draw.stop_ids))
+            logits, caches = _forward(module, fam, token[:, None],
+                                      _Cache(caches, width + j, key_mask))
+            return j + 1, caches, logits[:, 0], ids, mask, logps, done
+
+        return body
+
+
 def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int = 0) -> Callable:
-    """``sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids) -> dict``.
+    """``sample(states, prompt_ids, prompt_mask, rng, draw) -> dict``.
 
     ``states``: the states of ``nnx.split(module)`` after the graphdef; ``prompt_ids`` /
     ``prompt_mask`` [B, P]: left-padded prompts (see ``pad_prompts``); ``rng``: a PRNG key;
-    ``temperature``: 0 for greedy; ``top_p``: 1.0 for off; ``stop_ids`` int32 [S]. Returns
-    ``completion_ids`` [B, N] (``pad_id`` after the stop token), ``completion_mask`` [B, N] (1 up
-    to and including the stop token), ``logprobs`` [B, N] float32 (0 where the mask is 0) and
-    ``finished`` [B] (a stop token was produced). Rows stop independently; decoding ends when every
-    row has stopped. ``vocab_size`` (optional, traced): ids at or above it are never sampled (the
-    tokenizer's size, when the embedding has padding rows, as Qwen's 151,936 for 151,665 tokens).
-    ``budget`` (optional, traced, [B] or a scalar): new tokens row by row at most (a row at its
-    budget stops unfinished; 0: the row generates nothing; default ``max_new_tokens``): a
-    tool-calling rollout's continuation (``nnx_posttrain.agents``). ``top_k`` (0 = off) is static: one compilation per value. The graphdef of a
-    Keras model is not hashable, so it is closed over rather than passed as a static argument.
+    ``draw``: how to draw (:class:`Draw`: temperature, top-p, stop ids, vocabulary size,
+    budget). Returns ``completion_ids`` [B, N] (``pad_id`` after the stop token),
+    ``completion_mask`` [B, N] (1 up to and including the stop token), ``logprobs`` [B, N]
+    float32 (0 where the mask is 0) and ``finished`` [B] (a stop token was produced). Rows stop
+    independently; decoding ends when every row has stopped. ``top_k`` (0 = off) is static: one
+    compilation per value. The graphdef of a Keras model is not hashable, so it is closed over
+    rather than passed as a static argument.
     """
     n = int(max_new_tokens)
     if n < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
+    _sample = jax.jit(_Decoder(graphdef, n, top_k, pad_id).__call__)
 
-    @jax.jit
-    def _sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids, vocab_size,
-                budget):
-        module = nnx.merge(graphdef, *states)
-        fam = _family(module)
-        batch, width = prompt_ids.shape
-        length = width + n
-        key_mask = jnp.concatenate(
-            [prompt_mask.astype(jnp.int32), jnp.ones((batch, n), jnp.int32)], axis=1
-        )
-        caches = _empty_cache(module, batch, length)
-        logits, caches = _forward(module, fam, prompt_ids, caches, 0, key_mask, prompt=prompt_mask)
-        logits = logits[:, -1]
-
-        def cond(carry):
-            j, done = carry[0], carry[-1]
-            return (j < n) & jnp.any(~done & (j < budget))
-
-        def body(carry):
-            j, caches, logits, ids, mask, logps, done = carry
-            token, logp = _choose(logits, jax.random.fold_in(rng, j), temperature, top_p, top_k,
-                                  vocab_size)
-            live = ~done & (j < budget)
-            token = jnp.where(live, token, pad_id)
-            # [N, B] buffers: row j is one contiguous dynamic-update-slice per step
-            ids = jax.lax.dynamic_update_index_in_dim(ids, token, j, 0)
-            mask = jax.lax.dynamic_update_index_in_dim(mask, live.astype(jnp.int32), j, 0)
-            logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(live, logp, 0.0), j, 0)
-            done = done | (live & jnp.isin(token, stop_ids))
-            logits, caches = _forward(module, fam, token[:, None], caches, width + j, key_mask)
-            return j + 1, caches, logits[:, 0], ids, mask, logps, done
-
-        init = (
-            jnp.int32(0), caches, logits,
-            jnp.full((n, batch), pad_id, jnp.int32), jnp.zeros((n, batch), jnp.int32),
-            jnp.zeros((n, batch), jnp.float32), jnp.zeros((batch,), bool),
-        )
-        _, _, _, ids, mask, logps, done = jax.lax.while_loop(cond, body, init)
-        return {"completion_ids": ids.T, "completion_mask": mask.T, "logprobs": logps.T,
-                "finished": done}
-
-    def sample(states, prompt_ids, prompt_mask, rng, temperature, top_p, stop_ids,
-               vocab_size=None, budget=None):
+    def sample(states, prompt_ids, prompt_mask, rng, draw: Draw):
         # Fixed dtypes (a Python float is weakly typed, an np.float32 is not): no recompilation
         # when callers mix them. vocab_size (traced; default: every id of the embedding).
         rows = np.shape(prompt_ids)[0]
-        return _sample(
-            tuple(states), jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32),
-            rng, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
-            jnp.asarray(stop_ids, jnp.int32).reshape(-1),
-            jnp.asarray(np.iinfo(np.int32).max if vocab_size is None else vocab_size, jnp.int32),
-            jnp.broadcast_to(jnp.asarray(n if budget is None else budget, jnp.int32), (rows,)),
-        )
+        vocab = np.iinfo(np.int32).max if draw.vocab_size is None else draw.vocab_size
+        traced = Draw(
+            jnp.asarray(draw.temperature, jnp.float32), jnp.asarray(draw.top_p, jnp.float32),
+            jnp.asarray(draw.stop_ids, jnp.int32).reshape(-1), jnp.asarray(vocab, jnp.int32),
+            jnp.broadcast_to(jnp.asarray(n if draw.budget is None else draw.budget, jnp.int32),
+                             (rows,)))
+        return _sample(tuple(states), jnp.asarray(prompt_ids, jnp.int32),
+                       jnp.asarray(prompt_mask, jnp.int32), rng, traced)
 
     sample.jitted = _sample
     sample._cache_size = _sample._cache_size
@@ -375,45 +357,64 @@ def decode_completions(lm, out: dict, stops) -> list[str]:
             for row, ms in zip(ids, mask)]
 
 
-def sample_ids(lm, sample, states, prompts: list[list[int]], *, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0, batch_size: int = 64) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How ``sample_texts`` answers: ``max_new_tokens`` per answer, ``temperature`` (0: greedy),
+    ``top_k`` (0: off), ``top_p`` (1: off), ``seed``, ``num_samples`` answers per prompt
+    (``sample_ids`` reads the temperature, top-p and seed: its sampler has the rest)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    num_samples: int = 1
+
+
+GREEDY = Sampling()
+
+
+def sample_ids(lm, sample, states, prompts: list[list[int]], sampling: Sampling = GREEDY,
+               batch_size: int = 64) -> list[str]:
     """Completions (text, stop marker removed) of tokenized prompts with a sampler from
-    ``make_sampler``, ``batch_size`` rows per call (the last batch is padded to the same shape)."""
+    ``make_sampler``, ``batch_size`` rows per call (the last batch is padded to the same shape),
+    drawn as ``sampling`` says (its temperature, top-p and seed)."""
     stops = stop_ids(lm)
-    rng = jax.random.key(seed)
+    rng = jax.random.key(sampling.seed)
     bucket = 16
     width = -(-max(len(p) for p in prompts) // bucket) * bucket  # one width for every batch
+    draw = Draw(sampling.temperature, sampling.top_p, np.asarray(stops, np.int32),
+                lm.tokenizer.vocab_size)
     out = []
     for b, start in enumerate(range(0, len(prompts), batch_size)):
         chunk = prompts[start : start + batch_size]
         count = len(chunk)
         chunk = chunk + [chunk[-1]] * (batch_size - count)  # fixed batch shape
         ids, mask = pad_prompts(chunk, lm.tokenizer.pad_id, bucket=width)
-        result = sample(tuple(states), ids, mask, jax.random.fold_in(rng, b), temperature, top_p,
-                        np.asarray(stops, np.int32), lm.tokenizer.vocab_size)
+        result = sample(tuple(states), ids, mask, jax.random.fold_in(rng, b), draw)
         out += decode_completions(lm, result, stops)[:count]
     return out
 
 
-def sample_texts(lm, module_or_states, prompts: list[str], max_new_tokens: int = 32, *,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 num_samples: int = 1, graphdef=None) -> list[list[str]]:
+def sample_texts(lm, module_or_states, prompts: list[str], sampling: Sampling = GREEDY,
+                 graphdef=None) -> list[list[str]]:
     """Answers to user messages (rendered with the chat template + generation prompt): for each
-    prompt, ``num_samples`` completions (text, stop marker removed). ``module_or_states`` is an
-    ``nnx.Module`` (e.g. ``runs.load(...).module``) or the states of ``nnx.split`` with their
-    ``graphdef``. Greedy when ``temperature`` is 0."""
+    prompt, ``sampling.num_samples`` completions (text, stop marker removed), as ``sampling``
+    says (greedy by default). ``module_or_states`` is an ``nnx.Module`` (e.g.
+    ``runs.load(...).module``) or the states of ``nnx.split`` with their ``graphdef``."""
     if isinstance(module_or_states, nnx.Module):
         graphdef, *states = nnx.split(module_or_states)
     elif graphdef is None:
         raise ValueError("sample_texts: pass graphdef= with states (or pass the module)")
     else:
         states = list(module_or_states)
-    encoded = [chat_prompt(lm, p) for p in prompts for _ in range(num_samples)]
+    n = sampling.num_samples
+    encoded = [chat_prompt(lm, p) for p in prompts for _ in range(n)]
     module = module_or_states if isinstance(module_or_states, nnx.Module) else \
         nnx.merge(graphdef, *states)
-    check_generation(module, min(64, len(encoded)),
-                     max(map(len, encoded)), max_new_tokens)
-    sample = make_sampler(graphdef, max_new_tokens, top_k=top_k, pad_id=lm.tokenizer.pad_id)
-    texts = sample_ids(lm, sample, states, encoded, temperature=temperature, top_p=top_p,
-                       seed=seed, batch_size=min(64, len(encoded)))
-    return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+    check_generation(module, min(64, len(encoded)), max(map(len, encoded)),
+                     sampling.max_new_tokens)
+    sample = make_sampler(graphdef, sampling.max_new_tokens, top_k=sampling.top_k,
+                          pad_id=lm.tokenizer.pad_id)
+    texts = sample_ids(lm, sample, states, encoded, sampling, batch_size=min(64, len(encoded)))
+    return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]

@@ -1,17 +1,21 @@
 """The built-in task: two-digit addition in chat form, demonstrated by a sloppy teacher and judged by
-an exact checker (``arithmetic``), its SentencePiece
-tokenizer (``tokenizer``) and the tiny Gemma configurations trained on it. A *user* of the
-library: importing this package registers the task's data (``--data builtin``, with
-``nnx_posttrain.data.register_builtin``) and its models (``gemma_tiny``, ``gemma2_tiny``,
-``gemma_tiny_half``, ``gemma_micro``, with ``nnx_posttrain.model.register_builtin``), and the
-agentic task (``multiply``: two-digit products with a tool) and its model ``gemma_tiny_tools``. Its recipes, one file per
-algorithm (``recipes/<algorithm>.yaml``), are the settings a run on the built-in data gets over
-the algorithm's defaults (``recipe``). The library's lower layers never import it;
-``nnx_posttrain.runs`` (and so the training loop) does.
+an exact checker (``arithmetic``), its SentencePiece tokenizer (``tokenizer``) and the tiny Gemma
+configurations trained on it (``MODELS``), and the agentic task (``multiply``: two-digit products
+with a tool) and its model ``gemma_tiny_tools``. Its recipes, one file per algorithm
+(``recipes/<algorithm>.yaml``), are the settings a run on the built-in data gets over the
+algorithm's defaults (``recipe``).
+
+A *user* of the library, which the lower layers never import: ``register()`` makes its data
+(``--data builtin``, through ``nnx_posttrain.data.register_builtin``) and its models (the
+``BUILTIN_MODELS`` table, through ``nnx_posttrain.model.register_builtin``) known to them.
+Importing this package registers nothing; ``nnx_posttrain.runs`` and ``nnx_posttrain.train``
+call ``register()`` before they open data or build a model, and so may anyone who reads the
+built-in data or models directly (a notebook, a tool, the tests).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -65,11 +69,28 @@ def recipe(algorithm: str) -> Path | None:
     return path if path.is_file() else None
 
 
-# the generator's code is the data: its hash changes whenever the records may
-FINGERPRINT = hashlib.sha256(Path(arithmetic.__file__).read_bytes()).hexdigest()
+# Every built-in model: name -> (GemmaBackbone keyword arguments, its tokenizer's SentencePiece
+# model); the agentic task's is gemma_tiny with that task's tokenizer (tasks.multiply).
+BUILTIN_MODELS = {
+    **{name: (dims, tokenizer.builtin_proto) for name, dims in MODELS.items()},
+    "gemma_tiny_tools": (MODELS["gemma_tiny"], multiply.tokenizer_proto),
+}
 
-data.register_builtin(records, FINGERPRINT)
-for _name, _dims in MODELS.items():
-    model.register_builtin(_name, _dims, tokenizer.builtin_proto)
-# the agentic task's model: gemma_tiny with that task's tokenizer (nnx_posttrain.tasks.multiply)
-model.register_builtin("gemma_tiny_tools", MODELS["gemma_tiny"], multiply.tokenizer_proto)
+
+@functools.cache
+def fingerprint() -> str:
+    """The built-in data's fingerprint: the generator's code is the data, its hash changes
+    whenever the records may."""
+    return hashlib.sha256(Path(arithmetic.__file__).read_bytes()).hexdigest()
+
+
+def register() -> None:
+    """Make the built-in task's data (``--data builtin``) and models (``BUILTIN_MODELS``) known
+    to ``nnx_posttrain.data`` and ``nnx_posttrain.model``: its data unless a built-in task is
+    registered already, each model unless its name is (a caller's own registrations stand;
+    calling it again changes nothing)."""
+    if not data.builtin_registered():
+        data.register_builtin(records, fingerprint())
+    for name, (dims, proto) in BUILTIN_MODELS.items():
+        if name not in model.TINY:
+            model.register_builtin(name, dims, proto)

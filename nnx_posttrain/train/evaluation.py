@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from nnx_posttrain import chat, data
+from nnx_posttrain.algorithms.online.generation import Completions
 from nnx_posttrain.sampling import generate, sampler
 from nnx_posttrain.train.mesh import shard_batch
 from nnx_posttrain.train.step import _sum_tree, make_eval_step, metric_means
@@ -120,7 +121,7 @@ class Evaluator:
                 logged, texts, total, per_fn = self.tool_answers(states, self.run.eval_src, index)
             else:
                 texts, ids = _greedy_with_ids(lm, self.greedy, states, prompts)
-                total, per_fn = self.scorer(self.run.eval_src, index, *ids, texts)
+                total, per_fn = self.scorer(self.run.eval_src, index, Completions(texts, *ids))
                 logged = texts
             for j, row in enumerate(rows):
                 row["reward"] = float(total[j])
@@ -180,7 +181,8 @@ def _greedy_with_ids(lm, greedy, states, prompts: list[list[int]], batch_size: i
         ids, mask = sampler.pad_prompts(chunk + [chunk[-1]] * (batch_size - count),
                                         lm.tokenizer.pad_id, bucket=width)
         result = jax.device_get(greedy(tuple(states), ids, mask,
-                                       jax.random.fold_in(jax.random.key(0), b), 0.0, 1.0, stops))
+                                       jax.random.fold_in(jax.random.key(0), b),
+                                       sampler.Draw(0.0, 1.0, stops)))
         texts += sampler.decode_completions(lm, result, stops)[:count]
         parts.append((ids[:count], mask[:count], np.asarray(result["completion_ids"])[:count],
                       np.asarray(result["completion_mask"]).astype(np.int32)[:count]))

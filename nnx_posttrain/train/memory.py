@@ -29,6 +29,7 @@ from nnx_posttrain import errors, model
 from nnx_posttrain.model import device_memory
 from nnx_posttrain.model.device_memory import GiB
 from nnx_posttrain.model.logprobs import chunk_positions
+from nnx_posttrain.train import flops as flops_lib
 
 
 def _nbytes(tree) -> int:
@@ -113,16 +114,6 @@ def check_weights(cfg, what: str, nbytes: int | None) -> None:
         "model, or pass --no-memory-check if the estimate is wrong")
 
 
-def flops(compiled) -> float | None:
-    """XLA's count of a compiled program's floating-point operations, where the backend gives it."""
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - a backend without cost analysis: nothing to show
-        return None
-    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-    return float(cost["flops"]) if isinstance(cost, dict) and cost.get("flops") else None
-
-
 class CheckedStep:
     """The jitted training step, compiled ahead of its first call (the same compilation the call
     would make) so that XLA's own figures for it — temporaries, and outputs not written over
@@ -140,7 +131,7 @@ class CheckedStep:
         shapes = (tree, [(tuple(x.shape), str(x.dtype)) for x in leaves])
         if self.compiled is None:
             self.compiled, self.shapes = self.jitted.lower(*args).compile(), shapes
-            self.check(self.compiled.memory_analysis(), flops(self.compiled))
+            self.check(self.compiled.memory_analysis(), flops_lib.step_flops(self.compiled))
         return (self.compiled if shapes == self.shapes else self.jitted)(*args)
 
     def check(self, stats, flops: float | None = None) -> None:
@@ -153,7 +144,7 @@ class CheckedStep:
         free, held = device_memory.available_bytes(), device_memory.in_use_bytes()
         self.echo(f"compiled step: {need / GiB:,.2f} GiB per device beyond its inputs "
                   f"(XLA's temporaries {stats.temp_size_in_bytes / GiB:,.2f} GiB)"
-                  + (f", {flops:.3e} FLOPs per device" if flops else "")
+                  + (f", {flops:.3e} FLOPs per device and step" if flops else "")
                   + (f", {free / GiB:,.2f} GiB free" if free is not None else ""))
         if held is not None:
             self.echo(f"estimated peak: {(held + need) / GiB:,.2f} GiB per device (held now "

@@ -38,7 +38,7 @@ from nnx_posttrain.train import rundir
 IGNORED = {
     "run_dir", "resume", "eval_only", "resume_changed", "memory_check", "mesh.*",
     "batching.num_workers", "checkpoint.async_save", "algo_name", "config", "report_to",
-    "host_allocator",
+    "host_allocator", "compile_cache",
 }
 ANNOUNCED = {
     "steps", "log_every", "logprob_chunk", "remat", "attention", "eval_data", "eval.*", "checkpoint.*",

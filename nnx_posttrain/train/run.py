@@ -20,10 +20,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from nnx_posttrain import checkpoint, cpu_host, errors, model, runs
+from nnx_posttrain import checkpoint, cpu_host, errors, model, runs, tasks
 from nnx_posttrain.progress import console
 from nnx_posttrain.algorithms.base import RunContext
-from nnx_posttrain.train import host_memory, memory, resume, rundir, setup, storage
+from nnx_posttrain.train import compile_cache, host_memory, memory, resume, rundir, setup, storage
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
 from nnx_posttrain.train.hooks import Interruptible, StopSignals
@@ -95,7 +95,9 @@ class Run:
 
 def prepare(cfg, algorithm, echo=print) -> Run:
     """Build a run of ``algorithm`` (an instance) with settings ``cfg``; raises a ``UserError``
-    naming the problem, leaving no new run directory behind, when it cannot run."""
+    naming the problem, leaving no new run directory behind, when it cannot run. The built-in
+    task's data and models are registered first (``tasks.register``)."""
+    tasks.register()
     run = Run(cfg, algorithm, Path(cfg.run_dir or f"runs/{algorithm.name}"), echo)
     created = not run.run_dir.exists()
     try:
@@ -104,6 +106,7 @@ def prepare(cfg, algorithm, echo=print) -> Run:
         run.guards.enter_context(storage.quiet_logs(run.run_dir))
         run.interrupted()
         run.cfg = setup.settings_for_data(cfg, algorithm, echo)
+        compile_cache.use(run.cfg.compile_cache, run.run_dir, echo)  # before anything compiles
         run.mesh = _devices(run.cfg, echo)
         # the run's mesh in context (kernels XLA cannot partition run per device: model.attention)
         run.guards.enter_context(jax.set_mesh(run.mesh))

@@ -22,10 +22,8 @@ def build_model(cfg, algorithm, echo, init_step: int | None = None, abstract: bo
     weights of ``--init-from``'s checkpoint ``init_step`` (default: its latest). ``abstract``:
     built without weights (``runs.build_model``) for a step that will run on ``platform``
     (default: this process's)."""
-    lm, module = runs.build_model(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head=algorithm.head,
-                                  init_from=cfg.init_from, remat=cfg.remat == "blocks", echo=echo,
-                                  chat_format=cfg.chat_format, init_step=init_step,
-                                  quantize=cfg.quantize, abstract=abstract, platform=platform)
+    lm, module = runs.build_model(runs.ModelSpec.of(cfg, algorithm.head, init_step), echo,
+                                  abstract, platform)
     echo(model.set_attention(lm.module, cfg.attention, platform=platform))
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
@@ -46,8 +44,8 @@ def datasets(cfg, lm, algorithm, echo, train_src, eval_src) -> Datasets:
     up front (bad ones refused, or skipped with --batching.skip-bad)."""
     b = cfg.batching
     train_src, eval_src = algorithm.read_data(cfg, train_src, eval_src, echo)
-    transform = data.make_transform(train_src, lm.tokenizer, lm.chat_format, b.max_length,
-                                    b.truncation, b.max_prompt_length, b.format)
+    transform = data.make_transform(train_src, lm, b.max_length, b.truncation,
+                                    b.max_prompt_length, b.format)
     algorithm.check_records(cfg, transform, train_src)
     kept, skipped = {}, 0
     for name, src in (("train", train_src), ("eval", eval_src)):

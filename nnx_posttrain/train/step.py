@@ -109,6 +109,20 @@ def _laid_out(tree, shardings):
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
+def _updated(tx, grads, opt_state, params):
+    """(params, optimizer state) after one update of ``tx``. The moments keep the dtype they
+    were made in (bfloat16 beside bfloat16 weights, ``--dtype bfloat16-params``): the float32
+    gradients would otherwise promote them."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+    new_opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)
+    return optax.apply_updates(params, updates), new_opt_state
+
+
+def _kept(grads, opt_state, params):
+    return params, opt_state
+
+
 def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
     """step(state, frozen, batch) -> (state, metrics). ``batch`` leaves are [accum, micro, ...];
     ``loss_fn(module, micro_batch, reference_module)``; ``frozen`` as in ``algorithms.merge``.
@@ -147,15 +161,8 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
         # pass over the weights and both moments, and keeps the old moments alive beside the new)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
 
-        def update(grads, opt_state, params):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        def keep(grads, opt_state, params):
-            return params, opt_state
-
-        new_params, new_opt_state = jax.lax.cond(finite, update, keep, grads, state["opt_state"], params)
+        new_params, new_opt_state = jax.lax.cond(finite, functools.partial(_updated, tx), _kept,
+                                                 grads, state["opt_state"], params)
         new_state = {
             "params": new_params,
             "opt_state": new_opt_state,

@@ -26,8 +26,9 @@ from tools import command, results
 def request_sets(docs: int, chat):
     from lm_eval.api.instance import Instance
 
-    import nnx_posttrain.tasks  # noqa: F401
-    from nnx_posttrain import data
+    from nnx_posttrain import data, tasks
+
+    tasks.register()
 
     src = data.source("builtin", "eval", builtin="prompt_only")
     rows = [src[i] for i in range(min(docs, len(src)))]
@@ -60,12 +61,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--record", default="none")
     args = parser.parse_args(argv)
-    import nnx_posttrain.tasks  # noqa: F401
     from lm_eval.models.huggingface import HFLM
 
-    from nnx_posttrain import model
+    from nnx_posttrain import model, tasks
     from nnx_posttrain.export import hf as hf_export
     from nnx_posttrain.harness.lm import NNXLM
+
+    tasks.register()
 
     rows, stats = [], {}
     for name in args.model.split(","):

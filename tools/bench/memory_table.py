@@ -63,7 +63,9 @@ def gemma_shapes(vocabulary_size, num_layers, num_query_heads, num_key_value_hea
 
 def check() -> None:
     """The formula gives exactly the variables of a real (tiny) KerasHub GemmaBackbone."""
-    from nnx_posttrain import model, tasks  # noqa: F401  (tasks: the built-in models)
+    from nnx_posttrain import model, tasks
+
+    tasks.register()  # the built-in models
 
     tiny = dict(model.TINY["gemma_tiny"], vocabulary_size=314)
     lm = model.load("gemma_tiny")

@@ -1,6 +1,6 @@
 """Our side of ``tools.bench``: one measurement of the library's training step, in its own process.
 
-    python -m tools.bench.ours --spec JSON --case sft|dpo|dpo_precompute|dpo_lora [--steps N ...]
+    python -m tools.bench.ours --spec JSON --case sft|dpo|dpo_precompute|sft_lora|dpo_lora [--steps N ...]
     python -m tools.bench.ours --export DIR --spec JSON        # the same weights as HF safetensors
     python -m tools.bench.ours --matmul-peak --spec JSON       # this machine's float32 matmul GFLOP/s
 
@@ -10,7 +10,13 @@ The step is ``train.make_train_step`` with the algorithm's loss, jitted as ``tra
 (jax_default_matmul_precision), ``split_pair`` (chosen and rejected in two forwards instead of one
 concatenated forward), ``full_logits`` (log-probs from the [batch, length, vocab] logits at once,
 every position, instead of the chunked, rematerialised computation at the scored positions), ``all_positions`` (the vocabulary projection on
-every position, not only those that carry loss).
+every position, not only those that carry loss), ``remat`` (``--remat blocks``: each decoder block
+recomputed in the backward pass).
+
+On an accelerator the result also holds the device's kind and its memory high-water mark
+(``memory_stats()["peak_bytes_in_use"]``: the weights, optimizer state, batches and the step's
+temporaries). ``--checkpoint-probe N`` then saves the state as a run does (the project's
+``Checkpointer``, asynchronously) and times the N steps that follow, against the median.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import time
 
 from tools import ToolError, command
-from tools.bench.run import (BACKBONE_KEYS, LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb,
+from tools.bench.run import (BACKBONE_KEYS, LEARNING_RATE, device_memory_peak, emit, make_batches, minor_faults, peak_rss_mb,
                          rss_now_mb, summarize, tokens_per_step)
 
 
@@ -30,7 +36,8 @@ def _setup_platform(device: str) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cuda")
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("JAX_PLATFORMS", device)
+
 
 
 def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
@@ -83,13 +90,13 @@ def _apply_flags(flags: list[str], algorithm) -> None:
             algorithm.scored_positions_only = False
         elif flag == "all_positions":
             algorithm.scored_positions_only = False
-        elif flag and flag != "no_donate":
+        elif flag and flag not in ("no_donate", "remat"):
             raise ToolError(f"unknown flag {flag!r}")
 
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
             logprob_chunk: int | None, flags: list[str], profile_steps: int = 0,
-            attention: str = "auto", cpu_devices: int = 1) -> dict:
+            attention: str = "auto", cpu_devices: int = 1, probe_steps: int = 0) -> dict:
     import nnx_posttrain  # noqa: F401
     import jax
     import jax.numpy as jnp
@@ -99,6 +106,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     from nnx_posttrain.algorithms import SFT, SFTConfig
     from nnx_posttrain.algorithms.preference import DPO, DPOConfig
     from nnx_posttrain.train import host_memory
+    from nnx_posttrain.train import flops
     from nnx_posttrain.train.mesh import split_host_cpu
 
     mesh_config = config_lib.MeshConfig(cpu_devices=cpu_devices)
@@ -108,19 +116,21 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     task = build_task(spec, dtype, seed)
     module = task.backbone
     attention_line = model.set_attention(module, attention)  # as train.run does (--attention)
-    if case in ("sft", "sft_packed"):
+    if case in ("sft", "sft_packed", "sft_lora"):
         algorithm = SFT(SFTConfig(), logprob_chunk)
     else:
         reference = {"dpo": "copy", "dpo_precompute": "precompute", "dpo_lora": "lora_base"}[case]
         algorithm = DPO(DPOConfig(reference=reference), logprob_chunk)
     _apply_flags(flags, algorithm)
-    if case == "dpo_lora":
-        model.enable_lora(module, 8, None, "attention")
+    if case in ("sft_lora", "dpo_lora"):
+        from tools.bench.run import LORA_RANK
+
+        model.enable_lora(module, LORA_RANK, 2 * LORA_RANK, "attention")
     algorithm.setup(module)
 
     # the mesh, placement and output shardings exactly as train.run makes them (one device here)
     mesh = train.make_mesh(mesh_config)
-    model.set_remat(module, False)  # train.run's default (--remat none): no recomputation
+    model.set_remat(module, "remat" in flags)  # the flag: --remat blocks; else none
     graphdef, params, frozen_model = model.split(module)
     optim = config_lib.OptimConfig(learning_rate=LEARNING_RATE, schedule="constant",
                                    weight_decay=0.0, max_grad_norm=1.0)
@@ -131,7 +141,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         frozen["reference"] = train.place(jax.tree.map(jnp.copy, params), mesh)
     state = train.place(train.init_state(params, tx, seed), mesh)
 
-    kind = {"sft": "sft", "sft_packed": "sft_packed"}.get(case, "dpo")
+    kind = {"sft": "sft", "sft_packed": "sft_packed", "sft_lora": "sft"}.get(case, "dpo")
     host = [algorithm.prepare(b) for b in make_batches(spec, kind, min(total, 4), seed)]
     precompute_s = None
     if algorithm.reference_mode == "precompute":
@@ -149,10 +159,14 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         out_shardings=(sharding.tree_shardings(state, mesh), NamedSharding(mesh, P())),
     )
     rss_before = rss_now_mb()
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(state, frozen, batches[0]).compile()  # the steps call it
+    compile_s = time.perf_counter() - t0
+    program = compiled.memory_analysis()  # XLA's temporaries: a TPU reserves them apart
     times, cpu, faults, losses = [], [], [], []
     for i in range(total):
         t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
-        state, metrics = step_fn(state, frozen, batches[i % len(batches)])
+        state, metrics = compiled(state, frozen, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
@@ -161,6 +175,10 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
             losses.append(float(metrics["loss"]))
     losses.append(float(metrics["loss"]))
     out = summarize(times, warmup, cpu, faults)
+    out["compile_s"] = compile_s  # lowering and compiling, before the first step
+    if probe_steps:
+        state, probe = checkpoint_probe(compiled, state, frozen, batches, probe_steps)
+        out["checkpoint_probe"] = dict(probe, median_ms=out["ms_per_step"])
     out.update(
         tokens_per_s=tokens_per_step(spec, case) / (out["ms_per_step"] / 1000),
         # the tokens the forward runs: each DPO prompt once with shared rows (shared_prompt)
@@ -173,23 +191,53 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
         flags=flags, logprob_chunk=logprob_chunk, times_s=times, attention=attention_line,
         host_allocator=ALLOCATOR["line"], cpu_devices=len(mesh.devices.flat),
+        **device_memory_peak(),
+        xla_temp_gib=None if program is None else program.temp_size_in_bytes / 2**30,
+        step_flops=flops.step_flops(compiled),
     )
     if profile_steps:
         import tempfile
 
         from tools.bench import profile_breakdown
 
-        hlo = step_fn.lower(state, frozen, batches[0]).compile().as_text()
+        hlo = compiled.as_text()
 
         def run_step():
             nonlocal state
-            state, m = step_fn(state, frozen, batches[0])
+            state, m = compiled(state, frozen, batches[0])
             return m
 
         with tempfile.TemporaryDirectory() as trace_dir:
             profile_breakdown.trace_steps(run_step, profile_steps, trace_dir)
             out["profile"] = profile_breakdown.breakdown(trace_dir, hlo, profile_steps)
     return out
+
+
+def checkpoint_probe(step_fn, state, frozen, batches, steps: int):
+    """Save ``state`` as a run does (``Checkpointer``, asynchronous), then time ``steps`` steps:
+    (state, {"save_call_ms": the time the save call blocks, "after_save_ms": each step's,
+    "finished_ms": when the save had finished, after the steps})."""
+    import tempfile
+
+    import jax
+
+    from nnx_posttrain import checkpoint, config as config_lib
+
+    with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
+        saver = checkpoint.Checkpointer(tmp, config_lib.CheckpointConfig())
+        t0 = time.perf_counter()
+        saver.save(1, state, {}, {"bench": True})
+        save_call = time.perf_counter() - t0
+        after = []
+        for i in range(steps):
+            t1 = time.perf_counter()
+            state, metrics = step_fn(state, frozen, batches[i % len(batches)])
+            jax.block_until_ready((state, metrics))
+            after.append(1000 * (time.perf_counter() - t1))
+        saver.close()
+        finished = time.perf_counter() - t0
+    return state, {"save_call_ms": 1000 * save_call, "after_save_ms": after,
+                   "finished_ms": 1000 * finished}
 
 
 def nnx_posttrain_params(graphdef, params, frozen_model):
@@ -207,6 +255,7 @@ def matmul_peak(spec: dict, dtype: str = "float32", repeats: int = 10) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    dtype = "bfloat16" if dtype.startswith("bfloat16") else dtype
     tokens = spec["batch"] * spec["seq"]
     shapes = [(tokens, spec["hidden_dim"], spec["intermediate_dim"] // 2),
               (tokens, spec["hidden_dim"], spec["vocab"]), (2048, 2048, 2048)]
@@ -258,6 +307,8 @@ def main(argv=None):
                         "split over them")
     p.add_argument("--host-allocator", default="auto", choices=("auto", "heap", "default"),
                    help="--host-allocator of the run (train.host_memory), applied in this process")
+    p.add_argument("--checkpoint-probe", type=int, default=0, metavar="N",
+                   help="after measuring, save the state as a run does and time N more steps")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after measuring, trace N steps and print where the time goes")
     args = p.parse_args(argv)
@@ -272,7 +323,7 @@ def main(argv=None):
         return
     result = measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
                      args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile,
-                     args.attention, args.cpu_devices)
+                     args.attention, args.cpu_devices, args.checkpoint_probe)
     if "profile" in result:
         from tools.bench import profile_breakdown
 

@@ -73,14 +73,22 @@ SIZES = {
     "long_8k": dict(vocab=512, hidden_dim=128, num_layers=4, num_query_heads=4,
                     num_key_value_heads=1, head_dim=32, intermediate_dim=512, seq=8192, prompt=4096,
                     batch=1),
-    # gemma_2b's dimensions (GPU only)
+    # accelerators only: a ~1 B full fine-tune (gemma_2b's dimensions at 4 layers, 2,048-token
+    # rows) and gemma_2b itself (its LoRA cases: the headline command's model)
+    "gemma_1b": dict(vocab=256000, hidden_dim=2048, num_layers=4, num_query_heads=8,
+                     num_key_value_heads=1, head_dim=256, intermediate_dim=32768, seq=2048,
+                     prompt=1024, batch=2),
     "gemma_2b": dict(vocab=256000, hidden_dim=2048, num_layers=18, num_query_heads=8,
-                     num_key_value_heads=1, head_dim=256, intermediate_dim=32768, seq=512,
-                     prompt=256, batch=4),
+                     num_key_value_heads=1, head_dim=256, intermediate_dim=32768, seq=1024,
+                     prompt=512, batch=4),
 }
-CASES = ("sft", "dpo", "dpo_precompute", "dpo_lora", "sft_packed")
+CASES = ("sft", "dpo", "dpo_precompute", "sft_lora", "dpo_lora", "sft_packed")
 TRL_CASES = ("sft", "dpo", "dpo_precompute", "sft_packed")
-TUNIX_CASES = ("sft", "dpo")  # Tunix's PeftTrainer does not pack sequences
+TUNIX_CASES = ("sft", "dpo", "sft_lora", "dpo_lora")  # Tunix's PeftTrainer does not pack rows
+LORA_RANK = 8  # the LoRA cases: rank 8 (alpha 16) on the attention projections, every side
+# bf16 peak TFLOP/s of a chip (Cloud TPU's system-architecture pages), by JAX's device_kind
+PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5": 459.0, "TPU v5p": 459.0, "TPU v5 lite": 197.0,
+               "TPU v6 lite": 918.0}
 SIDES = ("ours", "trl", "tunix")
 PACK = 8  # examples per row of the sft_packed case
 BACKBONE_KEYS = ("hidden_dim", "num_layers", "num_query_heads", "num_key_value_heads", "head_dim",
@@ -162,9 +170,9 @@ def model_flops(spec: dict, case: str, tokens: int | None = None) -> float:
     # packed rows: each example attends within itself only
     seen = spec["seq"] / PACK if case == "sft_packed" else spec["seq"]
     attention = 12 * layers * seen * heads * hd * tokens
-    per_param = 6 + (2 if case in ("dpo", "dpo_lora") else 0)
-    if case == "dpo_lora":  # LoRA: no weight gradients of the frozen base (4 instead of 6)
-        per_param = 4 + 2
+    per_param = 6 + (2 if case == "dpo" else 0)
+    if case.endswith("_lora"):  # LoRA: no weight gradients of the frozen base (4 instead of 6),
+        per_param = 4 + (2 if case == "dpo_lora" else 0)  # DPO's reference: the base's forward
     return per_param * (layers * per_layer * tokens + spec["vocab"] * d * head_tokens) + attention
 
 
@@ -182,6 +190,20 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def device_memory_peak() -> dict:
+    """The accelerator's memory high-water mark of this process and its capacity (GiB), where
+    the device reports them (not the CPU)."""
+    import jax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    out = {"device_kind": device.device_kind}
+    if stats and "peak_bytes_in_use" in stats:
+        out.update(hbm_peak_gib=stats["peak_bytes_in_use"] / 2**30,
+                   hbm_limit_gib=stats.get("bytes_limit", 0) / 2**30)
+    return out
 
 
 def minor_faults() -> int:
@@ -290,7 +312,8 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str, cpu_devices: in
               "--warmup", str(args.warmup), "--device", args.device, "--dtype", args.dtype,
               "--seed", str(args.seed)]
     if side == "ours":
-        extra = ["--attention", args.attention, "--cpu-devices", str(cpu_devices)]
+        extra = ["--attention", args.attention, "--cpu-devices", str(cpu_devices),
+                 "--checkpoint-probe", str(args.checkpoint_probe)]
         if args.logprob_chunk is not None:
             extra += ["--logprob-chunk", str(args.logprob_chunk)]
         if args.ours_flags:
@@ -299,8 +322,8 @@ def measure(side: str, spec: dict, case: str, args, hf_dir: str, cpu_devices: in
         return _run_worker("tools.bench.ours", common + extra + option, args.timeout,
                            tunables=tunables)
     if side == "tunix":
-        return _run_worker("tools.bench.tunix_side", common + ["--hf-dir", hf_dir], args.timeout,
-                           python=args.tunix_python)
+        return _run_worker("tools.bench.tunix_side", common + (["--hf-dir", hf_dir] if hf_dir else []),
+                           args.timeout, python=args.tunix_python)
     return _run_worker("tools.bench.trl_side", common + ["--hf-dir", hf_dir], args.timeout)
 
 
@@ -350,9 +373,10 @@ def rows_of(results: list[dict]) -> list[list[str]]:
     out = []
     for (size, case), sides in rows.items():
         trl, tunix = (sides.get(s, {}) for s in SIDES[1:])
-        peers = rows.get((size, "dpo"), {}) if case == "dpo_lora" else sides
+        theirs = case == "dpo_lora" and faster_peer(sides) is None  # no peer ran it: their dpo
+        peers = rows.get((size, "dpo"), {}) if theirs else sides
         faster = faster_peer(peers)
-        label = case + (" (vs their dpo)" if case == "dpo_lora" else "")
+        label = case + (" (vs their dpo)" if theirs else "")
         counts = sorted(int(s[len("ours_cpu"):]) for s in sides if s.startswith("ours_cpu"))
         variants = [("ours", label)] + [(f"ours_cpu{n}", f"{label}, {n} CPU devices") for n in counts]
         for side, name in variants:
@@ -373,10 +397,93 @@ def rows_of(results: list[dict]) -> list[list[str]]:
     return out
 
 
+def markdown(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def table(results: list[dict]) -> str:
     """Markdown: one row per (size, case), every side side by side."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows_of(results)])
+    return markdown(COLUMNS, rows_of(results))
+
+
+SAME_WEIGHTS_MAX = 0.2e9  # parameters: beyond, the export costs more than it shows
+
+
+def same_weights(spec: dict, choice: str) -> bool:
+    """Whether the peers load ours' weights (``--same-weights``)."""
+    if choice != "auto":
+        return choice == "yes"
+    d = spec["hidden_dim"]
+    per_layer = d * (spec["num_query_heads"] + spec["num_key_value_heads"]) * spec["head_dim"] * 2 \
+        + 3 * d * spec["intermediate_dim"] // 2
+    return spec["vocab"] * d + spec["num_layers"] * per_layer <= SAME_WEIGHTS_MAX
+
+
+ACCELERATOR_COLUMNS = ["size", "case", "tokens / step", "ours ms/step", "Tunix ms/step",
+                       "speed-up vs Tunix", "ours tokens/s", "ours MFU", "Tunix MFU",
+                       "ours HBM buffers peak GiB", "Tunix HBM buffers peak GiB",
+                       "ours XLA temporaries GiB", "ours compile s", "Tunix compile s"]
+
+
+def accelerator_rows(results: list[dict]) -> list[list[str]]:
+    """One row per (size, case) on an accelerator: ours and Tunix, model FLOPs utilisation
+    against the chip's bf16 peak, the device memory high-water mark, compile times."""
+    out = []
+    for (size, case), sides in by_case(results).items():
+        ours, tunix = sides.get("ours", {}), sides.get("tunix", {})
+        ratio = (tunix["ms_per_step"] / ours["ms_per_step"]
+                 if "ms_per_step" in ours and "ms_per_step" in tunix else None)
+        pct = lambda r: _fmt(100 * r["mfu"], "{:.1f}%") if "mfu" in r else _fail(r)  # noqa: E731
+        tokens = ours.get("tokens_per_step", tunix.get("tokens_per_step"))
+        out.append([size, case, _fmt(tokens, "{:,}"),
+                    _fmt(ours.get("ms_per_step")), _fmt(tunix.get("ms_per_step")) if tunix else "n/a",
+                    "n/a" if ratio is None else f"{ratio:.2f}x", _fmt(ours.get("tokens_per_s"), "{:,.0f}"),
+                    pct(ours), pct(tunix) if tunix else "n/a",
+                    _fmt(ours.get("hbm_peak_gib"), "{:.2f}"), _fmt(tunix.get("hbm_peak_gib"), "{:.2f}"),
+                    _fmt(ours.get("xla_temp_gib"), "{:.2f}"),
+                    _fmt(ours.get("compile_s"), "{:.1f}"), _fmt(tunix.get("compile_s"), "{:.1f}")])
+    return out
+
+
+def _fail(result: dict) -> str:
+    """What a side that did not measure reports: out of memory, or failed."""
+    if not result:
+        return "n/a"
+    text = result.get("error", "") + result.get("log_tail", "")
+    return "out of memory" if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text else "failed"
+
+
+def accelerator_notes(results: list[dict], args) -> list[str]:
+    """What the accelerator table's figures are."""
+    kinds = sorted({r["device_kind"] for r in results if r.get("device_kind")})
+    chip = args.peak_tflops or next((PEAK_TFLOPS[k] for k in kinds if k in PEAK_TFLOPS), None)
+    notes = [f"Device: {', '.join(kinds) or args.device}; weights in {args.dtype} on every side "
+             "(Tunix: bfloat16 weights, computation and AdamW moments, as its trainers run a "
+             "bfloat16 checkpoint; ours: --dtype " + args.dtype + "). MFU: model FLOPs "
+             "(6 per parameter and token, 4 under LoRA, + 2 for DPO's reference forward, + "
+             "attention; the pairs' rows on both sides) per second over the chip's peak"
+             + (f" ({chip:.0f} TFLOP/s bf16)" if chip else "") + ". HBM peak: the process's "
+             "memory_stats() high-water mark of its buffers (weights, optimizer state, batches, "
+             "outputs); a TPU reserves a program's temporaries apart (XLA's figure for ours: "
+             "its temporaries column). Compile: " + (
+                 "ours, lowering and compiling the step; Tunix, its first step minus the median."
+                 if any("xla_temp_gib" in r for r in results) else
+                 "the first step minus the median, on both sides.")]
+    for r in results:
+        probe = r.get("checkpoint_probe")
+        if probe:
+            after = probe["after_save_ms"]
+            notes.append(
+                f"ours, {r['size']} {r['case']}: after an asynchronous checkpoint (the save call "
+                f"blocked {probe['save_call_ms']:.0f} ms), the next steps took "
+                + ", ".join(f"{a:.0f}" for a in after) + f" ms against the median "
+                f"{probe['median_ms']:.0f} ms ({after[0] / probe['median_ms']:.2f}x for the first)")
+    for r in results:
+        if r.get("side") == "tunix" and r.get("same_weights") is False:
+            notes.append(f"{r['size']}: random weights on both sides ({r.get('weights_note')})")
+            break
+    return notes
 
 
 @command
@@ -397,8 +504,16 @@ def main(argv=None) -> list[dict]:
                         help="measure each case this many times, alternating the sides' order")
     parser.add_argument("--batch", type=int, default=None, help="override the size's batch")
     parser.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
-    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", choices=("cpu", "gpu", "tpu"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "bfloat16-params"),
+                        default="float32",
+                        help="ours: the --dtype of a run (bfloat16: float32 weights, bfloat16 "
+                             "computation; bfloat16-params: bfloat16 weights); the peers: "
+                             "bfloat16 weights for either bfloat16")
+    parser.add_argument("--same-weights", choices=("auto", "yes", "no"), default="auto",
+                        help="export ours to safetensors for the peers to load (auto: up to "
+                             f"{SAME_WEIGHTS_MAX / 1e9:.1f} B parameters; larger sizes: random "
+                             "weights on every side, which a step's speed does not depend on)")
     parser.add_argument("--logprob-chunk", type=int, default=None,
                         help="our --logprob-chunk (default: the library's)")
     parser.add_argument("--attention", default="auto", help="our --attention (model.set_attention)")
@@ -413,7 +528,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--ours-flags", default="", help="variants of our step (see tools.bench.ours)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak (e.g. 989 for an H100/H200 in dense bfloat16): "
-                             "report model FLOPs utilisation")
+                             "report model FLOPs utilisation (a TPU's is known: PEAK_TFLOPS)")
+    parser.add_argument("--checkpoint-probe", type=int, default=0, metavar="N",
+                        help="ours: after measuring, save the state as a run does and time N "
+                             "more steps (the step after an asynchronous checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -428,6 +546,8 @@ def main(argv=None) -> list[dict]:
         from tools.bench import trl_parity
 
         return trl_parity.main([])
+    if args.device == "tpu" and args.sides == ",".join(SIDES):
+        args.sides = "ours,tunix"  # TRL runs PyTorch: no TPU
     sizes = [s for s in args.sizes.split(",") if s]
     cases = [c for c in args.cases.split(",") if c]
     sides = [s for s in args.sides.split(",") if s]
@@ -454,10 +574,13 @@ def main(argv=None) -> list[dict]:
         for size in sizes:
             spec = spec_of(size, args.batch, args.seq)
             hf_dir = str(Path(tmp) / size)
-            peaks[size] = matmul_peak(spec, args)
-            print(f"{size:8s} matmul peak {peaks[size].get('peak_gflops', 0):.1f} GFLOP/s "
-                  f"{peaks[size].get('matmul_gflops', peaks[size])}", flush=True)
-            if "trl" in sides or "tunix" in sides:  # the same weights on every side
+            if args.device == "cpu":  # an accelerator's peak is its chip's (PEAK_TFLOPS)
+                peaks[size] = matmul_peak(spec, args)
+                print(f"{size:8s} matmul peak {peaks[size].get('peak_gflops', 0):.1f} GFLOP/s "
+                      f"{peaks[size].get('matmul_gflops', peaks[size])}", flush=True)
+            if not same_weights(spec, args.same_weights):
+                hf_dir = None
+            elif "trl" in sides or "tunix" in sides:  # the same weights on every side
                 exported = export_weights(spec, hf_dir, args.seed)
                 if "error" in exported:
                     raise ToolError(f"export failed: {exported}")
@@ -470,6 +593,8 @@ def main(argv=None) -> list[dict]:
                         side = side if n == 1 else f"{side}_cpu{n}"
                         r.update(size=size, case=case, side=side, repeat=rep)
                         results.append(r)
+                        if args.json:  # each measurement kept as it comes (a run cut short)
+                            write_json(args.json, argv, peaks, results)
                         msg = (f"{r['ms_per_step']:.1f} ms/step (CPU {r.get('cpu_ms_per_step', 0):.1f} ms), "
                                f"peak RSS {r['peak_rss_mb']:.0f} MB"
                                if "ms_per_step" in r else r.get("error", "?") + "\n" + r.get("log_tail", ""))
@@ -477,23 +602,25 @@ def main(argv=None) -> list[dict]:
     for r in results:
         if "ms_per_step" in r:
             spec = spec_of(r["size"], args.batch, args.seq)
-            flops = model_flops(spec, r["case"], r.get("forward_tokens"))
+            # MFU counts the pairs' rows on every side (each prompt once is ours to save)
+            flops = model_flops(spec, r["case"])
+            r["tokens_per_step"] = tokens_per_step(spec, r["case"])
             r["model_tflops_per_s"] = flops / (r["ms_per_step"] / 1000) / 1e12
             peak = peaks.get(r["size"], {}).get("peak_gflops")
             if peak:  # every model FLOP at the best matmul speed of this machine
-                r["bound_ms"] = flops / (peak * 1e9) * 1000
-            if args.peak_tflops:
-                r["mfu"] = r["model_tflops_per_s"] / args.peak_tflops
+                r["bound_ms"] = model_flops(spec, r["case"], r.get("forward_tokens")) / (
+                    peak * 1e9) * 1000
+            chip = args.peak_tflops or PEAK_TFLOPS.get(r.get("device_kind", ""))
+            if chip and args.device != "cpu":
+                r["mfu"] = r["model_tflops_per_s"] / chip
                 print(f"{r['size']:8s} {r['case']:15s} {r['side']:5s} "
                       f"{r['model_tflops_per_s']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}%")
     merged = median_over_repeats(results)
+    columns, rows = (COLUMNS, rows_of(merged)) if args.device == "cpu" else (
+        ACCELERATOR_COLUMNS, accelerator_rows(merged))
     print()
-    print(table(merged))
-    raw = {"argv": argv if argv is not None else sys.argv[1:], "matmul_peak": peaks,
-           "results": results}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(raw, indent=1))
+    print(markdown(columns, rows))
+    raw = write_json(args.json, argv, peaks, results)
     if args.record:
         from tools import results as readme
 
@@ -525,9 +652,21 @@ def main(argv=None) -> list[dict]:
             notes.append(f"ours, rows '{n} CPU devices': --mesh.cpu-devices {n} (the host CPU as "
                          f"{n} XLA devices, each batch split over them); the peers' columns "
                          "repeat their measurement of the case")
-        path = readme.record(args.record, command, COLUMNS, rows_of(merged), notes, raw)
+        if args.device != "cpu":
+            notes = accelerator_notes(merged, args) + notes[len(args.note):]
+        path = readme.record(args.record, command, columns, rows, notes, raw)
         print(f"recorded {path}")
     return merged
+
+
+def write_json(path: str | None, argv, peaks: dict, results: list[dict]) -> dict:
+    """The raw measurements (and to ``path``, when given: rewritten after each measurement)."""
+    raw = {"argv": argv if argv is not None else sys.argv[1:], "matmul_peak": peaks,
+           "results": results}
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(raw, indent=1))
+    return raw
 
 
 def median_over_repeats(results: list[dict]) -> list[dict]:

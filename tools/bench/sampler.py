@@ -15,6 +15,11 @@ process after a warm-up call (median of ``--repeats``):
   passed as text of the same token ids; its call includes that trivial tokenisation and the
   detokenisation of its output, as its API does.
 
+``--spec SIZE`` (a ``tools.bench`` size, e.g. ``gemma_2b``) decodes with a random model of that
+size in bfloat16 instead of ``--model`` (``--device tpu``: the chip), both sides with random
+weights (no export: the agreement column is not compared); Tunix's side then runs first, in its
+own process, before this one opens the chip (one process at a time may hold a TPU).
+
 ``--temperature T`` (> 0) samples instead of greedy decoding (Tunix: ``top_p=1.0``, the only way
 it samples), as a GRPO rollout does (``--batch 64``); the agreement column is then not compared.
 ``--record NAME`` writes the table to ``results/NAME.json`` (``tools.results``).
@@ -37,9 +42,10 @@ import keras_hub
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import model
-from nnx_posttrain import tasks  # noqa: F401  (registers the built-in models)
+from nnx_posttrain import model, tasks
 from nnx_posttrain.sampling import sampler
+
+tasks.register()  # the built-in models
 
 
 def make_no_cache_greedy(graphdef, max_new_tokens: int):
@@ -87,6 +93,10 @@ def main(argv=None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma_tiny")
+    parser.add_argument("--spec", default=None, help="a tools.bench size: a random bfloat16 "
+                        "model of its dimensions instead of --model (e.g. gemma_2b)")
+    parser.add_argument("--device", choices=("cpu", "gpu", "tpu"), default=None,
+                        help="where to decode (default: JAX's default device)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -98,15 +108,28 @@ def main(argv=None) -> dict[str, float]:
     parser.add_argument("--record", default=None, metavar="NAME",
                         help="write the table to results/NAME.json (tools.results)")
     parser.add_argument("--note", action="append", default=[])
+    parser.add_argument("--json", default=None, help="also write the measurement to this file")
     args = parser.parse_args(argv)
     greedy = args.temperature == 0
-
-    lm = model.load(args.model)
+    if args.device:
+        jax.config.update("jax_platforms", {"gpu": "cuda"}.get(args.device, args.device))
     batch, width, n = args.batch, args.prompt_len, args.new_tokens
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, lm.tokenizer.vocab_size, size=(batch, width)).astype(np.int32)
-    if lm.tokenizer.bos_id is not None:
-        ids[:, 0] = lm.tokenizer.bos_id
+    if args.spec:  # a random model of a benchmark size; Tunix first (the chip is then free)
+        from tools.bench import run as bench
+        from tools.bench.ours import build_task
+
+        spec = bench.spec_of(args.spec)
+        ids = rng.integers(3, spec["vocab"], size=(batch, width)).astype(np.int32)
+        ids[:, 0] = 2  # Gemma's bos
+        tunix = _tunix_random(spec, ids, n, args) if args.tunix_python else None
+        lm, args.skip = _Random(build_task(spec, "bfloat16-params")), ["kerashub", "no-cache"]
+        label = f"{args.spec} (random, bfloat16)"
+    else:
+        lm, tunix, label = model.load(args.model), None, args.model
+        ids = rng.integers(3, lm.tokenizer.vocab_size, size=(batch, width)).astype(np.int32)
+        if lm.tokenizer.bos_id is not None:
+            ids[:, 0] = lm.tokenizer.bos_id
     mask = np.ones_like(ids)
     graphdef, *states = nnx.split(lm.module)
     states = tuple(states)
@@ -118,7 +141,7 @@ def main(argv=None) -> dict[str, float]:
 
     def ours():
         nonlocal ours_ids
-        out = sample(states, d_ids, d_mask, key, args.temperature, 1.0, no_stop)
+        out = sample(states, d_ids, d_mask, key, sampler.Draw(args.temperature, 1.0, no_stop))
         ours_ids = out["completion_ids"]
         return out
 
@@ -151,7 +174,8 @@ def main(argv=None) -> dict[str, float]:
 
     seconds = _time_all(fns, args.repeats)
     notes = list(args.note)
-    tunix = _tunix(lm, ids, n, args) if args.tunix_python else None
+    if args.tunix_python and not args.spec:
+        tunix = _tunix(lm, ids, n, args)
     if tunix is not None and "seconds" in tunix:
         seconds["tunix"] = tunix["seconds"]
         if not tunix.get("same_weights"):
@@ -160,7 +184,7 @@ def main(argv=None) -> dict[str, float]:
         notes.append(f"Tunix side failed: {tunix.get('error')}")
         print(tunix.get("log_tail", ""))
     agree = {}
-    if tunix is not None and "completion_ids" in tunix and greedy:
+    if tunix is not None and "completion_ids" in tunix and greedy and tunix.get("same_weights"):
         agree["tunix"] = float(np.mean(np.asarray(tunix["completion_ids"]) == np.asarray(ours_ids)))
     if "kerashub" in fns:
         task.preprocessor = preprocessor
@@ -170,7 +194,7 @@ def main(argv=None) -> dict[str, float]:
 
     tokens = batch * n
     mode = "greedy" if greedy else f"temperature {args.temperature:g}"
-    print(f"{args.model} on {jax.devices()[0].platform}: batch {batch}, prompt {width}, "
+    print(f"{label} on {jax.devices()[0].platform}: batch {batch}, prompt {width}, "
           f"{n} new tokens, {mode}, median of {args.repeats}")
     print(f"{'decoder':<10} {'seconds':>9} {'tokens/s':>10} {'time/sampler':>13} {'same tokens':>12}")
     rates, rows = {}, []
@@ -179,8 +203,14 @@ def main(argv=None) -> dict[str, float]:
         same = f"{agree[name]:.1%}" if name in agree else "-"
         ratio = seconds[name] / seconds["sampler"]
         print(f"{name:<10} {sec:>9.4f} {rates[name]:>10.0f} {ratio:>12.2f}x {same:>12}")
-        rows.append([args.model, str(batch), mode, name, f"{sec:.4f}", f"{rates[name]:,.0f}",
+        rows.append([label, str(batch), mode, name, f"{sec:.4f}", f"{rates[name]:,.0f}",
                      f"{ratio:.2f}x", same])
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"argv": argv if argv is not None else sys.argv[1:], "label": label, "batch": batch,
+             "prompt": width, "new_tokens": n, "mode": mode, "seconds": seconds,
+             "agreement": agree, "notes": notes, "device_kind": jax.devices()[0].device_kind},
+            indent=1))
     if args.record:
         from tools import results as readme
 
@@ -190,6 +220,27 @@ def main(argv=None) -> dict[str, float]:
                        "time / ours", "same tokens as ours"], rows, notes,
                       {"seconds": seconds, "prompt": width, "new_tokens": n})
     return rates
+
+
+class _Random:
+    """A benchmark task of random weights as ``model.load``'s ``LanguageModel`` is read here."""
+
+    def __init__(self, task):
+        self.task, self.module = task, task.backbone
+
+
+def _tunix_random(spec: dict, ids, new_tokens: int, args) -> dict:
+    """Tunix's sampler on a random bfloat16 model of ``spec``'s size, in its own process."""
+    from tools.bench import run as bench
+
+    with tempfile.TemporaryDirectory(prefix="bench_sampler_") as tmp:
+        np.save(Path(tmp) / "prompts.npy", ids)
+        return bench._run_worker(
+            "tools.bench.tunix_side",
+            ["--spec", json.dumps(spec), "--sample", str(Path(tmp) / "prompts.npy"),
+             "--new-tokens", str(new_tokens), "--repeats", str(args.repeats), "--temperature",
+             str(args.temperature), "--dtype", "bfloat16", "--device", args.device or "cpu"],
+            1800, python=args.tunix_python)
 
 
 def _tunix(lm, ids, new_tokens: int, args) -> dict:

@@ -71,7 +71,9 @@ def check(tol_logits: float = 1e-4, tol_metrics: float = 1e-4, echo=print) -> di
     from datasets import Dataset
     from transformers import AutoTokenizer, GemmaForCausalLM
 
-    from nnx_posttrain import model, tasks  # noqa: F401  (tasks: the built-in models)
+    from nnx_posttrain import model, tasks
+
+    tasks.register()  # the built-in models
     from nnx_posttrain.algorithms.preference import DPO, DPOConfig
 
     report = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -12,7 +12,14 @@ where the loader fails, a random initialisation, and the result says ``same_weig
 SFT: ``PeftTrainer`` with its default loss (next-token cross-entropy over the input mask);
 DPO: ``DPOTrainer`` with a reference model (its log-probs computed every step, in the trainer's
 ``_prepare_inputs``), sigmoid loss, beta 0.1. Optimizer: ``optax.chain(clip_by_global_norm(1.0),
-adamw(lr, weight_decay=0))``, float32, no remat.
+adamw(lr, weight_decay=0))``, no remat. ``--dtype bfloat16`` (or ``bfloat16-params``): the weights
+in bfloat16, as Tunix's trainers run a checkpoint it loads in bfloat16 (its loader's ``dtype``;
+the computation follows the weights' dtype, AdamW's moments too). The LoRA cases (``sft_lora``,
+``dpo_lora``) put rank-8 adapters (alpha 16) on the attention projections with qwix, as Tunix's
+command line does (``qwix.LoraProvider`` + ``apply_lora_to_model``); ``PeftTrainer`` then trains
+only them, and DPO's reference is the base model without them. Without ``--hf-dir`` (the large
+sizes, whose weight export costs more than it shows) the weights are random, initialised on the
+device.
 
 Timing is over the trainer's own loop: a ``DataHooks`` object hands the loop its batches and, when
 the loop asks for the next one, waits for the model's weights (the previous step's result) and
@@ -29,7 +36,7 @@ import tempfile
 import time
 
 from tools import ToolError, command
-from tools.bench.run import (LEARNING_RATE, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
+from tools.bench.run import (LEARNING_RATE, device_memory_peak, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
                          summarize, tokens_per_step)
 
 
@@ -46,26 +53,58 @@ def tunix_config(spec: dict):
         attention_types=[gemma.AttentionType.GLOBAL] * spec["num_layers"])
 
 
-def build_model(spec: dict, hf_dir: str | None, seed: int):
-    """(model, same_weights, note): the exported weights through Tunix's loader, else random."""
+def build_model(spec: dict, hf_dir: str | None, seed: int, dtype: str = "float32"):
+    """(model, same_weights, note): the exported weights through Tunix's loader, else random;
+    in ``dtype`` (float32, or bfloat16 for the bfloat16 names)."""
     import jax.numpy as jnp
-    from flax import nnx
     from tunix.models.gemma import model as gemma
     from tunix.models.gemma import params_safetensors
 
     config = tunix_config(spec)
+    dtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
     if hf_dir:
         try:
             with tempfile.TemporaryDirectory(prefix="tunix_gemma1_") as tmp:
                 model = params_safetensors.create_model_from_safe_tensors(
-                    _gemma1_names(hf_dir, tmp), config, mesh=None, dtype=jnp.float32)
+                    _gemma1_names(hf_dir, tmp), config, mesh=None, dtype=dtype)
             return model, True, ("weights from the exported safetensors (Tunix's loader; "
                                  "post_attention_layernorm renamed pre_feedforward_layernorm)")
         except Exception as e:  # noqa: BLE001 - reported, not hidden
             note = f"Tunix's loader failed ({type(e).__name__}: {e}); random weights"
     else:
         note = "no checkpoint given; random weights"
-    return gemma.Gemma(config, rngs=nnx.Rngs(params=seed)), False, note
+    return _random_model(gemma, config, seed, dtype), False, note
+
+
+def _random_model(gemma, config, seed: int, dtype):
+    """Tunix's Gemma with random weights in ``dtype``, initialised and cast in one jitted
+    program (a bfloat16 model never holds its float32 initialisation whole)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    @nnx.jit
+    def create():
+        model = gemma.Gemma(config, rngs=nnx.Rngs(params=seed))
+        state = nnx.state(model)
+        nnx.update(model, jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
+        return model
+
+    return create()
+
+
+LORA_MODULES = ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum"  # Gemma's attention
+
+
+def with_lora(model):
+    """The model with qwix's LoRA on its attention projections (Tunix's command line's way)."""
+    import qwix
+
+    from tools.bench.run import LORA_RANK
+
+    provider = qwix.LoraProvider(module_path=LORA_MODULES, rank=LORA_RANK, alpha=2.0 * LORA_RANK)
+    return qwix.apply_lora_to_model(model, provider, **model.get_model_input())
 
 
 def _gemma1_names(hf_dir: str, out_dir: str) -> str:
@@ -152,23 +191,26 @@ def _dpo_inputs(batches, prompt: int):
     return out
 
 
-def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, seed: int) -> dict:
+def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, seed: int,
+            dtype: str = "float32") -> dict:
     import jax
     import optax
     import tunix
     from tunix.sft import peft_trainer, utils
     from tunix.sft.dpo import dpo_trainer
 
-    if case not in ("sft", "dpo"):
-        raise ToolError(f"tools.bench.tunix_side: case {case!r} not measured (sft, dpo)")
+    if case not in ("sft", "dpo", "sft_lora", "dpo_lora"):
+        raise ToolError(f"tools.bench.tunix_side: case {case!r} not measured "
+                        "(sft, dpo, sft_lora, dpo_lora)")
     rss_imports = rss_now_mb()
     total = 1 + warmup + steps
-    model, same_weights, note = build_model(spec, hf_dir, seed)
+    base, same_weights, note = build_model(spec, hf_dir, seed, dtype)
+    model = with_lora(base) if case.endswith("_lora") else base
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(LEARNING_RATE, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0))
     common = dict(eval_every_n_steps=10**9, max_steps=total, pbar_description=None,
                   data_sharding_axis=("fsdp",))
-    kind = "sft" if case == "sft" else "dpo"
+    kind = "sft" if case.startswith("sft") else "dpo"
     host = make_batches(spec, kind, total, seed)
     if kind == "sft":
         trainer = peft_trainer.PeftTrainer(model, tx, peft_trainer.TrainingConfig(**common))
@@ -182,7 +224,7 @@ def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, 
         trainer = trainer.with_gen_model_input_fn(model_inputs)
         batches = _sft_inputs(host)
     else:
-        reference, _, _ = build_model(spec, hf_dir, seed)
+        reference = base if case == "dpo_lora" else build_model(spec, hf_dir, seed, dtype)[0]
         trainer = dpo_trainer.DPOTrainer(
             model, reference, tx,
             dpo_trainer.DPOTrainingConfig(**common, algorithm="dpo", beta=0.1))
@@ -207,7 +249,7 @@ def measure(spec: dict, case: str, hf_dir: str | None, steps: int, warmup: int, 
         weights_note=note, loss_first=losses[0] if losses else None,
         loss_last=losses[-1] if losses else None, device=str(jax.devices()[0].platform),
         backend_version=f"tunix {getattr(tunix, '__version__', '0.1.7')}, jax {jax.__version__}",
-        times_s=times,
+        times_s=times, **device_memory_peak(),
     )
     return out
 
@@ -235,8 +277,8 @@ class _IdTokenizer:
         return self._ids[2]
 
 
-def sample(spec: dict, hf_dir: str, prompts_file: str, new_tokens: int, repeats: int,
-           temperature: float) -> dict:
+def sample(spec: dict, hf_dir: str | None, prompts_file: str, new_tokens: int, repeats: int,
+           temperature: float, dtype: str = "float32") -> dict:
     """Tunix's sampler (``tunix.generate.sampler.Sampler``, KV cache) on the prompts of
     ``tools.bench.sampler``: median seconds of a call after a warm-up call, and the tokens."""
     import statistics
@@ -245,7 +287,7 @@ def sample(spec: dict, hf_dir: str, prompts_file: str, new_tokens: int, repeats:
     import numpy as np
     from tunix.generate import sampler as tunix_sampler
 
-    model, same_weights, note = build_model(spec, hf_dir, 0)
+    model, same_weights, note = build_model(spec, hf_dir, 0, dtype)
     prompts = np.load(prompts_file)
     width = prompts.shape[1]
     cache = tunix_sampler.CacheConfig(cache_size=width + new_tokens, num_layers=spec["num_layers"],
@@ -286,14 +328,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
-    if args.dtype != "float32":
-        raise ToolError("tools.bench.tunix_side measures float32 only")
-    os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.device == "gpu" else "cpu")
+    if args.dtype not in ("float32", "bfloat16", "bfloat16-params"):
+        raise ToolError(f"tools.bench.tunix_side: --dtype float32 or bfloat16, got {args.dtype}")
+    os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.device == "gpu" else args.device)
     if args.sample:
         emit(sample(json.loads(args.spec), args.hf_dir, args.sample, args.new_tokens, args.repeats,
-                    args.temperature))
+                    args.temperature, args.dtype))
         return
-    emit(measure(json.loads(args.spec), args.case, args.hf_dir, args.steps, args.warmup, args.seed))
+    emit(measure(json.loads(args.spec), args.case, args.hf_dir, args.steps, args.warmup, args.seed,
+                 args.dtype))
 
 
 if __name__ == "__main__":

@@ -114,9 +114,7 @@ def held_out_answers(rollouts, states, src, index, batch_size: int = 64):
         count = len(chunk)  # the last batch is padded to the same shape (one compilation)
         chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - count)])
         gen = rollouts.agent.generate(sample, src, chunk)
-        total, scores = rollouts.score(src, chunk, gen.prompt_ids, gen.prompt_mask,
-                                       gen.completion_ids, gen.model_mask, gen.texts,
-                                       gen.conversations)
+        total, scores = rollouts.score(src, chunk, gen.completions)
         logged += gen.texts[:count]
         answers += [rewards_lib.text_of(c) for c in gen.conversations[:count]]
         totals.append(total[:count])

@@ -1,10 +1,26 @@
-"""What a rollout generated (``Generated``), and the metrics of generations."""
+"""What a rollout generated (``Generated``), what the rewards score (``Completions``), and the
+metrics of generations."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
+
+
+class Completions(NamedTuple):
+    """Completions as the reward functions score them (``rewards.score_batch``): their texts,
+    the left-padded prompts [B, P] with their mask, the completions' ids [B, N] with the mask
+    of the model's own tokens, and each completion as chat messages (tool-calling rollouts;
+    None otherwise)."""
+
+    texts: list[str]
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    completion_ids: np.ndarray
+    completion_mask: np.ndarray
+    conversations: list | None = None
 
 
 @dataclasses.dataclass
@@ -22,6 +38,12 @@ class Generated:
     texts: list[str]
     conversations: list | None = None
     metrics: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def completions(self) -> Completions:
+        """What the rewards score: the model's own tokens of each completion."""
+        return Completions(self.texts, self.prompt_ids, self.prompt_mask, self.completion_ids,
+                           self.model_mask, self.conversations)
 
 
 def completion_metrics(mask, finished) -> dict:

@@ -19,21 +19,25 @@ from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.algorithms.preference import pair_logps
-from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses.common import _mean_metric
-from nnx_posttrain.losses.dpo import dpo
+from nnx_posttrain.losses.dpo import DPOOptions, DPOPairs, dpo
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class OnlineDPOConfig(SamplingConfig):
     """Online DPO (Guo et al. 2024): two samples per prompt, ranked by the reward, DPO loss."""
 
     num_generations: int = 2
-    beta: float = 0.1
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    # TRL's OnlineDPOConfig: DPO's beta and two of its loss types, with DPO's defaults
+    beta: float = DPOOptions.beta
+    loss_type: Literal["sigmoid", "ipo"] = DPOOptions.loss_type
+
+    @property
+    def dpo_options(self) -> DPOOptions:
+        """The DPO loss's options these settings give."""
+        return DPOOptions(beta=self.beta, loss_type=self.loss_type)
 
 
-@register
 class OnlineDPO(OnlineAlgorithm):
     """Of each prompt's two samples the higher-reward one is chosen (ties: the first)."""
 
@@ -67,8 +71,8 @@ class OnlineDPO(OnlineAlgorithm):
     def loss(self, module, batch, reference=None):
         lp = pair_logps(module, batch, self.logprob_chunk)
         ref = self.reference(module, reference, lambda m: pair_logps(m, batch, self.logprob_chunk))
-        total, weight, metrics = dpo(lp["chosen"], lp["rejected"], ref["chosen"], ref["rejected"],
-                                     beta=self.cfg.beta, loss_type=self.cfg.loss_type)
+        total, weight, metrics = dpo(DPOPairs(lp["chosen"], lp["rejected"], ref["chosen"],
+                                              ref["rejected"]), self.cfg.dpo_options)
         # TRL's objective/* over both completions of every pair (sequence sums, no gradient)
         logps = jnp.concatenate([lp["chosen"], lp["rejected"]])
         kl = logps - jnp.concatenate([ref["chosen"], ref["rejected"]])

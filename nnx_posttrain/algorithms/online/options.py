@@ -7,7 +7,7 @@ import dataclasses
 from nnx_posttrain.algorithms.reference import Reference
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """What every online algorithm shares: generation and rewards."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -13,35 +12,18 @@ from flax import nnx
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
-from nnx_posttrain.algorithms.registry import register
 from nnx_posttrain.losses import rl
+from nnx_posttrain.losses.rl import PPOInputs, PPOOptions, ppo_loss, ppo_rewards
 
 
-@dataclasses.dataclass
-class PPOConfig(SamplingConfig):
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(SamplingConfig, PPOOptions):
     """PPO with a value head on the policy's backbone, GAE, clipped value loss and a per-token
     KL penalty in the reward (Ouyang et al. 2022; TRL's PPOTrainer)."""
 
     num_generations: int = 1
-    gamma: float = 1.0
-    """Discount."""
-    lam: float = 0.95
-    """GAE lambda."""
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    kl_coef: float = 0.05
-    """Per-token KL penalty in the reward."""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """Per-token KL estimate in the reward: k1 = log pi - log pi_ref, k3 = (r - 1) - log r (r = pi_ref / pi; >= 0, lower variance)."""
-    whiten_rewards: bool = False
-    """Whiten the per-token rewards (scale only, the mean kept) over the completion tokens before GAE."""
-    whiten_advantages: bool = True
-    missing_eos_penalty: float | None = None
-    """Subtracted from the score of a completion with no stop token."""
 
 
-@register
 class PPO(OnlineAlgorithm):
     name = "ppo"
     Config = PPOConfig
@@ -79,8 +61,7 @@ class PPO(OnlineAlgorithm):
                    "val/num_eos_tokens": float(np.sum(finished))}
         ref = (rollouts.logps(batch, state, False, True)["ref_logps"]
                if self.reference_mode is not None else None)
-        per_token, kl = (np.asarray(x) for x in rl.ppo_rewards(
-            scores, old_logps, ref, mask, kl_coef=c.kl_coef, kl_estimator=c.kl_estimator))
+        per_token, kl = (np.asarray(x) for x in ppo_rewards(scores, old_logps, ref, mask, c))
         if ref is not None:
             metrics["objective/kl"] = float(kl.sum(axis=1).mean())
             metrics["objective/non_score_reward"] = float(-c.kl_coef * kl.sum(axis=1).mean())
@@ -101,6 +82,5 @@ class PPO(OnlineAlgorithm):
         (logps, entropy), values = module.logps_and_values(
             batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
             self.logprob_temperature, with_entropy=True, positions=batch.get("positions"))
-        return rl.ppo_loss(logps, batch["old_logps"], batch["advantages"], batch["returns"], values,
-                           batch["old_values"], batch["loss_mask"], cliprange=c.cliprange,
-                           cliprange_value=c.cliprange_value, vf_coef=c.vf_coef, entropies=entropy)
+        return ppo_loss(PPOInputs(logps, batch["old_logps"], batch["advantages"], batch["returns"],
+                                  values, batch["old_values"], batch["loss_mask"], entropy), c)

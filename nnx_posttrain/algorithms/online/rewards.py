@@ -19,10 +19,12 @@ import inspect
 import json
 import re
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from nnx_posttrain import chat, data, errors, user_code
+from nnx_posttrain.algorithms.online.generation import Completions
 
 _INTEGER_IN = re.compile(r"-?\d+")
 
@@ -209,32 +211,48 @@ def check_columns(reward_fns, columns, data_name: str) -> None:
             "rewards that fit it (a 'module:function' reward receives every column by name).")
 
 
-def _call(fn, prompts, completions, columns: dict, state):
+class Call(NamedTuple):
+    """What a reward function is called with (TRL's reward signature): the prompts, the
+    completions, the data's columns (and ``completion_ids``), one per completion, and TRL's
+    ``trainer_state`` (``global_step``, ``max_steps``)."""
+
+    prompts: list
+    completions: list
+    columns: dict
+    state: Any = None
+
+    def row(self, i: int) -> "Call":
+        """The call of completion ``i`` alone."""
+        return Call(self.prompts[i:i + 1], self.completions[i:i + 1],
+                    {k: v[i:i + 1] for k, v in self.columns.items()}, self.state)
+
+
+def _call(fn, call: Call):
     """``fn(prompts=, completions=, **columns, trainer_state=)``, as TRL calls a reward; a function
     without ``**kwargs`` gets only the arguments it names."""
-    kwargs = dict(columns, trainer_state=state)
+    kwargs = dict(call.columns, trainer_state=call.state)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         params = None
     if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(prompts=prompts, completions=completions, **kwargs)
+    return fn(prompts=call.prompts, completions=call.completions, **kwargs)
 
 
-def score(name: str, fn, prompts, completions, columns: dict, describe, state=None) -> list:
-    """``fn``'s rewards of a batch as floats (NaN for None). ``columns``: the data's columns and
-    ``completion_ids``, one per completion; ``state``: TRL's ``trainer_state`` (``global_step``,
-    ``max_steps``). A reward that raises, or returns something else than one number (or None)
-    per completion, stops the run with a message naming the reward and the first row it fails
-    on (``describe(i)``: where row i comes from; called only for that message)."""
+def score(name: str, fn, call: Call, describe) -> list:
+    """``fn``'s rewards of a batch (``call``) as floats (NaN for None). A reward that raises, or
+    returns something else than one number (or None) per completion, stops the run with a
+    message naming the reward and the first row it fails on (``describe(i)``: where row i comes
+    from; called only for that message)."""
     try:
-        raw = _call(fn, prompts, completions, columns, state)
+        raw = _call(fn, call)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's function: where it fails
-        row = _first_failing_row(fn, prompts, completions, columns, state)
+        row = _first_failing_row(fn, call)
         at = f" on {describe(row)}" if row is not None else ""
         raise errors.RewardError(f"reward {name!r} failed{at}{user_code.failure(exc, fn)}"
                                  ) from None
+    completions = call.completions
     try:
         values = None if raw is None or isinstance(raw, (str, bytes)) else list(raw)
     except TypeError:  # one number, not one per completion
@@ -262,24 +280,24 @@ def score(name: str, fn, prompts, completions, columns: dict, describe, state=No
     return out
 
 
-def score_batch(reward_fns, reward_weights, src, index, prompt_ids, prompt_mask, completion_ids,
-                completion_mask, texts, state=None, conversations=None):
-    """The completions ``texts`` of the records of ``src`` at ``index`` -> ([B] sum of the rewards
+def score_batch(reward_fns, reward_weights, src, index, gen: Completions, state=None):
+    """The completions ``gen`` of the records of ``src`` at ``index`` -> ([B] sum of the rewards
     times ``reward_weights``, NaN-ignoring as TRL; {name: [B] rewards, NaN where a function does
     not apply}). Each function is called as TRL calls it (``score``): the records' columns,
     conversational completions for conversational prompts, every completion's token ids; a
-    reward model reads the prompt and completion tokens. ``conversations``: each completion as
-    chat messages (a tool-calling rollout: assistant turns, tool results), given to the functions
-    as the conversational completions."""
+    reward model reads the prompt and completion tokens. ``gen.conversations``: each completion
+    as chat messages (a tool-calling rollout: assistant turns, tool results), given to the
+    functions as the conversational completions."""
+    texts = gen.texts
     records = data.extra_columns(src, index, exclude=())
     columns = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
     prompts = columns.pop("prompt", [None] * len(texts))
     index = np.asarray(index).reshape(-1)
     completions = texts
     if prompts and isinstance(prompts[0], list):
-        completions = conversations or [[{"role": "assistant", "content": t}] for t in texts]
+        completions = gen.conversations or [[{"role": "assistant", "content": t}] for t in texts]
     columns["completion_ids"] = [row[m > 0].tolist() for row, m in
-                                 zip(np.asarray(completion_ids), np.asarray(completion_mask))]
+                                 zip(np.asarray(gen.completion_ids), np.asarray(gen.completion_mask))]
 
     def describe(i):  # for an error message only: the record's file:line
         j = int(index[i])
@@ -289,10 +307,10 @@ def score_batch(reward_fns, reward_weights, src, index, prompt_ids, prompt_mask,
     per_fn = np.zeros((len(texts), len(reward_fns)), np.float32)
     for j, (name, fn) in enumerate(reward_fns):
         if getattr(fn, "needs_tokens", False):
-            values = fn.score_rows(_token_rows(prompt_ids, prompt_mask, completion_ids,
-                                               completion_mask))
+            values = fn.score_rows(_token_rows(gen.prompt_ids, gen.prompt_mask,
+                                               gen.completion_ids, gen.completion_mask))
         else:
-            values = score(name, fn, prompts, completions, columns, describe, state)
+            values = score(name, fn, Call(prompts, completions, columns, state), describe)
         per_fn[:, j] = [np.nan if v is None else float(v) for v in values]
     total = np.nansum(per_fn * reward_weights[None, :], axis=1)
     return total, {name: per_fn[:, j] for j, (name, _) in enumerate(reward_fns)}
@@ -305,11 +323,10 @@ def _token_rows(prompt_ids, prompt_mask, completion_ids, completion_mask) -> lis
     return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
-def _first_failing_row(fn, prompts, completions, columns, state) -> int | None:
-    for i in range(len(completions)):
+def _first_failing_row(fn, call: Call) -> int | None:
+    for i in range(len(call.completions)):
         try:
-            _call(fn, prompts[i:i + 1], completions[i:i + 1],
-                  {k: v[i:i + 1] for k, v in columns.items()}, state)
+            _call(fn, call.row(i))
         except (Exception, SystemExit):  # noqa: BLE001
             return i
     return None

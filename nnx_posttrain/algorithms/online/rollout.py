@@ -145,10 +145,15 @@ class OnlineAlgorithm(AlgorithmBase):
         raise NotImplementedError
 
     def policy_logps(self, module, batch, with_entropy=True):
-        return model.token_logprobs(self.policy(module), batch["input_ids"], batch["attention_mask"],
-                                    self.logprob_chunk, with_entropy=with_entropy,
-                                    temperature=self.logprob_temperature,
-                                    positions=batch.get("positions"))
+        projection = model.Projection(self.logprob_chunk, self.logprob_temperature,
+                                      entropy=with_entropy)
+        return model.token_logprobs(self.policy(module), batch["input_ids"],
+                                    batch["attention_mask"], projection, batch.get("positions"))
+
+
+def rollout_rows(batch: dict) -> dict:
+    """The arrays of a rollout batch its log-probs are computed from."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "positions")}
 
 
 class Rollouts(HostWindow):
@@ -182,7 +187,7 @@ class Rollouts(HostWindow):
                                  "--algo.max-completion-length", cfg.memory_check)
         self._sample = sampler.make_sampler(policy_graphdef, c.max_completion_length, top_k=c.top_k,
                                             pad_id=run.lm.tokenizer.pad_id)
-        self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(5, 6))
+        self._logps_jit = jax.jit(self._rollout_logps, static_argnums=(3, 4))
         algorithm.attach(self)
         self.prompts = data.train_batches(run.train_src, data.Indexed(run.transform),
                                           algorithm.prompts_per_step(b.batch_size), cfg.seed,
@@ -280,9 +285,9 @@ class Rollouts(HostWindow):
         with ``rng`` folded with t; turn 0 with ``rng`` itself)."""
         def sample(ids, mask, budget, turn):
             key = rng if turn == 0 else jax.random.fold_in(rng, turn)
-            return jax.device_get(self._sample(
-                tuple(states), ids, mask, key, jnp.float32(temperature), jnp.float32(top_p),
-                self.stop_ids, self.lm.tokenizer.vocab_size, budget))
+            return jax.device_get(self._sample(tuple(states), ids, mask, key, sampler.Draw(
+                jnp.float32(temperature), jnp.float32(top_p), self.stop_ids,
+                self.lm.tokenizer.vocab_size, budget)))
         return sample
 
     def generate(self, states, rng, prompts: dict, g: int) -> generation.Generated:
@@ -358,20 +363,17 @@ class Rollouts(HostWindow):
                 ) from None
         return out
 
-    def score(self, src, index, prompt_ids, prompt_mask, completion_ids, completion_mask, texts,
-              conversations=None):
-        """Completions of the records of ``src`` at ``index`` -> ([B] weighted reward sum,
-        {function name: [B] rewards, NaN where it does not apply}) (``rewards.score_batch``).
-        Rollouts score with it, and evaluation scores greedy answers to held-out prompts."""
+    def score(self, src, index, completions):
+        """``completions`` (``generation.Completions``) of the records of ``src`` at ``index``
+        -> ([B] weighted reward sum, {function name: [B] rewards, NaN where it does not apply})
+        (``rewards.score_batch``). Rollouts score with it, and evaluation scores greedy answers
+        to held-out prompts."""
         return rewards_lib.score_batch(self.reward_fns, self.reward_weights, src, index,
-                                       prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                       texts, self.trainer_state, conversations)
+                                       completions, self.trainer_state)
 
     def _rewards(self, gen, index):
         """[B] weighted reward sum, the per-function metrics, the per-function rewards."""
-        total, per_fn = self.score(self.train_src, index, gen.prompt_ids, gen.prompt_mask,
-                                   gen.completion_ids, gen.model_mask, gen.texts,
-                                   gen.conversations)
+        total, per_fn = self.score(self.train_src, index, gen.completions)
         metrics = {}
         for name, values in per_fn.items():
             applies = values[np.isfinite(values)]
@@ -391,15 +393,16 @@ class Rollouts(HostWindow):
             metrics["frac_reward_zero_std"] = float((groups.std(axis=1) == 0).mean())
         return total, metrics, per_fn
 
-    def _rollout_logps(self, params, frozen, ids, att, positions, with_old: bool, with_ref: bool):
-        """Per-token log-probs of the rollout under the current policy (``old_logps``) and the
-        reference (``ref_logps``), at the sampling temperature, without gradient."""
+    def _rollout_logps(self, params, frozen, rows: dict, with_old: bool, with_ref: bool):
+        """Per-token log-probs of the rollout's ``rows`` (``input_ids``, ``attention_mask``,
+        ``positions``) under the current policy (``old_logps``) and the reference
+        (``ref_logps``), at the sampling temperature, without gradient."""
         algo = self.algorithm
         module, reference = model.merge(self.graphdef, params, frozen)
         policy = algo.policy(module)
-        fwd = lambda m: model.token_logprobs(m, ids, att, algo.logprob_chunk,
-                                             temperature=algo.logprob_temperature,
-                                             positions=positions)
+        projection = model.Projection(algo.logprob_chunk, algo.logprob_temperature)
+        fwd = lambda m: model.token_logprobs(m, rows["input_ids"], rows["attention_mask"],
+                                             projection, rows["positions"])
         out = {}
         if with_old:
             out["old_logps"] = fwd(policy)
@@ -412,6 +415,6 @@ class Rollouts(HostWindow):
         """``old_logps`` and / or ``ref_logps`` of a rollout batch, as numpy arrays."""
         if not (with_old or with_ref):
             return {}
-        out = self._logps_jit(state["params"], self.frozen, batch["input_ids"],
-                              batch["attention_mask"], batch["positions"], with_old, with_ref)
+        out = self._logps_jit(state["params"], self.frozen, rollout_rows(batch), with_old,
+                              with_ref)
         return {k: np.asarray(v) for k, v in jax.device_get(out).items()}

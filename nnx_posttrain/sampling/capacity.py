@@ -1,0 +1,70 @@
+"""What a generation may take: the context of each model family (``CONTEXT_LENGTHS``), the memory
+decoding needs beyond the weights (``generation_bytes``), and the check of both before a sampler
+is built (``check_generation``). Re-exported by ``sampler``."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from nnx_posttrain import errors, model
+from nnx_posttrain.model import device_memory
+from nnx_posttrain.model.device_memory import GiB
+
+# The longest context of each family's released checkpoints (their configs'
+# max_position_embeddings; the longest where a family's sizes differ: Gemma 3 1B has 32,768,
+# Llama 3.0 8,192). Rotary positions past it are untrained: a generation that would need them is
+# refused. A model trained for less still gets the family's bound.
+CONTEXT_LENGTHS = {
+    "GemmaBackbone": 8_192,  # Gemma, Gemma 2
+    "Gemma3Backbone": 131_072,
+    "LlamaBackbone": 4_096,  # Llama 2
+    "Llama3Backbone": 131_072,  # Llama 3.1 / 3.2
+    "MistralBackbone": 32_768,
+    "QwenBackbone": 131_072,  # Qwen 2.5 with YaRN (32,768 without)
+    "Qwen3Backbone": 131_072,  # Qwen 3 with YaRN (40,960 without)
+}
+
+
+def generation_bytes(module, batch: int, prompt_length: int, max_new_tokens: int) -> int:
+    """What decoding ``batch`` prompts of ``prompt_length`` tokens for ``max_new_tokens`` tokens
+    allocates beyond the weights: the KV cache of every block, the float32 logits of one
+    position (the prompt pass projects only its last)."""
+    heads, head_dim, dtype = kv_layout(module)
+    length = prompt_length + max_new_tokens
+    cache = 2 * len(model.decoder_blocks(module)) * batch * heads * length * head_dim
+    return cache * np.dtype(dtype).itemsize + 4 * batch * int(module.vocabulary_size)
+
+
+def check_generation(module, batch: int, prompt_length: int, max_new_tokens: int,
+                     option: str = "max_new_tokens", memory_check: bool = True) -> None:
+    """``ConfigError`` naming ``option`` when a prompt of ``prompt_length`` tokens plus
+    ``max_new_tokens`` is longer than the family's context (``CONTEXT_LENGTHS``), or when (with
+    ``memory_check``) ``generation_bytes`` is more than the memory free; with the longest
+    ``max_new_tokens`` that would pass."""
+    name, total = type(module).__name__, prompt_length + max_new_tokens
+    context = CONTEXT_LENGTHS.get(name)
+    if context and total > context:
+        raise errors.ConfigError(
+            f"{option} {max_new_tokens:,}: a prompt of up to {prompt_length:,} tokens and "
+            f"{max_new_tokens:,} new ones make {total:,} positions, past the {context:,} of "
+            f"{name}'s context (nnx_posttrain.sampling.capacity.CONTEXT_LENGTHS); at most "
+            f"{max(context - prompt_length, 0):,} new tokens")
+    free = device_memory.available_bytes() if memory_check else None
+    need = generation_bytes(module, batch, prompt_length, max_new_tokens)
+    if free is not None and need > free:
+        fixed = generation_bytes(module, batch, prompt_length, 0)
+        per_token = generation_bytes(module, batch, prompt_length, 1) - fixed
+        fits = max((free - fixed) // per_token, 0)
+        raise errors.ConfigError(
+            f"{option} {max_new_tokens:,}: decoding {batch} sequences of {total:,} positions needs "
+            f"an estimated {need / GiB:,.2f} GiB (KV cache and logits; "
+            f"nnx_posttrain.sampling.capacity.generation_bytes), and {free / GiB:,.2f} GiB are free; "
+            f"at most ~{fits:,} new tokens fit")
+
+
+def kv_layout(module) -> tuple[int, int, str]:
+    """(kv heads, head dim, compute dtype) of the backbone's keys and values."""
+    heads = int(module.num_key_value_heads)
+    head_dim = getattr(module, "head_dim", None) or module.hidden_dim // module.num_query_heads
+    return heads, int(head_dim), keras.backend.standardize_dtype(module.compute_dtype)

@@ -1,0 +1,112 @@
+"""Record the TPU battery's results (``tools/bench/tpu.sh``, run on the chip) as the docs' tables:
+
+    python -m tools.bench.record_tpu DIR     # DIR: the battery's $OUT, brought back from the chip
+
+``results/bench_tpu.json``: ours against Tunix per size and case (``tools.bench``'s accelerator
+table: ms/step, MFU, HBM peak, compile), from every ``bench_*.json`` in DIR (and the log of a run
+cut short before its JSON: its ms/step lines, MFU computed from them, the rest n/a); and
+``results/bench_sampler_tpu.json``: decoding, from every ``sampler_*.json``. Then
+``python -m tools.results`` renders them into docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import types
+from pathlib import Path
+
+from tools import ToolError, command
+from tools.bench import run as bench
+
+SAMPLER_COLUMNS = ["model", "batch", "decoding", "new tokens", "ours s", "Tunix s",
+                   "ours tokens/s", "Tunix tokens/s", "speed-up vs Tunix"]
+
+
+def where(kinds: set[str]) -> str:
+    return f"1 {', '.join(sorted(kinds)) or 'TPU'} chip, JAX 0.10.2 (the lent v5e machine)"
+
+
+_LINE = re.compile(r"^(\S+)\s+(\S+)\s+(ours|tunix)\s+(?:([\d.]+) ms/step.*|(.*exited.*))$")
+
+
+def from_log(path: Path) -> dict:
+    """A run cut short before its JSON (an older driver wrote it only at the end): the
+    per-measurement lines of its log, ms/step or the failure, and the command line."""
+    text = path.read_text()
+    argv = next((line[len("# python -m tools.bench "):].split() for line in text.splitlines()
+                 if line.startswith("# python -m tools.bench ")), [])
+    results = []
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if match:
+            size, case, side, ms, failed = match.groups()
+            r = {"size": size, "case": case, "side": side, "from_log": path.name}
+            if ms:
+                spec = bench.spec_of(size)
+                r.update(ms_per_step=float(ms), device_kind="TPU v5 lite",
+                         tokens_per_step=bench.tokens_per_step(spec, case),
+                         tokens_per_s=bench.tokens_per_step(spec, case) / (float(ms) / 1000))
+                r["mfu"] = (bench.model_flops(spec, case) / (float(ms) / 1000)
+                            / (bench.PEAK_TFLOPS["TPU v5 lite"] * 1e12))
+            else:
+                r.update(error=failed, log_tail=text[text.find(line):][:4000])
+            results.append(r)
+    return {"argv": argv, "results": results, "from_log": path.name}
+
+
+def training(files: list[Path]) -> Path:
+    runs = [json.loads(p.read_text()) if p.suffix == ".json" else from_log(p) for p in files]
+    results = [r for run in runs for r in run["results"]]
+    merged = bench.median_over_repeats(results)
+    args = types.SimpleNamespace(peak_tflops=None, dtype="bfloat16-params", device="tpu")
+    commands = ["python -m tools.bench " + " ".join(run["argv"]) for run in runs]
+    from tools import results as readme
+
+    return readme.record("bench_tpu", "; ".join(commands), bench.ACCELERATOR_COLUMNS,
+                         bench.accelerator_rows(merged), bench.accelerator_notes(merged, args),
+                         {"runs": runs}, where({r.get("device_kind", "") for r in merged} - {""}))
+
+
+def sampling(files: list[Path]) -> Path:
+    from tools import results as readme
+
+    rows, raw = [], [json.loads(p.read_text()) for p in files]
+    for m in sorted(raw, key=lambda m: (m["mode"], m["batch"])):
+        ours, tunix = m["seconds"].get("sampler"), m["seconds"].get("tunix")
+        tokens = m["batch"] * m["new_tokens"]
+        rows.append([m["label"], str(m["batch"]), m["mode"], str(m["new_tokens"]),
+                     f"{ours:.3f}", "n/a" if tunix is None else f"{tunix:.3f}",
+                     f"{tokens / ours:,.0f}", "n/a" if tunix is None else f"{tokens / tunix:,.0f}",
+                     "n/a" if tunix is None else f"{tunix / ours:.2f}x"])
+    notes = ["Ours: nnx_posttrain.sampling.sampler (compiled loop, KV cache); Tunix: "
+             "tunix.generate.sampler.Sampler (KV cache); both on random bfloat16 weights of the "
+             "size, the same prompt ids (prompt "
+             f"{raw[0]['prompt'] if raw else '?'} tokens, no stop token: every row decodes every "
+             "new token); median seconds of a call after a warm-up call. Tunix's call includes "
+             "its trivial tokenisation of the ids (its API takes text)."]
+    commands = sorted({"python -m tools.bench.sampler " + " ".join(m["argv"]) for m in raw})
+    return readme.record("bench_sampler_tpu", "; ".join(commands), SAMPLER_COLUMNS, rows, notes,
+                         {"runs": raw}, where({m.get("device_kind", "") for m in raw} - {""}))
+
+
+@command
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir")
+    args = parser.parse_args(argv)
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise ToolError(f"{root} is not a directory")
+    runs = sorted(root.glob("bench_*.json"))
+    cut = [p for p in sorted(root.glob("bench_*.log")) if p.with_suffix(".json") not in runs]
+    for name, files, fn in (("training", runs + cut, training),
+                            ("sampling", sorted(root.glob("sampler_*.json")), sampling)):
+        if files:
+            print(f"recorded {fn(files)} ({name}, {len(files)} files)")
+
+
+if __name__ == "__main__":
+    main()

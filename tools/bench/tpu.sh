@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The TPU battery, on a TPU VM with the project's dependencies and Tunix installed (a Cloud TPU VM:
+# pip install -e ".[tpu,test]" and, for the Tunix side, ".[bench-tunix]" plus qwix; the lent v5e
+# machine: ../shared/tpu/README.md). Each part writes its logs and JSON under $OUT (default
+# runs/tpu); run the parts that fit the time you have:
+#
+#   bash tools/bench/tpu.sh tests      # python -m pytest -m tpu (the TPU test tier)
+#   bash tools/bench/tpu.sh small      # ours vs Tunix, tiny and medium, SFT and DPO, bfloat16
+#   bash tools/bench/tpu.sh large      # the ~1 B full fine-tune (2,048-token rows) and gemma_2b LoRA
+#   bash tools/bench/tpu.sh sampler    # decoding at gemma_2b's size, batch 16 / 64, 256 new tokens
+#
+# Then, here: python -m tools.bench.record_tpu $OUT (results/bench_tpu*.json, the docs' tables).
+set -uo pipefail
+OUT=${OUT:-runs/tpu}
+mkdir -p "$OUT"
+PY=$(command -v python3)
+bench() { python -m tools.bench --device tpu --dtype bfloat16-params --tunix-python "$PY" "$@"; }
+for part in "$@"; do
+  start=$(date +%s)
+  case "$part" in
+    tests)
+      python -m pytest -m tpu -q -p no:cacheprovider -o addopts="" tests/test_tpu.py \
+        --junitxml "$OUT/pytest_tpu.xml" 2>&1 | tee "$OUT/pytest_tpu.log" ;;
+    small)
+      bench --sizes tiny,medium --cases sft,dpo --steps 10 --warmup 2 \
+        --json "$OUT/bench_small.json" 2>&1 | tee "$OUT/bench_small.log" ;;
+    large)
+      bench --sizes gemma_1b --cases sft,dpo --steps 6 --warmup 1 --checkpoint-probe 3 \
+        --json "$OUT/bench_1b.json" 2>&1 | tee "$OUT/bench_1b.log"
+      bench --sizes gemma_2b --cases sft_lora,dpo_lora --steps 6 --warmup 1 --checkpoint-probe 3 \
+        --json "$OUT/bench_2b_lora.json" 2>&1 | tee "$OUT/bench_2b_lora.log" ;;
+    sampler)
+      for t in 0 1.0; do for b in 16 64; do
+        python -m tools.bench.sampler --spec gemma_2b --device tpu --tunix-python "$PY" \
+          --batch $b --new-tokens 256 --prompt-len 64 --repeats 3 --temperature $t \
+          --json "$OUT/sampler_b${b}_t${t}.json" 2>&1 | tee "$OUT/sampler_b${b}_t${t}.log"
+      done; done ;;
+    *) echo "unknown part $part (tests, small, large, sampler)"; exit 2 ;;
+  esac
+  echo "tpu.sh: $part took $(( $(date +%s) - start )) s" | tee -a "$OUT/parts.log"
+done
