@@ -168,9 +168,10 @@ class Checkpointer:
         as is ``CheckpointMismatchError``); a checkpoint that fails to read is set aside and the
         next older one tried. ``weights_only``: only what ``abstract_state`` names
         (``restore_weights``), the data state is None."""
+        failed = False
         while (step := self.latest_intact_step(echo)) is not None:
             try:
-                with _quiet_coroutines():
+                with _quiet_coroutines(collect=failed):
                     saved = self.read_record(step)
                     if check is not None:
                         check(saved)
@@ -187,6 +188,7 @@ class Checkpointer:
                     raise
                 first = (str(exc).strip().splitlines() or [""])[0].split(" See full")[0][:200]
                 self.set_aside(step, f"{type(exc).__name__}: {first}", echo)
+                failed = True
         return None
 
     def all_steps(self) -> list[int]:
@@ -268,11 +270,13 @@ def quiet_failed_io():
 
 
 @contextlib.contextmanager
-def _quiet_coroutines():
+def _quiet_coroutines(collect: bool):
     """A failed TensorStore read leaves Orbax's reading coroutines to be finalised with their
     exception, which Python prints as "Exception ignored in <coroutine>" and a traceback: the
     failure itself is reported (``set_aside``), so those are dropped; other unraisable
-    exceptions still reach the usual hook."""
+    exceptions still reach the usual hook. ``collect``: an earlier read failed, its coroutines
+    are finalised here (a full garbage collection on exit, which costs seconds in a process
+    that holds many objects: only after a failure)."""
     old = sys.unraisablehook
 
     def hook(unraisable):
@@ -283,7 +287,8 @@ def _quiet_coroutines():
     try:
         yield
     finally:
-        gc.collect()
+        if collect:
+            gc.collect()
         sys.unraisablehook = old
 
 
