@@ -168,9 +168,10 @@ class Checkpointer:
         as is ``CheckpointMismatchError``); a checkpoint that fails to read is set aside and the
         next older one tried. ``weights_only``: only what ``abstract_state`` names
         (``restore_weights``), the data state is None."""
+        failed = False
         while (step := self.latest_intact_step(echo)) is not None:
             try:
-                with _quiet_coroutines():
+                with _quiet_coroutines(collect=failed):
                     saved = self.read_record(step)
                     if check is not None:
                         check(saved)
@@ -183,6 +184,7 @@ class Checkpointer:
                 if why is None:
                     raise
                 self.set_aside(step, why, echo)
+                failed = True
         return None
 
     def all_steps(self) -> list[int]:
@@ -285,18 +287,20 @@ def quiet_reads(directory: str | Path):
     noise, log = _VanishingFiles(Path(directory).absolute()), logging.getLogger("absl")
     log.addFilter(noise)
     try:
-        with quiet_failed_io(), _quiet_coroutines():
+        with quiet_failed_io(), _quiet_coroutines(collect=False):
             yield
     finally:
         log.removeFilter(noise)
 
 
 @contextlib.contextmanager
-def _quiet_coroutines():
+def _quiet_coroutines(collect: bool):
     """A failed TensorStore read leaves Orbax's reading coroutines to be finalised with their
     exception, which Python prints as "Exception ignored in <coroutine>" and a traceback: the
     failure itself is reported (``set_aside``), so those are dropped; other unraisable
-    exceptions still reach the usual hook."""
+    exceptions still reach the usual hook. ``collect``: an earlier read failed, its coroutines
+    are finalised here (a full garbage collection on exit, which costs seconds in a process
+    that holds many objects: only after a failure)."""
     old = sys.unraisablehook
 
     def hook(unraisable):
@@ -307,7 +311,8 @@ def _quiet_coroutines():
     try:
         yield
     finally:
-        gc.collect()
+        if collect:
+            gc.collect()
         sys.unraisablehook = old
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -235,6 +236,7 @@ def read_whole(ckpt: checkpoint.Checkpointer, run_dir: Path, step: int | None, r
             why = checkpoint.damage(exc)
             if why is None:
                 raise
+            gc.collect()  # the failed read's coroutines finalised while quiet_reads hears them
         where = run_dir / "checkpoints" / str(chosen)
         if _rotated(ckpt, chosen, step is not None, set(damaged)):
             if step is not None:
