@@ -20,7 +20,6 @@ given (keywords here, flags on the command line).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from pathlib import Path
 
@@ -52,18 +51,9 @@ def _shown(value) -> str:
 
 
 def config_type(algorithm) -> type:
-    """``Config`` with ``algo`` typed as the algorithm's settings (the command line lists them);
-    one type per algorithm (a name or the class)."""
-    return _config_type(algorithm_class(algorithm))
-
-
-@functools.cache
-def _config_type(algorithm: type) -> type:
-    return dataclasses.make_dataclass(
-        f"{algorithm.name.upper()}RunConfig",
-        [("algo", algorithm.Config, dataclasses.field(default_factory=algorithm.Config))],
-        bases=(config_lib.Config,),
-    )
+    """The run config class of ``algorithm`` (a name or the class): ``Config`` with ``algo``
+    typed as the algorithm's settings (``SFTRunConfig``, ...; the algorithm's ``RunConfig``)."""
+    return algorithm_class(algorithm).RunConfig
 
 
 def defaults(algorithm, data: str = BUILTIN) -> config_lib.Config:

@@ -1,5 +1,6 @@
-"""Typed run configuration: the settings every run has (``Config``), with the algorithm's own
-under ``algo`` (``nnx_posttrain.api.config_type``), and their validation.
+"""Typed run configuration: the settings every run has (``Config``), and their validation. Each
+algorithm's run config derives from it with ``algo`` typed as the algorithm's own settings
+(``algorithms.sft.SFTRunConfig``: the algorithm's ``RunConfig``, ``api.config_type(name)``).
 
 The command line (``nnx_posttrain.cli``, through ``tyro``) makes every field an option
 (``--steps 200``, ``--optim.learning-rate 3e-4``, ``--lora.rank 8``) with the field's docstring
@@ -210,7 +211,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     algo: Any = None
-    """Algorithm settings (a dataclass per algorithm)."""
+    """Algorithm settings: typed by each algorithm's run config (``SFTRunConfig.algo: SFTConfig``)."""
 
     def validate(self) -> "Config":
         """Every problem of the settings at once, the algorithm's (``algo.problems()``, its loss

@@ -33,6 +33,21 @@ def test_config_type_is_cached_and_carries_algo_settings():
     assert isinstance(cls().algo, SFTConfig)
 
 
+def test_every_algorithm_has_a_run_config_typed_by_its_settings():
+    """``Config.algo`` is typed by algorithm: a class written in the algorithm's module (no
+    dataclass made at run time), whose ``algo`` field is the algorithm's ``Config``."""
+    import typing
+
+    from nnx_posttrain import algorithms
+
+    for cls in algorithms.ALGORITHMS.values():
+        run_config = cls.RunConfig
+        assert issubclass(run_config, config.Config)
+        assert run_config.__module__ == cls.__module__, cls.name
+        assert typing.get_type_hints(run_config)["algo"] is cls.Config, cls.name
+        assert type(run_config().algo) is cls.Config
+
+
 def test_config_for_overrides_only_named_fields(default):
     assert default.steps == 7
     assert default.optim.learning_rate == 0.01 and default.optim.warmup_steps == 3

@@ -105,6 +105,7 @@ class Algorithm(Protocol):
 
     name: ClassVar[str]
     Config: ClassVar[type]  # the algorithm's own settings (--algo.*), with TRL's defaults
+    RunConfig: ClassVar[type]  # a run's settings: config.Config with ``algo: Config``
     defaults: ClassVar[dict]  # the run settings of a user's data, over the common Config's
     data_kind: ClassVar[str]  # the tokenized view of the data (nnx_posttrain.data.make_transform)
     head: ClassVar[str | None]  # scalar head on the backbone (nnx_posttrain.model.heads), or None

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import agents, errors, model
+from nnx_posttrain import agents, config as config_lib, errors, model
 from nnx_posttrain.algorithms.base import (USER_DATA, AlgorithmBase, DatasetBatches, Inputs,
                                            RunContext, eval_loss_batches, merged)
 from nnx_posttrain.losses.common import out_of_range
@@ -71,9 +71,17 @@ class DistillConfig(DistillOptions):
             for problem in out_of_range(self, name, ok, rule)]
 
 
+@dataclasses.dataclass
+class DistillRunConfig(config_lib.Config):
+    """A Distill run's settings: the common ones, Distill's own under ``algo``."""
+
+    algo: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+
+
 class Distill(AlgorithmBase):
     name = "distill"
     Config = DistillConfig
+    RunConfig = DistillRunConfig
     data_kind = "sft"
     sequences_per_example = 2  # the student's forward and the teacher's
     defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DistillationConfig

@@ -14,6 +14,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_posttrain import config as config_lib
 from nnx_posttrain.algorithms.base import USER_DATA, merged
 from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequence_logps: re-exported)
     PairAlgorithm,
@@ -40,14 +41,35 @@ class DPOConfig(DPOOptions):
     """lora_base (LoRA on), copy (full fine-tuning), or precompute; auto picks the first two."""
 
 
+@dataclasses.dataclass
+class DPORunConfig(config_lib.Config):
+    """A DPO run's settings: the common ones, DPO's own under ``algo``."""
+
+    algo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+
+
 @dataclasses.dataclass(frozen=True)
 class SimPOConfig(SimPOOptions):
     """SimPO: reference-free, length-normalised margin loss."""
 
 
+@dataclasses.dataclass
+class SimPORunConfig(config_lib.Config):
+    """A SimPO run's settings: the common ones, SimPO's own under ``algo``."""
+
+    algo: SimPOConfig = dataclasses.field(default_factory=SimPOConfig)
+
+
 @dataclasses.dataclass(frozen=True)
 class CPOConfig(CPOOptions):
     """Contrastive Preference Optimization: reference-free preference loss + NLL on chosen."""
+
+
+@dataclasses.dataclass
+class CPORunConfig(config_lib.Config):
+    """A CPO run's settings: the common ones, CPO's own under ``algo``."""
+
+    algo: CPOConfig = dataclasses.field(default_factory=CPOConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +78,13 @@ class ORPOConfig(ORPOOptions):
 
     nll_tokens: Literal["prompt_and_completion", "completion"] = "prompt_and_completion"
     """Tokens of the chosen NLL term: TRL's (every token of prompt and answer) or the answer's."""
+
+
+@dataclasses.dataclass
+class ORPORunConfig(config_lib.Config):
+    """An ORPO run's settings: the common ones, ORPO's own under ``algo``."""
+
+    algo: ORPOConfig = dataclasses.field(default_factory=ORPOConfig)
 
 
 # ----------------------------------------------------------------------------- pairwise
@@ -79,6 +108,7 @@ class DPO(PairAlgorithm):
 
     name = "dpo"
     Config = DPOConfig
+    RunConfig = DPORunConfig
     defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DPOTrainer
 
     def setup(self, module):
@@ -136,6 +166,7 @@ class DPO(PairAlgorithm):
 class SimPO(PairAlgorithm):
     name = "simpo"
     Config = SimPOConfig
+    RunConfig = SimPORunConfig
     defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer (SimPO)
 
     def loss(self, module, batch, reference=None):
@@ -150,6 +181,7 @@ class CPO(PairAlgorithm):
 
     name = "cpo"
     Config = CPOConfig
+    RunConfig = CPORunConfig
     defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer
 
     def loss(self, module, batch, reference=None):
@@ -165,6 +197,7 @@ class ORPO(PairAlgorithm):
 
     name = "orpo"
     Config = ORPOConfig
+    RunConfig = ORPORunConfig
     defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's ORPOTrainer
 
     def nll_mask(self, batch):

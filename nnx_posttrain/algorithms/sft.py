@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from nnx_posttrain import model
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
 from nnx_posttrain.losses.sft import sft
 
@@ -15,9 +15,17 @@ class SFTConfig:
     """Supervised fine-tuning: next-token loss on completions only (prompt tokens carry none)."""
 
 
+@dataclasses.dataclass
+class SFTRunConfig(config_lib.Config):
+    """A SFT run's settings: the common ones, SFT's own under ``algo``."""
+
+    algo: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+
+
 class SFT(AlgorithmBase):
     name = "sft"
     Config = SFTConfig
+    RunConfig = SFTRunConfig
     data_kind = "sft"
     sequences_per_example = 1
     packs = True
