@@ -291,6 +291,29 @@ def _range_problems(cfg: Config) -> list[str]:
     return out
 
 
+ORDER = (
+    "the algorithm's defaults for a user's data (the fields of these dataclasses, the "
+    "algorithm's `defaults` over them)",
+    "the built-in task's recipe, when --data is builtin (the default)",
+    "the --config file (YAML or JSON)",
+    "the settings given: keywords of nnx_posttrain.configure, then flags",
+)
+"""How a run's settings resolve, first to last (``nnx_posttrain.api.configure``)."""
+
+
+def resolved_from(cfg: Config) -> list[str]:
+    """The layers of ``ORDER`` this config's values came from, first to last, as ``config.json``
+    records them."""
+    algorithm = "the algorithm" if cfg.algo is None else type(cfg.algo).__name__.removesuffix(
+        "Config") + "'s"
+    out = [f"{algorithm} defaults for a user's data"]
+    if cfg.data == "builtin":
+        out.append("the built-in task's recipe (nnx_posttrain/tasks/recipes/)")
+    if cfg.config:
+        out.append(f"the config file {cfg.config}")
+    return out + ["the settings given (keywords, flags)"]
+
+
 REPORT_TO = ("tensorboard", "jsonl", "wandb", "none")
 
 
@@ -317,6 +340,7 @@ def _floats(cfg, prefix="--"):
 def to_dict(cfg: Config) -> dict:
     out = dataclasses.asdict(cfg)
     out["algo_name"] = type(cfg.algo).__name__ if cfg.algo is not None else None
+    out["resolved_from"] = resolved_from(cfg)
     return out
 
 
