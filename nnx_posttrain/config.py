@@ -61,7 +61,10 @@ class OptimConfig:
 
 
 @dataclasses.dataclass
-class DataConfig:
+class BatchingConfig:
+    """How records become batches (``cfg.batching``, ``--batching.*``): sequence length, batch
+    size, accumulation, truncation, packing, order. The data itself is ``cfg.data``."""
+
     max_length: int = 64
     """Every sequence is padded or truncated to this many tokens (one compiled shape)."""
     batch_size: int = 16
@@ -206,7 +209,7 @@ class Config:
     """Attention kernel of the training forward: auto = splash on TPU, cuDNN on GPU, the exact XLA formulation otherwise; keras = KerasHub's own. A kernel that cannot do a layer's feature falls back to keras; the run prints the path it took."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    batching: DataConfig = dataclasses.field(default_factory=DataConfig)
+    batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -245,7 +248,7 @@ class Config:
         return self
 
 
-def _batching_problems(b: DataConfig) -> list[str]:
+def _batching_problems(b: BatchingConfig) -> list[str]:
     out = []
     if b.batch_size <= 0 or b.grad_accum <= 0 or b.batch_size % b.grad_accum:
         out.append(f"--batching.batch-size ({b.batch_size}) must be a positive multiple of "
@@ -358,3 +361,13 @@ def save(cfg: Config, path: Path) -> dict:
 def saved(cfg: Config) -> dict:
     """What ``save`` writes, as JSON reads it back."""
     return json.loads(json.dumps(to_dict(dataclasses.replace(cfg, resume=False))))
+
+
+def __getattr__(name):  # old names, kept importable with a deprecation message
+    if name == "DataConfig":
+        import warnings
+
+        warnings.warn("nnx_posttrain.config.DataConfig is now BatchingConfig (cfg.batching); "
+                      "the old name will be removed", DeprecationWarning, stacklevel=2)
+        return BatchingConfig
+    raise AttributeError(f"module 'nnx_posttrain.config' has no attribute {name!r}")

@@ -53,7 +53,7 @@ def test_config_for_overrides_only_named_fields(default):
     assert default.optim.learning_rate == 0.01 and default.optim.warmup_steps == 3
     base = config.OptimConfig()
     assert default.optim.schedule == base.schedule and default.optim.b2 == base.b2
-    assert default.batching == config.DataConfig()
+    assert default.batching == config.BatchingConfig()
     # a fresh default is not affected by another experiment's overrides
     assert bare_config(SFT).optim.learning_rate == config.OptimConfig().learning_rate
 
@@ -209,3 +209,10 @@ def test_sft_help_lists_common_options_with_defaults(capsys, monkeypatch):
         m = re.search(r"\(default: (.*?)\)", options[option])
         assert m, f"no default shown for {option}: {options[option]!r}"
         assert m.group(1) == value, (option, options[option])
+
+
+def test_the_old_name_of_the_batching_settings_still_imports_with_a_deprecation():
+    with pytest.warns(DeprecationWarning, match="DataConfig is now BatchingConfig"):
+        from nnx_posttrain.config import DataConfig
+    assert DataConfig is config.BatchingConfig
+    assert isinstance(config.Config().batching, config.BatchingConfig)

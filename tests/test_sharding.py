@@ -329,7 +329,7 @@ def test_cpu_devices_auto_rule():
 
     def count(cores, model="gemma_micro", batch=32, accum=1, **mesh):
         cfg = config.Config(model=model, mesh=config.MeshConfig(cpu_devices="auto", **mesh),
-                            batching=config.DataConfig(batch_size=batch, grad_accum=accum))
+                            batching=config.BatchingConfig(batch_size=batch, grad_accum=accum))
         return cpu_devices_for(cfg, cores)
 
     assert count(2) == (2, "2 cpu devices (auto: 2 cores, micro-batch 32)")
