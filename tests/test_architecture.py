@@ -151,6 +151,18 @@ def test_only_the_command_line_ends_the_process():
     assert not found, found
 
 
+def test_tools_use_the_librarys_public_names():
+    """A tool (benchmarks, results scripts) imports no private name of the library: what a tool
+    needs is public, so that it does not break silently when the library's insides change."""
+    private = []
+    for path in sorted((PACKAGE.parent / "tools").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nnx_posttrain"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not private, private
+
+
 MAX_LINES, MAX_PARAMETERS = 60, 6
 
 

@@ -48,7 +48,6 @@ def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
     import keras_hub
 
     from nnx_posttrain import model
-    from nnx_posttrain.model.load import _warm_up
     from nnx_posttrain.tasks import tokenizer as builtin_tokenizer
 
     keras.utils.set_random_seed(seed)
@@ -58,10 +57,8 @@ def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
         **{k: spec[k] for k in BACKBONE_KEYS})
     task = keras_hub.models.GemmaCausalLM(
         backbone=backbone, preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tok))
-    _warm_up(backbone)
-    if hasattr(task, "_compiled_trainable_state"):  # see model.load._nnx_ready
-        del task._compiled_trainable_state
-    return task
+    model.warm_up(backbone)
+    return model.nnx_ready(task)
 
 
 def export(spec: dict, out_dir: str, seed: int) -> dict:
