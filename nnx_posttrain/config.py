@@ -2,6 +2,12 @@
 algorithm's run config derives from it with ``algo`` typed as the algorithm's own settings
 (``algorithms.sft.SFTRunConfig``: the algorithm's ``RunConfig``, ``api.config_type(name)``).
 
+Each field's default here is the one of a run on a user's data (TRL's conventions: sequences of
+1,024 tokens, 16 examples per step in micro-batches of 4, warm-up over 10% of the steps, gradient
+checkpointing): the first layer of ``ORDER``, written once. An algorithm's ``defaults`` hold only
+what differs for it (its trainer's learning rate; the online methods' batches), the built-in
+task's recipes what its tiny model needs.
+
 The command line (``nnx_posttrain.cli``, through ``tyro``) makes every field an option
 (``--steps 200``, ``--optim.learning-rate 3e-4``, ``--lora.rank 8``) with the field's docstring
 as help; the Python API (``nnx_posttrain.configure``) takes the same names as keywords. The
@@ -38,7 +44,7 @@ class OptimConfig:
     """Decay after warm-up, down to min_lr_ratio * learning_rate at the last step."""
     warmup_steps: int | None = None
     """Linear warm-up steps from 0 to the peak learning rate; when given (0 included) it wins over --optim.warmup-ratio."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.1
     """Linear warm-up over this fraction of --steps (TRL's warmup_ratio), rounded up; used when --optim.warmup-steps is not given."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
@@ -65,11 +71,11 @@ class BatchingConfig:
     """How records become batches (``cfg.batching``, ``--batching.*``): sequence length, batch
     size, accumulation, truncation, packing, order. The data itself is ``cfg.data``."""
 
-    max_length: int = 64
+    max_length: int = 1024
     """Every sequence is padded or truncated to this many tokens (one compiled shape)."""
     batch_size: int = 16
     """Examples per optimizer step (global, over all devices and accumulation steps)."""
-    grad_accum: int = 1
+    grad_accum: int = 4
     """Split each batch into this many micro-batches; the update equals the one large batch."""
     truncation: Literal["keep_start", "keep_end"] = "keep_start"
     """Which end of an over-long sequence to keep."""
@@ -90,13 +96,13 @@ class BatchingConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    every: int = 100
+    every: int = 200
     """Evaluate every this many steps (and at the end); 0 evaluates only at the end."""
     batches: int = 8
     """Held-out batches used for the eval loss; 0 uses the whole eval split."""
     exact_match: int = 200
     """Held-out prompts answered greedily for eval exact-match accuracy; 0 disables it."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = 64
     """Generation budget of an exact-match answer."""
 
 
@@ -175,7 +181,7 @@ class Config:
     """Chat template of conversational data: default the model family's (gemma, llama3, llama3.1, qwen2.5, qwen3, mistral); another family needs one named here (e.g. chatml)."""
     run_dir: str = ""
     """Run directory; default runs/<experiment>."""
-    steps: int = 600
+    steps: int = 1000
     """Optimizer steps."""
     seed: int = 0
     """Seed of everything random in a run: weight initialisation (built-in models), LoRA and scalar-head init, data order, rollout sampling. The same seed gives the same run."""
@@ -199,7 +205,7 @@ class Config:
     """Where metrics go, comma-separated: tensorboard (runs/<name>/tb), jsonl (metrics.jsonl, completions.jsonl), wandb (Weights & Biases: WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline), or none."""
     config: str | None = None
     """YAML or JSON file of option values (experiments/configs/*.yaml, or a run's config.json); options on the command line override it."""
-    remat: Literal["none", "blocks"] = "none"
+    remat: Literal["none", "blocks"] = "blocks"
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
     host_allocator: Literal["auto", "heap", "default"] = "auto"
     """On CPU, glibc's allocator for XLA's step buffers: 'heap' serves every block from the heap and keeps its freed pages between steps (no page faults per step); 'auto' does that for models whose steps have no block of 32 MB (the built-in tiny ones); 'default' leaves glibc's settings. A GLIBC_TUNABLES set by the user wins."""

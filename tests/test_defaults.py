@@ -61,7 +61,26 @@ def test_every_algorithm_has_its_run_defaults_and_a_recipe():
         cls = algorithms.get(name)
         assert "defaults" in vars(cls), f"{name}: its defaults for a user's data"
         assert tasks.recipe(name) is not None, f"{name}: its built-in recipe"
-    assert vars(AlgorithmBase)["defaults"]["batching"]["max_length"] == 1024
+    assert config.BatchingConfig().max_length == 1024  # a user's data: the field's own default
+
+
+def _leaves(tree, prefix=()):
+    for key, value in tree.items():
+        yield from (_leaves(value, prefix + (key,)) if isinstance(value, dict)
+                    else [(prefix + (key,), value)])
+
+
+def test_each_default_is_written_once():
+    """The common Config's fields are the defaults of a user's data; an algorithm's ``defaults``
+    hold only what differs from them (a value equal to the field's would be written twice)."""
+    assert vars(AlgorithmBase)["defaults"] == {}
+    base = config.Config()
+    for name in algorithms.names():
+        for path, value in _leaves(algorithms.get(name).defaults):
+            field = base
+            for key in path:
+                field = getattr(field, key)
+            assert value != field, f"{name}: {'.'.join(path)} = {value!r} repeats config.py's"
 
 
 def test_learning_rates_are_trls_per_trainer():

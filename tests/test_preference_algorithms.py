@@ -309,7 +309,7 @@ def test_reference_cache_key_includes_the_init_from_checkpoint(tmp_path):
 
     def precompute(init_from):
         cfg = bare_config(DPO, model="gemma_micro", init_from=init_from,
-                          batching=dict(batch_size=4, max_length=MAX_LEN))
+                          batching=dict(batch_size=4, grad_accum=1, max_length=MAX_LEN))
         algo = DPO(DPO.Config(reference="precompute"), CHUNK)
         algo.reference_mode = "precompute"
         said = []

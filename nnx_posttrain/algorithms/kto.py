@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain import config as config_lib, data, errors
-from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
+from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.algorithms.pairs import sequence_logps
 from nnx_posttrain.algorithms.reference import Reference
 from nnx_posttrain.losses.kto import KTOExamples, KTOOptions, kto
@@ -41,7 +41,7 @@ class KTO(AlgorithmBase):
     RunConfig = KTORunConfig
     data_kind = "unpaired_preference"
     sequences_per_example = 2  # the example and its KL row
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's KTOTrainer
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's KTOTrainer
 
     def setup(self, module):
         super().setup(module)

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain import config as config_lib
-from nnx_posttrain.algorithms.base import USER_DATA, merged
 from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequence_logps: re-exported)
     PairAlgorithm,
     nll_terms,
@@ -109,7 +108,7 @@ class DPO(PairAlgorithm):
     name = "dpo"
     Config = DPOConfig
     RunConfig = DPORunConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DPOTrainer
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's DPOTrainer
 
     def setup(self, module):
         super().setup(module)
@@ -167,7 +166,7 @@ class SimPO(PairAlgorithm):
     name = "simpo"
     Config = SimPOConfig
     RunConfig = SimPORunConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer (SimPO)
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer (SimPO)
 
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
@@ -182,7 +181,7 @@ class CPO(PairAlgorithm):
     name = "cpo"
     Config = CPOConfig
     RunConfig = CPORunConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer
 
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
@@ -198,7 +197,7 @@ class ORPO(PairAlgorithm):
     name = "orpo"
     Config = ORPOConfig
     RunConfig = ORPORunConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's ORPOTrainer
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's ORPOTrainer
 
     def nll_mask(self, batch):
         if self.cfg.nll_tokens == "completion":

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from nnx_posttrain import config as config_lib
-from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
+from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.losses.reward import RewardOptions, RewardPairs, reward_bt
 
 
@@ -28,7 +28,7 @@ class Reward(AlgorithmBase):
     name = "reward"
     Config = RewardConfig
     RunConfig = RewardRunConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-4))  # TRL's RewardTrainer
+    defaults: dict = {}  # TRL's RewardTrainer: its learning rate (1e-4) is the common default
     head = "reward"  # nnx_posttrain.model.heads.RewardModel
     generates = False
 

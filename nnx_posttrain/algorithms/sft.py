@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from nnx_posttrain import config as config_lib, model
-from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
+from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.losses.sft import sft
 
 
@@ -29,7 +29,7 @@ class SFT(AlgorithmBase):
     data_kind = "sft"
     sequences_per_example = 1
     packs = True
-    defaults = merged(USER_DATA, optim=dict(learning_rate=2e-5))  # TRL's SFTConfig
+    defaults = dict(optim=dict(learning_rate=2e-5))  # TRL's SFTConfig
 
     def loss(self, module, batch, reference=None):
         logps, correct = model.token_logprobs(
