@@ -273,3 +273,15 @@ def test_the_command_line_is_configure_over_flags_and_the_layers_resolve_in_one_
         api.configure("sft", config=path, args=["--config", str(path)])
     own = api.configure("sft", args=["--data", "mine.jsonl"])  # the flag's data: no recipe
     assert own == dataclasses.replace(api.defaults("sft", data="mine.jsonl"), data="mine.jsonl")
+
+
+@pytest.mark.parametrize("name", algorithms.names())
+def test_a_recipe_repeats_no_default_of_the_layer_below(name):
+    """A recipe holds what the built-in task needs over the algorithm's defaults: a value equal
+    to the one below it would be a default written twice."""
+    below = api.defaults(name, data="mine.jsonl")
+    for path, value in _leaves(config_files.read(tasks.recipe(name))):
+        field = below
+        for key in path:
+            field = getattr(field, key)
+        assert value != field, f"recipes/{name}.yaml: {'.'.join(path)} = {value!r} is the default"
