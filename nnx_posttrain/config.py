@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from nnx_posttrain import errors
 
@@ -219,8 +219,9 @@ class Config:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    algo: Any = None
-    """Algorithm settings: typed by each algorithm's run config (``SFTRunConfig.algo: SFTConfig``)."""
+    algo: None = None
+    """The algorithm's settings: none here; each algorithm's run config types it by the algorithm
+    (``SFTRunConfig.algo: SFTConfig``, ``api.config_type(name)``)."""
 
     def validate(self) -> "Config":
         """Every problem of the settings at once, the algorithm's (``algo.problems()``, its loss

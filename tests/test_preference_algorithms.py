@@ -173,7 +173,8 @@ def test_reference_stays_the_starting_model_while_the_policy_trains(mode):
     algo.setup(lm.module)
     assert algo.reference_mode == mode
     graphdef, params, frozen_model = model.split(lm.module)
-    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, schedule="constant"), 10)
+    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, schedule="constant",
+                                                   warmup_ratio=0.0), 10)
     frozen = {"model": frozen_model,
               "reference": jax.tree.map(jnp.copy, params) if mode == "copy" else None}
     state = train.init_state(jax.tree.map(jnp.copy, params), tx, seed=0)
