@@ -130,7 +130,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     model.set_remat(module, "remat" in flags)  # the flag: --remat blocks; else none
     graphdef, params, frozen_model = model.split(module)
     optim = config_lib.OptimConfig(learning_rate=LEARNING_RATE, schedule="constant",
-                                   weight_decay=0.0, max_grad_norm=1.0)
+                                   warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
     total = 1 + warmup + steps
     tx, lr = train.optimizer(optim, total)
     frozen = train.place({"model": frozen_model, "reference": None}, mesh)
