@@ -163,6 +163,9 @@ def _config_arg(config, args):
     """(the config file: ``config`` or ``--config FILE`` in ``args``, the other flags)."""
     if args is None:
         return config, None
+    if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
+        raise errors.ConfigError(f"configure(args=...): the command line's flags as a list of "
+                                 f"strings (['--steps', '5']), got {_shown(args)}")
     path, rest = config_files.split_arg(list(args))
     if path is not None and config is not None:
         raise errors.ConfigError(f"a config file is given twice ({config} and --config {path}); "

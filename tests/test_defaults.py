@@ -269,6 +269,8 @@ def test_the_command_line_is_configure_over_flags_and_the_layers_resolve_in_one_
     again = tmp_path / "config.json"
     again.write_text(json.dumps(saved))  # a run's config.json is a config file: the record skipped
     assert api.configure("sft", config=again) == dataclasses.replace(cfg, config=str(again))
+    with pytest.raises(errors.ConfigError, match="a list of strings"):
+        api.configure("sft", args="--steps 5")
     with pytest.raises(errors.ConfigError, match="config file is given twice"):
         api.configure("sft", config=path, args=["--config", str(path)])
     own = api.configure("sft", args=["--data", "mine.jsonl"])  # the flag's data: no recipe
