@@ -93,7 +93,8 @@ def _apply_flags(flags: list[str], algorithm) -> None:
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
             logprob_chunk: int | None, flags: list[str], profile_steps: int = 0,
-            attention: str = "auto", cpu_devices: int = 1, probe_steps: int = 0) -> dict:
+            attention: str = "auto", cpu_devices: int = 1, probe_steps: int = 0,
+            trace_out: str | None = None) -> dict:
     import nnx_posttrain  # noqa: F401
     import jax
     import jax.numpy as jnp
@@ -206,7 +207,11 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
 
         with tempfile.TemporaryDirectory() as trace_dir:
             profile_breakdown.trace_steps(run_step, profile_steps, trace_dir)
-            out["profile"] = profile_breakdown.breakdown(trace_dir, hlo, profile_steps)
+            # an accelerator's trace also holds the host's threads: only the program's operations
+            out["profile"] = profile_breakdown.breakdown(
+                trace_dir, hlo, profile_steps, program_only=jax.devices()[0].platform != "cpu")
+            if trace_out:  # the trace and the program, for a closer look elsewhere
+                profile_breakdown.keep(trace_dir, hlo, trace_out)
     return out
 
 
@@ -308,6 +313,9 @@ def main(argv=None):
                    help="after measuring, save the state as a run does and time N more steps")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after measuring, trace N steps and print where the time goes")
+    p.add_argument("--trace-out", default=None, metavar="PREFIX",
+                   help="with --profile: keep the trace as PREFIX.trace.json.gz and the compiled "
+                        "program as PREFIX.hlo.txt")
     args = p.parse_args(argv)
     _setup_platform(args.device)
     spec = json.loads(args.spec)
@@ -320,7 +328,7 @@ def main(argv=None):
         return
     result = measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
                      args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile,
-                     args.attention, args.cpu_devices, args.checkpoint_probe)
+                     args.attention, args.cpu_devices, args.checkpoint_probe, args.trace_out)
     if "profile" in result:
         from tools.bench import profile_breakdown
 
