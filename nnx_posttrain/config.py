@@ -302,7 +302,7 @@ def _range_problems(cfg: Config) -> list[str]:
 
 
 ORDER = (
-    "the algorithm's defaults for a user's data (the fields of these dataclasses, the "
+    "the algorithm's defaults for a user's data (TRL's: nnx_posttrain/config.py's, with the "
     "algorithm's `defaults` over them)",
     "the built-in task's recipe, when --data is builtin (the default)",
     "the --config file (YAML or JSON)",
