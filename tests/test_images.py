@@ -235,3 +235,15 @@ def test_images_are_placed_as_trl_places_them():
         trl_data.prepare_multimodal_messages([user(IMAGE, ASK), ANSWER], images=[])
     with pytest.raises(DataError, match="holds 0 image"):
         place_images({"messages": [user(IMAGE, ASK), ANSWER]}, 0)
+
+
+def test_grain_batches_carry_the_pixels_and_packing_refuses_them(tok, spec):
+    from nnx_posttrain.tasks import shapes
+
+    src = data.ListSource([shapes.sft_record(i) for i in range(4)], "shapes")
+    t = data.Tokenize(tok, "gemma", 64, images=spec)
+    batch = next(data.train_batches(src, t, batch_size=2, seed=0))
+    assert batch["pixel_values"].shape == (2, 2, 8, 8, 3) and batch["vision_mask"].shape == (2, 64)
+    assert list(batch["image_count"]) == [1, 1] and batch["vision_mask"].sum() == 2 * TOKENS_PER_IMAGE
+    with pytest.raises(ValueError, match="packing does not carry images"):
+        data.packed_train_batches(src, t, batch_size=2, seed=0)

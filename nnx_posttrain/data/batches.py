@@ -118,6 +118,8 @@ def packed_train_batches(src, transform, batch_size: int, seed: int, shuffle: bo
     the model's attention never crosses them (``model.hidden_states``)."""
     if getattr(transform, "kind", "sft") != "sft":
         raise ValueError("packing applies to SFT data only")
+    if getattr(transform, "images", None) is not None:
+        raise ValueError("packing does not carry images yet: train a vision model unpacked")
     length = transform.max_length
     ds = records_dataset(src, seed, shuffle).map(transform).map(_unpad)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4 if not num_workers else 1,

@@ -2,9 +2,9 @@
 an exact checker (``arithmetic``), its SentencePiece tokenizer (``tokenizer``) and the tiny Gemma
 configurations trained on it (``MODELS``), and the agentic task (``multiply``: two-digit products
 with a tool) and its model ``gemma_tiny_tools``, and the image task (``shapes``: count the
-coloured shapes in a picture drawn in code; ``--data builtin:shapes``, data only so far). Its recipes, one file per algorithm
-(``recipes/<algorithm>.yaml``), are the settings a run on the built-in data gets over the
-algorithm's defaults (``recipe``).
+coloured shapes in a picture drawn in code; ``--data builtin:shapes``, data only so far). Its
+recipes, one file per algorithm (``recipes/<algorithm>.yaml``), are the settings a run on the
+built-in data gets over the algorithm's defaults (``recipe``).
 
 A *user* of the library, which the lower layers never import: ``register()`` makes its data
 (``--data builtin``, through ``nnx_posttrain.data.register_builtin``) and its models (the
