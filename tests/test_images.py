@@ -149,7 +149,25 @@ def test_every_image_form_decodes_to_the_same_pixels(tmp_path):
              {"bytes": None, "path": str(tmp_path / "p.png")}, uri, Image.fromarray(array), array]
     for form in forms:
         np.testing.assert_array_equal(decode(form), array)
-    assert decode(array[..., 0]).shape == array.shape  # grey -> RGB
+    assert decode(array[..., 0]).shape == decode(array[..., :1]).shape == array.shape  # grey
+    np.testing.assert_array_equal(decode(np.dstack([array, array[..., :1]])), array)  # RGBA
+    with pytest.raises(DataError, match=r"x.jsonl:2: field 'images\[1\]': not an image .* got ndarray"):
+        decode(array.astype(np.float32), "x.jsonl:2", "images[1]")
+
+
+def test_the_spec_of_a_keras_hub_preprocessor(converter):
+    """``ImageSpec.from_preprocessor`` reads what a KerasHub vision preprocessor holds (here a
+    stand-in with its attribute names: building the real one needs TensorFlow)."""
+    from types import SimpleNamespace
+
+    tok = SimpleNamespace(start_of_image_token="<start_of_image>", image_placeholder="<img>",
+                          end_of_image_token="<end_of_image>")
+    pre = SimpleNamespace(tokenizer=tok, image_converter=converter, num_vision_tokens_per_image=256,
+                          max_images_per_prompt=2)
+    spec = ImageSpec.from_preprocessor(pre)
+    assert (spec.tokens_per_image, spec.max_images, spec.converter) == (256, 2, converter)
+    assert spec.expand("a<start_of_image>b") == ("a\n\n<start_of_image>" + "<img>" * 256
+                                                  + "<end_of_image>\n\nb")
 
 
 def test_bad_images_are_refused_by_file_line_and_field(tmp_path, tok, spec):

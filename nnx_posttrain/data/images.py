@@ -77,14 +77,16 @@ class ImageSpec:
     def pixels(self, arrays: list) -> np.ndarray:
         """(``max_images``, H, W, 3) float32: each image resized and rescaled by the converter on
         its own; the unused slots are the converter's output for a black image, as KerasHub's
-        preprocessor pads."""
+        preprocessor pads (computed once per process)."""
         h, w = self.converter.image_size
         out = np.empty((self.max_images, h, w, 3), np.float32)
         for i, array in enumerate(arrays):
             out[i] = np.asarray(self.converter(array[None]), np.float32)[0]
         if len(arrays) < self.max_images:
-            blank = np.zeros((1, h, w, 3), np.uint8)
-            out[len(arrays):] = np.asarray(self.converter(blank), np.float32)[0]
+            if getattr(self, "_blank", None) is None:
+                blank = np.zeros((1, h, w, 3), np.uint8)
+                self._blank = np.asarray(self.converter(blank), np.float32)[0]
+            out[len(arrays):] = self._blank
         return out
 
 
@@ -111,8 +113,11 @@ def _base_dir(record) -> Path | None:
 
 
 def _open_path(path: str, base: Path | None, where: str, field: str) -> bytes:
-    candidates = [Path(path)] if Path(path).is_absolute() else (
-        [base / path] if base is not None else []) + [Path(path)]
+    """The bytes of an image file: an absolute path, or one relative to the data file's folder
+    (``base``), else to the current directory."""
+    candidates = [Path(path)]
+    if base is not None and not Path(path).is_absolute():
+        candidates.insert(0, base / path)
     for candidate in candidates:
         if candidate.is_file():
             return candidate.read_bytes()
@@ -157,11 +162,10 @@ def decode(value, where: str = "?", field: str = "images[0]", base: Path | None 
                             f"{exc})") from None
     if isinstance(value, Image.Image):
         return np.asarray(value.convert("RGB"), np.uint8)
-    if isinstance(value, np.ndarray) and value.ndim in (2, 3) and value.size:
-        array = value if value.ndim == 3 else value[..., None]
-        if array.shape[-1] in (1, 3, 4):
-            return np.ascontiguousarray(np.broadcast_to(array[..., :3], array.shape[:2] + (3,))
-                                        if array.shape[-1] != 4 else array[..., :3], np.uint8)
+    if isinstance(value, np.ndarray) and value.size and value.dtype == np.uint8 and (
+            value.ndim == 2 or value.ndim == 3 and value.shape[-1] in (1, 3, 4)):
+        array = value[..., 0] if value.ndim == 3 and value.shape[-1] == 1 else value
+        return np.asarray(Image.fromarray(array).convert("RGB"))  # grey, RGB or RGBA
     raise DataError(f"{where}: field '{field}': not an image (a path, bytes, a datasets Image "
                     f"feature, a PIL image or a uint8 array), got {type(value).__name__}")
 
