@@ -265,3 +265,12 @@ def test_grain_batches_carry_the_pixels_and_packing_refuses_them(tok, spec):
     assert list(batch["image_count"]) == [1, 1] and batch["vision_mask"].sum() == 2 * TOKENS_PER_IMAGE
     with pytest.raises(ValueError, match="packing does not carry images"):
         data.packed_train_batches(src, t, batch_size=2, seed=0)
+
+
+def test_exact_match_prompts_read_text_parts_and_refuse_images():
+    src = data.ListSource([{"messages": [user({"type": "text", "text": "2 + 3?"}), ANSWER]}], "parts")
+    assert data.prompts_and_answers(src, "gemma", 1) == [
+        ([("<start_of_turn>user\n2 + 3?<end_of_turn>\n<start_of_turn>model\n", False)], "3")]
+    with pytest.raises(DataError, match=r"images\[0\]: field 'images': this model reads no images"):
+        data.prompts_and_answers(data.ListSource([{"images": [picture(0)], "messages": [user(IMAGE, ASK), ANSWER]}],
+                                                 "images"), "gemma", 1)

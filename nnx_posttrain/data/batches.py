@@ -8,6 +8,7 @@ import grain
 import numpy as np
 
 from nnx_posttrain import chat
+from nnx_posttrain.data import images
 from nnx_posttrain.data.formats import detect_format, preference_parts
 from nnx_posttrain.data.sources import Mixture
 
@@ -168,7 +169,8 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
     for i in range(len(src)):
         if len(out) >= limit:
             break
-        record = src[i]
+        # content parts as text (the sampler reads no image yet: a record with one is refused)
+        record = images.prepare(src[i], chat_format, None)[0]
         fmt = detect_format(record)
         if fmt == "messages" and record["messages"][-1]["role"] == "assistant":
             prompt = chat.render(record["messages"][:-1], chat_format, add_generation_prompt=True)
