@@ -208,6 +208,12 @@ def test_a_cut_image_is_refused_and_other_formats_carry_the_images(tok, spec):
     assert data.TokenizePreference(tok, "gemma", 64, images=spec)(implicit)["chosen_vision_mask"].sum() == 4
     ex = data.TokenizePrompt(tok, "gemma", 32, images=spec)({"images": [image], "prompt": prompt})
     assert ex["prompt_vision_mask"].sum() == TOKENS_PER_IMAGE and ex["image_count"] == 1
+    plain = {"images": [image], "prompt": "<start_of_image> How many red shapes?", "completion": " 3"}
+    ex = data.Tokenize(tok, "gemma", 64, images=spec)(plain)  # TRL's standard format: the token
+    assert ex["vision_mask"].sum() == TOKENS_PER_IMAGE
+    assert ex["loss_mask"].sum() == len(tok.encode(" 3")) + 1  # the completion and EOS only
+    with pytest.raises(DataError, match=r"holds 1 image\(s\) but field 'text' has 0 <start_of_image>"):
+        data.Tokenize(tok, "gemma", 64, images=spec)({"images": [image], "text": "no marker"})
     unpaired = {"images": [image], "prompt": prompt, "completion": [ANSWER], "label": True}
     assert data.TokenizeUnpaired(tok, "gemma", 64, images=spec)(unpaired)["vision_mask"].sum() == 4
     with pytest.raises(DataError, match=r"field 'completion' has \{'type': 'image'\} parts"):

@@ -192,13 +192,29 @@ def _count(record, field) -> int:
                if isinstance(m, dict) and m.get("role") != "tool")
 
 
-def place_images(record: dict, n: int) -> dict:
+def _check_plain(record: dict, n: int, marker: str | None) -> dict:
+    """A record of plain strings: as in TRL's standard (not conversational) vision format, its
+    text names each image with the model's image token (``marker``, Gemma 3's
+    ``<start_of_image>``), in ``text``, the ``prompt``, or else (an implicit prompt) ``chosen``."""
+    field = next((f for f in ("text", "prompt", "chosen") if isinstance(record.get(f), str)), None)
+    found = record[field].count(marker) if marker and field else 0
+    if found != n:
+        named = f"{found} {marker} marker(s)" if marker else "no image marker (a text-only model)"
+        raise DataError(f"{_where(record)}: field 'images' holds {n} image(s) but field "
+                        f"'{field}' has {named}")
+    return record
+
+
+def place_images(record: dict, n: int, marker: str | None = None) -> dict:
     """The record with its ``n`` images placed in its conversation (``_place_images``, when no
     part names one) and their count checked against its ``{"type": "image"}`` parts. The images
     are the prompt's: parts in ``messages``, ``prompt``, or (a pair with an implicit prompt) in
-    ``chosen`` and ``rejected`` alike; a completion holds none."""
+    ``chosen`` and ``rejected`` alike; a completion holds none. A record of plain strings names
+    its images with ``marker`` in its text (``_check_plain``)."""
     where = _where(record)
     convo = [f for f in CONVERSATION_FIELDS if isinstance(record.get(f), list)]
+    if not convo:
+        return _check_plain(record, n, marker)
     opening = [f for f in convo if f in ("messages", "prompt")][:1] or \
         [f for f in convo if f in ("chosen", "rejected")]
     out = dict(record)
@@ -259,7 +275,7 @@ def prepare(record: dict, chat_format: str, spec: ImageSpec | None):
     if spec is not None and len(values) > spec.max_images:
         raise DataError(f"{where}: field '{column}' holds {len(values)} images, over the "
                         f"{spec.max_images} a sequence of this model may hold")
-    out = place_images(record, len(values))
+    out = place_images(record, len(values), spec.start if spec is not None else None)
     for f in CONVERSATION_FIELDS:
         if isinstance(out.get(f), list):
             out[f] = flatten(out[f], chat_format, where, f)
