@@ -157,7 +157,7 @@ def decode(value, where: str = "?", field: str = "images[0]", base: Path | None 
         try:
             with Image.open(io.BytesIO(raw)) as im:
                 return np.asarray(im.convert("RGB"), np.uint8)
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
             raise DataError(f"{where}: field '{field}': not a readable image ({len(raw)} bytes: "
                             f"{exc})") from None
     if isinstance(value, Image.Image):
