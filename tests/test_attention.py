@@ -145,12 +145,23 @@ def test_auto_resolves_per_platform_and_falls_back_by_rule():
         attention.resolve(gemma, "flash", "cpu")
 
 
-def test_unknown_attention_layers_keep_kerashub():
+def test_unknown_families_and_image_towers_keep_kerashub():
+    """Only a backbone of a known family (``families``) takes a kernel here, never one whose
+    attention merely looks familiar: PaliGemma's decoder is Gemma's, but its image prefix attends
+    bidirectionally (its tower is ``vit_encoder``), which the kernels would silently drop."""
     bb = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
                                        intermediate_dim=32, max_sequence_length=32, dropout=0.0)
     impl, why = attention.resolve(bb, "auto", "cpu")
-    assert impl == "keras" and "not a known attention layer" in why
+    assert impl == "keras" and why == "GPT2Backbone is not a known model family"
     assert model.set_attention(bb, "xla") == f"attention: keras ({why})"
+    pali = keras_hub.models.PaliGemmaBackbone(
+        vocabulary_size=64, image_size=16, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8, vit_patch_size=8, vit_num_heads=2,
+        vit_hidden_dim=16, vit_num_layers=1)
+    assert attention.resolve(pali, "xla", "cpu")[0] == "keras"
+    object.__setattr__(pali, "__class__", type("GemmaBackbone", (type(pali),), {}))
+    assert attention.resolve(pali, "xla", "cpu") == (
+        "keras", "image tokens attend bidirectionally or as a prefix (a vit_encoder)")
 
 
 def test_no_t_by_t_mask_in_the_packed_forward():

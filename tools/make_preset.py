@@ -14,8 +14,8 @@ offline). ``--scale F`` shrinks the width, head size, MLP and depth by F (the vo
 head counts stay): the small version of the same path that the tests run. ``--config-only``
 writes the preset without its weight file (config, metadata, tokenizer: a few MB whatever the
 size): enough for ``nnx-posttrain plan``, which builds the model abstractly and reads no weight.
-The dimensions are those of the published presets' config.json (KerasHub's Gemma
-``intermediate_dim`` is twice Hugging Face's ``intermediate_size``: gate and up together).
+The dimensions are those of the published presets' config.json, kept with each family
+(``nnx_posttrain.families``: ``Family.presets``).
 """
 
 from __future__ import annotations
@@ -29,51 +29,13 @@ import string
 import time
 from pathlib import Path
 
+from nnx_posttrain import families
 from tools import ToolError, command
 
-# what Gemma 2's published configs share: head size 256 and its scaling, the post norms, the
-# logit soft caps, local attention every other layer over 4,096 tokens
-GEMMA2 = dict(head_dim=256, query_head_dim_normalize=True, use_post_ffw_norm=True,
-              use_post_attention_norm=True, final_logit_soft_cap=30.0,
-              attention_logit_soft_cap=50.0, use_sliding_window_attention=True,
-              sliding_window_size=4096)
-
-# name -> (family, KerasHub backbone arguments, tokenizer size)
-LIKE = {
-    "gemma_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=18, num_query_heads=8,
-                               num_key_value_heads=1, hidden_dim=2048, intermediate_dim=32_768,
-                               head_dim=256), 256_000),
-    "gemma_7b": ("gemma", dict(vocabulary_size=256_000, num_layers=28, num_query_heads=16,
-                               num_key_value_heads=16, hidden_dim=3072, intermediate_dim=49_152,
-                               head_dim=256), 256_000),
-    "gemma2_9b": ("gemma", dict(vocabulary_size=256_000, num_layers=42, num_query_heads=16,
-                                num_key_value_heads=8, hidden_dim=3584, intermediate_dim=28_672,
-                                **GEMMA2),
-                  256_000),
-    "llama3_8b": ("llama3", dict(vocabulary_size=128_256, num_layers=32, num_query_heads=32,
-                                 num_key_value_heads=8, hidden_dim=4096, intermediate_dim=14_336,
-                                 rope_max_wavelength=500_000, layer_norm_epsilon=1e-5), 128_256),
-    "gemma2_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=26, num_query_heads=8,
-                                num_key_value_heads=4, hidden_dim=2304, intermediate_dim=18_432,
-                                **GEMMA2),
-                  256_000),
-    "llama3.2_1b": ("llama3", dict(vocabulary_size=128_256, num_layers=16, num_query_heads=32,
-                                   num_key_value_heads=8, hidden_dim=2048, intermediate_dim=8192,
-                                   rope_max_wavelength=500_000,
-                                   rope_frequency_adjustment_factor=32.0,
-                                   rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                                   rope_pretraining_sequence_length=8192,
-                                   layer_norm_epsilon=1e-5, tie_word_embeddings=True), 128_256),
-    # Qwen's embedding has 151,936 rows for 151,665 tokens (padded for the hardware)
-    "qwen2.5_0.5b": ("qwen", dict(vocabulary_size=151_936, num_layers=24, num_query_heads=14,
-                                  num_key_value_heads=2, hidden_dim=896, intermediate_dim=4864,
-                                  rope_max_wavelength=1_000_000, layer_norm_epsilon=1e-6,
-                                  tie_word_embeddings=True), 151_665),
-    "qwen3_0.6b": ("qwen3", dict(vocabulary_size=151_936, num_layers=28, num_query_heads=16,
-                                 num_key_value_heads=8, hidden_dim=1024, head_dim=128,
-                                 intermediate_dim=3072, rope_max_wavelength=1_000_000,
-                                 layer_norm_epsilon=1e-6, tie_word_embeddings=True), 151_669),
-}
+# name -> (family, KerasHub backbone arguments, tokenizer size): every family's presets
+# (``nnx_posttrain.families``: ``Family.presets``)
+LIKE = {like: (family.name, preset.dims, preset.tokens)
+        for like, (family, preset) in families.presets().items()}
 
 # ----------------------------------------------------------------------------- tokenizers
 
@@ -323,27 +285,34 @@ def _save_config_only(task, out: Path) -> None:
     task.preprocessor.save_to_preset(str(out))
 
 
-def _task(family: str, dims: dict, tokens: int, dtype: str):
-    """The KerasHub causal LM of ``family`` with backbone ``dims`` and a synthetic tokenizer of
-    ``tokens`` ids (random weights)."""
+# synthetic tokenizer kind (``Family.tokenizer``) -> tokenizer of that many tokens
+TOKENIZERS = {
+    "sentencepiece-gemma": lambda n: _sentencepiece("GemmaTokenizer", gemma_proto(n)),
+    "sentencepiece-gemma3": lambda n: _sentencepiece("Gemma3Tokenizer", gemma_proto(n),
+                                                     has_vision_tokens=False),
+    "sentencepiece-llama": lambda n: _sentencepiece("LlamaTokenizer", sentencepiece_proto(n, "llama")),
+    "bpe-llama3": lambda n: llama3_tokenizer(n),
+    "bpe-qwen2": lambda n: qwen_tokenizer(n),
+    "bpe-qwen3": lambda n: qwen_tokenizer(n, qwen3=True),
+}
+
+
+def _sentencepiece(cls: str, proto: bytes, **kwargs):
     import keras_hub
 
-    models = keras_hub.models
-    if family == "gemma":
-        tokenizer = models.GemmaTokenizer(proto=gemma_proto(tokens))
-        backbone = models.GemmaBackbone(dtype=dtype, **dims)
-        return models.GemmaCausalLM(backbone, models.GemmaCausalLMPreprocessor(tokenizer))
-    if family == "llama3":
-        tokenizer = llama3_tokenizer(tokens)
-        backbone = models.Llama3Backbone(dtype=dtype, **dims)
-        return models.Llama3CausalLM(backbone, models.Llama3CausalLMPreprocessor(tokenizer))
-    if family == "qwen":
-        tokenizer = qwen_tokenizer(tokens)
-        backbone = models.QwenBackbone(dtype=dtype, **dims)
-        return models.QwenCausalLM(backbone, models.QwenCausalLMPreprocessor(tokenizer))
-    tokenizer = qwen_tokenizer(tokens, qwen3=True)
-    backbone = models.Qwen3Backbone(dtype=dtype, **dims)
-    return models.Qwen3CausalLM(backbone, models.Qwen3CausalLMPreprocessor(tokenizer))
+    return getattr(keras_hub.models, cls)(proto=proto, **kwargs)
+
+
+def _task(family: str, dims: dict, tokens: int, dtype: str):
+    """The KerasHub causal LM of ``family`` (a ``families.FAMILIES`` name) with backbone
+    ``dims`` and a synthetic tokenizer of ``tokens`` ids (random weights)."""
+    import keras_hub
+
+    fam = families.FAMILIES[family]
+    task, preprocessor, _ = (getattr(keras_hub.models, c) for c in fam.classes)
+    tokenizer = TOKENIZERS[fam.tokenizer](tokens)
+    backbone = getattr(keras_hub.models, fam.backbone)(dtype=dtype, **dims)
+    return task(backbone, preprocessor(tokenizer))
 
 
 @command

@@ -23,7 +23,7 @@ import keras_hub
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import chat, errors
+from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import while_loading
@@ -133,17 +133,10 @@ class LanguageModel:
 
 
 def chat_format_for(backbone) -> str | None:
-    """The chat template of a KerasHub backbone's family (by class name), or None when no
-    template is known for it (Llama 2's LlamaBackbone, Mixtral, ...). Llama 3 backbones with
-    scaled rotary frequencies are 3.1 or later (their template has a date header)."""
-    name = type(backbone).__name__ if not isinstance(backbone, str) else backbone
-    if name in ("GemmaBackbone", "Gemma3Backbone"):
-        return "gemma"
-    if name == "Llama3Backbone":
-        dated = getattr(backbone, "rope_frequency_adjustment_factor", None) is not None
-        return "llama3.1" if dated else "llama3"
-    return {"QwenBackbone": "qwen2.5", "Qwen3Backbone": "qwen3",
-            "MistralBackbone": "mistral"}.get(name)
+    """The chat template of a KerasHub backbone's family (an instance or its class name;
+    ``families``), or None when no template is known for it (Llama 2's LlamaBackbone, ...)."""
+    family = families.of(backbone)
+    return None if family is None else family.format_of(backbone)
 
 
 def _chat_format(name: str, family: str, backbone, chosen: str | None) -> str:
@@ -189,14 +182,8 @@ def _preset_backbone_class(handle: str) -> str | None:
         return None
     if "class_name" in saved:
         return saved["class_name"]
-    return _HF_BACKBONES.get(saved.get("model_type"), f"Hugging Face model_type "
-                             f"{saved.get('model_type')!r}")
-
-
-_HF_BACKBONES = {"gemma": "GemmaBackbone", "gemma2": "GemmaBackbone",
-                 "gemma3_text": "Gemma3Backbone", "gemma3": "Gemma3Backbone",
-                 "qwen2": "QwenBackbone", "qwen3": "Qwen3Backbone", "mistral": "MistralBackbone",
-                 "mixtral": "MixtralBackbone"}
+    family = families.by_model_type(saved.get("model_type"))
+    return family.backbone if family else f"Hugging Face model_type {saved.get('model_type')!r}"
 
 
 def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
