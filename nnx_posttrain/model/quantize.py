@@ -69,7 +69,8 @@ def quantize_layer(layer, mode: str) -> bool:
     # an embedding a block of rows at a time: in one piece (Keras' default quantizer) a
     # 256,000-token table would hold several float32 copies of itself at once
     layer.quantize(mode, config=keras.quantizers.Int8QuantizationConfig(
-        weight_quantizer=RowBlockQuantizer() if by_rows else None, activation_quantizer=None))
+        weight_quantizer=RowBlockQuantizer(output_of=layer) if by_rows else None,
+        activation_quantizer=None))
     return True
 
 
@@ -102,20 +103,28 @@ def while_loading(mode: str):
 
 class RowBlockQuantizer(keras.quantizers.AbsMaxQuantizer):
     """Keras' abs-max int8 quantizer along the last axis (one scale per row: an embedding's
-    token), computed ``rows`` rows at a time; the same values as in one piece."""
+    token), computed ``rows`` rows at a time; the same values as in one piece. The untied output
+    table of ``output_of`` (a ``ReversibleEmbedding``'s ``reverse_embeddings`` [hidden, vocab],
+    which Keras quantizes with the same quantizer) along axis 0 instead, one scale per
+    vocabulary column as Keras' own default for it, ``rows`` columns at a time."""
 
-    def __init__(self, rows: int = 8192):
+    def __init__(self, rows: int = 8192, output_of=None):
         super().__init__(axis=-1)
-        self.rows = rows
+        self.rows, self.output_of = rows, output_of
 
     def __call__(self, x, axis=None, to_numpy=False):
         array = getattr(x, "value", x)
+        columns = self.output_of is not None and x is getattr(
+            self.output_of, "reverse_embeddings", None)
+        axis = 0 if columns else -1
         values = np.empty(array.shape, np.int8)
-        scales = np.empty((*array.shape[:-1], 1), np.float32)
-        for start in range(0, array.shape[0], self.rows):
-            part = slice(start, start + self.rows)
+        scales = np.empty((1, array.shape[1]) if columns else (*array.shape[:-1], 1), np.float32)
+        for start in range(0, array.shape[1 if columns else 0], self.rows):
+            part = (slice(None), slice(start, start + self.rows)) if columns else \
+                slice(start, start + self.rows)
             q, scale = keras.quantizers.abs_max_quantize(
-                array[part], -1, self.value_range, self.output_dtype, self.epsilon, to_numpy=True)
+                array[part], axis, self.value_range, self.output_dtype, self.epsilon,
+                to_numpy=True)
             values[part], scales[part] = np.asarray(q), np.asarray(scale, np.float32)
         return (keras.ops.convert_to_tensor(values),
                 keras.ops.convert_to_tensor(scales, dtype=str(array.dtype)))
