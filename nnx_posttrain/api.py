@@ -31,7 +31,8 @@ BUILTIN = "builtin"
 
 
 def algorithm_class(algorithm) -> type:
-    """An algorithm class from its name (``"dpo"``) or the class itself."""
+    """An algorithm class from its name (``"dpo"``) or the class itself; ``ConfigError`` for
+    anything else."""
     from nnx_posttrain import algorithms
 
     if isinstance(algorithm, str):
@@ -39,7 +40,15 @@ def algorithm_class(algorithm) -> type:
             raise errors.ConfigError(f"unknown algorithm {algorithm!r}; one of "
                                      f"{', '.join(algorithms.names())}")
         return algorithms.get(algorithm)
+    if algorithm not in algorithms.ALGORITHMS.values():
+        raise errors.ConfigError(f"the algorithm is a name ({', '.join(algorithms.names())}) or "
+                                 f"its class, got {_shown(algorithm)}")
     return algorithm
+
+
+def _shown(value) -> str:
+    """A value named in a message: its type and (shortened) repr."""
+    return f"{type(value).__name__} {repr(value)[:60]}"
 
 
 def config_type(algorithm) -> type:
@@ -69,29 +78,56 @@ def defaults(algorithm, data: str = BUILTIN) -> config_lib.Config:
 
 
 def _nested(settings: dict) -> dict:
-    """Dotted keys (``"optim.learning_rate"``) as nested mappings."""
+    """Dotted keys (``"optim.learning_rate"``) as nested mappings. A setting given twice (a
+    dotted key and the same key inside its group's mapping, or ``-`` and ``_`` spellings) is a
+    ``ConfigError`` naming both spellings: neither is silently kept."""
     out: dict = {}
+    given: dict[tuple, str] = {}  # each setting's path -> how it was given
     for key, value in settings.items():
-        *groups, name = key.split(".")
-        node = out
-        for group in groups:
-            node = node.setdefault(group, {})
-        if isinstance(value, dict) and isinstance(node.get(name), dict):
-            node[name].update(value)
-        else:
-            node[name] = value
+        for path, leaf in _leaves(tuple(key.split(".")), value):
+            spelled = ".".join(path)
+            canonical = tuple(p.replace("-", "_") for p in path)
+            clash = next((p for p in given if p[:len(canonical)] == canonical
+                          or canonical[:len(p)] == p), None)
+            if clash is not None:
+                raise errors.ConfigError(
+                    f"configure(): {'.'.join(canonical)} is given twice, as {given[clash]} and "
+                    f"as {_spelling(key, spelled)}; give each setting once")
+            given[canonical] = _spelling(key, spelled)
+            node = out
+            for group in path[:-1]:
+                node = node.setdefault(group, {})
+            node[path[-1]] = leaf
     return out
+
+
+def _leaves(path: tuple, value):
+    """(path, value) of each setting in ``value`` (a group's mapping, flattened)."""
+    if isinstance(value, dict) and value:
+        for key, inner in value.items():
+            yield from _leaves(path + tuple(str(key).split(".")), inner)
+    else:
+        yield path, value
+
+
+def _spelling(key: str, path: str) -> str:
+    """How a setting was given: its dotted keyword, or a key inside ``key``'s mapping."""
+    return f"'{key}'" if key == path else f"'{path[len(key) + 1:]}' inside {key}={{...}}"
 
 
 def configure(algorithm, config: str | Path | None = None, **settings) -> config_lib.Config:
     """A validated run config of ``algorithm`` (a name or a class): its ``defaults`` for the
     run's data, then the YAML / JSON file ``config`` (as ``--config``), then ``settings``,
     nested by group as dicts or dotted (``optim={"learning_rate": 1e-3}`` or
-    ``**{"optim.learning_rate": 1e-3}``; the algorithm's own under ``algo``). An unknown name or
-    a value of the wrong type raises ``ConfigError`` naming it. The algorithm's settings are
-    checked once all of them are applied (``Config.validate``)."""
+    ``**{"optim.learning_rate": 1e-3}``; the algorithm's own under ``algo``). An unknown name,
+    a value of the wrong type or a setting given twice raises ``ConfigError`` naming it. The
+    algorithm's settings are checked once all of them are applied (``Config.validate``)."""
     from nnx_posttrain.losses.common import unchecked_options
 
+    if config is not None and not isinstance(config, (str, Path)):
+        raise errors.ConfigError(f"configure(config=...): the path of a YAML or JSON file, got "
+                                 f"{_shown(config)}")
+    algorithm_class(algorithm)  # a wrong type, before any file is read
     settings = _nested(settings)
     data = settings.get("data")
     if data is None and config is not None:
@@ -109,6 +145,10 @@ def build(cfg: config_lib.Config):
     settings type ``cfg.algo`` has."""
     from nnx_posttrain import algorithms
 
+    if not isinstance(cfg, config_lib.Config):
+        raise errors.ConfigError(
+            f"a run takes the config that nnx_posttrain.configure builds, got {_shown(cfg)}: "
+            "e.g. run(configure('sft', steps=4))")
     by_settings = {cls.Config: cls for cls in algorithms.ALGORITHMS.values()}
     cls = by_settings.get(type(cfg.algo))
     if cls is None:
@@ -138,8 +178,9 @@ def evaluate(cfg: config_lib.Config, echo=print) -> dict:
     weights), also appended to its ``metrics.jsonl`` with what they scored."""
     from nnx_posttrain import train
 
+    algorithm = build(cfg)  # a config that is not one: refused first
     cfg = dataclasses.replace(cfg, eval_only=True)
-    with train.prepare(cfg, build(cfg), echo) as prepared:
+    with train.prepare(cfg, algorithm, echo) as prepared:
         return train.evaluate_only(prepared)
 
 
@@ -147,6 +188,8 @@ def load_run(run_dir: str | Path, step: int | None = None, echo=print):
     """A run's checkpoint as a live model (``runs.LoadedRun``: ``module``, ``lm``, ``config``)."""
     from nnx_posttrain import runs
 
+    if not isinstance(run_dir, (str, Path)):
+        raise errors.ConfigError(f"load_run(): a run directory's path, got {_shown(run_dir)}")
     return runs.load(run_dir, step, echo=echo)
 
 

@@ -101,11 +101,51 @@ def _check(messages, fmt: str, tools) -> list[dict]:
         raise ChatFormatError(
             f"chat format {fmt!r}: its official template has no tool-calling format (tools, "
             f"tool calls, tool results); formats that render one: {', '.join(TOOL_FORMATS)}")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
-        raise ChatFormatError("tools must be a list of JSON schema objects ({'type': 'function', "
-                              "'function': {'name', 'description', 'parameters'}})")
+    if tools is not None:
+        problem = tools_problem(tools)
+        if problem:
+            raise ChatFormatError(f"tools {problem}")
     return out
+
+
+TOOL_SHAPE = ("{'type': 'function', 'function': {'name': str, 'description': str, "
+              "'parameters': {JSON schema object}}}")
+
+
+def tools_problem(tools) -> str | None:
+    """What keeps ``tools`` from being a list of tools' JSON schemas in the shape the templates
+    write and the tool-calling loop reads (``TOOL_SHAPE``), as the end of a sentence; None if
+    nothing does."""
+    if not isinstance(tools, list):
+        return f"must be a list of JSON schema objects {TOOL_SHAPE}, got {type(tools).__name__}"
+    for i, tool in enumerate(tools):
+        problem = _tool_problem(tool)
+        if problem:
+            return f"item {i} {problem}; each tool is {TOOL_SHAPE}"
+    return None
+
+
+def _tool_problem(tool) -> str | None:
+    """What is wrong with one tool's schema (``tools_problem``), or None."""
+    if not isinstance(tool, dict):
+        return f"is a {type(tool).__name__}, not an object"
+    if tool.get("type", "function") != "function":
+        return f"has 'type' {tool['type']!r}, not 'function'"
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        return f"has 'function' {_kind(function)}, not an object"
+    if not isinstance(function.get("name"), str) or not function.get("name"):
+        return f"has 'function.name' {_kind(function.get('name'))}, not a string"
+    if not isinstance(function.get("description", ""), str):
+        return f"has 'function.description' {_kind(function['description'])}, not a string"
+    if not isinstance(function.get("parameters", {}), dict):
+        return f"has 'function.parameters' {_kind(function['parameters'])}, not an object"
+    return None
+
+
+def _kind(value) -> str:
+    """A value named in a message: its type, and the value where short."""
+    return "missing" if value is None else f"{type(value).__name__} {str(value)[:30]!r}"
 
 
 def _tool_call(i: int, call) -> dict:

@@ -168,9 +168,10 @@ class Checkpointer:
         as is ``CheckpointMismatchError``); a checkpoint that fails to read is set aside and the
         next older one tried. ``weights_only``: only what ``abstract_state`` names
         (``restore_weights``), the data state is None."""
+        failed = False
         while (step := self.latest_intact_step(echo)) is not None:
             try:
-                with _quiet_coroutines():
+                with _quiet_coroutines(collect=failed):
                     saved = self.read_record(step)
                     if check is not None:
                         check(saved)
@@ -178,15 +179,12 @@ class Checkpointer:
                         return (step, self.restore_weights(step, abstract_state, current_record),
                                 None, saved)
                     return (step, *self.restore(step, abstract_state, current_record))
-            except CheckpointMismatchError:
-                raise
             except Exception as exc:  # noqa: BLE001  (Orbax and TensorStore raise many kinds)
-                if isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc):
-                    raise  # out of memory is not damage
-                if not _readable_error(exc):
+                why = damage(exc)
+                if why is None:
                     raise
-                first = (str(exc).strip().splitlines() or [""])[0].split(" See full")[0][:200]
-                self.set_aside(step, f"{type(exc).__name__}: {first}", echo)
+                self.set_aside(step, why, echo)
+                failed = True
         return None
 
     def all_steps(self) -> list[int]:
@@ -267,12 +265,42 @@ def quiet_failed_io():
         sys.unraisablehook = previous
 
 
+class _VanishingFiles(logging.Filter):
+    """Drops Orbax's warnings about the files of a checkpoint folder under ``directory`` that
+    are missing (one being written or removed by the run that owns them)."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("does not exist" in text and self.directory in text)
+
+
 @contextlib.contextmanager
-def _quiet_coroutines():
+def quiet_reads(directory: str | Path):
+    """While the block reads the checkpoints in ``directory``, which a run still training may be
+    writing and rotating meanwhile: Orbax's warnings about a step folder's missing files and the
+    reports of a read that failed (``quiet_failed_io``, the coroutines it left) are dropped; the
+    reader says what it did instead. Other records pass; everything is put back at the end."""
+    noise, log = _VanishingFiles(Path(directory).absolute()), logging.getLogger("absl")
+    log.addFilter(noise)
+    try:
+        with quiet_failed_io(), _quiet_coroutines(collect=False):
+            yield
+    finally:
+        log.removeFilter(noise)
+
+
+@contextlib.contextmanager
+def _quiet_coroutines(collect: bool):
     """A failed TensorStore read leaves Orbax's reading coroutines to be finalised with their
     exception, which Python prints as "Exception ignored in <coroutine>" and a traceback: the
     failure itself is reported (``set_aside``), so those are dropped; other unraisable
-    exceptions still reach the usual hook."""
+    exceptions still reach the usual hook. ``collect``: an earlier read failed, its coroutines
+    are finalised here (a full garbage collection on exit, which costs seconds in a process
+    that holds many objects: only after a failure)."""
     old = sys.unraisablehook
 
     def hook(unraisable):
@@ -283,13 +311,22 @@ def _quiet_coroutines():
     try:
         yield
     finally:
-        gc.collect()
+        if collect:
+            gc.collect()
         sys.unraisablehook = old
 
 
-def _readable_error(exc: Exception) -> bool:
-    """Whether ``exc`` is what reading damaged files raises (not a bug of the caller's)."""
-    return isinstance(exc, (OSError, ValueError, KeyError)) or type(exc) is Exception
+def damage(exc: Exception) -> str | None:
+    """``Type: first line`` of ``exc`` where it is what reading damaged or vanishing checkpoint
+    files raises (a missing file, a truncated stream, metadata that is not JSON or not UTF-8);
+    None for anything else: out of memory, a refusal (a ``UserError``: a checkpoint of another
+    model, other settings), a bug of the caller's."""
+    if isinstance(exc, (errors.UserError, MemoryError)) or "RESOURCE_EXHAUSTED" in str(exc):
+        return None
+    if not (isinstance(exc, (OSError, ValueError, KeyError)) or type(exc) is Exception):
+        return None
+    first = (str(exc).strip().splitlines() or [""])[0].split(" See full")[0][:200]
+    return f"{type(exc).__name__}: {first}"
 
 
 def abstract(tree, sharding=None):

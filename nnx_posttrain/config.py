@@ -323,9 +323,13 @@ def save(cfg: Config, path: Path) -> dict:
     """Write ``path`` atomically (a temporary file renamed over it): a reader never sees half.
     ``--resume`` (an instruction to one command, not a setting of the run) is saved off, so that
     the file repeats the run in another --run-dir. Returns what it wrote, as read back."""
-    text = json.dumps(to_dict(dataclasses.replace(cfg, resume=False)), indent=2,
-                      sort_keys=True) + "\n"
+    text = json.dumps(saved(cfg), indent=2, sort_keys=True) + "\n"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
     return json.loads(text)
+
+
+def saved(cfg: Config) -> dict:
+    """What ``save`` writes, as JSON reads it back."""
+    return json.loads(json.dumps(to_dict(dataclasses.replace(cfg, resume=False))))

@@ -44,7 +44,7 @@ class CheckpointError(UserError, ValueError):
 
 class RunDirError(UserError):
     """A run directory that cannot be used: not a directory, not writable, held by another
-    process, not a run's."""
+    process (or another run of this one), not a run's."""
 
 
 class StorageError(RunDirError):

@@ -33,9 +33,20 @@ TEXT_ROWS = 16
 
 
 def _summary_writer():
-    """tensorboardX's SummaryWriter, imported when a run first logs to TensorBoard."""
-    from tensorboardX import SummaryWriter
+    """tensorboardX's SummaryWriter, imported when a run first logs to TensorBoard. Without
+    PyTorch: tensorboardX imports it where it is installed (to accept its tensors; a run logs
+    floats), seconds of a run's start and hundreds of MB of memory; a process that has already
+    imported PyTorch keeps it."""
+    import sys
 
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, as where it is absent
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
     return SummaryWriter
 
 

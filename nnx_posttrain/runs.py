@@ -3,7 +3,9 @@ model in a fresh process (notebooks, tools, ``--init-from``, reward-model reward
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -13,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import checkpoint, config as config_lib, errors, model, sharding, tasks
+from nnx_posttrain import checkpoint, config as config_lib, cpu_host, errors, model, sharding
+from nnx_posttrain import tasks
 from nnx_posttrain.algorithms import registry
 from nnx_posttrain.model import heads
 
@@ -178,19 +181,20 @@ def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
          echo=print) -> LoadedRun:
-    """Load ``run_dir``'s checkpoint ``step`` (default: the latest complete one) into a model built
+    """Load ``run_dir``'s checkpoint ``step`` (default: the newest whole one) into a model built
     from the run's own config, laid out on a mesh of this process's devices. Only the weights (and
-    the step and RNG) are read: no optimizer state is built."""
+    the step and RNG) are read: no optimizer state is built. A run still training there may
+    rotate its checkpoints meanwhile, and its newest may be damaged: see ``read_whole``."""
     run_dir = Path(run_dir)
     saved_cfg = run_config(run_dir)
+    cpu_host.prefer_cpu()
     cfg = config_lib.Config(
         model=saved_cfg["model"], dtype=saved_cfg["dtype"], seed=saved_cfg["seed"],
         lora=config_lib.LoraConfig(**saved_cfg["lora"]),
         checkpoint=dataclasses.replace(config_lib.CheckpointConfig(), async_save=False),
         chat_format=saved_cfg.get("chat_format"), quantize=saved_cfg.get("quantize", "none"),
     )
-    ckpt = _reader(run_dir)
-    try:
+    with _reading(run_dir) as ckpt:
         _pick_step(ckpt, run_dir, step)  # a missing checkpoint: before the model is built
         lm, module = build_model(ModelSpec(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
                                            head=head_of(saved_cfg), chat_format=cfg.chat_format,
@@ -200,40 +204,109 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
         replicated = NamedSharding(mesh, P())
         template = {"params": params, "step": jnp.zeros((), jnp.int32),
                     "rng": jax.random.key_data(jax.random.key(cfg.seed))}
-        # a run that is still training saves and rotates its checkpoints (--checkpoint.keep)
-        # meanwhile: the latest is picked again once the model is built, and once more if it
-        # is removed while it is read
-        for attempt in range(3):
-            chosen = _pick_step(ckpt, run_dir, step)
-            try:
-                state = ckpt.restore_weights(chosen, checkpoint.abstract(template, replicated),
-                                             checkpoint.model_record(cfg, template))
-                break
-            except FileNotFoundError:
-                if (run_dir / "checkpoints" / str(chosen)).exists():
-                    raise
-                if step is not None or attempt == 2:
-                    raise NoCheckpointError(
-                        f"{run_dir / 'checkpoints'}: checkpoint {chosen} was removed while it "
-                        "was read (a run still training there keeps only its last "
-                        "--checkpoint.keep checkpoints); read it again"
-                        + ("" if step is None else " with a later --step, or without one")
-                    ) from None
-        step = chosen
-    finally:
-        ckpt.close()
+        abstract, record = (checkpoint.abstract(template, replicated),
+                            checkpoint.model_record(cfg, template))
+        step, state = read_whole(ckpt, run_dir, step,
+                                 lambda k: ckpt.restore_weights(k, abstract, record), echo)
     nnx.update(module, state["params"])
     return LoadedRun(run_dir, saved_cfg, step, lm, state, module)
 
 
+READ_ATTEMPTS = 5  # newest checkpoints rotated away while read, before giving up
+
+
+def read_whole(ckpt: checkpoint.Checkpointer, run_dir: Path, step: int | None, read, echo=print):
+    """(the step read, ``read(step)``) of checkpoint ``step`` or, without one, of the newest
+    whole checkpoint, where a run still training in ``run_dir`` saves and rotates them
+    (``--checkpoint.keep``) meanwhile: one removed while it was read gives way to the newest
+    again; a newest one that cannot be read (damaged) to the one before it, said with ``echo``
+    (a reader leaves it in place; training the run sets it aside). ``NoCheckpointError`` when no
+    whole one is left, or a ``step`` asked for was removed; ``CheckpointError`` for a ``step``
+    asked for that is damaged. Failures that are not the files' (another model, out of memory)
+    pass."""
+    damaged: dict[int, str] = {}
+    for _ in range(READ_ATTEMPTS):
+        chosen = step if step is not None else next(
+            (k for k in reversed(_steps(ckpt)) if k not in damaged), None)
+        if chosen is None:
+            raise _none_whole(run_dir, damaged)
+        try:
+            return chosen, read(chosen)
+        except Exception as exc:  # noqa: BLE001  (Orbax and TensorStore raise many kinds)
+            why = checkpoint.damage(exc)
+            if why is None:
+                raise
+            gc.collect()  # the failed read's coroutines finalised while quiet_reads hears them
+        where = run_dir / "checkpoints" / str(chosen)
+        if _rotated(ckpt, chosen, step is not None, set(damaged)):
+            if step is not None:
+                raise NoCheckpointError(
+                    f"{run_dir / 'checkpoints'}: checkpoint {step} was removed while it was read "
+                    "(a run still training there keeps only its last --checkpoint.keep "
+                    "checkpoints); read it again with a later --step, or without one")
+            continue
+        if step is not None:
+            raise errors.CheckpointError(
+                f"{where} cannot be read ({why}): it is damaged. Read another --step, or none "
+                "for the newest whole checkpoint")
+        damaged[chosen] = why
+        echo(f"checkpoint {where} cannot be read ({why}): it is damaged; reading the one "
+             "before it (resuming the run sets it aside)")
+    raise NoCheckpointError(
+        f"{run_dir / 'checkpoints'}: the run training there removed {READ_ATTEMPTS} checkpoints "
+        "in a row while they were read (it saves often and keeps few: --checkpoint.keep); read "
+        "it again, or copy the run directory and read the copy")
+
+
+def _none_whole(run_dir: Path, damaged: dict[int, str]) -> NoCheckpointError:
+    said = "; ".join(f"checkpoint {k}: {why}" for k, why in sorted(damaged.items()))
+    return NoCheckpointError(f"{run_dir / 'checkpoints'}: no complete checkpoint"
+                             + (f" that can be read ({said})" if damaged else ""))
+
+
+def _steps(ckpt: checkpoint.Checkpointer) -> list[int]:
+    """The complete checkpoints' steps as the directory holds them now."""
+    def listed():
+        ckpt.manager.reload()
+        return ckpt.all_steps()
+    return _listed(listed)
+
+
+def _listed(fn):
+    """``fn()``, which lists a run's checkpoints: again where a run rotating them removed one
+    while it was listed (Orbax lists the folders, then reads each one's metadata)."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return fn()
+        except FileNotFoundError:
+            if attempt == READ_ATTEMPTS - 1:
+                raise
+            time.sleep(0.05)
+
+
+def _rotated(ckpt: checkpoint.Checkpointer, step: int, explicit: bool, damaged: set) -> bool:
+    """Whether checkpoint ``step``, whose read failed, was being removed by its run's rotation:
+    its folder gone; reading the newest (not ``explicit``), also a newer one saved since, not
+    one of those known ``damaged`` (the rotation removes a checkpoint only after saving a newer
+    one)."""
+    folder = ckpt.directory / str(step)
+    for _ in range(10 if explicit else 1):  # a removal under way: its folder goes at the end
+        steps = set(_steps(ckpt)) - damaged
+        if not folder.exists() or step not in steps or (not explicit and max(steps) > step):
+            return True
+        if explicit:
+            time.sleep(0.1)
+    return False
+
+
 def _pick_step(ckpt, run_dir: Path, step: int | None) -> int:
-    """``step``, or the latest complete checkpoint, as the directory holds them now."""
-    ckpt.manager.reload()
-    step = ckpt.latest_step() if step is None else step
-    if step is None or step not in ckpt.all_steps():
+    """``step``, or the newest complete checkpoint, as the directory holds them now."""
+    steps = _steps(ckpt)
+    step = (steps[-1] if steps else None) if step is None else step
+    if step is None or step not in steps:
         raise NoCheckpointError(
             f"{run_dir / 'checkpoints'}: no complete checkpoint"
-            + (f" at step {step}; available: {ckpt.all_steps()}" if step is not None else ""))
+            + (f" at step {step}; available: {steps}" if step is not None else ""))
     return step
 
 
@@ -281,9 +354,8 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
         raise errors.CheckpointError(
             f"--init-from {run_dir}: a LoRA run; export it with LoRA merged first "
             f"(nnx-posttrain export {run_dir} --to DIR, then --model DIR), or {fresh}")
-    ckpt = _reader(run_dir)
-    try:
-        if ckpt.latest_step() is None:
+    with _reading(run_dir) as ckpt:
+        if not _steps(ckpt):
             raise errors.CheckpointError(
                 f"--init-from {run_dir}: no complete checkpoint in "
                 f"{run_dir / 'checkpoints'}; {fresh}")
@@ -293,26 +365,34 @@ def check_init_from(run_dir: str | Path, name: str, step: int | None = None) -> 
                 f"which is gone (it has {ckpt.all_steps()}): the starting weights and the "
                 "reference model cannot be rebuilt as they were. Start a new run (another "
                 "--run-dir), or restore that checkpoint.")
-    finally:
-        ckpt.close()
     return saved
 
 
 def _reader(run_dir: str | Path) -> checkpoint.Checkpointer:
     """A checkpointer that reads ``run_dir``'s checkpoints (it writes none: no async saves)."""
-    return checkpoint.Checkpointer(Path(run_dir) / "checkpoints", dataclasses.replace(
-        config_lib.CheckpointConfig(), async_save=False))
+    cfg = dataclasses.replace(config_lib.CheckpointConfig(), async_save=False)
+    return _listed(lambda: checkpoint.Checkpointer(Path(run_dir) / "checkpoints", cfg))
+
+
+@contextlib.contextmanager
+def _reading(run_dir: Path):
+    """A reader of ``run_dir``'s checkpoints (``_reader``), quiet about the files a run still
+    training there writes and removes meanwhile (``checkpoint.quiet_reads``); closed at the end."""
+    with checkpoint.quiet_reads(Path(run_dir) / "checkpoints"):
+        ckpt = _reader(run_dir)
+        try:
+            yield ckpt
+        finally:
+            ckpt.close()
 
 
 def latest_step(run_dir: str | Path | None) -> int | None:
     """The latest complete checkpoint step of run ``run_dir`` (None: no run, no checkpoint)."""
     if not run_dir or not (Path(run_dir) / "checkpoints").is_dir():
         return None
-    ckpt = _reader(run_dir)
-    try:
-        return ckpt.latest_step()
-    finally:
-        ckpt.close()
+    with _reading(Path(run_dir)) as ckpt:
+        steps = _steps(ckpt)
+    return steps[-1] if steps else None
 
 
 def init_weights(module, run_dir: str | Path, step: int | None = None) -> str:

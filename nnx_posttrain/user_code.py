@@ -7,8 +7,10 @@ cannot be found, one that fails while importing (with the file and line), a miss
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
+import sysconfig
 import traceback
 from pathlib import Path
 
@@ -42,13 +44,47 @@ def load(spec: str, option: str, error: type[errors.UserError] = errors.ConfigEr
     return getattr(module, attr)
 
 
-def failure(exc: BaseException) -> str:
-    """`` at FILE:LINE: Type: message`` of an exception raised in user code (where it was
-    raised; no place for a syntax error, whose message holds it)."""
+# where code that is not the user's lives: this package and Python's own library
+_NOT_USERS = tuple(str(Path(p).resolve()) + os.sep for p in {
+    Path(__file__).resolve().parent, *(sysconfig.get_paths()[k] for k in
+                                       ("stdlib", "platstdlib", "purelib", "platlib"))})
+
+
+def failure(exc: BaseException, fn=None) -> str:
+    """`` at FILE:LINE: Type: message`` of an exception raised in user code: the innermost
+    line of the user's own code (not this package's, not Python's library: the user's line that
+    called ``json.loads``, not json's); where none ran, as when ``fn`` (the user's function)
+    was called with arguments it does not take, ``fn``'s definition; no place for a syntax
+    error, whose message holds it."""
     frames = traceback.extract_tb(exc.__traceback__)
-    at = (f" at {frames[-1].filename}:{frames[-1].lineno}"
-          if frames and not isinstance(exc, SyntaxError) else "")
-    return f"{at}: {type(exc).__name__}: {exc}"
+    users = [f for f in frames if not (f.filename == "<string>"  # eval'd: typing's, say
+                                       or f.filename.startswith("<frozen")
+                                       or str(Path(f.filename).resolve()).startswith(_NOT_USERS))]
+    at = ""
+    if isinstance(exc, SyntaxError):
+        pass
+    elif users:
+        at = f" at {users[-1].filename}:{users[-1].lineno}"
+    elif fn is not None and defined_at(fn):
+        at = f" (calling {getattr(fn, '__qualname__', fn)!s} at {defined_at(fn)})"
+    elif frames:
+        at = f" at {frames[-1].filename}:{frames[-1].lineno}"
+    return f"{at}: {type(exc).__name__}: {text(exc)}"
+
+
+def defined_at(fn) -> str | None:
+    """``FILE:LINE`` where function or method ``fn`` is defined (None where Python cannot
+    tell: a builtin, a C extension)."""
+    code = getattr(inspect.unwrap(getattr(fn, "__func__", fn)), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
+
+
+def text(value) -> str:
+    """``str(value)``; for a value of user code whose ``__str__`` raises, a note saying so."""
+    try:
+        return str(value)
+    except Exception as exc:  # noqa: BLE001 - a user's __str__
+        return f"<a {type(value).__name__} whose str() raised {type(exc).__name__}>"
 
 
 def _failed(where: str, module_name: str, exc: BaseException) -> str:

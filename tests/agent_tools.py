@@ -76,3 +76,47 @@ class Failing:
 
     def reset(self, **record):
         raise KeyError("level")
+
+
+class Unprintable:
+    def __str__(self):
+        raise ValueError("no text")
+
+
+def unprintable(x: int):
+    """Answers with a value that cannot be written as text.
+
+    Args:
+        x: Anything.
+    """
+    return Unprintable()
+
+
+def exits(x: int) -> int:
+    """Ends the process (as a careless tool may).
+
+    Args:
+        x: Anything.
+    """
+    import sys
+
+    sys.exit(3)
+
+
+class DictReset:
+    """An environment whose reset returns a dict, not text."""
+
+    def reset(self, **record):
+        return {"observation": "start"}
+
+
+class NoRecord:
+    """An environment whose reset takes none of the record's columns."""
+
+    def reset(self):
+        return None
+
+
+def judge_that_raises(prompts, pairs):
+    """A pairwise judge (nnx-posttrain judge --judge) with a bug: an IndexError on this line."""
+    return [0] * len(pairs[len(pairs)])

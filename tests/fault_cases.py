@@ -45,12 +45,13 @@ class Case:
                *(FAST if fast else []), *args]
         if algo != "sft" and "--init-from" not in args:
             cmd += ["--init-from", ""]
-        full_env = dict(os.environ, PYTHONPATH=str(self.root), **(env or {}))
+        full_env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(self.root),
+                                      **(env or {})}.items() if v is not None}
         try:
             out = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True,
                                  timeout=timeout, env=full_env)
         except subprocess.TimeoutExpired as exc:
-            out = subprocess.CompletedProcess(cmd, 124, exc.stdout or "", exc.stderr or "")
+            out = _timed_out(cmd, exc)
         self.outs.append(out)
         return out
 
@@ -61,9 +62,21 @@ class Case:
                                 stderr=subprocess.PIPE, text=True,
                                 env=dict(os.environ, PYTHONPATH=str(self.root)))
 
-    def python(self, code: str):
-        out = subprocess.run([sys.executable, "-c", code], cwd=self.root, capture_output=True,
-                             text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(self.root)))
+    def command(self, *args, timeout=900, env=None):
+        """``nnx-posttrain ARGS`` (``python -m nnx_posttrain.cli``) in a process of its own."""
+        try:
+            out = subprocess.run([sys.executable, "-m", "nnx_posttrain.cli", *map(str, args)],
+                                 cwd=self.root, capture_output=True, text=True, timeout=timeout,
+                                 env={**os.environ, "PYTHONPATH": str(self.root), **(env or {})})
+        except subprocess.TimeoutExpired as exc:
+            out = _timed_out(args, exc)
+        self.outs.append(out)
+        return out
+
+    def python(self, code: str, *args, env=None):
+        out = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=self.root,
+                             capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "PYTHONPATH": str(self.root), **(env or {})})
         self.outs.append(out)
         return out
 
@@ -73,6 +86,14 @@ class Case:
             for line in lines:
                 f.write(line if isinstance(line, bytes) else (json.dumps(line) + "\n").encode())
         return path
+
+
+def _timed_out(cmd, exc: subprocess.TimeoutExpired) -> subprocess.CompletedProcess:
+    """A process killed at its time limit, as a finished one of status 124 (its output as text:
+    ``TimeoutExpired`` keeps bytes)."""
+    def text(b):
+        return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+    return subprocess.CompletedProcess(cmd, 124, text(exc.stdout), text(exc.stderr))
 
 
 # ----------------------------------------------------------------------------- judging
@@ -711,6 +732,13 @@ def disk_full_during_checkpoint(c):
 
 
 @case("storage")
+def disk_full_within_a_checkpoint_write(c):
+    # a disk that fills up in the middle of a checkpoint's many writes (not at its first): the
+    # writes it cut short are reported by asyncio when collected, at exit, after the message
+    return _on_small_disk(c, 900, 900, "--steps", "60", "--checkpoint.every", "2")[2]
+
+
+@case("storage")
 def disk_full_while_logging(c):
     return _on_small_disk(c, 1200, 24, "--steps", "400", "--checkpoint.every", "1000")[2]
 
@@ -777,6 +805,338 @@ def rollout_length_huge(c):
                    "--algo.max-completion-length", "context")
 
 
+@case("noise")
+def libtpu_installed_on_a_cpu_host(c):
+    # JAX would start the TPU runtime first: a page of errors when no other process holds it
+    out = c.run("sft", c.work / "run", env={"JAX_PLATFORMS": None})
+    if not (c.work / "run" / "checkpoints" / "4").is_dir():
+        return works(out, False)
+    noise = [w for w in ("TPU_WORKER_HOSTNAMES", "host bounds", "libtpu") if w in out.stderr]
+    return "unclear" if noise else works(out)
+
+
+# ----------------------------------------------------------------------------- runs read live
+
+
+def _live(c, *args):
+    """A run training in the background (a checkpoint every step, only the last kept), once
+    its first checkpoint is whole: (the process, its directory)."""
+    run = c.work / "run"
+    proc = c.start("sft", run, "--steps", "100000", "--checkpoint.every", "1",
+                   "--checkpoint.keep", "1", *args)
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline and not any(
+            (run / "checkpoints" / str(s) / "state").is_dir() for s in steps_of(run)):
+        time.sleep(0.05)
+    return proc, run
+
+
+def _read_live(c, reads) -> str:
+    """``reads(run)`` (commands reading it) against a run that trains and rotates meanwhile:
+    'ok' when every read succeeded without a traceback."""
+    proc, run = _live(c)
+    try:
+        outs = [fn(run) for fn in reads]
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    if any(traceback(o) for o in outs):
+        return "traceback"
+    return "ok" if all(o.returncode == 0 for o in outs) else "unclear"
+
+
+@case("runs read live")
+def export_while_training_keep_1(c):
+    return _read_live(c, [lambda run, i=i: c.command("export", run, "--to", c.work / f"out{i}")
+                          for i in range(3)])
+
+
+@case("runs read live")
+def sample_while_training_keep_1(c):
+    return _read_live(c, [lambda run: c.command("sample", run, "--prompt", "What is 2 + 2?",
+                                                "--max-new-tokens", "2")] * 3)
+
+
+@case("runs read live")
+def load_while_training_keep_1(c):
+    code = ("from nnx_posttrain import runs\nimport sys\n"
+            "for _ in range(4): print('STEP', runs.load(sys.argv[1], echo=lambda _: None).step)\n")
+    return _read_live(c, [lambda run: c.python(code, run)])
+
+
+def _damaged_newest(c) -> Path:
+    run = _finished(c)
+    (run / "checkpoints" / "4" / "record" / "metadata").write_bytes(b'{"\xff\xfe')
+    return run
+
+
+@case("runs read live")
+def sample_damaged_newest(c):
+    out = c.command("sample", _damaged_newest(c), "--prompt", "What is 2 + 2?",
+                    "--max-new-tokens", "2")
+    return works(out, True, "cannot be read", "damaged")
+
+
+@case("runs read live")
+def load_damaged_newest(c):
+    run = _damaged_newest(c)
+    out = c.python(f"from nnx_posttrain import runs; print('STEP', runs.load({str(run)!r}).step)")
+    return works(out, "STEP 2" in out.stdout, "damaged")
+
+
+@case("runs read live")
+def teacher_damaged_newest(c):
+    run = _damaged_newest(c)
+    out = c.run("distill", c.work / "student", "--algo.teacher", str(run), "--init-from", "")
+    return works(out, bool(steps_of(c.work / "student")), "damaged")
+
+
+# ----------------------------------------------------------------------------- agents
+
+def _user_module(c) -> dict:
+    """The environment of a process that imports the user code of tests/agent_tools.py (this
+    checkout's, whichever ``--root`` runs) by 'agent_tools:name'."""
+    return {"PYTHONPATH": f"{c.root}{os.pathsep}{Path(__file__).resolve().parent}"}
+
+
+def _conversations(c, n=8, **extra) -> Path:
+    return c.file("prompts.jsonl", [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+                                     "answer": str(i + 1), **extra} for i in range(n)])
+
+
+ONLINE = ["--algo.num-generations", "2", "--algo.max-completion-length", "4"]
+
+
+def _tool_call(c, tool: str) -> str:
+    """A call of ``tool`` the way a rollout calls it: 'ok' when it is a failed call, counted,
+    with no traceback."""
+    out = c.python("from nnx_posttrain.agents import Toolset\n"
+                   f"episode = Toolset('agent_tools:{tool}').open([{{}}])[0]\n"
+                   f"print('RESULT', episode.call({tool!r}, {{'x': 1}}))\n", env=_user_module(c))
+    if traceback(out) or out.returncode != 0:
+        return "traceback" if traceback(out) else "unclear"
+    return "ok" if "True)" in out.stdout.split("RESULT", 1)[-1] else "unclear"
+
+
+@case("agents")
+def tool_result_str_raises(c):
+    return _tool_call(c, "unprintable")
+
+
+@case("agents")
+def tool_calls_sys_exit(c):
+    return _tool_call(c, "exits")
+
+
+def _environment_case(name, cls, *words):
+    def fn(c):
+        out = c.run("grpo", c.work / "run", "--data", _conversations(c), *ONLINE,
+                    "--algo.environment", f"agent_tools:{cls}", "--algo.rewards", "exact_match",
+                    env=_user_module(c))
+        return refused(out, *words, "agent_tools.py")
+    fn.__name__ = name
+    CASES.append((name, "agents", fn))
+
+
+_environment_case("environment_reset_returns_a_dict", "DictReset", "reset returned a dict")
+_environment_case("environment_reset_takes_no_record", "NoRecord", "NoRecord")
+
+
+_BAD_TOOLS = [{"type": "function", "function": "multiply"}]
+
+
+@case("agents")
+def tools_column_not_a_schema_sft(c):
+    rows = [{"messages": [{"role": "user", "content": "What is 2 x 3?"},
+                          {"role": "assistant", "content": "6"}], "tools": _BAD_TOOLS}] * 8
+    # long enough for the schemas: a run that trains wrote the bad ones into every prompt
+    out = c.run("sft", c.work / "run", "--data", c.file("tools.jsonl", rows),
+                "--batching.max-length", "1024")
+    return "data loss" if out.returncode == 0 else refused(out, "tools.jsonl:1", "'tools'")
+
+
+@case("agents")
+def tools_column_not_a_schema_grpo(c):
+    out = c.run("grpo", c.work / "run", "--data", _conversations(c, tools=_BAD_TOOLS), *ONLINE,
+                "--algo.rewards", "exact_match")
+    return "data loss" if out.returncode == 0 else refused(out, "prompts.jsonl:1", "'tools'")
+
+
+# ----------------------------------------------------------------------------- evaluation, judging
+
+
+def _task(c, text: str) -> Path:
+    tasks = c.work / "tasks"
+    tasks.mkdir(exist_ok=True)
+    (tasks / "mine.yaml").write_text(text)
+    return tasks
+
+
+@case("evaluation")
+def eval_task_data_file_missing(c):
+    run = _finished(c)
+    tasks = _task(c, "task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+                     f"{c.work / 'gone.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
+                     "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+                     "metric_list: [{metric: exact_match}]\n")
+    out = c.command("eval", run, "--tasks", "mine", "--include-path", tasks)
+    loaded = "loading model" in out.stdout + out.stderr
+    return "unclear" if loaded and not traceback(out) else refused(out, "gone.jsonl")
+
+
+@case("evaluation")
+def eval_task_yaml_syntax_error(c):
+    run = _finished(c)
+    tasks = _task(c, "task: mine\ndataset_path: json\n  test_split: [x\n")
+    return refused(c.command("eval", run, "--tasks", "mine", "--include-path", tasks),
+                   "mine.yaml", "line 3")
+
+
+@case("evaluation")
+def judge_callable_raises(c):
+    run = _finished(c)
+    prompts = c.file("judge.jsonl", [{"prompt": f"What is {i} + 1?"} for i in range(4)])
+    out = c.command("judge", run, run, "--prompts", prompts, "--judge",
+                    "agent_tools:judge_that_raises", "--max-new-tokens", "2", env=_user_module(c))
+    return refused(out, "agent_tools.py", "IndexError")
+
+
+@case("evaluation")
+def judge_two_runs_of_the_same_name(c):
+    a = _finished(c)
+    for side in ("x", "y"):
+        shutil.copytree(a, c.work / side / "b")
+    prompts = c.file("judge.jsonl", [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)}
+                                     for i in range(4)])
+    outs = [c.command("judge", a, c.work / side / "b", "--prompts", prompts,
+                      "--max-new-tokens", "2") for side in ("x", "y")]
+    if any(traceback(o) for o in outs):
+        return "traceback"
+    kept = [json.loads(p.read_text()).get("run_b") for p in (a / "judge").glob("*.json")]
+    if sorted(kept) != sorted(str(c.work / side / "b") for side in ("x", "y")):
+        return "data loss"  # the first result overwritten by the second
+    return works(outs[-1], True)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@case("plan")
+def plan_topology_cpu_0(c):
+    return refused(c.command("plan", "sft", *MICRO, "--topology", "cpu-0"), "cpu-0")
+
+
+@case("plan")
+def plan_topology_odd_cores(c):
+    return refused(c.command("plan", "sft", *MICRO, "--topology", "v4-9"), "v4-9")
+
+
+@case("plan")
+def plan_batch_size_huge(c):
+    # planned from the shapes of a small batch; refused as too large for the chips, quickly
+    out = c.command("plan", "sft", *MICRO, "--batching.batch-size", "4000000", "--topology",
+                    "v5e-8", timeout=300)
+    return "unclear" if out.returncode == 124 else refused(out, "would not fit")
+
+
+# ----------------------------------------------------------------------------- the Python API
+
+
+def _api(c, code: str, *words) -> str:
+    """``code`` (a Python API call) as a script that reports the library's ``UserError`` (its
+    class and message, exit status 1); anything else ends in a traceback."""
+    return refused(c.python("import sys, nnx_posttrain as npt\ntry:\n    " + code + "\n"
+                            "except npt.UserError as exc:\n"
+                            "    sys.exit(f'{type(exc).__name__}: {exc}')\n"), *words)
+
+
+@case("python api")
+def api_configure_not_an_algorithm(c):
+    return _api(c, "npt.configure(42)", "ConfigError", "int 42")
+
+
+@case("python api")
+def api_configure_config_not_a_path(c):
+    return _api(c, "npt.configure('sft', config=123)", "ConfigError", "int 123")
+
+
+@case("python api")
+def api_run_a_dict(c):
+    return _api(c, "npt.run({'steps': 4})", "ConfigError", "configure")
+
+
+@case("python api")
+def api_dotted_and_nested_key(c):
+    outcome = _api(c, "npt.configure('sft', **{'optim.learning_rate': 1e-3, "
+                      "'optim': {'learning_rate': 2e-3}})", "ConfigError", "given twice")
+    return "data loss" if outcome == "unclear" and c.outs[-1].returncode == 0 else outcome
+
+
+@case("python api")
+def api_two_threads_one_run_dir(c):
+    run = c.work / "run"
+    code = (
+        "import threading, nnx_posttrain as npt\n"
+        f"cfg = npt.configure('sft', model='gemma_micro', run_dir={str(run)!r}, steps=200, "
+        "log_every=1, checkpoint={'every': 0}, eval={'every': 0, 'exact_match': 0}, "
+        "batching={'max_length': 24, 'batch_size': 4})\n"
+        "said = []\n"
+        "def second():\n"
+        "    try:\n"
+        "        npt.run(cfg, echo=lambda _: None)\n"
+        "    except npt.UserError as exc:\n"
+        "        said.append(str(exc))\n"
+        "first = threading.Thread(target=npt.run, args=(cfg,), kwargs={'echo': lambda _: None})\n"
+        "first.start()\n"
+        "import time, pathlib\n"
+        f"while not pathlib.Path({str(run / 'run.lock')!r}).exists(): time.sleep(0.05)\n"
+        "second()\n"
+        "first.join()\n"
+        "print('SAID', said)\n")
+    out = c.python(code)
+    said = out.stdout.split("SAID", 1)[-1]
+    if traceback(out):
+        return "traceback"
+    return "message" if "this process" in said else "unclear"
+
+
+# ----------------------------------------------------------------------------- restarts, metrics
+
+
+@case("resume")
+def restart_without_checkpoints_other_settings(c):
+    run = _finished(c, "--steps", "6")
+    before = metrics(run)
+    shutil.rmtree(run / "checkpoints")
+    out = c.run("sft", run, "--steps", "2", "--optim.learning-rate", "1e-3")
+    kept = [p for p in run.glob("earlier-*") if (p / "metrics.jsonl").exists()]
+    if not kept or metrics(kept[0]) != before:
+        return "data loss"  # the earlier run's records replaced without a word
+    return works(out, True, "kept in")
+
+
+@case("training")
+def sigterm_window_equals_uninterrupted(c):
+    whole, cut = c.work / "whole", c.work / "cut"
+    common = ["--steps", "80", "--log-every", "8", "--checkpoint.every", "0"]
+    c.run("sft", whole, *common)
+    proc = c.start("sft", cut, *common)
+    _wait_metrics(cut, 8, proc)
+    time.sleep(0.1)  # into the next window
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=600)
+    stopped = max(steps_of(cut) or [0])
+    if stopped % 8 == 0 or stopped >= 80:
+        c.note = f"stopped at step {stopped}: not inside a log window"
+        return "unclear"
+    out = c.run("sft", cut, *common)
+
+    def untimed(run):
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_second", "compile_seconds")}
+                for r in metrics(run) if r.get("split") == "train"]
+    return works(out, untimed(cut) == untimed(whole)) if untimed(whole) else "unclear"
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -828,9 +1188,9 @@ def table(*paths: str) -> None:
            notes=["Not fine after: " + (", ".join(left) or "none"),
                   f"{len(after['results'])} cases, each one to three real processes on the micro "
                   "model, run one after the other on a machine shared with other jobs.",
-                  *([f"Rerun at {after['rerun']['commit']} (--only): "
-                     f"{', '.join(after['rerun']['cases'])}: {after['rerun']['why']}."]
-                    if after.get("rerun") else [])],
+                  *[f"{'After' if r is after else 'Before'}: run at {r['rerun']['commit']} "
+                    f"(--only): {', '.join(r['rerun']['cases'])}: {r['rerun']['why']}."
+                    for r in runs if r.get("rerun")]],
            data={"runs": runs, "changed": changed})
 
 

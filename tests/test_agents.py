@@ -65,6 +65,17 @@ def test_a_function_that_cannot_be_a_tool_is_named_with_its_parameter():
     with pytest.raises(agents.SchemaError, match="parameter 'a' is not described"):
         function_schema(undescribed)
 
+    def unresolved(a: "Undefined"):  # noqa: F821 - a name the user's module does not define
+        """Doc.
+
+        Args:
+            a: A.
+        """
+    with pytest.raises(agents.SchemaError, match=r"tool 'unresolved': its type hints cannot be "
+                                                 r"read \(calling .*unresolved at .*test_agents"
+                                                 r".py:\d+\): NameError: name 'Undefined'"):
+        function_schema(unresolved)
+
 
 # -- calls in generated text, and the results' tokens
 
@@ -162,7 +173,8 @@ def scripted(turns, n=256):
     return sample
 
 
-def episodes(n, tools="agent_tools:multiply,agent_tools:slow,agent_tools:broken", timeout=5.0):
+def episodes(n, tools="agent_tools:multiply,agent_tools:slow,agent_tools:broken,"
+                      "agent_tools:unprintable,agent_tools:exits", timeout=5.0):
     return Toolset(tools, timeout=timeout).open([{} for _ in range(n)])
 
 
@@ -199,6 +211,9 @@ def test_the_loop_appends_results_masks_them_and_continues_from_the_whole_contex
                                                        "call is not JSON (Expecting ',' delimiter)"})),
     ('{"name": "slow", "parameters": {"seconds": 2}}', "{'error': 'Tool slow timed out after "
                                                        "0.2 s.'}"),
+    # user code misbehaving inside a call: a result whose str() raises, a sys.exit
+    ('{"name": "unprintable", "parameters": {"x": 1}}', "{'error': 'no text'}"),
+    ('{"name": "exits", "parameters": {"x": 1}}', "{'error': 'Tool exits called sys.exit(3).'}"),
 ])
 def test_a_failed_call_is_text_for_the_model_and_counted(text, expected):
     sample = scripted([[text, "done"]])
@@ -248,6 +263,18 @@ def test_an_environment_that_raises_is_named_with_the_record_and_the_line():
     with pytest.raises(agents.EnvironmentFailed, match=r"--algo.environment Failing: reset failed "
                        r"for f.jsonl:3 at .*agent_tools.py:\d+: KeyError: 'level'"):
         tools.open([{"prompt": "p", "_where": "f.jsonl:3"}])
+
+
+def test_an_environment_whose_reset_misbehaves_is_named_at_the_users_line():
+    """reset returning a dict (not text or None), reset taking none of the record's columns
+    (the call fails in this package, before a line of the user's runs): the user's file."""
+    with pytest.raises(agents.EnvironmentFailed, match=r"--algo.environment DictReset: reset "
+                       r"returned a dict for f.jsonl:2 \(reset at .*agent_tools.py:\d+\); it "
+                       "returns text, appended to the last user message, or None"):
+        Toolset(environment="agent_tools:DictReset").open([{"p": 1, "_where": "f.jsonl:2"}])
+    with pytest.raises(agents.EnvironmentFailed, match=r"NoRecord: reset failed for f.jsonl:2 "
+                       r"\(calling NoRecord.reset at .*agent_tools.py:\d+\): TypeError: "):
+        Toolset(environment="agent_tools:NoRecord").open([{"p": 1, "_where": "f.jsonl:2"}])
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -504,7 +504,7 @@ def test_sft_trains_on_tool_calling_conversations_and_refuses_a_format_without_t
            "tool-calling format" in message
 
 
-def test_a_tools_column_that_is_not_json_is_refused_with_its_field():
+def test_a_tools_column_that_is_not_json_schemas_is_refused_with_its_field():
     from nnx_posttrain import data
     from nnx_posttrain.data.errors import DataError
 
@@ -514,6 +514,17 @@ def test_a_tools_column_that_is_not_json_is_refused_with_its_field():
         data.Tokenize(tok, "qwen3", 4096)(record)
     with pytest.raises(DataError, match="f.jsonl:3: field 'tools' must be a list of JSON schema"):
         data.Tokenize(tok, "qwen3", 4096)(dict(record, tools='{"a": 1}'))
+    # lists of objects, not in the schema's shape: refused by line for SFT and GRPO alike
+    prompt = {"prompt": TOOL_CASES["call"][0][:1], "_where": "f.jsonl:3"}
+    for tools, problem in [([{"type": "function", "function": "multiply"}],
+                            "item 0 has 'function' str 'multiply', not an object"),
+                           ([TOOL, {"type": "function", "function": {"name": 3}}],
+                            "item 1 has 'function.name' int '3', not a string")]:
+        for transform, rec in [(data.Tokenize(tok, "qwen3", 4096), record),
+                               (data.TokenizePrompt(tok, "qwen3", 4096), prompt)]:
+            with pytest.raises(DataError, match=f"f.jsonl:3: field 'tools' {problem}; each tool "
+                                                r"is \{'type': 'function', 'function': "):
+                transform(dict(rec, tools=tools))
 
 
 def test_gemma_tool_convention_renders_schemas_call_and_results():

@@ -464,9 +464,10 @@ def test_metrics_log_missing_on_resume_is_recreated(copy, capsys):
 def test_a_held_run_directory_is_refused_and_a_dead_holders_lock_taken_over(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    with rundir.RunLock(run):
+    with rundir.RunLock(run):  # this process: said so (another process: the slow test below)
         msg = refusal(sft, run)
-    assert f"is in use by another process (pid {os.getpid()} on host" in msg
+    assert f"is in use by another run of this process (thread 'MainThread', pid {os.getpid()})" \
+        in msg
     assert not (run / "run.lock").exists() and not (run / "checkpoints").exists()
     (run / "run.lock").write_text(json.dumps({"pid": 999999, "host": "h", "started": "then"}))
     sft(run)  # nobody holds the file's lock: its writer is dead

@@ -17,7 +17,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from nnx_posttrain.harness.evaluate import (  # noqa: E402
-    arithmetic_task, evaluate, scores, task_manager)
+    Evaluation, arithmetic_task, evaluate, scores, task_manager)
 from nnx_posttrain.harness.lm import NNXLM  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def test_the_command_writes_lm_evals_results_into_the_run(shared_run, tmp_path, 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "sums_choice.yaml").write_text(yaml.safe_dump(choice_task(tmp_path)))
-    result = evaluate(run, ["sums_choice"], include_path=str(tasks))
+    result = evaluate(run, ["sums_choice"], Evaluation(include_path=str(tasks)))
     assert [row[:2] for row in scores(result)] == [("sums_choice", "acc")]
 
 

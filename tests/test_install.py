@@ -1,7 +1,8 @@
 """The lighter install: nothing here needs TensorFlow. A fresh process where TensorFlow and
 tensorflow-text cannot be imported (as in the README's install, which does not pull them) imports
 the package, builds the micro model through KerasHub and trains 2 steps; in CI (the README's
-command in a fresh environment) TensorFlow is not installed at all."""
+command in a fresh environment) TensorFlow is not installed at all. That run does not import
+PyTorch either (the test extra installs it, and tensorboardX would import it)."""
 
 import importlib.util
 import os
@@ -38,6 +39,7 @@ try:
 finally:
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     print("TENSORFLOW MODULES", loaded)
+    print("PYTORCH IMPORTED", "torch" in sys.modules)  # installed here, never needed by a run
 """
 
 
@@ -52,6 +54,8 @@ def test_trains_without_tensorflow(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TENSORFLOW MODULES []" in out.stdout
+    if importlib.util.find_spec("torch") is not None:  # tensorboardX would import it
+        assert "PYTORCH IMPORTED False" in out.stdout
     assert [r["step"] for r in records(run_dir)] == [1, 2]
 
 

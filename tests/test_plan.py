@@ -61,10 +61,25 @@ def test_slice_names_are_the_chip_grids_cloud_tpu_provisions():
 @pytest.mark.parametrize("name, slices, says", [
     ("v5e-12", 1, "not a v5e slice size"), ("v4-2", 1, "not a v4 slice size"),
     ("gpu-8", 1, "CUDA plugin"), ("tpu", 1, "not a topology"), ("v5e-8", 0, "--slices"),
-    ("cpu-2", 2, "TPU topologies only")])
+    ("cpu-2", 2, "TPU topologies only"), ("cpu-0", 1, "splits into 1 to 1024 devices"),
+    ("cpu-100000", 1, "cpu-N"), ("v4-9", 1, "not a v4 slice size"),
+    ("v5e-512", 1, "to a pod's, v5e-256 or less"), ("v4-16384", 1, "v4-8192 or less"),
+    ("v5e-256", 1000, "256,000 chips, more than a plan describes")])
 def test_a_topology_that_does_not_exist_is_refused_by_name(name, slices, says):
     with pytest.raises(errors.ConfigError, match=says):
         plan.resolve(name, slices)
+
+
+def test_a_batch_of_millions_is_planned_from_the_shapes_of_a_small_one(v5e_8):
+    """The plan reads only the first batch's shapes: it is built as small as its make-up allows
+    (a multiple of the accumulation and the generations) and its rows scaled, never tokenized."""
+    cfg = _cfg("grpo", *MICRO, "--batching.batch-size", "3000000", "--batching.grad-accum", "2",
+               "--algo.num-generations", "3", "--algo.max-completion-length", "8")
+    small, scale = build_lib._sample_batch(cfg, api.build(cfg))
+    assert (small.batching.batch_size, scale) == (6, 500_000)
+    cfg = _cfg("sft", *MICRO, "--batching.batch-size", "2000000", "--mesh.data", "8")
+    run = build_lib.build(cfg, api.build(cfg), v5e_8, echo=lambda s: None)
+    assert run.batch["input_ids"].shape == (1, 2_000_000, 24)
 
 
 @pytest.mark.parametrize("algorithm", ["sft", "grpo"])

@@ -19,10 +19,24 @@ def _logits(module):
     return np.asarray(model.full_logits(module, IDS, MASK))
 
 
-def test_the_int8_base_computes_as_the_model_and_dequantizes_into_its_effective_weights():
+def test_the_int8_base_computes_as_the_model_and_dequantizes_into_its_effective_weights(
+        monkeypatch):
+    import gc
+    import weakref
+
     base = model.load("gemma_micro", dtype="bfloat16-params")
     lm = model.load("gemma_micro", dtype="bfloat16-params")
-    assert model.quantize(lm.module, "int8") == 15  # q, k, v, o, 3 MLP x 2 blocks, the embedding
+    kernels = [weakref.ref(v) for v in lm.module.weights if v.name in ("kernel", "embeddings")]
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or 0)
+    gc.disable()
+    try:
+        assert model.quantize(lm.module, "int8") == 15  # q, k, v, o, 3 MLP x 2 blocks, embedding
+    finally:
+        gc.enable()
+    # each float kernel is freed as it is replaced, without the full garbage collection per
+    # layer Keras runs (seconds each in a process that holds many objects)
+    assert len(kernels) == 15 and [k() for k in kernels] == [None] * 15 and collections == []
     frozen = {str(v.dtype) for v in lm.module.weights if "scale" not in v.path}
     assert frozen >= {"int8"} and "float32" not in frozen
     scale = np.abs(_logits(base.module)).max()

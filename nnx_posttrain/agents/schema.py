@@ -14,7 +14,7 @@ import re
 import types
 import typing
 
-from nnx_posttrain import errors
+from nnx_posttrain import errors, user_code
 
 
 class SchemaError(errors.ConfigError):
@@ -98,7 +98,11 @@ def function_schema(fn) -> dict:
     if not description:
         raise SchemaError(f"tool {name!r} has no docstring: its first line is the description "
                           "the model reads")
-    hints = typing.get_type_hints(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as exc:  # noqa: BLE001 - a user's annotations (a name they do not define)
+        raise SchemaError(f"tool {name!r}: its type hints cannot be read"
+                          f"{user_code.failure(exc, fn)}") from None
     properties, required = {}, []
     for param in inspect.signature(fn).parameters.values():
         if param.name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):

@@ -100,7 +100,8 @@ class Toolset:
                 columns = {key: value for key, value in record.items()
                            if not key.startswith("_") and not (key == "environment"
                                                                and None not in self.environments)}
-                observation = _called(cls, "reset", record, instance.reset, **columns)
+                observation = _observation(cls, record, _called(cls, "reset", record,
+                                                                instance.reset, **columns))
             methods = environment_methods(instance) if instance is not None else []
             functions = list(self.functions) + methods
             schemas = [self._schemas[fn] for fn in self.functions] + [
@@ -122,14 +123,26 @@ class EnvironmentFailed(errors.UserError):
 
 
 def _called(cls, what: str, record: dict, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, user code of environment ``cls``: an exception it raises ends
-    the run as ``EnvironmentFailed`` naming what failed where."""
+    """``fn(*args, **kwargs)``, user code of environment ``cls``: an exception it raises (or a
+    ``sys.exit``) ends the run as ``EnvironmentFailed`` naming what failed where, in the user's
+    file (``user_code.failure``)."""
     try:
         return fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - a user's environment: report where it fails
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's environment
         raise EnvironmentFailed(
             f"--algo.environment {cls.__name__}: {what} failed for "
-            f"{record.get('_where', 'a record')}{user_code.failure(exc)}") from None
+            f"{record.get('_where', 'a record')}{user_code.failure(exc, fn)}") from None
+
+
+def _observation(cls, record: dict, value):
+    """What ``reset`` returned, checked: text appended to the last user message, or None;
+    anything else is ``EnvironmentFailed`` naming ``reset``'s file and line."""
+    if value is None or isinstance(value, str):
+        return value
+    raise EnvironmentFailed(
+        f"--algo.environment {cls.__name__}: reset returned a {type(value).__name__} for "
+        f"{record.get('_where', 'a record')} (reset at {user_code.defined_at(cls.reset)}); it "
+        "returns text, appended to the last user message, or None")
 
 
 class Episode:
@@ -141,17 +154,20 @@ class Episode:
 
     def call(self, name: str, arguments: dict) -> tuple[str, bool]:
         """The result's text (``str(result)``) and False, or the failure's text
-        (``str({"error": ...})``) and True: an unknown tool, an exception, the time limit."""
+        (``str({"error": ...})``) and True: an unknown tool, an exception, a ``sys.exit``, a
+        result whose ``str()`` raises, the time limit."""
         fn = self.tools.get(name)
         if fn is None:
             return str({"error": f"Tool {name} not found."}), True
         box: dict = {}
 
-        def run():
+        def run():  # the result is made text here too: its __str__ is the user's code
             try:
-                box["result"] = fn(**arguments)
+                box["result"] = str(fn(**arguments))
+            except SystemExit as exc:  # not the process's exit: a failed call
+                box["error"] = f"Tool {name} called sys.exit({user_code.text(exc.code)})."
             except Exception as exc:  # noqa: BLE001 - a tool's failure is text for the model
-                box["error"] = str(exc)
+                box["error"] = user_code.text(exc)
 
         worker = threading.Thread(target=run, daemon=True, name=f"tool {name}")
         worker.start()
@@ -160,4 +176,4 @@ class Episode:
             return str({"error": f"Tool {name} timed out after {self.timeout:g} s."}), True
         if "error" in box:
             return str({"error": box["error"]}), True
-        return str(box.get("result")), False
+        return box["result"], False

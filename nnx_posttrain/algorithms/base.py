@@ -16,6 +16,7 @@ settings, built once per run.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
@@ -72,6 +73,14 @@ class BatchSource(Protocol):
 
     def host_metrics(self) -> dict:
         """Metrics measured on the host since the last call (``truncated``, rollout rewards)."""
+
+    def host_window(self) -> dict:
+        """What ``host_metrics`` has gathered since its last call, as JSON: a checkpoint keeps
+        it, so that a resumed run's first log covers the same steps as the uninterrupted run's
+        (optional: a source without it starts its window again at a resume)."""
+
+    def set_host_window(self, window: dict) -> None:
+        """Continue from ``host_window()``'s result (a resumed run, before its first step)."""
 
     def checkpoint_ok(self, step: int) -> bool:
         """Whether a checkpoint may follow step ``step`` (a resumed run restarts from it)."""
@@ -313,9 +322,27 @@ def device_batch(algorithm, batch: dict, reference: dict | None = None) -> dict:
     return algorithm.prepare(batch)
 
 
-class DatasetBatches:
+class HostWindow:
+    """``BatchSource.host_window`` / ``set_host_window`` of a source whose host metrics since
+    its last ``host_metrics`` call are its attributes named in ``WINDOW`` (JSON-able: numbers,
+    lists and dicts of them)."""
+
+    WINDOW: ClassVar[tuple[str, ...]] = ()
+
+    def host_window(self) -> dict:
+        return json.loads(json.dumps({k: getattr(self, k) for k in self.WINDOW}, default=float))
+
+    def set_host_window(self, window: dict) -> None:
+        for name in self.WINDOW:
+            if name in window:
+                setattr(self, name, window[name])
+
+
+class DatasetBatches(HostWindow):
     """The batch source of offline algorithms: the training data, shuffled by seed, tokenized
     (packed for SFT with ``--batching.packing``), batched; resumable."""
+
+    WINDOW = ("truncated",)
 
     def __init__(self, algorithm, run: RunContext, reference: dict | None = None):
         cfg, b = run.cfg, run.cfg.batching

@@ -198,6 +198,8 @@ class MixedBatches(DatasetBatches):
     resumed run draws the same), their completions replaced by the student's samples, and
     otherwise, with ``seq_kd``, by the teacher's greedy completions."""
 
+    WINDOW = ("truncated", "lengths", "drawn")
+
     def __init__(self, algorithm: Distill, run: RunContext, params):
         super().__init__(algorithm, run)
         c, b = algorithm.cfg, run.cfg.batching

@@ -13,8 +13,8 @@ and ``python -m experiments[.ALGORITHM]``.
     nnx-posttrain judge RUN_A RUN_B --prompts FILE   win rate of A's answers against B's
 
 This package is the library's one user that owns the process: ``main`` alone turns a
-``UserError`` into ``error: MESSAGE`` and exit status 1, a stop signal into 128 + its number,
-Ctrl-C into 130. Everything it calls raises exceptions instead.
+``UserError`` into ``error: MESSAGE`` and exit status 1 (nothing printed after it), a stop
+signal into 128 + its number, Ctrl-C into 130. Everything it calls raises exceptions instead.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def main(argv=None, prog: str = "nnx-posttrain", own_process: bool = False,
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before JAX loads: no C++ log lines
     argv = sys.argv[1:] if argv is None else list(argv)
     with _Imports() as imports:
-        from nnx_posttrain import algorithms, errors
+        from nnx_posttrain import algorithms, cpu_host, errors
         from nnx_posttrain.cli import train_command
+    cpu_host.prefer_cpu()  # no TPU runtime start-up (and its page of errors) on a CPU host
     if imports.interrupted:
         _exit_now(130, "interrupted (Ctrl-C) while starting", own_process)
     if not argv or argv[0] in ("-h", "--help"):
@@ -104,6 +105,8 @@ def main(argv=None, prog: str = "nnx-posttrain", own_process: bool = False,
             return _finish(module.main(args, shown), own_process)
         raise errors.ConfigError(f"unknown command {command!r}\n{usage(prog)}")
     except errors.UserError as exc:
+        if own_process:  # nothing after the message: see _exit_now
+            _exit_now(1, f"error: {exc}", own_process)
         raise SystemExit(f"error: {exc}") from None
     except errors.Stopped as stop:
         _exit_now(stop.exit_code, None, own_process)
@@ -122,9 +125,11 @@ def _finish(code: int, own_process: bool) -> int:
 
 def _exit_now(code: int, message: str | None, own_process: bool) -> types.NoReturn:
     """End with ``code``. In the command's own process, at once, streams flushed: the run's own
-    files are closed by now, and a checkpoint save the stop cut short leaves threads that would
-    print a page of tracebacks at interpreter shutdown (closed event loops, a shut-down
-    executor). Elsewhere (a test calling ``main``): ``SystemExit(code)``."""
+    files are closed by now, and a checkpoint save that a stop or a failure (a full disk) cut
+    short leaves threads, futures and coroutines that would print a page of tracebacks at
+    interpreter shutdown, after the message (closed event loops, a shut-down executor, asyncio's
+    "Task exception was never retrieved"). Elsewhere (a test calling ``main``):
+    ``SystemExit(code)``."""
     if message:
         print(message, file=sys.stderr)
     if not own_process:

@@ -180,9 +180,9 @@ def record_tools(record) -> list | None:
         except json.JSONDecodeError as exc:
             raise DataError(f"{_where(record)}: field 'tools' is a string that is not JSON "
                             f"({exc.msg})") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise DataError(f"{_where(record)}: field 'tools' must be a list of JSON schema objects "
-                        "({'type': 'function', 'function': {'name', 'description', 'parameters'}})")
+    problem = chat.tools_problem(tools)
+    if problem:
+        raise DataError(f"{_where(record)}: field 'tools' {problem}")
     return tools
 
 

@@ -38,6 +38,7 @@ from nnx_posttrain.data.formats import (
     data_format,
     detect_format,
     preference_parts,
+    record_tools,
 )
 
 def _bos(tok) -> list[int]:
@@ -291,6 +292,7 @@ class TokenizePrompt:
     def __call__(self, record: dict) -> dict:
         check_values(record)
         prompt = _value(record, "prompt")
+        record_tools(record)  # a run with tools renders them into the prompt: checked up front
         if isinstance(prompt, list):
             try:
                 segs = chat.render(prompt, self.chat_format, add_generation_prompt=True)

@@ -76,14 +76,70 @@ def task_manager(include_path: str | None = None, tasks: tuple[str, ...] | None 
     return _manager(include_path, True)
 
 
-def check_tasks(tasks: list[str], manager) -> None:
-    """``ConfigError`` naming the tasks lm-eval does not know (before the model loads)."""
+def check_tasks(tasks: list[str], manager, include_path: str | None = None) -> None:
+    """Before the model loads: ``ConfigError`` naming the tasks lm-eval does not know (with the
+    YAML errors of ``include_path``'s files that lm-eval skipped: a task in one of them is
+    unknown), and ``DataError`` naming a task's local data file that does not exist."""
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t != ARITHMETIC and t not in known]
     if unknown:
+        unreadable = unreadable_task_files(include_path)
         raise errors.ConfigError(
             f"--tasks: unknown to lm-evaluation-harness: {', '.join(unknown)} (a task, group or "
-            f"tag name; {ARITHMETIC} is the built-in task; your own YAML files: --include-path)")
+            f"tag name; {ARITHMETIC} is the built-in task; your own YAML files: --include-path)"
+            + "".join(f"\n  {path}: not read: {why}" for path, why in unreadable))
+    for name in tasks:
+        for task, path, files in _local_data(manager, name):
+            missing = [f for f in files if not Path(f).expanduser().exists()]
+            if missing:
+                raise errors.DataError(
+                    f"--tasks {name}: task {task!r} ({path}) reads {missing[0]}, which does not "
+                    "exist (its dataset_kwargs.data_files); a relative path is read from the "
+                    "current directory")
+
+
+def unreadable_task_files(include_path: str | None) -> list[tuple[Path, str]]:
+    """(file, the first lines of its error) of ``include_path``'s YAML task files that lm-eval
+    cannot read (it skips them without a word: their tasks are then unknown)."""
+    if include_path is None:
+        return []
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    out = []
+    for path in sorted(Path(include_path).rglob("*.yaml")):
+        try:
+            load_yaml(path, resolve_func=False)
+        except Exception as exc:  # noqa: BLE001 - YAML's errors and lm-eval's: said by file
+            out.append((path, " ".join(str(exc).split())[:300]))
+    return out
+
+
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # datasets' builders of local files
+
+
+def _local_data(manager, name: str, seen=None):
+    """(task, its YAML file, the local data files it names) of task, group or tag ``name`` and
+    the tasks under it: what a ``dataset_path: json`` (csv, ...) task reads."""
+    seen = set() if seen is None else seen
+    entry = manager.task_index.get(name)
+    if entry is None or name in seen:
+        return
+    seen.add(name)
+    cfg = entry.cfg or {}
+    for child in [*entry.tags, *(t for t in _as_list(cfg.get("task")) if isinstance(t, str)
+                                 and "group" in cfg)]:
+        yield from _local_data(manager, child, seen)
+    if "group" in cfg or cfg.get("dataset_path") not in LOCAL_BUILDERS:
+        return
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    listed = [f for v in (files.values() if isinstance(files, dict) else [files])
+              for f in _as_list(v)]
+    yield name, entry.yaml_path, [f for f in listed if isinstance(f, str) and "://" not in f
+                                  and not any(c in f for c in "*?[")]
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [] if value is None else [value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +170,21 @@ def evaluate(run_dir, tasks: list[str], how: Evaluation = Evaluation(), echo=pri
         raise errors.ConfigError("--tasks: give at least one task")
     runs.check_policy(run_dir)
     manager = task_manager(how.include_path, tuple(tasks))
-    check_tasks(tasks, manager)
+    check_tasks(tasks, manager, how.include_path)
     run = runs.load(run_dir, how.step, echo=echo)
     lm = NNXLM(run.lm, run.policy(), name=str(run_dir), batch_size=how.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         specs = [arithmetic_task(Path(tmp)) if t == ARITHMETIC else t for t in tasks]
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=specs, limit=how.limit, task_manager=manager,
-            num_fewshot=how.num_fewshot, apply_chat_template=how.apply_chat_template,
-            log_samples=False, batch_size=how.batch_size)
+        try:
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=specs, limit=how.limit, task_manager=manager,
+                num_fewshot=how.num_fewshot, apply_chat_template=how.apply_chat_template,
+                log_samples=False, batch_size=how.batch_size)
+        except (FileNotFoundError, ConnectionError) as exc:  # a task's data: not here, offline
+            raise errors.DataError(
+                f"--tasks {','.join(tasks)}: lm-eval could not read a task's data "
+                f"({type(exc).__name__}: {str(exc).strip()[:300]}); an offline machine reads "
+                "a task's data from the Hugging Face cache or local files") from None
     results["nnx_posttrain"] = {"run_dir": str(run_dir), "step": run.step,
                                 "apply_chat_template": how.apply_chat_template,
                                 "limit": how.limit}

@@ -15,12 +15,14 @@ Judges (``--judge``):
 
 The result: A's win rate with ties counted half (AlpacaEval's) with a 95% bootstrap interval over
 prompts, wins, losses and ties, examples where the answers differ; written from each side into
-``RUN/judge/<other run's name>.json``.
+``RUN/judge/<other run's name>.json`` (``<name>-<8 hex digits>.json`` where that name's file holds
+the result against another run of the same name: results are never overwritten by another run's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -114,15 +116,25 @@ def load_judge(spec: str):
 
 
 def pairwise_verdicts(fn, spec, prompts: list[str], a: list[str], b: list[str]) -> np.ndarray:
-    """+1 / -1 / 0 from a TRL pairwise judge asked in both orders (a changed verdict: a tie)."""
-    first = list(fn(prompts, [[x, y] for x, y in zip(a, b)]))
-    second = list(fn(prompts, [[y, x] for x, y in zip(a, b)]))
+    """+1 / -1 / 0 from a TRL pairwise judge asked in both orders (a changed verdict: a tie).
+    A judge that raises (or exits) is a ``ConfigError`` naming the user's file and line."""
+    first = _judged(fn, spec, prompts, [[x, y] for x, y in zip(a, b)])
+    second = _judged(fn, spec, prompts, [[y, x] for x, y in zip(a, b)])
     if len(first) != len(a) or len(second) != len(a) or \
             not all(v in (-1, 0, 1) for v in first + second):
         raise errors.ConfigError(f"--judge {spec}: must return one of 0, 1 (the better "
                                  "completion's index) or -1 per pair")
     return np.array([1 if (x, y) == (0, 1) else -1 if (x, y) == (1, 0) else 0
                      for x, y in zip(first, second)], int)
+
+
+def _judged(fn, spec, prompts, pairs) -> list:
+    """``list(fn(prompts, pairs))``: the user's judge, whose failure is named where it fails."""
+    try:
+        return list(fn(prompts, pairs))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's judge
+        raise errors.ConfigError(f"--judge {spec}: the judge failed on {len(pairs)} pairs"
+                                 f"{user_code.failure(exc, fn)}") from None
 
 
 def win_rate(verdicts: np.ndarray, reps: int = 10_000, seed: int = 0) -> dict:
@@ -216,7 +228,26 @@ def _flipped(result: dict) -> dict:
 
 
 def _write(run_dir, other, result) -> str:
-    out = Path(run_dir) / "judge" / f"{Path(other).name}.json"
+    """``RUN/judge/<other's name>.json``, or where that holds the result against another run
+    of the same name, ``<other's name>-<8 hex digits of its path>.json``: results against
+    different runs never share a file; the same pair judged again replaces its own."""
+    against = str(Path(other).resolve())
+    out = result_path(run_dir, other)
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({k: v for k, v in result.items() if k != "paths"}, indent=2))
+    out.write_text(json.dumps({**{k: v for k, v in result.items() if k != "paths"},
+                               "against": against}, indent=2))
     return str(out)
+
+
+def result_path(run_dir, other) -> Path:
+    """The file that holds (or will hold) ``run_dir``'s result against ``other`` (``_write``)."""
+    folder, against = Path(run_dir) / "judge", Path(other).resolve()
+    plain = folder / f"{against.name}.json"
+    try:
+        saved = json.loads(plain.read_text())  # written before "against": its "run_b"
+        held = saved.get("against") or str(Path(saved["run_b"]).resolve())
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        held = None  # none yet, or not a result of ours
+    if not plain.exists() or held == str(against):
+        return plain
+    return folder / f"{against.name}-{hashlib.sha1(str(against).encode()).hexdigest()[:8]}.json"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -68,10 +69,26 @@ def quantize_layer(layer, mode: str) -> bool:
     by_rows = isinstance(layer, keras.layers.Embedding)
     # an embedding a block of rows at a time: in one piece (Keras' default quantizer) a
     # 256,000-token table would hold several float32 copies of itself at once
-    layer.quantize(mode, config=keras.quantizers.Int8QuantizationConfig(
-        weight_quantizer=RowBlockQuantizer(output_of=layer) if by_rows else None,
-        activation_quantizer=None))
+    with _no_collection():
+        layer.quantize(mode, config=keras.quantizers.Int8QuantizationConfig(
+            weight_quantizer=RowBlockQuantizer(output_of=layer) if by_rows else None,
+            activation_quantizer=None))
     return True
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Keras' ``Layer.__delattr__`` runs a full ``gc.collect()`` after deleting each variable
+    (the float kernel a layer's ``quantize`` replaces): a pass over every object of the process,
+    per layer, which costs seconds in a process that holds many. The deleted kernel is freed by
+    its reference count, at once, without it (tests/test_quantize.py checks it): within the
+    block, ``gc.collect`` does nothing."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ computations are replaced by zeros of their abstract shapes (``AbstractRollouts`
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import jax
@@ -91,7 +92,9 @@ def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
     state = jax.eval_shape(lambda p: step_lib.init_state(p, tx, cfg.seed), params)
     frozen = {"model": frozen_model,
               "reference": params if algorithm.reference_mode == "copy" else None}
-    ctx = RunContext(cfg, lm, graphdef, frozen, ds.train, ds.eval, ds.transform, Path("."), echo)
+    sample_cfg, scale = _sample_batch(cfg, algorithm)
+    ctx = RunContext(sample_cfg, lm, graphdef, frozen, ds.train, ds.eval, ds.transform, Path("."),
+                     echo)
     host = first_batch(algorithm, ctx, state)
     state_shardings = sharding.tree_shardings(state, mesh)
     jitted = jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr,
@@ -100,8 +103,24 @@ def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
                      out_shardings=(state_shardings, NamedSharding(mesh, P())))
     return AbstractRun(cfg, lm, mesh, _placed(state, state_shardings),
                        _placed(frozen, sharding.tree_shardings(frozen, mesh)),
-                       _batch(host, mesh, cfg.batching.grad_accum), jitted,
+                       _batch(host, mesh, cfg.batching.grad_accum, scale), jitted,
                        model.attention_of(lm.module).implementation)
+
+
+def _sample_batch(cfg, algorithm) -> tuple[object, int]:
+    """(``cfg`` with the smallest batch of the same make-up, how many times it fits in the
+    run's): the plan needs only the batch's shapes, and every array of a batch has one row per
+    example (or per completion), so the first batch is built that small and its rows scaled;
+    a batch of millions costs no tokenizing. The smallest: a multiple of --batching.grad-accum
+    (and of an online method's generations per prompt), which divides the batch size as they
+    do."""
+    b = cfg.batching
+    least = math.lcm(b.grad_accum, getattr(algorithm.cfg, "num_generations", 1)
+                     if isinstance(algorithm, OnlineAlgorithm) else 1)
+    if b.batch_size % least:  # refused elsewhere with its own message; build as asked
+        return cfg, 1
+    return dataclasses.replace(cfg, batching=dataclasses.replace(b, batch_size=least)), \
+        b.batch_size // least
 
 
 def first_batch(algorithm, ctx: RunContext, state) -> dict:
@@ -117,14 +136,16 @@ def first_batch(algorithm, ctx: RunContext, state) -> dict:
     return source.to_device(batch)
 
 
-def _batch(host: dict, mesh, accum: int) -> dict:
-    """Host arrays [batch, ...] -> [accum, micro, ...] ShapeDtypeStructs laid out as the loop
-    lays them out (``train.mesh.shard_batch``)."""
+def _batch(host: dict, mesh, accum: int, scale: int = 1) -> dict:
+    """Host arrays [batch, ...] (of a batch ``scale`` times smaller than the run's) ->
+    [accum, micro, ...] ShapeDtypeStructs of the run's batch, laid out as the loop lays them
+    out (``train.mesh.shard_batch``)."""
     out = {}
     for k, v in host.items():
         v = np.asarray(v)
-        check_batch_rows(k, v.shape[0] // accum, mesh)
-        shape = (accum, v.shape[0] // accum, *v.shape[1:])
+        rows = v.shape[0] * scale
+        check_batch_rows(k, rows // accum, mesh)
+        shape = (accum, rows // accum, *v.shape[1:])
         out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=NamedSharding(
             mesh, sharding.batch_spec(len(shape), leading=1)))
     return out

@@ -34,14 +34,17 @@ class Generation:
     counts_cores: bool  # the slice name counts TensorCores (2 per chip), not chips
     dims: int  # the chip grid's dimensions
     hbm_bytes: int  # per chip (one device)
+    pod_chips: int | None = None  # the chips of a whole pod: no slice is larger (--slices)
 
 
 GENERATIONS = {
-    "v4": Generation("v4", True, 3, 32 * GiB),
-    "v5p": Generation("v5", True, 3, 95 * GiB),
-    "v5e": Generation("v5e", False, 2, 16 * GiB),
-    "v6e": Generation("v6e", False, 2, 32 * GiB),
+    "v4": Generation("v4", True, 3, 32 * GiB, 4096),
+    "v5p": Generation("v5", True, 3, 95 * GiB, 8960),
+    "v5e": Generation("v5e", False, 2, 16 * GiB, 256),
+    "v6e": Generation("v6e", False, 2, 32 * GiB, 256),
 }
+CPU_DEVICES = 1024  # the most devices --topology cpu-N splits this host's CPU into
+TPU_DEVICES = 65536  # the most chips a plan describes (each one a device object, here)
 
 
 @dataclasses.dataclass
@@ -79,14 +82,23 @@ def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
 def _tpu(name: str, generation: str, count: int, slices: int) -> Topology:
     gen = GENERATIONS[generation]
     chips = count // 2 if gen.counts_cores else count
+    pod = gen.pod_chips or max(chips, 1)
     try:
+        if gen.counts_cores and count % 2 or chips > pod:
+            raise ValueError(count)
         grid = chip_grid(chips, gen.dims)
     except ValueError:
         smallest = 8 if gen.counts_cores else 1
+        largest = 2 ** int(math.log2(pod)) * (2 if gen.counts_cores else 1)
         raise errors.ConfigError(
             f"--topology {name}: not a {generation} slice size; the sizes are powers of two "
-            f"from {generation}-{smallest} (the number counts "
-            f"{'TensorCores, 2 per chip' if gen.counts_cores else 'chips'})") from None
+            f"from {generation}-{smallest} to a pod's, {generation}-{largest} or less (the "
+            f"number counts {'TensorCores, 2 per chip' if gen.counts_cores else 'chips'}; "
+            "more than a pod: --slices N)") from None
+    if chips * slices > TPU_DEVICES:
+        raise errors.ConfigError(
+            f"--topology {name} --slices {slices}: {chips * slices:,} chips, more than a plan "
+            f"describes ({TPU_DEVICES:,}): plan fewer slices (the step per device is the same)")
     from jax.experimental import topologies
 
     _compile_only_libtpu()
@@ -157,5 +169,9 @@ def resolve(name: str, slices: int = 1) -> Topology:
     if kind == "cpu":
         if slices != 1:
             raise errors.ConfigError("--slices applies to TPU topologies only")
+        if not 1 <= count <= CPU_DEVICES:
+            raise errors.ConfigError(
+                f"--topology {name}: this host's CPU splits into 1 to {CPU_DEVICES} devices "
+                "(cpu-N); e.g. cpu-8")
         return _cpu(name, count)
     return _tpu(name, kind, count, slices)

@@ -142,6 +142,8 @@ def _record_start(run: Run) -> None:
                     if "steps" in changes and run.cfg.optim.schedule != "constant" else ""))
     if jax.process_index() != 0:
         return
+    if restored is None:  # starting over: an earlier run's files are kept aside, not rewritten
+        rundir.keep_earlier(run.run_dir, config_lib.saved(run.cfg), console(run.echo))
     written = config_lib.save(run.cfg, run.run_dir / "config.json")
     rundir.append_history(run.run_dir, "resume" if restored else "start", start, run.changes,
                           config=written)
@@ -176,6 +178,8 @@ class Steps:
         self.run, self.result, self.log = run, result, log
         saved = run.restored.record if run.restored else {"num_tokens": 0}
         self.pending = list(saved.get("unlogged_metrics", []))  # averaged into the next log
+        if run.restored and hasattr(run.source, "set_host_window"):  # and the host's, as well
+            run.source.set_host_window(saved.get("host_window") or {})
         self.throughput = Throughput(saved.get("num_tokens"))  # None: a checkpoint without it
         self.guard = NonFiniteGuard(run.cfg.optim.on_nonfinite, console(run.echo))
         self.stop = self.bar = None
@@ -246,7 +250,9 @@ class Steps:
         cfg, every = self.run.cfg, self.run.cfg.checkpoint.every
         hooks = Hooks()
         hooks.add(lambda info: self.pending.append(info.metrics), every=1)
-        hooks.add(self.log_train, every=cfg.log_every, when=lambda i: i.last or i.stopping)
+        # not on a stop: the window's steps go into the checkpoint, and a resumed run logs the
+        # record the uninterrupted run would have
+        hooks.add(self.log_train, every=cfg.log_every, when=lambda i: i.last)
         hooks.add(self.evaluate_now, every=cfg.eval.every, when=lambda i: i.last)
         hooks.add(self.save, when=lambda i: (bool(every and i.step % every == 0) or i.stopping)
                   and i.boundary or i.last)
@@ -279,10 +285,13 @@ class Steps:
             self.said_removed = True
             self.run.echo(f"warning: {folder} was removed during the run, and the checkpoints "
                           f"it held with it; saving again from step {info.step}")
+        source = self.run.source
         saved = {**self.run.record, "step": info.step, "num_tokens": self.throughput.seen,
-                 "unlogged_metrics": _host(self.pending)}  # a resumed run's next log averages them
+                 # a resumed run's next log averages them (the device's and the host's metrics)
+                 "unlogged_metrics": _host(self.pending),
+                 "host_window": source.host_window() if hasattr(source, "host_window") else {}}
         with self.stop.saving():  # (Orbax may wait here for the previous checkpoint)
-            self.run.checkpointer.save(info.step, info.state, self.run.source.get_state(), saved,
+            self.run.checkpointer.save(info.step, info.state, source.get_state(), saved,
                                        metrics=info.eval or None)
 
     def stop_now(self, info: StepInfo) -> None:

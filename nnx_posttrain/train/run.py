@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from nnx_posttrain import checkpoint, errors, model, runs, tasks
+from nnx_posttrain import checkpoint, cpu_host, errors, model, runs, tasks
 from nnx_posttrain.progress import console
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.train import compile_cache, host_memory, memory, resume, rundir, setup, storage
@@ -133,6 +133,7 @@ def prepare(cfg, algorithm, echo=print) -> Run:
 
 def _devices(cfg, echo) -> jax.sharding.Mesh:
     """The CPU split, multi-process start-up and the mesh, before anything else touches JAX."""
+    cpu_host.prefer_cpu()
     cpu_devices, why = cpu_devices_for(cfg)
     got = split_host_cpu(cpu_devices, cfg.mesh.cpu_devices)
     if why:

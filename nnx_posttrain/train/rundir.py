@@ -70,21 +70,52 @@ def _describe(holder: dict) -> str:
             f"{holder.get('started')}")
 
 
+# the run directories this process holds -> the thread holding each: a second run of the same
+# process (another thread, a notebook's second call) is told so, not "another process"
+_HELD: dict[str, str] = {}
+_HELD_LOCK = threading.Lock()
+
+
 class RunLock:
     """``with RunLock(run_dir, echo):`` — this process alone writes ``run_dir`` until the end
-    of the block (``enabled=False``: a no-op, for processes other than 0 of a multi-process
-    run, which share process 0's directory)."""
+    of the block, and within it one run at a time (``enabled=False``: a no-op, for processes
+    other than 0 of a multi-process run, which share process 0's directory)."""
 
     def __init__(self, run_dir: Path, echo=print, enabled: bool = True):
         self.path, self.echo, self.enabled, self.fd = Path(run_dir) / LOCK, echo, enabled, None
+        self._key = None
 
     def __enter__(self):
         if self.enabled:
-            self.acquire()
+            self._hold_in_process()
+            try:
+                self.acquire()
+            except BaseException:
+                self._let_go_in_process()
+                raise
         return self
 
     def __exit__(self, *exc):
         self.release()
+        self._let_go_in_process()
+
+    def _hold_in_process(self) -> None:
+        key = str(self.path.parent.resolve())
+        with _HELD_LOCK:
+            holder = _HELD.get(key)
+            if holder is not None:
+                raise errors.RunDirError(
+                    f"{self.path.parent} is in use by another run of this process (thread "
+                    f"{holder!r}, pid {os.getpid()}): two runs cannot write one run directory; "
+                    "wait for it to finish, or give this run another run_dir / --run-dir")
+            _HELD[key] = threading.current_thread().name
+        self._key = key
+
+    def _let_go_in_process(self) -> None:
+        if self._key is not None:
+            with _HELD_LOCK:
+                _HELD.pop(self._key, None)
+            self._key = None
 
     def acquire(self) -> None:
         run_dir = self.path.parent
@@ -173,6 +204,38 @@ def sigterm_exits():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+# what a run starting from step 0 writes anew (history.jsonl, append-only, keeps every start)
+EARLIER = ("config.json", "metrics.jsonl", "completions.jsonl", "exact_match.jsonl", "tb")
+
+
+def keep_earlier(run_dir: Path, config: dict, echo=print) -> Path | None:
+    """Before a run starts from step 0 in ``run_dir`` (no checkpoint left to resume from): the
+    files of the earlier run there that it would rewrite (``EARLIER``) moved into
+    ``run_dir/earlier-<time>/``, and said, where that run logged a record or ran with settings
+    other than ``config`` (what this run writes as config.json); returns that folder, or None
+    where there was nothing to keep."""
+    from nnx_posttrain.train import storage
+
+    present = [name for name in EARLIER if (run_dir / name).exists()]
+    try:
+        before = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        before = None
+    logged = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size
+    if not present or (not logged and before in (None, config)):
+        return None
+    what = storage.logged_steps(run_dir)
+    folder = run_dir / f"earlier-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    folder.mkdir()
+    for name in present:
+        (run_dir / name).rename(folder / name)
+    echo(f"{run_dir} has no checkpoint to resume from: this run starts from step 0. The earlier "
+         f"run's {', '.join(present)} ({what}"
+         + ("" if before in (None, config) else "; other settings")
+         + f") are kept in {folder}")
+    return folder
 
 
 def append_history(run_dir: Path, event: str, step: int, changed: dict | None = None,

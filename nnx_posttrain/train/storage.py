@@ -97,7 +97,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
         return []
 
 
-def _logged_steps(run_dir: Path) -> str:
+def logged_steps(run_dir: Path) -> str:
     """'metrics.jsonl holds steps A-B' (its whole lines), or what is wrong with it."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
@@ -133,7 +133,7 @@ def error(run_dir: Path, exc: BaseException) -> errors.StorageError:
            errno.ENOENT: "Leave the run directory's folders in place"}.get(code, "Fix the storage")
     return errors.StorageError(
         f"{run_dir}: the storage under the run failed while writing {_what(exc, fault)}: "
-        f"{_reason(fault)}. Training stopped. Safe: {safe}; {_logged_steps(run_dir)}. {fix}, "
+        f"{_reason(fault)}. Training stopped. Safe: {safe}; {logged_steps(run_dir)}. {fix}, "
         f"then {again}.")
 
 

@@ -29,9 +29,11 @@ class EnvironmentReward:
         self.cls, self.episodes, self.__name__ = cls, episodes, cls.__name__
 
     def __call__(self, prompts, completions, **_):
+        """Each row's ``get_reward()`` as it returned it (the reward's checks name a value that
+        is not a number, and where a ``get_reward`` that raises fails)."""
         if len(self.episodes) != len(completions):  # not the latest rollout's rows
             return [None] * len(completions)
-        return [float(e.environment.get_reward()) if type(e.environment) is self.cls else None
+        return [e.environment.get_reward() if type(e.environment) is self.cls else None
                 for e in self.episodes]
 
 

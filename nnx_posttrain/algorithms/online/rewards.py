@@ -247,11 +247,11 @@ def score(name: str, fn, call: Call, describe) -> list:
     from; called only for that message)."""
     try:
         raw = _call(fn, call)
-    except Exception as exc:  # noqa: BLE001 - a user's function: report where it fails
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's function: where it fails
         row = _first_failing_row(fn, call)
         at = f" on {describe(row)}" if row is not None else ""
-        raise errors.RewardError(
-            f"reward {name!r} failed{at}: {type(exc).__name__}: {exc}") from None
+        raise errors.RewardError(f"reward {name!r} failed{at}{user_code.failure(exc, fn)}"
+                                 ) from None
     completions = call.completions
     try:
         values = None if raw is None or isinstance(raw, (str, bytes)) else list(raw)
@@ -327,7 +327,7 @@ def _first_failing_row(fn, call: Call) -> int | None:
     for i in range(len(call.completions)):
         try:
             _call(fn, call.row(i))
-        except Exception:  # noqa: BLE001
+        except (Exception, SystemExit):  # noqa: BLE001
             return i
     return None
 

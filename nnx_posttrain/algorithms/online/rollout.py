@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain import data, errors, model
-from nnx_posttrain.algorithms.base import AlgorithmBase, Inputs, RunContext, device_batch
+from nnx_posttrain.algorithms.base import (AlgorithmBase, HostWindow, Inputs, RunContext,
+                                           device_batch)
 from nnx_posttrain.algorithms.online import agentic, generation
 from nnx_posttrain.algorithms.online import rewards as rewards_lib
 from nnx_posttrain.sampling import generate, sampler
@@ -155,9 +156,11 @@ def rollout_rows(batch: dict) -> dict:
     return {k: batch[k] for k in ("input_ids", "attention_mask", "positions")}
 
 
-class Rollouts:
+class Rollouts(HostWindow):
     """The batch source of online algorithms: prompts -> rollout -> training batch, reused for
     ``num_iterations`` steps."""
+
+    WINDOW = ("truncated", "since_log")  # not the seconds: a resumed run times its own steps
 
     def __init__(self, algorithm: OnlineAlgorithm, run: RunContext, params):
         cfg, b, c = run.cfg, run.cfg.batching, algorithm.cfg
