@@ -24,7 +24,7 @@ PARTS = ("backbone", "classes", "chat_format", "attention", "sharding", "lora", 
 
 def test_the_families():
     """The list itself: the families this package supports (a new one is a new entry)."""
-    assert list(FAMILIES) == ["gemma", "gemma3", "llama2", "llama3", "mistral", "qwen2", "qwen3"]
+    assert list(FAMILIES) == ["gemma", "gemma3", "gemma4", "llama2", "llama3", "mistral", "qwen2", "qwen3"]
     assert len({f.backbone for f in FAMILIES.values()}) == len(FAMILIES)
 
 

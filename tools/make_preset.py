@@ -41,6 +41,13 @@ LIKE = {like: (family.name, preset.dims, preset.tokens)
 
 GEMMA_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
                  106: "<start_of_turn>", 107: "<end_of_turn>"}
+# Gemma 4's chat, tool and thinking markers (user-defined: single tokens in text); <|turn> /
+# <turn|> at 105 / 106, the others at ids of this package's choosing
+GEMMA4_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
+                  **{46 + i: m for i, m in enumerate((
+                      "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                      "<tool_response|>", '<|"|>', "<|channel>", "<channel|>"))},
+                  105: "<|turn>", 106: "<turn|>"}
 LLAMA3_SPECIAL = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
                   6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>",
                   9: "<|eot_id|>", 10: "<|python_tag|>"}  # offsets from 128,000
@@ -84,7 +91,7 @@ def gemma_proto(vocab_size: int = 256_000) -> bytes:
 @functools.cache
 def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
     """A SentencePiece BPE model of exactly ``vocab_size`` pieces: ``gemma``'s layout (see
-    ``gemma_proto``) or ``llama``'s (Llama 2 / Mistral: unk 0, <s> 1, </s> 2, SentencePiece's
+    ``gemma_proto``; ``gemma4``: Gemma 4's markers, ``GEMMA4_SPECIAL``) or ``llama``'s (Llama 2 / Mistral: unk 0, <s> 1, </s> 2, SentencePiece's
     dummy prefix on), byte fallback, generated merges."""
     from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
@@ -96,15 +103,16 @@ def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
     n = proto.normalizer_spec
     n.name, n.remove_extra_whitespaces, n.escape_whitespaces = "identity", False, True
     pieces: list[tuple[str, int]] = []
-    if layout == "gemma":
+    if layout in ("gemma", "gemma4"):
+        specials = GEMMA_SPECIAL if layout == "gemma" else GEMMA4_SPECIAL
         t.pad_id, t.eos_id, t.bos_id, t.unk_id = 0, 1, 2, 3
         t.pad_piece, t.eos_piece, t.bos_piece, t.unk_piece = "<pad>", "<eos>", "<bos>", "<unk>"
         n.add_dummy_prefix = False
         special_type = {"<pad>": P.CONTROL, "<eos>": P.CONTROL, "<bos>": P.CONTROL,
                         "<unk>": P.UNKNOWN}
-        for i in range(max(GEMMA_SPECIAL) + 1):
-            name = GEMMA_SPECIAL.get(i, f"<unused{i}>")
-            kind = special_type.get(name, P.USER_DEFINED if i in GEMMA_SPECIAL else P.CONTROL)
+        for i in range(max(specials) + 1):
+            name = specials.get(i, f"<unused{i}>")
+            kind = special_type.get(name, P.USER_DEFINED if i in specials else P.CONTROL)
             pieces.append((name, kind))
         pieces += [("\n", P.USER_DEFINED), ("\n\n", P.USER_DEFINED)]
     elif layout == "llama":
@@ -113,7 +121,7 @@ def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
         n.add_dummy_prefix = True
         pieces += [("<unk>", P.UNKNOWN), ("<s>", P.CONTROL), ("</s>", P.CONTROL)]
     else:
-        raise ValueError(f"layout must be 'gemma' or 'llama', got {layout!r}")
+        raise ValueError(f"layout must be 'gemma', 'gemma4' or 'llama', got {layout!r}")
     pieces += [(f"<0x{b:02X}>", P.BYTE) for b in range(256)]
     symbols = [c if c != " " else "\u2581" for c in _ALPHABET if c not in "\n"]
     pieces += [(s, P.NORMAL) for s in symbols]
@@ -290,6 +298,9 @@ TOKENIZERS = {
     "sentencepiece-gemma": lambda n: _sentencepiece("GemmaTokenizer", gemma_proto(n)),
     "sentencepiece-gemma3": lambda n: _sentencepiece("Gemma3Tokenizer", gemma_proto(n),
                                                      has_vision_tokens=False),
+    "sentencepiece-gemma4": lambda n: _sentencepiece(
+        "Gemma4Tokenizer", sentencepiece_proto(n, "gemma4"), has_vision_tokens=False,
+        has_video_tokens=False),
     "sentencepiece-llama": lambda n: _sentencepiece("LlamaTokenizer", sentencepiece_proto(n, "llama")),
     "bpe-llama3": lambda n: llama3_tokenizer(n),
     "bpe-qwen2": lambda n: qwen_tokenizer(n),
@@ -312,7 +323,7 @@ def _task(family: str, dims: dict, tokens: int, dtype: str):
     task, preprocessor, _ = (getattr(keras_hub.models, c) for c in fam.classes)
     tokenizer = TOKENIZERS[fam.tokenizer](tokens)
     backbone = getattr(keras_hub.models, fam.backbone)(dtype=dtype, **dims)
-    return task(backbone, preprocessor(tokenizer))
+    return task(backbone=backbone, preprocessor=preprocessor(tokenizer))
 
 
 @command

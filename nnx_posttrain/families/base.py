@@ -117,7 +117,9 @@ class Family:
     - ``tokenizer``: the synthetic tokenizer kind of ``tools.make_preset`` (``TOKENIZERS``);
       ``presets``: ``--like`` name -> ``Preset``;
     - ``tiny``: variant name -> backbone arguments of a tiny random model with the family's
-      features (the tests' ``support.TINY_FAMILIES``; float32 is added).
+      features (the tests' ``support.TINY_FAMILIES``; float32 is added);
+    - ``quantize_skip``: layer names ``--quantize int8`` leaves in the model's dtype (a block
+      that reads a layer's kernel as an array, which int8 would give without its scale).
     """
 
     name: str
@@ -135,6 +137,7 @@ class Family:
     tokenizer: str
     presets: dict[str, Preset] | Unsupported
     tiny: dict[str, dict]
+    quantize_skip: tuple[str, ...] = ()
 
     def format_of(self, backbone) -> str | None:
         """The chat format of ``backbone`` (a model of this family), or None when the family has

@@ -18,6 +18,18 @@ import jax
 import jax.numpy as jnp
 
 
+def backbone_inputs(module, token_ids, padding_mask) -> dict:
+    """The backbone's inputs for ``token_ids`` / ``padding_mask`` [batch, T]: with the positions
+    0 .. T - 1 where the backbone takes them (Gemma 4's ``position_ids``; rotary attention depends
+    on relative positions only, as in the backbones that count them themselves)."""
+    inputs = {"token_ids": token_ids, "padding_mask": padding_mask}
+    if "position_ids" in {getattr(x, "name", None) for x in getattr(module, "inputs", None) or ()}:
+        t = token_ids.shape[1]
+        inputs = {k: jnp.asarray(v) for k, v in inputs.items()}  # Keras takes no mix of kinds
+        inputs["position_ids"] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), token_ids.shape)
+    return inputs
+
+
 def decoder_blocks(module) -> list:
     """The decoder blocks that the backbone's functional graph calls. ``module.transformer_layers``
     is not it after ``nnx.merge``: that list still holds the blocks of the module that was split,
@@ -125,7 +137,9 @@ def rope_positions(module, positions):
 
 
 def _attention_mask_override(module, mask):
-    """Make every decoder block use ``mask`` instead of its causal + padding mask.
+    """Make every decoder block's attention mask its own (causal, padding, and the sliding window
+    where the block builds it: Mistral, Gemma 4) restricted to ``mask`` (the block-diagonal mask
+    of packed rows, ``segment_attention_mask``).
 
     KerasHub backbones accept only a [batch, T] padding mask; packed rows need a block-diagonal
     one. The blocks' mask method is shadowed on the instances for the duration of the call."""
@@ -134,10 +148,16 @@ def _attention_mask_override(module, mask):
     if name is None:
         raise NotImplementedError(f"packed sequences are not supported for {type(module).__name__}")
 
-    def masked(*args, **kwargs):
-        return mask
+    def make(block, original):
+        def masked(*args, **kwargs):
+            own = original(*args, **kwargs)
+            if own is None:
+                return mask
+            both = jnp.logical_and(jnp.asarray(own).astype(bool), mask.astype(bool))
+            return both.astype(jnp.asarray(own).dtype)
+        return masked
 
-    return override_blocks(module, name, lambda block, original: masked)
+    return override_blocks(module, name, make)
 
 
 # ----------------------------------------------------------------------------- remat

@@ -26,7 +26,8 @@ from flax import nnx
 from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
-from nnx_posttrain.model.quantize import while_loading
+from nnx_posttrain.model.blocks import backbone_inputs
+from nnx_posttrain.model.quantize import skipped, while_loading
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -319,11 +320,12 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
                  quantize: str = "none"):
     try:
         if not weights:
-            return keras_hub.models.CausalLM.from_preset(handle, dtype=policy, load_weights=False)
+            return _task_from_preset(handle, dtype=policy, load_weights=False)
         if _reads_keras_weights(handle):
-            with _no_initializers(), while_loading(quantize):
-                return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
-        return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
+            skip = skipped(_preset_backbone_class(handle) or "")
+            with _no_initializers(), while_loading(quantize, skip):
+                return _task_from_preset(handle, dtype=policy)
+        return _task_from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         local = is_local_model(handle)
@@ -346,13 +348,33 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
         ) from None
 
 
+def _task_from_preset(handle: str, **kwargs):
+    """``CausalLM.from_preset``; where the family's preprocessor needs TensorFlow (Gemma 3 and 4
+    always, KerasHub's text-only path included), the task without it, holding its tokenizer in
+    the generic ``CausalLMPreprocessor`` (tokenization is this package's, ``Tokenizer``). A local
+    directory loads as its family's task (Gemma 4's backbone also has a draft-model task, which
+    KerasHub could pick)."""
+    family = families.of(_preset_backbone_class(handle) or "")
+    cls = getattr(keras_hub.models, family.classes[0]) if family else keras_hub.models.CausalLM
+    try:
+        task = cls.from_preset(handle, **kwargs)
+    except ImportError as exc:
+        if "tensorflow" not in str(exc):
+            raise
+        task = cls.from_preset(handle, preprocessor=None, **kwargs)
+    if task.preprocessor is None:
+        tokenizer = keras_hub.models.Tokenizer.from_preset(handle)
+        task.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=tokenizer)
+    return task
+
+
 def _warm_up(backbone) -> None:
     """One abstract call: Keras flips build/bookkeeping flags on the first call, which would
     otherwise happen inside the first trace and cost a second compilation. ``jax.eval_shape``
     traces the call without running it: an eager call compiled and kept one small XLA executable
     per operation (about 110 MB of a tiny model's process)."""
     ids = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-    jax.eval_shape(lambda ids, mask: backbone({"token_ids": ids, "padding_mask": mask}), ids, ids)
+    jax.eval_shape(lambda ids, mask: backbone(backbone_inputs(backbone, ids, mask)), ids, ids)
 
 
 def describe(lm: LanguageModel) -> str:

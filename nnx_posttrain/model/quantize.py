@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from nnx_posttrain import families
 from nnx_posttrain.model.lora import lora_delta
 
 MODES = ("none", "int8")
@@ -45,9 +46,18 @@ def quantize(module, mode: str) -> int:
         raise ValueError(f"quantize mode must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return 0
+    skip = skipped(module)
     for layer in module._flatten_layers(include_self=False):
-        quantize_layer(layer, mode)
+        if layer.name not in skip:
+            quantize_layer(layer, mode)
     return len(quantized_layers(module))
+
+
+def skipped(backbone) -> tuple[str, ...]:
+    """Layer names of ``backbone`` (an instance or its class name) that int8 leaves as they are:
+    its family's ``quantize_skip`` (``families``)."""
+    family = families.of(backbone)
+    return () if family is None else family.quantize_skip
 
 
 # The layers quantized (Keras' int8 layers; ReversibleEmbedding is an Embedding)
@@ -92,12 +102,12 @@ def _no_collection():
 
 
 @contextlib.contextmanager
-def while_loading(mode: str):
+def while_loading(mode: str, skip: tuple[str, ...] = ()):
     """Within the block, every Dense / EinsumDense / embedding layer whose weights Keras reads
     from a weight file (``load_own_variables``) is quantized (``quantize_layer``) as soon as they
     are read, so a model loads with at most one layer in its stored dtype at a time (a
     gemma_2b-shaped preset: 5 GB of bfloat16 never resident at once). The classes' method is
-    put back on exit."""
+    put back on exit. Layers named in ``skip`` (``skipped``) load as they are."""
     if mode == "none":
         yield
         return
@@ -106,7 +116,8 @@ def while_loading(mode: str):
     def reading(original):
         def load_own_variables(self, store):
             original(self, store)
-            quantize_layer(self, mode)
+            if self.name not in skip:
+                quantize_layer(self, mode)
         return load_own_variables
 
     try:

@@ -1,0 +1,90 @@
+"""The newer families on micro presets (a KerasHub preset directory of each family's tiny
+configuration with a synthetic tokenizer of the family's kind, as ``tools.make_preset`` writes
+them): loaded through ``model.load`` (the family's chat format, the backbone's extra inputs), a
+few SFT and DPO steps with LoRA, ``--quantize int8``. Attention and projections against
+KerasHub's own layers are tests/test_attention.py and tests/test_dense.py (every family's tiny
+configuration), export against transformers tests/test_hf_export.py, chat templates
+tests/test_chat.py."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from nnx_posttrain import families, model
+from support import losses, records, train_run
+from tools import make_preset
+
+TOKENS = 1024
+STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "0",
+         "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0",
+         "--eval.batches", "0"]
+# the micro preset of each family: a tiny variant (``Family.tiny``), shallower (fewer layers to
+# compile), with the synthetic tokenizer's size
+MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1))}
+
+
+@pytest.fixture(scope="module", params=sorted(MICRO))
+def preset(request, tmp_path_factory):
+    family = families.FAMILIES[request.param]
+    variant, shallower = MICRO[request.param]
+    dims = dict(family.tiny[variant], **shallower, vocabulary_size=TOKENS)
+    out = tmp_path_factory.mktemp(request.param)
+    make_preset._task(family.name, dims, TOKENS, "float32").save_to_preset(str(out))
+    return family, out
+
+
+def test_a_micro_preset_loads_with_its_familys_chat_format(preset):
+    family, path = preset
+    lm = model.load(str(path))
+    assert families.of(lm.module) is family and lm.chat_format == family.format_of(lm.module)
+    assert lm.tokenizer.vocab_size == TOKENS
+    ids = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) + 5)
+    logits = model.full_logits(lm.module, ids, jnp.ones_like(ids))
+    assert logits.shape == (2, 6, TOKENS) and bool(jnp.isfinite(logits).all())
+
+
+LORA = ["--lora.rank", "2", "--lora.targets", "all-linear", "--optim.learning-rate", "1e-2"]
+
+
+def test_sft_steps(preset, tmp_path):
+    _, path = preset
+    train_run("sft", "--model", path, *STEPS, "--run-dir", tmp_path, echo=_quiet)
+    sft = losses(tmp_path)
+    assert sorted(sft) == [1, 2] and all(np.isfinite(list(sft.values())))
+
+
+def test_dpo_steps_with_lora(preset, tmp_path):
+    _, path = preset
+    train_run("dpo", "--model", path, *STEPS, *LORA, "--init-from", "", "--run-dir", tmp_path,
+              echo=_quiet)
+    first = records(tmp_path)[0]
+    assert first["loss"] == pytest.approx(np.log(2), abs=1e-3)  # policy = reference at step 1
+
+
+def test_int8_keeps_the_layers_the_family_reads_as_arrays(preset, monkeypatch):
+    """Gemma 4's blocks multiply the MLP kernels as arrays: int8 leaves them in float
+    (``Family.quantize_skip``), and the model computes as before up to int8 rounding (random
+    hidden-32 weights: ~10% of the logits' range); quantized, they would be read without their
+    scale."""
+    import sys
+
+    quantize = sys.modules["nnx_posttrain.model.quantize"]
+    family, path = preset
+    ids = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) + 5)
+
+    def change(skip):
+        lm = model.load(str(path))
+        before = np.asarray(model.full_logits(lm.module, ids, jnp.ones_like(ids)))
+        monkeypatch.setattr(quantize, "skipped", lambda _: skip)
+        assert model.quantize(lm.module, "int8") > 0
+        names = {layer.name for layer in model.quantized_layers(lm.module)}
+        assert bool(names & set(family.quantize_skip)) == (not skip)
+        after = np.asarray(model.full_logits(lm.module, ids, jnp.ones_like(ids)))
+        return np.abs(after - before).max() / np.abs(before).max()
+
+    assert change(family.quantize_skip) < 0.2 < 2 * 0.2 < change(())
+
+
+def _quiet(*_):
+    pass
