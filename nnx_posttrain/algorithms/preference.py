@@ -14,6 +14,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_posttrain import model
 from nnx_posttrain.algorithms.base import USER_DATA, merged
 from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequence_logps: re-exported)
     PairAlgorithm,
@@ -24,6 +25,7 @@ from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequenc
 from nnx_posttrain.algorithms.reference import Reference
 from nnx_posttrain.losses.common import Pairs
 from nnx_posttrain.losses.dpo import DPOOptions, DPOPairs, dpo, ld_split, wpo_weights
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 from nnx_posttrain.losses.preference import CPOOptions, ORPOOptions, SimPOOptions, cpo, orpo, simpo
 
 
@@ -33,8 +35,12 @@ from nnx_posttrain.losses.preference import CPOOptions, ORPOOptions, SimPOOption
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig(DPOOptions):
-    """Direct Preference Optimization and its TRL 1.16 variants."""
+class DPOConfig(DPOOptions, RouterOptions):
+    """Direct Preference Optimization and its TRL 1.16 variants (a mixture-of-experts policy
+    adds its router load-balancing loss, as TRL's DPOTrainer; not the reference's)."""
+
+    def problems(self) -> list[str]:
+        return DPOOptions.problems(self) + RouterOptions.problems(self)
 
     reference: Reference = "auto"
     """lora_base (LoRA on), copy (full fine-tuning), or precompute; auto picks the first two."""
@@ -96,7 +102,8 @@ class DPO(PairAlgorithm):
 
     def loss(self, module, batch, reference=None):
         c = self.cfg
-        lp = self.pair_logps(module, batch)
+        with model.routers_captured(module, c.router_aux_loss_coef) as routers:
+            lp = self.pair_logps(module, batch)
         chosen, rejected = self._ld(lp)
         if self.reference_mode == "precompute":
             ref_c, ref_r = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
@@ -110,8 +117,9 @@ class DPO(PairAlgorithm):
             weights = (wpo_weights(lp["chosen_tokens"], lp["chosen_lss"], lp["chosen_mask"])
                        * wpo_weights(lp["rejected_tokens"], lp["rejected_lss"],
                                      lp["rejected_mask"]))
-        return dpo(DPOPairs(chosen, rejected, ref_c, ref_r, self.chosen_nll(batch, lp),
-                            lp["chosen_len"], lp["rejected_len"], weights), c)
+        return with_router_aux(dpo(DPOPairs(chosen, rejected, ref_c, ref_r,
+                                            self.chosen_nll(batch, lp), lp["chosen_len"],
+                                            lp["rejected_len"], weights), c), routers.routed())
 
     def inputs(self, run, params):
         if self.reference_mode != "precompute" or self.cfg.ld_alpha is None:

@@ -89,6 +89,19 @@ class Decoding:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts family's routing (``model.router``, ``losses.router``):
+    ``router(block)``: the layer whose output is the block's router logits [rows, experts]
+    (None: a block with a dense MLP); ``top_k(backbone)``: the experts per token;
+    ``aux_coef(backbone)``: the load-balancing loss coefficient of the family's released config
+    (transformers' ``router_aux_loss_coef``; 0 where its config has none, as TRL reads it)."""
+
+    router: Callable[[Any], Any]
+    top_k: Callable[[Any], int]
+    aux_coef: Callable[[Any], float]
+
+
+@dataclasses.dataclass(frozen=True)
 class Preset:
     """A real model's shape for ``tools.make_preset --like``: the KerasHub backbone arguments of
     the published checkpoint and its tokenizer's size (the embedding may have more rows)."""
@@ -108,7 +121,8 @@ class Family:
     - ``attention``: {attention layer class name: reader} (``LayerSpec`` or a reason);
     - ``sharding``: ``(regex on the variable path, logical axis per dimension)`` rules, anchored
       on the family's own path names (``sharding.RULES`` holds every family's);
-    - ``lora``: the layer names of ``--lora.targets attention`` and ``mlp``;
+    - ``lora``: the layer names of ``--lora.targets attention`` and ``mlp`` (``Unsupported``:
+      a family whose MLP is stacked experts, not layers);
     - ``export``: ``Export``; ``decoding``: ``Decoding``; ``context_length``: the longest context
       of the released checkpoints (rotary positions beyond it are untrained);
     - ``hf_model_types``: the Hugging Face ``model_type`` values KerasHub converts to this
@@ -118,6 +132,7 @@ class Family:
       ``presets``: ``--like`` name -> ``Preset``;
     - ``tiny``: variant name -> backbone arguments of a tiny random model with the family's
       features (the tests' ``support.TINY_FAMILIES``; float32 is added);
+    - ``moe``: the routing of a mixture-of-experts family (``MoE``), None for a dense one;
     - ``quantize_skip``: layer names ``--quantize int8`` leaves in the model's dtype (a block
       that reads a layer's kernel as an array, which int8 would give without its scale).
     """
@@ -128,7 +143,7 @@ class Family:
     chat_format: str | Callable[[Any], str] | Unsupported
     attention: dict[str, Reader]
     sharding: tuple
-    lora: dict[str, tuple[str, ...]]
+    lora: dict[str, tuple[str, ...] | Unsupported]
     export: Export | Unsupported
     decoding: Decoding | Unsupported
     context_length: int
@@ -138,6 +153,7 @@ class Family:
     presets: dict[str, Preset] | Unsupported
     tiny: dict[str, dict]
     quantize_skip: tuple[str, ...] = ()
+    moe: MoE | None = None
 
     def format_of(self, backbone) -> str | None:
         """The chat format of ``backbone`` (a model of this family), or None when the family has

@@ -174,9 +174,15 @@ def set_remat(module, enabled: bool, lazy_frozen: bool = False) -> None:
                        "lazy_frozen" if lazy_frozen else bool(enabled))
 
 
+# Lists that collect arrays computed inside a block's call (``model.router``'s router logits):
+# a block under ``jax.checkpoint`` returns what it added to them as outputs, so that they are
+# arrays of the enclosing computation, not of the checkpointed one.
+SINKS: list[list] = []
+
+
 def _checkpointed(call):
     """``call`` under ``jax.checkpoint``. Only array arguments are traced; the others (flags,
-    None) stay static."""
+    None) stay static. What the call adds to ``SINKS`` comes out of the checkpoint."""
     def wrapper(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
         where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
@@ -186,9 +192,17 @@ def _checkpointed(call):
             for i, x in zip(where, arrays):
                 full[i] = x
             args, kwargs = jax.tree.unflatten(treedef, full)
-            return call(*args, **kwargs)
+            marks = [len(sink) for sink in SINKS]
+            out = call(*args, **kwargs)
+            added = [sink[m:] for sink, m in zip(SINKS, marks)]
+            for sink, m in zip(SINKS, marks):
+                del sink[m:]
+            return out, added
 
-        return jax.checkpoint(inner)(*(leaves[i] for i in where))
+        out, added = jax.checkpoint(inner)(*(leaves[i] for i in where))
+        for sink, new in zip(SINKS, added):
+            sink.extend(new)
+        return out
     return wrapper
 
 

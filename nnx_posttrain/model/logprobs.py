@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain.model import attention, dense, quantize
+from nnx_posttrain.model import attention, dense, quantize, router
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _block_calls,
@@ -35,7 +35,8 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     rope = (contextlib.nullcontext() if rope_positions is None
             else rope_positions_scope(module, rope_positions))
     branched = rope_positions is not None
-    with _block_calls(module), dense.overridden(module), rope, \
+    rows = padding_mask if segment_ids is None else segment_ids != 0
+    with _block_calls(module), dense.overridden(module), router.recording(module, rows), rope, \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
             return constrain_batch(module(backbone_inputs(module, token_ids, padding_mask)))

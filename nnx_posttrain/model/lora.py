@@ -14,7 +14,7 @@ import keras
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import families
+from nnx_posttrain import errors, families
 
 # Layer names most KerasHub decoder families give their attention projections; a family's own
 # (``families``: ``lora["attention"]``, ``lora["mlp"]``) name ``attention`` and ``mlp``.
@@ -33,6 +33,8 @@ def target_names(module, targets: str) -> tuple[str, ...] | None:
     'all-linear', or comma-separated names."""
     family = families.of(module)
     if targets in ("attention", "mlp") and family is not None:
+        if isinstance(family.lora[targets], families.Unsupported):
+            raise errors.ConfigError(f"--lora.targets {targets}: {family.lora[targets].reason}")
         return family.lora[targets]
     if targets in LORA_TARGETS:
         return LORA_TARGETS[targets]

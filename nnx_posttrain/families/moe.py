@@ -1,0 +1,107 @@
+"""The Llama-layout mixtures of experts: Qwen3-MoE (``Qwen3MoeBackbone``, 30B-A3B, 235B-A22B) and
+Mixtral (``MixtralBackbone``, 8x7B).
+
+Attention and norms are the Llama layout (``llama.SHARDING``; Qwen 3's q / k norms); each block's
+MLP is a sparse MoE block (``transformer_layer_i/<name>_sparse_moe_block_j/``): a router Dense
+``sparse_feedforward_gate_dense`` [hidden, experts] (softmax, top-k, renormalised) and the
+experts stacked in raw weights (Qwen3-MoE: gate|up [E, hidden, 2 x I] and down [E, I, hidden];
+Mixtral: gate, up [E, hidden, I], down [E, I, hidden]). KerasHub computes every expert for every
+token and drops the router logits (research P6, P7): ``model.router`` captures them for the
+load-balancing loss (``losses.router``). The stacked experts are not layers: LoRA targets their
+attention (and Qwen3-MoE's dense MLP layers, ``mlp_only_layers``), int8 leaves the experts in
+float.
+"""
+
+from __future__ import annotations
+
+from nnx_posttrain.families.base import Decoding, Family, MoE, Preset, Unsupported
+from nnx_posttrain.families.llama import LORA, SHARDING, llama_like
+
+F, T = "fsdp", "tensor"
+
+
+def qwen3_moe_attention(layer, training: bool):
+    """``Qwen3MoeAttention``: no window (its ``sliding_window_size`` applies only in the einsum
+    branch KerasHub skips on JAX; transformers' Qwen3-MoE has none)."""
+    return llama_like(layer, None)
+
+
+def mixtral_attention(layer, training: bool):
+    """``CachedMixtralAttention``: the window of the decoder's banded mask, ``sliding_window``
+    (research P1: Mistral's private name would read none)."""
+    return llama_like(layer, layer.sliding_window)
+
+
+_MOE = r"transformer_layer_\d+/\w+_sparse_moe_block(_\d+)?"
+SHARDING_MOE = SHARDING + (
+    (rf"{_MOE}/sparse_feedforward_gate_dense/kernel$", (F, None)),
+    # experts [E, hidden, I] (gate, up; Qwen3-MoE's gate|up) and [E, I, hidden] (down)
+    (rf"{_MOE}/experts/expert_feedforward_(gate|intermediate)_dense$", (None, F, T)),
+    (rf"{_MOE}/experts/expert_feedforward_output_dense$", (None, T, F)),
+)
+_EXPERT_LORA = Unsupported("the experts are stacked weights, not layers: --lora.targets mlp "
+                           "(per-expert adapters) is not implemented; use attention")
+
+
+def _router(attribute: str):
+    def router(block):
+        moe = getattr(block, attribute, None)
+        return getattr(moe, "_sparse_feedforward_gate_dense", None)
+    return router
+
+
+_DECODING = Decoding("self_attention_cache", "self_attention_cache_update_index")
+_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+             hidden_dim=32, num_experts=4, top_k=2)
+
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    backbone="Qwen3MoeBackbone",
+    classes=("Qwen3MoeCausalLM", "Qwen3MoeCausalLMPreprocessor", "Qwen3MoeTokenizer"),
+    chat_format="qwen3",
+    attention={"Qwen3MoeAttention": qwen3_moe_attention},
+    sharding=SHARDING_MOE,
+    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    export=Unsupported("Qwen3-MoE has no verified Hugging Face export yet (transformers' per-"
+                       "expert names); use --format keras"),
+    decoding=_DECODING,
+    context_length=40_960,  # 30B-A3B (131,072 with YaRN)
+    hf_model_types=("qwen3_moe",),
+    short_names={"qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en"},
+    tokenizer="bpe-qwen3",
+    presets={"qwen3_moe_30b_a3b": Preset(dict(
+        vocabulary_size=151_936, hidden_dim=2048, head_dim=128, num_layers=48, num_query_heads=32,
+        num_key_value_heads=4, intermediate_dim=6144, moe_intermediate_dim=768, num_experts=128,
+        top_k=8, norm_top_k_prob=True, layer_norm_epsilon=1e-6, rope_max_wavelength=1e6,
+        sliding_window_size=None, router_aux_loss_coefficient=0.001,
+        tie_word_embeddings=False), 151_669)},
+    tiny={"qwen3_moe": dict(_TINY, intermediate_dim=64, moe_intermediate_dim=16, head_dim=8,
+                            norm_top_k_prob=True)},
+    moe=MoE(_router("mlp"), lambda b: int(b.top_k),
+            lambda b: float(b.router_aux_loss_coefficient)),  # 0.001 (30B-A3B's config)
+)
+
+MIXTRAL = Family(
+    name="mixtral",
+    backbone="MixtralBackbone",
+    classes=("MixtralCausalLM", "MixtralCausalLMPreprocessor", "MixtralTokenizer"),
+    chat_format="mistral",
+    attention={"CachedMixtralAttention": mixtral_attention},
+    sharding=SHARDING_MOE,
+    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    export=Unsupported("Mixtral has no verified Hugging Face export yet (transformers' per-"
+                       "expert w1 / w2 / w3 names); use --format keras"),
+    decoding=_DECODING,
+    context_length=32_768,
+    hf_model_types=("mixtral",),
+    short_names={"mixtral_8x7b": "mixtral_8_7b_en", "mixtral_8x7b_it": "mixtral_8_instruct_7b_en"},
+    tokenizer="sentencepiece-llama",
+    presets={"mixtral_8x7b": Preset(dict(
+        vocabulary_size=32_000, num_layers=32, num_query_heads=32, hidden_dim=4096,
+        intermediate_dim=14_336, num_key_value_heads=8, num_experts=8, top_k=2,
+        rope_max_wavelength=1e6, layer_norm_epsilon=1e-5,
+        sliding_window=None), 32_000)},  # KerasHub's default window is 512: 8x7B has none
+    tiny={"mixtral": dict(_TINY, intermediate_dim=16, sliding_window=8)},
+    moe=MoE(_router("_sparse_moe_block"), lambda b: int(b.top_k),
+            lambda b: float(b.router_aux_loss_coef)),  # 0.02 (8x7B's config)
+)
