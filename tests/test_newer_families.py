@@ -47,6 +47,7 @@ def test_a_micro_preset_loads_with_its_familys_chat_format(preset):
 LORA = ["--lora.rank", "2", "--lora.targets", "all-linear", "--optim.learning-rate", "1e-2"]
 
 
+@pytest.mark.slow
 def test_sft_steps(preset, tmp_path):
     _, path = preset
     train_run("sft", "--model", path, *STEPS, "--run-dir", tmp_path, echo=_quiet)
@@ -54,6 +55,7 @@ def test_sft_steps(preset, tmp_path):
     assert sorted(sft) == [1, 2] and all(np.isfinite(list(sft.values())))
 
 
+@pytest.mark.slow
 def test_dpo_steps_with_lora(preset, tmp_path):
     _, path = preset
     train_run("dpo", "--model", path, *STEPS, *LORA, "--init-from", "", "--run-dir", tmp_path,

@@ -13,6 +13,7 @@ from flax import nnx
 
 import support
 from nnx_posttrain import errors, families, model
+from nnx_posttrain.model.blocks import backbone_inputs
 from nnx_posttrain.losses.router import RouterOptions, load_balancing, with_router_aux
 
 torch = pytest.importorskip("torch")
@@ -76,7 +77,7 @@ def _router_outputs(bb, x):
 
     routers = [family.moe.router(b) for b in model.decoder_blocks(bb)]
     with model.blocks.shadowed(routers, "call", keep):
-        bb({"token_ids": x, "padding_mask": jnp.ones_like(x)})
+        bb(backbone_inputs(bb, x, jnp.ones_like(x)))
     return outs
 
 

@@ -1,5 +1,6 @@
 """Gemma 4 (``Gemma4Backbone``, text): E2B / E4B (per-layer inputs, KV-shared trailing layers),
-31B, and the 26B-A4B mixture of experts (a dense MLP and 128 experts side by side).
+31B, and the 26B-A4B mixture of experts (a dense MLP and 128 experts side by side: its
+router logits for the load-balancing loss, coefficient 0 as TRL reads its config; not exported).
 
 Gemma's layout (``decoder_block_i/attention/...``: q / k / v [heads, hidden, head_dim]) with
 scale 1.0 (q / k norms instead), a scale-free value norm, local layers over a sliding window and
@@ -12,7 +13,15 @@ raw int8 kernel without its scale, so they stay in the model's dtype (``quantize
 
 from __future__ import annotations
 
-from nnx_posttrain.families.base import Export, Family, LayerSpec, Preset, Unsupported, refuse
+from nnx_posttrain.families.base import (
+    Export,
+    Family,
+    LayerSpec,
+    MoE,
+    Preset,
+    Unsupported,
+    refuse,
+)
 from nnx_posttrain.families.gemma import SHARDING as GEMMA_SHARDING
 
 F, T = "fsdp", "tensor"
@@ -32,6 +41,10 @@ SHARDING = GEMMA_SHARDING + (
     (r"per_layer_model_projection/kernel$", (F, T)),
     (r"decoder_block_\d+/per_layer_input_gate/kernel$", (F, None)),
     (r"decoder_block_\d+/per_layer_up_proj/kernel$", (None, F)),
+    # 26B-A4B: the router [hidden, experts] and the experts [E, hidden, I] / [E, I, hidden]
+    (r"decoder_block_\d+/moe_router/proj/kernel$", (F, None)),
+    (r"decoder_block_\d+/moe_expert_bank/(gate_proj|up_proj)$", (None, F, T)),
+    (r"decoder_block_\d+/moe_expert_bank/down_proj$", (None, T, F)),
 )
 
 _L = r"(\d+)"
@@ -143,6 +156,15 @@ GEMMA4 = Family(
                        use_double_wide_mlp=True),
         # 31B-like: global layers with one kv head whose keys are the values
         "gemma4_kv": dict(_TINY, num_global_key_value_heads=1),
+        # 26B-A4B-like: a dense MLP and experts side by side, K=V global layers
+        "gemma4_moe": dict(_TINY, num_layers=3, intermediate_dim=48, num_global_key_value_heads=1,
+                           enable_moe_block=True, num_experts=4, expert_intermediate_dim=16,
+                           num_experts_per_token=2),
     },
+    # 26B-A4B's router: its Dense ``proj`` gives the logits (softmax, top-k, renormalised, then
+    # per-expert scales); transformers' Gemma 4 config has no router_aux_loss_coef, so TRL
+    # leaves the loss off: coefficient 0, aux_loss and tokens per expert still logged
+    moe=MoE(lambda block: getattr(getattr(block, "moe_router", None), "proj", None),
+            lambda b: int(b.num_experts_per_token), lambda b: 0.0),
     quantize_skip=("ffw_gating", "ffw_gating_2", "ffw_linear"),
 )
