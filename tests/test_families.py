@@ -25,7 +25,7 @@ PARTS = ("backbone", "classes", "chat_format", "attention", "sharding", "lora", 
 def test_the_families():
     """The list itself: the families this package supports (a new one is a new entry)."""
     assert list(FAMILIES) == ["gemma", "gemma3", "gemma4", "llama2", "llama3", "mistral", "qwen2", "qwen3",
-                              "qwen3_moe", "mixtral"]
+                              "qwen3_moe", "mixtral", "phi3"]
     assert len({f.backbone for f in FAMILIES.values()}) == len(FAMILIES)
 
 

@@ -48,6 +48,7 @@ GEMMA4_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
                       "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
                       "<tool_response|>", '<|"|>', "<|channel>", "<channel|>"))},
                   105: "<|turn>", 106: "<turn|>"}
+PHI3_SPECIAL = ("<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>")
 LLAMA3_SPECIAL = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
                   6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>",
                   9: "<|eot_id|>", 10: "<|python_tag|>"}  # offsets from 128,000
@@ -92,7 +93,7 @@ def gemma_proto(vocab_size: int = 256_000) -> bytes:
 def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
     """A SentencePiece BPE model of exactly ``vocab_size`` pieces: ``gemma``'s layout (see
     ``gemma_proto``; ``gemma4``: Gemma 4's markers, ``GEMMA4_SPECIAL``) or ``llama``'s (Llama 2 / Mistral: unk 0, <s> 1, </s> 2, SentencePiece's
-    dummy prefix on), byte fallback, generated merges."""
+    dummy prefix on; ``phi3``: with Phi-3's chat markers), byte fallback, generated merges."""
     from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
     P = spm_pb2.ModelProto.SentencePiece
@@ -115,13 +116,15 @@ def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
             kind = special_type.get(name, P.USER_DEFINED if i in specials else P.CONTROL)
             pieces.append((name, kind))
         pieces += [("\n", P.USER_DEFINED), ("\n\n", P.USER_DEFINED)]
-    elif layout == "llama":
+    elif layout in ("llama", "phi3"):
         t.unk_id, t.bos_id, t.eos_id, t.pad_id = 0, 1, 2, -1
         t.unk_piece, t.bos_piece, t.eos_piece = "<unk>", "<s>", "</s>"
         n.add_dummy_prefix = True
         pieces += [("<unk>", P.UNKNOWN), ("<s>", P.CONTROL), ("</s>", P.CONTROL)]
+        if layout == "phi3":  # Phi-3's chat markers (its ids are 32,000 and up; ours follow </s>)
+            pieces += [(m, P.USER_DEFINED) for m in PHI3_SPECIAL]
     else:
-        raise ValueError(f"layout must be 'gemma', 'gemma4' or 'llama', got {layout!r}")
+        raise ValueError(f"layout must be 'gemma', 'gemma4', 'llama' or 'phi3', got {layout!r}")
     pieces += [(f"<0x{b:02X}>", P.BYTE) for b in range(256)]
     symbols = [c if c != " " else "\u2581" for c in _ALPHABET if c not in "\n"]
     pieces += [(s, P.NORMAL) for s in symbols]
@@ -228,8 +231,17 @@ def scaled(dims: dict, scale: float) -> dict:
         out["hidden_dim"] = r8(dims["hidden_dim"], 16)
     else:  # hidden = heads x head size
         out["hidden_dim"] = heads * new_head
-    if "sliding_window_size" in dims:
-        out["sliding_window_size"] = max(16, round(dims["sliding_window_size"] * scale))
+    for key in ("sliding_window_size", "sliding_window"):
+        if dims.get(key):
+            out[key] = max(16, round(dims[key] * scale))
+    for key, low in (("global_head_dim", 8), ("moe_intermediate_dim", 16),
+                     ("expert_intermediate_dim", 16), ("hidden_size_per_layer_input", 8)):
+        if dims.get(key):  # Gemma 4's global layers, the experts, per-layer inputs
+            out[key] = r8(dims[key], low)
+    if dims.get("num_kv_shared_layers"):  # Gemma 4 E2B / E4B: a share of the layers, not all
+        share = dims["num_kv_shared_layers"] / dims["num_layers"]
+        out["num_kv_shared_layers"] = min(out["num_layers"] - 1,
+                                          max(1, round(out["num_layers"] * share)))
     return out
 
 
@@ -302,6 +314,7 @@ TOKENIZERS = {
         "Gemma4Tokenizer", sentencepiece_proto(n, "gemma4"), has_vision_tokens=False,
         has_video_tokens=False),
     "sentencepiece-llama": lambda n: _sentencepiece("LlamaTokenizer", sentencepiece_proto(n, "llama")),
+    "sentencepiece-phi3": lambda n: _sentencepiece("Phi3Tokenizer", sentencepiece_proto(n, "phi3")),
     "bpe-llama3": lambda n: llama3_tokenizer(n),
     "bpe-qwen2": lambda n: qwen_tokenizer(n),
     "bpe-qwen3": lambda n: qwen_tokenizer(n, qwen3=True),

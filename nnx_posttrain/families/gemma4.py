@@ -121,6 +121,15 @@ E2B = dict(_E, num_layers=35, hidden_dim=1536, intermediate_dim=6144, num_key_va
 E4B = dict(_E, num_layers=42, hidden_dim=2560, intermediate_dim=10_240, num_key_value_heads=2,
            num_kv_shared_layers=18, use_double_wide_mlp=False, sliding_window_pattern=6)
 
+# 26B-A4B (google/gemma-4-26B-A4B config.json's text part): a dense MLP and 128 experts (top 8),
+# global layers with 2 kv heads whose keys are the values, no per-layer inputs
+A4B = dict(vocabulary_size=262_144, image_size=None, num_layers=30, num_query_heads=16,
+           num_key_value_heads=8, hidden_dim=2816, intermediate_dim=2112, head_dim=256,
+           global_head_dim=512, final_logit_soft_cap=30.0, sliding_window_size=1024,
+           sliding_window_pattern=6, num_global_key_value_heads=2, enable_moe_block=True,
+           num_experts=128, expert_intermediate_dim=704, num_experts_per_token=8,
+           global_rope_partial_rotary_factor=0.25, global_rope_wavelength=1_000_000.0,
+           local_rope_wavelength=10_000.0, use_vision_bidirectional_attention=True)
 
 _TINY = dict(vocabulary_size=97, image_size=None, num_layers=6, num_query_heads=4,
              num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8,
@@ -149,6 +158,7 @@ GEMMA4 = Family(
     presets={
         "gemma4_2b": Preset(E2B, 262_144),
         "gemma4_4b": Preset(E4B, 262_144),
+        "gemma4_26b_a4b": Preset(A4B, 262_144),
     },
     tiny={
         # E2B / E4B-like: per-layer inputs, KV sharing, double-wide MLP on the shared layers
