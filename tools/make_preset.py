@@ -48,6 +48,8 @@ GEMMA4_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
                       "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
                       "<tool_response|>", '<|"|>', "<|channel>", "<channel|>"))},
                   105: "<|turn>", 106: "<turn|>"}
+GPT_OSS_SPECIAL = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                   "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>")
 PHI3_SPECIAL = ("<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>")
 LLAMA3_SPECIAL = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
                   6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>",
@@ -187,6 +189,17 @@ def llama3_tokenizer(vocab_size: int = 128_256):
         misc_special_tokens={"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"})
 
 
+def gpt_oss_tokenizer(vocab_size: int = 200_019):
+    """A GptOssTokenizer of ``vocab_size`` tokens: byte-level BPE and the harmony format's
+    special tokens at the end (``GPT_OSS_SPECIAL``; o200k_harmony's ids are 199,998 and up)."""
+    import keras_hub
+
+    first = vocab_size - len(GPT_OSS_SPECIAL)
+    vocab, merges = byte_bpe(first - 256, {first + i: n for i, n in enumerate(GPT_OSS_SPECIAL)})
+    return keras_hub.models.GptOssTokenizer(vocabulary=vocab, merges=merges,
+                                            unsplittable_tokens=list(GPT_OSS_SPECIAL))
+
+
 def qwen_tokenizer(vocab_size: int = 151_665, qwen3: bool = False):
     """A QwenTokenizer (Qwen3Tokenizer) of ``vocab_size`` tokens: byte-level BPE and Qwen's
     special tokens at the end (``<|endoftext|>`` first, ``<|im_start|>``, ``<|im_end|>``, ...)."""
@@ -315,6 +328,7 @@ TOKENIZERS = {
         has_video_tokens=False),
     "sentencepiece-llama": lambda n: _sentencepiece("LlamaTokenizer", sentencepiece_proto(n, "llama")),
     "sentencepiece-phi3": lambda n: _sentencepiece("Phi3Tokenizer", sentencepiece_proto(n, "phi3")),
+    "bpe-gpt_oss": lambda n: gpt_oss_tokenizer(n),
     "bpe-llama3": lambda n: llama3_tokenizer(n),
     "bpe-qwen2": lambda n: qwen_tokenizer(n),
     "bpe-qwen3": lambda n: qwen_tokenizer(n, qwen3=True),

@@ -31,13 +31,13 @@ from nnx_posttrain.families.base import (  # noqa: F401  (the records, re-export
 from nnx_posttrain.families.gemma import GEMMA, GEMMA3
 from nnx_posttrain.families.gemma4 import GEMMA4
 from nnx_posttrain.families.llama import LLAMA2, LLAMA3, MISTRAL
-from nnx_posttrain.families.moe import MIXTRAL, QWEN3_MOE
+from nnx_posttrain.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
 from nnx_posttrain.families.phi3 import PHI3
 from nnx_posttrain.families.qwen import QWEN2, QWEN3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     GEMMA, GEMMA3, GEMMA4, LLAMA2, LLAMA3, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
-    PHI3,
+    GPT_OSS, PHI3,
 )}
 _BY_BACKBONE = {f.backbone: f for f in FAMILIES.values()}
 

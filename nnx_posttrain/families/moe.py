@@ -1,5 +1,5 @@
-"""The Llama-layout mixtures of experts: Qwen3-MoE (``Qwen3MoeBackbone``, 30B-A3B, 235B-A22B) and
-Mixtral (``MixtralBackbone``, 8x7B).
+"""The Llama-layout mixtures of experts: Qwen3-MoE (``Qwen3MoeBackbone``, 30B-A3B, 235B-A22B),
+Mixtral (``MixtralBackbone``, 8x7B) and GPT-OSS (``GptOssBackbone``, 20b / 120b).
 
 Attention and norms are the Llama layout (``llama.SHARDING``; Qwen 3's q / k norms); each block's
 MLP is a sparse MoE block (``transformer_layer_i/<name>_sparse_moe_block_j/``): a router Dense
@@ -41,6 +41,15 @@ SHARDING_MOE = SHARDING + (
 )
 _EXPERT_LORA = Unsupported("the experts are stacked weights, not layers: --lora.targets mlp "
                            "(per-expert adapters) is not implemented; use attention")
+
+
+def _router_layer(*attributes: str):
+    def router(block):
+        layer = block
+        for name in attributes:
+            layer = getattr(layer, name, None)
+        return layer
+    return router
 
 
 def _router(attribute: str):
@@ -104,4 +113,51 @@ MIXTRAL = Family(
     tiny={"mixtral": dict(_TINY, intermediate_dim=16, sliding_window=8)},
     moe=MoE(_router("_sparse_moe_block"), lambda b: int(b.top_k),
             lambda b: float(b.router_aux_loss_coef)),  # 0.02 (8x7B's config)
+)
+
+
+def gpt_oss_attention(layer, training: bool):
+    """``GptOssAttention``: its learned attention sinks (a per-head logit in every softmax) are in
+    no kernel here: the model keeps KerasHub's attention. (KerasHub's windows also differ from
+    transformers' and OpenAI's: odd layers and W + 1 keys against even layers and W keys,
+    research P2; beyond 128 positions the two models differ.)"""
+    return "GptOssAttention has learned attention sinks, which no kernel here computes"
+
+
+SHARDING_GPT_OSS = SHARDING + (
+    (r"transformer_layer_\d+/sparse_moe_block/router/router_dense/kernel$", (F, None)),
+    # experts: gate / up interleaved [E, hidden, 2 x I] (+ bias [E, 2 x I]), down [E, I, hidden]
+    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj$", (None, F, T)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj_bias$", (None, T)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj$", (None, T, F)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj_bias$", (None, None)),
+)
+
+GPT_OSS = Family(
+    name="gpt_oss",
+    backbone="GptOssBackbone",
+    classes=("GptOssCausalLM", "GptOssCausalLMPreprocessor", "GptOssTokenizer"),
+    chat_format=Unsupported("the harmony format (TRL 1.16's gptoss.jinja: developer message, "
+                            "channels, to=functions.x calls) is not rendered yet"),
+    attention={"GptOssAttention": gpt_oss_attention},
+    sharding=SHARDING_GPT_OSS,
+    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    export=Unsupported("GPT-OSS has no verified Hugging Face export (KerasHub's windows differ "
+                       "from transformers', research P2); use --format keras"),
+    decoding=Unsupported("GPT-OSS's attention sinks are not in the KV-cache sampler's kernel"),
+    context_length=131_072,
+    hf_model_types=("gpt_oss",),  # KerasHub reads the published MXFP4 checkpoints only
+    short_names={"gpt_oss_20b": "gpt_oss_20b_en"},
+    tokenizer="bpe-gpt_oss",
+    presets={"gpt_oss_20b": Preset(dict(
+        vocabulary_size=201_088, num_layers=24, num_query_heads=64, num_key_value_heads=8,
+        hidden_dim=2880, intermediate_dim=2880, num_experts=32, top_k=4, head_dim=64,
+        sliding_window=128, rope_max_wavelength=150_000,
+        rope_scaling_factor=32.0,  # YaRN: the published config's rope_scaling (research P2c)
+        layer_norm_epsilon=1e-5), 200_019)},
+    tiny={"gpt_oss": dict(_TINY, intermediate_dim=16, head_dim=8, sliding_window=4)},
+    # top-k of the router's logits, softmax over the k; gpt-oss-20b's config.json:
+    # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
+    moe=MoE(_router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
+            lambda b: 0.9),
 )
