@@ -55,7 +55,9 @@ def test_the_aux_term_is_added_to_the_mean_and_logged():
         RouterOptions(router_aux_loss_coef=-1.0).check()
 
 
-MOE = [v for f in families.FAMILIES.values() if f.moe for v in f.tiny]
+# the tiny configurations with experts (Gemma 4's dense ones have none)
+MOE = [v for f in families.FAMILIES.values() if f.moe for v, kw in f.tiny.items()
+       if kw.get("num_experts")]
 
 
 @pytest.fixture(scope="module", params=MOE)
@@ -101,6 +103,18 @@ def test_the_capture_holds_every_layers_router_logits_inside_jit(moe, remat):
     assert logits.shape == (len(want), 18, want[0].shape[-1]) and float(mask.sum()) == 18
     for got, ref in zip(logits, want):
         np.testing.assert_allclose(got, ref.reshape(18, -1), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", MOE)
+def test_all_linear_lora_leaves_the_routers(variant):
+    bb = support.TINY_FAMILIES[variant]()
+    family = families.of(bb)
+    routers = [r.path for r in map(family.moe.router, model.decoder_blocks(bb)) if r is not None]
+    adapted = model.enable_lora(bb, 2, targets="all-linear")
+    assert routers and adapted and not set(routers) & set(adapted)
+    if isinstance(family.lora["mlp"], families.Unsupported):  # experts only, no MLP layers
+        with pytest.raises(errors.ConfigError, match="stacked weights"):
+            model.enable_lora(bb, 2, targets="mlp")
 
 
 def test_a_dense_model_captures_nothing(micro):

@@ -100,6 +100,7 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
     names = target_names(module, targets)
+    routers = _routers(module) if names is None else set()
     layers = [layer for layer in module._flatten_layers(include_self=False)]
     for layer in layers:
         layer.trainable = False
@@ -107,7 +108,7 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     for layer in layers:
         if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
             continue
-        if names is not None and layer.name not in names:
+        if (names is not None and layer.name not in names) or id(layer) in routers:
             continue
         layer.trainable = True
         if factor_dtype == "float32" and layer.variable_dtype != "float32":
@@ -123,6 +124,16 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
             f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
         )
     return adapted
+
+
+def _routers(module) -> set[int]:
+    """The ids of a mixture-of-experts backbone's router layers (its family's ``MoE.router``)."""
+    from nnx_posttrain.model.blocks import decoder_blocks
+
+    family = families.of(module)
+    if family is None or family.moe is None:
+        return set()
+    return {id(r) for r in (family.moe.router(b) for b in decoder_blocks(module)) if r is not None}
 
 
 def lora_delta(layer):

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nnx_posttrain import families
+from nnx_posttrain import errors, families
 from nnx_posttrain.model.blocks import SINKS, decoder_blocks, shadowed
 
 _ACTIVE: list = []  # the captures open now
@@ -65,15 +65,18 @@ def captured(module, coef: float | None = None):
     (``Capture``); ``coef`` None: the family's coefficient (``MoE.aux_coef``). A dense model: a
     capture of nothing."""
     family = families.of(module)
-    if family is None or family.moe is None:
+    routers = [] if family is None or family.moe is None else _routers(module)
+    if not routers:  # a dense model (Gemma 4's dense sizes share the family of 26B-A4B)
         yield _Dense()
         return
     if getattr(module, "_nnx_posttrain_remat", False) == "lazy_frozen":
-        raise NotImplementedError(
+        if coef == 0:  # off, and not logged: the lazily read blocks cannot hand logits out
+            yield _Dense()
+            return
+        raise errors.ConfigError(
             f"{family.name}: the router load-balancing loss is not computed with the lazily read "
             "frozen blocks of a bfloat16 model on CPU; use --dtype float32, or "
             "--algo.router-aux-loss-coef 0")
-    routers = _routers(module)
     capture = Capture(module, len(routers), family.moe.top_k(module),
                       family.moe.aux_coef(module) if coef is None else float(coef))
     _ACTIVE.append(capture)
