@@ -6,6 +6,8 @@ KerasHub's own layers are tests/test_attention.py and tests/test_dense.py (every
 configuration), export against transformers tests/test_hf_export.py, chat templates
 tests/test_chat.py."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -21,7 +23,8 @@ STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.
          "--eval.batches", "0"]
 # the micro preset of each family: a tiny variant (``Family.tiny``), shallower (fewer layers to
 # compile), with the synthetic tokenizer's size
-MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1)), "phi3": ("phi3", {})}
+MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1)), "phi3": ("phi3", {}),
+         "qwen3_moe": ("qwen3_moe", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(MICRO))
@@ -62,6 +65,32 @@ def test_dpo_steps_with_lora(preset, tmp_path):
               echo=_quiet)
     first = records(tmp_path)[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-3)  # policy = reference at step 1
+
+
+@pytest.mark.slow
+def test_grpo_steps_with_lora(preset, tmp_path):
+    """Rollouts through the KV-cache sampler, then the GRPO step; a family the sampler does not
+    drive is refused with the reason."""
+    import json
+
+    from nnx_posttrain import data
+
+    family, path = preset
+    src = data.source("builtin", "train", builtin="prompt_only")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({k: v for k, v in src[i].items()
+                                           if not k.startswith("_")}) + "\n" for i in range(8)))
+    args = ["grpo", "--model", path, *STEPS, *LORA, "--init-from", "", "--data", prompts,
+            "--batching.batch-size", "4", "--algo.num-generations", "2",
+            "--algo.max-completion-length", "4", "--algo.rewards", "exact_match",
+            "--run-dir", tmp_path / "run"]
+    if not family.decoding:
+        with pytest.raises(NotImplementedError, match=re.escape(family.decoding.reason)):
+            train_run(*args, echo=_quiet)
+        return
+    train_run(*args, echo=_quiet)
+    rows = records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
 
 
 def test_int8_keeps_the_layers_the_family_reads_as_arrays(preset, monkeypatch):
