@@ -63,13 +63,14 @@ BACKBONES = {
                                      intermediate_dim=64, tie_word_embeddings=False),
 }
 # the newer families: their tests' tiny configurations (``families``), with this vocabulary
-NEWER = {"gemma4": "gemma4", "gemma4_kv": "gemma4"}
+NEWER = {"gemma4": "gemma4", "gemma4_kv": "gemma4", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 BACKBONES.update({variant: (lambda f=family, v=variant: getattr(M, families.FAMILIES[f].backbone)(
     **dict(families.FAMILIES[f].tiny[v], vocabulary_size=V))) for variant, family in NEWER.items()})
 MODEL_TYPE = {"gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
               "gemma3": "gemma3_text", "llama3": "llama", "llama3.1_tied": "llama",
               "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3",
-              "gemma4": "gemma4_text", "gemma4_kv": "gemma4_text"}
+              "gemma4": "gemma4_text", "gemma4_kv": "gemma4_text", "qwen3_moe": "qwen3_moe",
+              "mixtral": "mixtral"}
 
 
 def randomized(backbone, seed=0):

@@ -47,9 +47,14 @@ def _match(rules, path: str):
 
 
 def to_matrix(array: np.ndarray, layout) -> np.ndarray:
-    """A Keras kernel in HF's layout: (outputs, inputs) flattened to [out, in]."""
+    """A Keras kernel in HF's layout: (outputs, inputs) flattened to [out, in]. ``("expert", e,
+    lo, hi)``: expert ``e`` of stacked experts [E, in, out], its outputs ``lo:hi``, as [out, in]
+    (one HF tensor per expert: the per-expert names transformers writes)."""
     if layout is None:
         return array
+    if isinstance(layout, tuple) and layout[0] == "expert":
+        _, e, lo, hi = layout
+        return np.ascontiguousarray(array[e][:, lo:hi].T)
     if layout == "flat":
         return array.reshape(-1)
     out_axes, in_axes = layout
@@ -58,19 +63,28 @@ def to_matrix(array: np.ndarray, layout) -> np.ndarray:
                      math.prod(array.shape[a] for a in in_axes))
 
 
+def _expert_hits(rules, path: str) -> list:
+    """The (name, layout) of every per-expert rule matching ``path`` (stacked experts: one HF
+    tensor per expert and part), or [] when another rule, or none, matches it."""
+    hits = [(rx.match(path), name, layout) for rx, name, layout in rules]
+    hits = [(name.format(*m.groups()), layout) for m, name, layout in hits if m]
+    experts = all(isinstance(layout, tuple) and layout[0] == "expert" for _, layout in hits)
+    return hits if hits and experts else []
+
+
 def weight_map(backbone) -> dict[str, tuple]:
     """{HF tensor name: (Keras variable, layout)} of every variable; an unmatched variable (a
     LoRA factor not merged, an unknown layer) stops the export by name."""
     rules, out, unmatched = _rules(backbone), {}, []
     for v in backbone.weights:
-        hit = _match(rules, v.path)
-        if hit is None:
+        hits = _expert_hits(rules, v.path) or [_match(rules, v.path)]
+        if hits == [None]:
             unmatched.append(v.path)
             continue
-        name, layout = hit
-        if name in out:
-            raise ExportError(f"--format hf: two variables map to {name}")
-        out[name] = (v, layout)
+        for name, layout in hits:
+            if name in out:
+                raise ExportError(f"--format hf: two variables map to {name}")
+            out[name] = (v, layout)
     if unmatched:
         raise ExportError(f"--format hf: {len(unmatched)} variable(s) of {type(backbone).__name__} "
                           f"have no verified Hugging Face name, e.g. {unmatched[:3]}")

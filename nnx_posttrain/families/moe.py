@@ -14,8 +14,9 @@ float.
 
 from __future__ import annotations
 
-from nnx_posttrain.families.base import Decoding, Family, MoE, Preset, Unsupported
-from nnx_posttrain.families.llama import LORA, SHARDING, llama_like
+from nnx_posttrain.families.base import Decoding, Export, Family, MoE, Preset, Unsupported, refuse
+from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
+from nnx_posttrain.families.qwen import chatml_tokenizer
 
 F, T = "fsdp", "tensor"
 
@@ -39,6 +40,80 @@ SHARDING_MOE = SHARDING + (
     (rf"{_MOE}/experts/expert_feedforward_(gate|intermediate)_dense$", (None, F, T)),
     (rf"{_MOE}/experts/expert_feedforward_output_dense$", (None, T, F)),
 )
+# ----------------------------------------------------------------------------- Hugging Face export
+# transformers 5.24 writes (and reads) one tensor per expert: Qwen3-MoE's
+# ``mlp.experts.{e}.{gate,up,down}_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1 / w3 / w2``
+_BLOCK = r"transformer_layer_(\d+)/\w+_sparse_moe_block(?:_\d+)?"
+
+
+def _expert_rules(b, prefix: str, parts: dict) -> list:
+    """Per expert and part: (regex of the stacked variable, HF name, ("expert", e, lo, hi))."""
+    out = []
+    for variable, pieces in parts.items():
+        for e in range(b.num_experts):
+            out += [(rf"{_BLOCK}/experts/{variable}", f"model.layers.{{}}.{prefix}.{e}.{name}.weight",
+                     ("expert", e, lo, hi)) for name, lo, hi in pieces]
+    return out
+
+
+def qwen3_moe_rules(b) -> list:
+    i = b.moe_intermediate_dim
+    return LLAMA_RULES + [
+        (rf"{_BLOCK}/sparse_feedforward_gate_dense/kernel", "model.layers.{}.mlp.gate.weight",
+         ((1,), (0,))),
+    ] + _expert_rules(b, "mlp.experts", {  # gate | up halves of one stacked kernel
+        "expert_feedforward_gate_dense": [("gate_proj", 0, i), ("up_proj", i, 2 * i)],
+        "expert_feedforward_output_dense": [("down_proj", 0, b.hidden_dim)]})
+
+
+def mixtral_rules(b) -> list:
+    i = b.intermediate_dim
+    return LLAMA_RULES + [
+        (rf"{_BLOCK}/sparse_feedforward_gate_dense/kernel",
+         "model.layers.{}.block_sparse_moe.gate.weight", ((1,), (0,))),
+    ] + _expert_rules(b, "block_sparse_moe.experts", {
+        "expert_feedforward_gate_dense": [("w1", 0, i)],
+        "expert_feedforward_intermediate_dense": [("w3", 0, i)],
+        "expert_feedforward_output_dense": [("w2", 0, b.hidden_dim)]})
+
+
+def _common(b) -> dict:
+    return dict(vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim,
+                num_hidden_layers=b.num_layers, num_attention_heads=b.num_query_heads,
+                num_key_value_heads=b.num_key_value_heads, rms_norm_eps=b.layer_norm_epsilon,
+                rope_theta=b.rope_max_wavelength, hidden_act="silu", attention_dropout=0.0,
+                num_experts_per_tok=b.top_k)
+
+
+def qwen3_moe_config(b) -> dict:
+    """``qwen3_moe``, with the expert count under both keys: ``num_experts`` (the published
+    configs', which KerasHub's converter reads) and ``num_local_experts`` (transformers 5.24's)."""
+    refuse("Qwen3MoeBackbone", [p for p, bad in (
+        (f"rope_scaling_factor={b.rope_scaling_factor}", b.rope_scaling_factor != 1.0),
+        ("dense MLP layers (mlp_only_layers, decoder_sparse_step)",
+         list(b.mlp_only_layers or []) or b.decoder_sparse_step != 1),
+        (f"sliding_window_size={b.sliding_window_size} (none on JAX, as transformers')",
+         b.sliding_window_size and b.sliding_window_size < 32768),
+    ) if bad])
+    return dict(_common(b), architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                head_dim=b.head_dim, intermediate_size=b.intermediate_dim,
+                moe_intermediate_size=b.moe_intermediate_dim, num_experts=b.num_experts,
+                num_local_experts=b.num_experts, norm_topk_prob=b.norm_top_k_prob,
+                decoder_sparse_step=1, mlp_only_layers=[],
+                router_aux_loss_coef=b.router_aux_loss_coefficient, output_router_logits=False,
+                use_sliding_window=False, sliding_window=None, attention_bias=False,
+                max_position_embeddings=40_960, tie_word_embeddings=b.tie_word_embeddings)
+
+
+def mixtral_config(b) -> dict:
+    return dict(_common(b), architectures=["MixtralForCausalLM"], model_type="mixtral",
+                intermediate_size=b.intermediate_dim, num_local_experts=b.num_experts,
+                head_dim=b.hidden_dim // b.num_query_heads, sliding_window=b.sliding_window,
+                router_aux_loss_coef=b.router_aux_loss_coef, output_router_logits=False,
+                router_jitter_noise=0.0, max_position_embeddings=32_768,
+                tie_word_embeddings=False)
+
+
 _EXPERT_LORA = Unsupported("the experts are stacked weights, not layers: --lora.targets mlp "
                            "(per-expert adapters) is not implemented; use attention")
 
@@ -71,8 +146,9 @@ QWEN3_MOE = Family(
     attention={"Qwen3MoeAttention": qwen3_moe_attention},
     sharding=SHARDING_MOE,
     lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
-    export=Unsupported("Qwen3-MoE has no verified Hugging Face export yet (transformers' per-"
-                       "expert names); use --format keras"),
+    export=Export(qwen3_moe_rules, qwen3_moe_config,
+                  "`qwen3_moe` (every layer sparse, no window), one tensor per expert",
+                  tokenizer=chatml_tokenizer),
     decoding=_DECODING,
     context_length=40_960,  # 30B-A3B (131,072 with YaRN)
     hf_model_types=("qwen3_moe",),
@@ -98,8 +174,8 @@ MIXTRAL = Family(
     attention={"CachedMixtralAttention": mixtral_attention},
     sharding=SHARDING_MOE,
     lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
-    export=Unsupported("Mixtral has no verified Hugging Face export yet (transformers' per-"
-                       "expert w1 / w2 / w3 names); use --format keras"),
+    export=Export(mixtral_rules, mixtral_config,
+                  "`mixtral` (its sliding window too), one tensor per expert (w1 / w3 / w2)"),
     decoding=_DECODING,
     context_length=32_768,
     hf_model_types=("mixtral",),
