@@ -176,5 +176,7 @@ GEMMA4 = Family(
     # leaves the loss off: coefficient 0, aux_loss and tokens per expert still logged
     moe=MoE(lambda block: getattr(getattr(block, "moe_router", None), "proj", None),
             lambda b: int(b.num_experts_per_token), lambda b: 0.0),
-    quantize_skip=("ffw_gating", "ffw_gating_2", "ffw_linear"),
+    # the MLP the blocks read as arrays; 26B-A4B's router (``moe_router/proj``): int8 would flip
+    # which experts a token goes to
+    quantize_skip=("ffw_gating", "ffw_gating_2", "ffw_linear", "proj"),
 )

@@ -135,6 +135,9 @@ def _router(attribute: str):
 
 
 _DECODING = Decoding("self_attention_cache", "self_attention_cache_update_index")
+# int8 leaves the routers (a [hidden, experts] matrix each): rounding them flips which experts a
+# token goes to (bitsandbytes users skip the "gate" likewise)
+_ROUTER_SKIP = ("sparse_feedforward_gate_dense",)
 _TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
              hidden_dim=32, num_experts=4, top_k=2)
 
@@ -162,6 +165,7 @@ QWEN3_MOE = Family(
         tie_word_embeddings=False), 151_669)},
     tiny={"qwen3_moe": dict(_TINY, intermediate_dim=64, moe_intermediate_dim=16, head_dim=8,
                             norm_top_k_prob=True)},
+    quantize_skip=_ROUTER_SKIP,
     moe=MoE(_router("mlp"), lambda b: int(b.top_k),
             lambda b: float(b.router_aux_loss_coefficient)),  # 0.001 (30B-A3B's config)
 )
@@ -187,6 +191,7 @@ MIXTRAL = Family(
         rope_max_wavelength=1e6, layer_norm_epsilon=1e-5,
         sliding_window=None), 32_000)},  # KerasHub's default window is 512: 8x7B has none
     tiny={"mixtral": dict(_TINY, intermediate_dim=16, sliding_window=8)},
+    quantize_skip=_ROUTER_SKIP,
     moe=MoE(_router("_sparse_moe_block"), lambda b: int(b.top_k),
             lambda b: float(b.router_aux_loss_coef)),  # 0.02 (8x7B's config)
 )
@@ -234,6 +239,7 @@ GPT_OSS = Family(
     tiny={"gpt_oss": dict(_TINY, intermediate_dim=16, head_dim=8, sliding_window=4)},
     # top-k of the router's logits, softmax over the k; gpt-oss-20b's config.json:
     # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
+    quantize_skip=("router_dense",),
     moe=MoE(_router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
             lambda b: 0.9),
 )
