@@ -4,8 +4,8 @@ default GRPO run (runs/grpo) teaches the default SFT run (runs/sft) on its own s
     python -m experiments.distill                     # built-in default, after experiments.sft and experiments.grpo
     python -m experiments.distill --algo.teacher TEACHER --model STUDENT --data prompts.jsonl
 
-Defaults: ``distill``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/distill.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``distill``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/distill.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

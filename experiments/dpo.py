@@ -6,8 +6,8 @@ preference pairs (chosen = the correct sum, rejected = a plausible wrong one).
     python -m experiments.dpo --algo.loss-type ipo --algo.beta 0.5
     python -m experiments.dpo --model gemma_2b --data pairs.jsonl --lora.rank 8
 
-Defaults: ``dpo``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/dpo.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``dpo``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/dpo.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

@@ -8,8 +8,8 @@ prompts with the exact-match reward (1 when the answer is the correct sum).
     python -m experiments.grpo --model gemma_2b --data prompts.jsonl --lora.rank 8 \
         --algo.rewards my_rewards:correctness,format --algo.reward-weights 1,0.2
 
-Defaults: ``grpo``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/grpo.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``grpo``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/grpo.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

@@ -3,8 +3,8 @@
 With no arguments: starts from the default SFT run (runs/sft) on the built-in task's unpaired
 examples (half labelled desirable with the correct sum, half undesirable with a wrong one).
 
-Defaults: ``kto``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/kto.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``kto``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/kto.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

@@ -3,8 +3,8 @@
 With no arguments: starts from the default SFT run (runs/sft) on the built-in task's prompts with
 the exact-match reward.
 
-Defaults: ``online_dpo``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/online_dpo.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``online_dpo``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/online_dpo.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

@@ -2,8 +2,8 @@
 
 With no arguments: starts from the default SFT run (runs/sft) on the built-in preference pairs.
 
-Defaults: ``orpo``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/orpo.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``orpo``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/orpo.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

@@ -3,8 +3,8 @@
 With no arguments: starts from the default SFT run (runs/sft) on the built-in preference pairs;
 the eval metric `accuracy` is how often the correct answer gets the higher reward.
 
-Defaults: ``reward``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/reward.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``reward``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/reward.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

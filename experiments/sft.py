@@ -3,8 +3,8 @@
     python -m experiments.sft                         # built-in default, offline, a few minutes on CPU
     python -m experiments.sft --model gemma_2b --data chats.jsonl --lora.rank 8
 
-Defaults: ``sft``'s ``defaults`` in ``nnx_posttrain.algorithms`` (a user's data) and
-``nnx_posttrain/tasks/recipes/sft.yaml`` (the built-in task's, ``--data builtin``).
+Defaults (``nnx_posttrain.api.ORDER``): ``nnx_posttrain/config.py``, ``sft``'s ``defaults``
+over it (a user's data), then ``nnx_posttrain/tasks/recipes/sft.yaml`` (``--data builtin``).
 """
 
 from nnx_posttrain.cli import experiment

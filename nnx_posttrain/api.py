@@ -11,23 +11,32 @@ command line (``nnx_posttrain.cli``) is one of its users.
     except npt.UserError as exc:                 # a DataError here: the file is named
         print(exc)
 
-Defaults come from one place per algorithm: the common ``Config``, then the algorithm's
-``defaults`` for a user's data (TRL's), then, when the data is the built-in task's, its recipe
-file (``nnx_posttrain/tasks/recipes/<algorithm>.yaml``), then a config file, then the settings
-given (keywords here, flags on the command line).
+A run's settings resolve in one order, each layer over the ones before it (``ORDER``; the
+command line's ``--help`` says it, the run's ``config.json`` records it as ``resolved_from``):
+
+1. the algorithm's defaults for a user's data: the fields of ``config.Config`` and of the
+   algorithm's settings, with the algorithm's ``defaults`` over them (TRL's conventions);
+2. the built-in task's recipe (``nnx_posttrain/tasks/recipes/<algorithm>.yaml``) when the data is
+   ``builtin`` (the default);
+3. a config file (``config=`` here, ``--config FILE`` on the command line);
+4. the settings given: keywords here, then flags (``args``; the command line passes its own).
+
+The command line (``nnx_posttrain.cli.train_command``) is ``configure(name, args=argv)``: one
+function detects the data, applies the layers and validates, for both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from nnx_posttrain import config as config_lib
 from nnx_posttrain import config_files, errors
 
 BUILTIN = "builtin"
+ORDER = config_lib.ORDER
 
 
 def algorithm_class(algorithm) -> type:
@@ -52,18 +61,9 @@ def _shown(value) -> str:
 
 
 def config_type(algorithm) -> type:
-    """``Config`` with ``algo`` typed as the algorithm's settings (the command line lists them);
-    one type per algorithm (a name or the class)."""
-    return _config_type(algorithm_class(algorithm))
-
-
-@functools.cache
-def _config_type(algorithm: type) -> type:
-    return dataclasses.make_dataclass(
-        f"{algorithm.name.upper()}RunConfig",
-        [("algo", algorithm.Config, dataclasses.field(default_factory=algorithm.Config))],
-        bases=(config_lib.Config,),
-    )
+    """The run config class of ``algorithm`` (a name or the class): ``Config`` with ``algo``
+    typed as the algorithm's settings (``SFTRunConfig``, ...; the algorithm's ``RunConfig``)."""
+    return algorithm_class(algorithm).RunConfig
 
 
 def defaults(algorithm, data: str = BUILTIN) -> config_lib.Config:
@@ -115,29 +115,102 @@ def _spelling(key: str, path: str) -> str:
     return f"'{key}'" if key == path else f"'{path[len(key) + 1:]}' inside {key}={{...}}"
 
 
-def configure(algorithm, config: str | Path | None = None, **settings) -> config_lib.Config:
-    """A validated run config of ``algorithm`` (a name or a class): its ``defaults`` for the
-    run's data, then the YAML / JSON file ``config`` (as ``--config``), then ``settings``,
-    nested by group as dicts or dotted (``optim={"learning_rate": 1e-3}`` or
-    ``**{"optim.learning_rate": 1e-3}``; the algorithm's own under ``algo``). An unknown name,
-    a value of the wrong type or a setting given twice raises ``ConfigError`` naming it. The
-    algorithm's settings are checked once all of them are applied (``Config.validate``)."""
-    from nnx_posttrain.losses.common import unchecked_options
-
+def configure(algorithm, config: str | Path | None = None, *, args: Sequence[str] | None = None,
+              prog: str | None = None, **settings) -> config_lib.Config:
+    """A validated run config of ``algorithm`` (a name or a class), its layers in ``ORDER``: its
+    ``defaults`` for the run's data (the built-in task's recipe over them when the data is
+    'builtin'), then the YAML / JSON file ``config``, then ``settings``, nested by group as dicts
+    or dotted (``optim={"learning_rate": 1e-3}`` or ``**{"optim.learning_rate": 1e-3}``; the
+    algorithm's own under ``algo``), then the command-line flags ``args`` (``["--steps", "5"]``,
+    ``--config FILE`` among them; parsed by tyro over the same dataclasses, ``prog`` naming the
+    command in its usage). The data (which decides the recipe) is ``--data``, else ``data=``,
+    else the file's, else the built-in task's. An unknown name, a value of the wrong type or a
+    setting given twice raises ``ConfigError`` naming it (a flag: ``SystemExit`` with the usage,
+    as any command line; ``--help`` too). Every setting is checked once all are applied
+    (``Config.validate``)."""
     if config is not None and not isinstance(config, (str, Path)):
         raise errors.ConfigError(f"configure(config=...): the path of a YAML or JSON file, got "
                                  f"{_shown(config)}")
-    algorithm_class(algorithm)  # a wrong type, before any file is read
+    cls = algorithm_class(algorithm)  # a wrong type, before any file is read
     settings = _nested(settings)
-    data = settings.get("data")
-    if data is None and config is not None:
-        data = config_files.read(config).get("data")
-    with unchecked_options():  # a file's values, then the settings: checked when all are in
-        cfg = defaults(algorithm, BUILTIN if data is None else data)
+    config, args = _config_arg(config, args)
+    data = _data_of(settings, args, config)
+    return layered(defaults(cls, data), config, settings, args, help_text(cls, data), prog)
+
+
+def layered(base: config_lib.Config, config=None, settings: dict | None = None,
+            args: Sequence[str] | None = None, description: str | None = None,
+            prog: str | None = None) -> config_lib.Config:
+    """``base`` (layers 1-2 of ``ORDER``) with the file ``config``, the nested ``settings`` and
+    the flags ``args`` applied in that order, validated once all are in."""
+    from nnx_posttrain.losses.common import unchecked_options
+
+    with unchecked_options():  # each layer's values: checked when all are in
+        cfg = base
         if config is not None:
             cfg = dataclasses.replace(config_files.apply(cfg, config), config=str(config))
-        cfg = config_files.merge(cfg, settings, "configure()")
+        if settings:
+            cfg = config_files.merge(cfg, settings, "configure()")
+        if args is not None:
+            import tyro
+
+            cfg = tyro.cli(type(cfg), default=cfg, args=list(args), description=description,
+                           prog=prog)
     return cfg.validate()
+
+
+def _config_arg(config, args):
+    """(the config file: ``config`` or ``--config FILE`` in ``args``, the other flags)."""
+    if args is None:
+        return config, None
+    if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
+        raise errors.ConfigError(f"configure(args=...): the command line's flags as a list of "
+                                 f"strings (['--steps', '5']), got {_shown(args)}")
+    path, rest = config_files.split_arg(list(args))
+    if path is not None and config is not None:
+        raise errors.ConfigError(f"a config file is given twice ({config} and --config {path}); "
+                                 "one file holds a run's settings")
+    return (config if path is None else path), rest
+
+
+def _data_of(settings: dict, args, config) -> str:
+    """The run's data, which decides its defaults: ``--data``, ``data=``, the file's, builtin."""
+    data = flag_value(args or [], "--data")
+    if data is None:
+        data = settings.get("data")
+    if data is None and config is not None:
+        data = config_files.read(config).get("data")
+    return BUILTIN if data is None else data
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value given to ``flag`` (``--flag VALUE`` or ``--flag=VALUE``; the last one wins, as
+    in the parse), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def help_text(algorithm, data: str = BUILTIN) -> str:
+    """What ``--help`` says above the options: the algorithm in a line, the order its defaults
+    resolve in, and which layers the shown defaults include."""
+    cls = algorithm_class(algorithm)
+    from nnx_posttrain.algorithms import registry
+
+    order = "\n".join(f"  {i}. {layer}" for i, layer in enumerate(ORDER, 1))
+    if data == BUILTIN:
+        shown = (f"The defaults below include the built-in task's recipe (--data builtin, "
+                 f"nnx_posttrain/tasks/recipes/{cls.name}.yaml); `--data FILE --help` lists "
+                 "those of a run on your own data.")
+    else:
+        shown = ("The defaults below are those of a run on your own data (TRL's); without "
+                 "--data, the built-in task's recipe applies.")
+    return (f"{registry.summary(cls)}\n\nSettings resolve in this order, each over the ones "
+            f"before it (recorded in the run's config.json as resolved_from):\n{order}\n\n{shown}")
 
 
 def build(cfg: config_lib.Config):

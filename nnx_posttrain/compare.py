@@ -226,10 +226,12 @@ def win_rate_table(runs: list[Run]) -> str:
                       "wins / losses / ties |", "|---|---|---|---|---|", *lines])
 
 
-def config_diff(runs: list[Run], ignore=("run_dir", "resume_changed")) -> dict[str, list]:
+def config_diff(runs: list[Run], ignore=("run_dir", "resume_changed", "resolved_from")
+                ) -> dict[str, list]:
     """{dotted key: [value per run]} for the keys whose values differ (a key a run lacks counts as
     different and shows as '-'). Left out: where a run writes (``run_dir``), what a resume of it
-    was allowed to change (``resume_changed``), and an empty group (SFT's ``algo: {}``) whose keys
+    was allowed to change (``resume_changed``), the layers its values came from
+    (``resolved_from``: the data and the config file, which are listed), and an empty group (SFT's ``algo: {}``) whose keys
     other runs have (they are listed one by one)."""
     keys: dict[str, None] = {}
     for r in runs:

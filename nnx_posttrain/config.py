@@ -1,5 +1,12 @@
-"""Typed run configuration: the settings every run has (``Config``), with the algorithm's own
-under ``algo`` (``nnx_posttrain.api.config_type``), and their validation.
+"""Typed run configuration: the settings every run has (``Config``), and their validation. Each
+algorithm's run config derives from it with ``algo`` typed as the algorithm's own settings
+(``algorithms.sft.SFTRunConfig``: the algorithm's ``RunConfig``, ``api.config_type(name)``).
+
+Each field's default here is the one of a run on a user's data (TRL's conventions: sequences of
+1,024 tokens, 16 examples per step in micro-batches of 4, warm-up over 10% of the steps, gradient
+checkpointing): the first layer of ``ORDER``, written once. An algorithm's ``defaults`` hold only
+what differs for it (its trainer's learning rate; the online methods' batches), the built-in
+task's recipes what its tiny model needs.
 
 The command line (``nnx_posttrain.cli``, through ``tyro``) makes every field an option
 (``--steps 200``, ``--optim.learning-rate 3e-4``, ``--lora.rank 8``) with the field's docstring
@@ -14,7 +21,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from nnx_posttrain import errors
 
@@ -37,7 +44,7 @@ class OptimConfig:
     """Decay after warm-up, down to min_lr_ratio * learning_rate at the last step."""
     warmup_steps: int | None = None
     """Linear warm-up steps from 0 to the peak learning rate; when given (0 included) it wins over --optim.warmup-ratio."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.1
     """Linear warm-up over this fraction of --steps (TRL's warmup_ratio), rounded up; used when --optim.warmup-steps is not given."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
@@ -60,12 +67,15 @@ class OptimConfig:
 
 
 @dataclasses.dataclass
-class DataConfig:
-    max_length: int = 64
+class BatchingConfig:
+    """How records become batches (``cfg.batching``, ``--batching.*``): sequence length, batch
+    size, accumulation, truncation, packing, order. The data itself is ``cfg.data``."""
+
+    max_length: int = 1024
     """Every sequence is padded or truncated to this many tokens (one compiled shape)."""
     batch_size: int = 16
     """Examples per optimizer step (global, over all devices and accumulation steps)."""
-    grad_accum: int = 1
+    grad_accum: int = 4
     """Split each batch into this many micro-batches; the update equals the one large batch."""
     truncation: Literal["keep_start", "keep_end"] = "keep_start"
     """Which end of an over-long sequence to keep."""
@@ -86,13 +96,13 @@ class DataConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    every: int = 100
+    every: int = 200
     """Evaluate every this many steps (and at the end); 0 evaluates only at the end."""
     batches: int = 8
     """Held-out batches used for the eval loss; 0 uses the whole eval split."""
     exact_match: int = 200
     """Held-out prompts answered greedily for eval exact-match accuracy; 0 disables it."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = 64
     """Generation budget of an exact-match answer."""
 
 
@@ -171,7 +181,7 @@ class Config:
     """Chat template of conversational data: default the model family's (gemma, llama3, llama3.1, qwen2.5, qwen3, mistral); another family needs one named here (e.g. chatml)."""
     run_dir: str = ""
     """Run directory; default runs/<experiment>."""
-    steps: int = 600
+    steps: int = 1000
     """Optimizer steps."""
     seed: int = 0
     """Seed of everything random in a run: weight initialisation (built-in models), LoRA and scalar-head init, data order, rollout sampling. The same seed gives the same run."""
@@ -195,7 +205,7 @@ class Config:
     """Where metrics go, comma-separated: tensorboard (runs/<name>/tb), jsonl (metrics.jsonl, completions.jsonl), wandb (Weights & Biases: WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline), or none."""
     config: str | None = None
     """YAML or JSON file of option values (experiments/configs/*.yaml, or a run's config.json); options on the command line override it."""
-    remat: Literal["none", "blocks"] = "none"
+    remat: Literal["none", "blocks"] = "blocks"
     """Rematerialisation: 'blocks' recomputes each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
     host_allocator: Literal["auto", "heap", "default"] = "auto"
     """On CPU, glibc's allocator for XLA's step buffers: 'heap' serves every block from the heap and keeps its freed pages between steps (no page faults per step); 'auto' does that for models whose steps have no block of 32 MB (the built-in tiny ones); 'default' leaves glibc's settings. A GLIBC_TUNABLES set by the user wins."""
@@ -205,12 +215,13 @@ class Config:
     """Attention kernel of the training forward: auto = splash on TPU, cuDNN on GPU, the exact XLA formulation otherwise; keras = KerasHub's own. A kernel that cannot do a layer's feature falls back to keras; the run prints the path it took."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    batching: DataConfig = dataclasses.field(default_factory=DataConfig)
+    batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    algo: Any = None
-    """Algorithm settings (a dataclass per algorithm)."""
+    algo: None = None
+    """The algorithm's settings: none here; each algorithm's run config types it by the algorithm
+    (``SFTRunConfig.algo: SFTConfig``, ``api.config_type(name)``)."""
 
     def validate(self) -> "Config":
         """Every problem of the settings at once, the algorithm's (``algo.problems()``, its loss
@@ -244,7 +255,7 @@ class Config:
         return self
 
 
-def _batching_problems(b: DataConfig) -> list[str]:
+def _batching_problems(b: BatchingConfig) -> list[str]:
     out = []
     if b.batch_size <= 0 or b.grad_accum <= 0 or b.batch_size % b.grad_accum:
         out.append(f"--batching.batch-size ({b.batch_size}) must be a positive multiple of "
@@ -290,6 +301,29 @@ def _range_problems(cfg: Config) -> list[str]:
     return out
 
 
+ORDER = (
+    "the algorithm's defaults for a user's data (TRL's: nnx_posttrain/config.py's, with the "
+    "algorithm's `defaults` over them)",
+    "the built-in task's recipe, when --data is builtin (the default)",
+    "the --config file (YAML or JSON)",
+    "the settings given: keywords of nnx_posttrain.configure, then flags",
+)
+"""How a run's settings resolve, first to last (``nnx_posttrain.api.configure``)."""
+
+
+def resolved_from(cfg: Config) -> list[str]:
+    """The layers of ``ORDER`` this config's values came from, first to last, as ``config.json``
+    records them."""
+    algorithm = "the algorithm" if cfg.algo is None else type(cfg.algo).__name__.removesuffix(
+        "Config") + "'s"
+    out = [f"{algorithm} defaults for a user's data"]
+    if cfg.data == "builtin":
+        out.append("the built-in task's recipe (nnx_posttrain/tasks/recipes/)")
+    if cfg.config:
+        out.append(f"the config file {cfg.config}")
+    return out + ["the settings given (keywords, flags)"]
+
+
 REPORT_TO = ("tensorboard", "jsonl", "wandb", "none")
 
 
@@ -316,6 +350,7 @@ def _floats(cfg, prefix="--"):
 def to_dict(cfg: Config) -> dict:
     out = dataclasses.asdict(cfg)
     out["algo_name"] = type(cfg.algo).__name__ if cfg.algo is not None else None
+    out["resolved_from"] = resolved_from(cfg)
     return out
 
 
@@ -333,3 +368,13 @@ def save(cfg: Config, path: Path) -> dict:
 def saved(cfg: Config) -> dict:
     """What ``save`` writes, as JSON reads it back."""
     return json.loads(json.dumps(to_dict(dataclasses.replace(cfg, resume=False))))
+
+
+def __getattr__(name):  # old names, kept importable with a deprecation message
+    if name == "DataConfig":
+        import warnings
+
+        warnings.warn("nnx_posttrain.config.DataConfig is now BatchingConfig (cfg.batching); "
+                      "the old name will be removed", DeprecationWarning, stacklevel=2)
+        return BatchingConfig
+    raise AttributeError(f"module 'nnx_posttrain.config' has no attribute {name!r}")

@@ -10,7 +10,7 @@ A file is a mapping with the same names as the options, nested by group (``-`` o
     lora: {rank: 8}
 
 A run's own ``config.json`` is a valid config file (``python -m experiments.simpo --config
-runs/x/config.json --seed 2`` repeats a run): its bookkeeping keys (``algo_name``, see
+runs/x/config.json --seed 2`` repeats a run): its bookkeeping keys (``algo_name``, ``resolved_from``, see
 ``IGNORED``) are checked or skipped. An unknown key, a key given twice or a value of the wrong type
 is an error that names the file, the line (YAML; JSON for a key given twice), the key and the
 expected type.
@@ -30,8 +30,9 @@ from nnx_posttrain import errors
 
 # Keys a run's config.json carries besides the options: not options, never applied.
 # ``algo_name`` is checked against the experiment's algorithm; ``config`` (the file a run was
-# configured from) is not followed.
-IGNORED = ("algo_name", "config")
+# configured from) is not followed; ``resolved_from`` (the layers the run's values came from) is
+# a record.
+IGNORED = ("algo_name", "config", "resolved_from")
 
 
 class ConfigFileError(errors.ConfigError):

@@ -47,7 +47,10 @@ nnx_posttrain.tasks.register()  # the built-in models and data, as the training 
 
 def pytest_collection_modifyitems(config, items):
     """The TPU tier (tests/test_tpu.py) runs only when selected, ``python -m pytest -m tpu``:
-    deselected otherwise (CI and the README's command run on CPUs)."""
+    deselected otherwise (CI and the README's command run on CPUs). The slow tests run first
+    (a stable sort): with ``--dist worksteal`` (pyproject's addopts) the workers then end on
+    short tests, the one that finishes first taking the other's, not on a minute-long one."""
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if "tpu" in (config.option.markexpr or "").replace("not tpu", ""):
         return
     chip = [item for item in items if "tpu" in item.keywords]

@@ -151,6 +151,29 @@ def test_only_the_command_line_ends_the_process():
     assert not found, found
 
 
+def test_tools_use_the_librarys_public_names():
+    """A tool (benchmarks, results scripts) imports no private name of the library: what a tool
+    needs is public, so that it does not break silently when the library's insides change."""
+    private = []
+    for path in sorted((PACKAGE.parent / "tools").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        ours = set()  # the names a tool binds to the library's modules and objects
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nnx_posttrain"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+                ours |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                ours |= {(a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.startswith("nnx_posttrain")}
+        private += [f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}"
+                    for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in ours and node.attr.startswith("_")
+                    and not node.attr.startswith("__")]
+    assert not private, private
+
+
 MAX_LINES, MAX_PARAMETERS = 60, 6
 
 

@@ -33,12 +33,27 @@ def test_config_type_is_cached_and_carries_algo_settings():
     assert isinstance(cls().algo, SFTConfig)
 
 
+def test_every_algorithm_has_a_run_config_typed_by_its_settings():
+    """``Config.algo`` is typed by algorithm: a class written in the algorithm's module (no
+    dataclass made at run time), whose ``algo`` field is the algorithm's ``Config``."""
+    import typing
+
+    from nnx_posttrain import algorithms
+
+    for cls in algorithms.ALGORITHMS.values():
+        run_config = cls.RunConfig
+        assert issubclass(run_config, config.Config)
+        assert run_config.__module__ == cls.__module__, cls.name
+        assert typing.get_type_hints(run_config)["algo"] is cls.Config, cls.name
+        assert type(run_config().algo) is cls.Config
+
+
 def test_config_for_overrides_only_named_fields(default):
     assert default.steps == 7
     assert default.optim.learning_rate == 0.01 and default.optim.warmup_steps == 3
     base = config.OptimConfig()
     assert default.optim.schedule == base.schedule and default.optim.b2 == base.b2
-    assert default.batching == config.DataConfig()
+    assert default.batching == config.BatchingConfig()
     # a fresh default is not affected by another experiment's overrides
     assert bare_config(SFT).optim.learning_rate == config.OptimConfig().learning_rate
 
@@ -194,3 +209,10 @@ def test_sft_help_lists_common_options_with_defaults(capsys, monkeypatch):
         m = re.search(r"\(default: (.*?)\)", options[option])
         assert m, f"no default shown for {option}: {options[option]!r}"
         assert m.group(1) == value, (option, options[option])
+
+
+def test_the_old_name_of_the_batching_settings_still_imports_with_a_deprecation():
+    with pytest.warns(DeprecationWarning, match="DataConfig is now BatchingConfig"):
+        from nnx_posttrain.config import DataConfig
+    assert DataConfig is config.BatchingConfig
+    assert isinstance(config.Config().batching, config.BatchingConfig)

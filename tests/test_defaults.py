@@ -2,6 +2,7 @@
 recipe file for ``--data builtin``), the --init-from check before loading, and the online
 methods' checks of their rewards before the first rollout."""
 
+import dataclasses
 import json
 
 import pytest
@@ -60,7 +61,26 @@ def test_every_algorithm_has_its_run_defaults_and_a_recipe():
         cls = algorithms.get(name)
         assert "defaults" in vars(cls), f"{name}: its defaults for a user's data"
         assert tasks.recipe(name) is not None, f"{name}: its built-in recipe"
-    assert vars(AlgorithmBase)["defaults"]["batching"]["max_length"] == 1024
+    assert config.BatchingConfig().max_length == 1024  # a user's data: the field's own default
+
+
+def _leaves(tree, prefix=()):
+    for key, value in tree.items():
+        yield from (_leaves(value, prefix + (key,)) if isinstance(value, dict)
+                    else [(prefix + (key,), value)])
+
+
+def test_each_default_is_written_once():
+    """The common Config's fields are the defaults of a user's data; an algorithm's ``defaults``
+    hold only what differs from them (a value equal to the field's would be written twice)."""
+    assert vars(AlgorithmBase)["defaults"] == {}
+    base = config.Config()
+    for name in algorithms.names():
+        for path, value in _leaves(algorithms.get(name).defaults):
+            field = base
+            for key in path:
+                field = getattr(field, key)
+            assert value != field, f"{name}: {'.'.join(path)} = {value!r} repeats config.py's"
 
 
 def test_learning_rates_are_trls_per_trainer():
@@ -83,8 +103,11 @@ def test_help_lists_the_defaults_of_the_run_it_describes(capsys):
         block = text[text.index("--batching.max-length"):][:300]
         assert f"(default: {length})" in block, block
         assert f"(default: {init})" in text[text.index("--init-from"):][:400]
-        assert ("defaults below are the built-in task's recipe" in " ".join(text.split())) == (
-            length == "32")
+        flat = " ".join(text.split())
+        assert ("defaults below include the built-in task's recipe" in flat) == (length == "32")
+        # the one order of the layers, as api.ORDER says it
+        assert all(f"{i}. {' '.join(layer.split())}" in flat
+                   for i, layer in enumerate(api.ORDER, 1)), flat[:900]
 
 
 def test_configure_takes_nested_and_dotted_settings_and_refuses_unknown_ones():
@@ -224,3 +247,43 @@ def test_reward_failure_names_the_reward_and_the_row_and_time_is_logged(tmp_path
                       "--steps", "4", error=errors.RewardError)
     assert message.startswith("reward 'exploding_reward' failed on completion ")
     assert "Question 3" in message and "ZeroDivisionError" in message and str(prompts) in message
+
+
+def test_the_command_line_is_configure_over_flags_and_the_layers_resolve_in_one_order(tmp_path):
+    """One path builds a config: the command line's ``config_from`` is ``api.configure(args=)``;
+    each layer of ``api.ORDER`` wins over the ones before it, and config.json records them."""
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 9\nseed: 4\noptim: {weight_decay: 0.5}\n")
+    flags = ["--config", str(path), "--steps", "7"]
+    assert api.configure("sft", args=flags) == config_from("sft", flags, "sft")
+    cfg = api.configure("sft", seed=5, steps=8, args=flags)
+    recipe = api.defaults("sft")  # layers 1-2: the recipe's learning rate over SFT's
+    assert (cfg.steps, cfg.seed, cfg.optim.weight_decay) == (7, 5, 0.5)  # flag > keyword > file
+    assert cfg.optim.learning_rate == recipe.optim.learning_rate != api.defaults(
+        "sft", data="mine.jsonl").optim.learning_rate
+    saved = config.saved(cfg)
+    assert saved["resolved_from"] == [
+        "SFT's defaults for a user's data",
+        "the built-in task's recipe (nnx_posttrain/tasks/recipes/)",
+        f"the config file {path}", "the settings given (keywords, flags)"]
+    again = tmp_path / "config.json"
+    again.write_text(json.dumps(saved))  # a run's config.json is a config file: the record skipped
+    assert api.configure("sft", config=again) == dataclasses.replace(cfg, config=str(again))
+    with pytest.raises(errors.ConfigError, match="a list of strings"):
+        api.configure("sft", args="--steps 5")
+    with pytest.raises(errors.ConfigError, match="config file is given twice"):
+        api.configure("sft", config=path, args=["--config", str(path)])
+    own = api.configure("sft", args=["--data", "mine.jsonl"])  # the flag's data: no recipe
+    assert own == dataclasses.replace(api.defaults("sft", data="mine.jsonl"), data="mine.jsonl")
+
+
+@pytest.mark.parametrize("name", algorithms.names())
+def test_a_recipe_repeats_no_default_of_the_layer_below(name):
+    """A recipe holds what the built-in task needs over the algorithm's defaults: a value equal
+    to the one below it would be a default written twice."""
+    below = api.defaults(name, data="mine.jsonl")
+    for path, value in _leaves(config_files.read(tasks.recipe(name))):
+        field = below
+        for key in path:
+            field = getattr(field, key)
+        assert value != field, f"recipes/{name}.yaml: {'.'.join(path)} = {value!r} is the default"

@@ -140,7 +140,7 @@ def test_a_non_finite_step_changes_neither_weights_nor_optimizer_state(micro):
     from nnx_posttrain import model, train
 
     graphdef, params, frozen = model.split(micro.module)
-    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2), 10)
+    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, warmup_ratio=0.0), 10)
     algo = SFT(SFT.Config(), logprob_chunk=8)
 
     def loss(module, batch, reference):  # scaled by the batch's "scale": NaN poisons it

@@ -121,7 +121,7 @@ def test_a_task_file_lm_eval_skips_or_whose_data_is_missing_is_named_before_the_
     with pytest.raises(errors.DataError, match=f"--tasks nodata: task 'nodata' \\(.*nodata.yaml\\) "
                                                f"reads {tmp_path / 'gone.jsonl'}, which does not "
                                                "exist"):
-        E.evaluate(run, ["nodata"], include_path=str(tasks))
+        E.evaluate(run, ["nodata"], E.Evaluation(include_path=str(tasks)))
 
 
 def test_a_judge_that_raises_is_named_at_the_users_line():

@@ -31,16 +31,34 @@ import importlib.util
 assert importlib.util.find_spec("tensorflow") is None
 """
 
+BPE = """
+import nnx_posttrain, keras_hub
+from nnx_posttrain.model.load import Tokenizer
+vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3, "\u0120": 4, "\u0120a": 5, "<|im_end|>": 6,
+         "<|begin_of_text|>": 7, "<|end_of_text|>": 8, "<|start_header_id|>": 9,
+         "<|end_header_id|>": 10, "<|eot_id|>": 11}
+merges = ["a b", "\u0120 a"]
+for cls in (keras_hub.models.QwenTokenizer, keras_hub.models.Llama3Tokenizer):
+    tok = Tokenizer(cls(vocabulary=vocab, merges=merges))
+    assert tok.encode("ab a") == [3, 5], tok.encode("ab a")
+    assert tok.decode([3, 5]) == "ab a", repr(tok.decode([3, 5]))
+print("BPE OK", sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+"""
+
+
 TRAIN = ABSENT + """
 sys.argv = ["experiments.sft", *sys.argv[1:]]
 import runpy
 try:
     runpy.run_module("experiments.sft", run_name="__main__")
+except SystemExit as stop:  # the command's exit: on success, the tokenizers' check follows
+    if stop.code:
+        raise
 finally:
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     print("TENSORFLOW MODULES", loaded)
     print("PYTORCH IMPORTED", "torch" in sys.modules)  # installed here, never needed by a run
-"""
+""" + BPE  # in the same process: one start of JAX and KerasHub less
 
 
 @pytest.mark.slow
@@ -57,30 +75,8 @@ def test_trains_without_tensorflow(tmp_path):
     if importlib.util.find_spec("torch") is not None:  # tensorboardX would import it
         assert "PYTORCH IMPORTED False" in out.stdout
     assert [r["step"] for r in records(run_dir)] == [1, 2]
-
-
-BPE = ABSENT + """
-import nnx_posttrain, keras_hub
-from nnx_posttrain.model.load import Tokenizer
-vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3, "\u0120": 4, "\u0120a": 5, "<|im_end|>": 6,
-         "<|begin_of_text|>": 7, "<|end_of_text|>": 8, "<|start_header_id|>": 9,
-         "<|end_header_id|>": 10, "<|eot_id|>": 11}
-merges = ["a b", "\u0120 a"]
-for cls in (keras_hub.models.QwenTokenizer, keras_hub.models.Llama3Tokenizer):
-    tok = Tokenizer(cls(vocabulary=vocab, merges=merges))
-    assert tok.encode("ab a") == [3, 5], tok.encode("ab a")
-    assert tok.decode([3, 5]) == "ab a", repr(tok.decode([3, 5]))
-print("BPE OK", sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
-"""
-
-
-def test_bpe_tokenizers_without_tensorflow():
-    """Llama 3 and Qwen's byte-pair tokenizers (KerasHub's, no SentencePiece fast path) encode
-    and decode without TensorFlow (KerasHub then returns str, not a tensor of bytes)."""
-    out = subprocess.run([sys.executable, "-c", BPE], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), NNX_POSTTRAIN_TENSORFLOW="1"),
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # Llama 3 and Qwen's byte-pair tokenizers (KerasHub's, no SentencePiece fast path) encode
+    # and decode without TensorFlow (KerasHub then returns str, not a tensor of bytes)
     assert "BPE OK []" in out.stdout
 
 

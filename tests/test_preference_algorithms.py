@@ -173,7 +173,8 @@ def test_reference_stays_the_starting_model_while_the_policy_trains(mode):
     algo.setup(lm.module)
     assert algo.reference_mode == mode
     graphdef, params, frozen_model = model.split(lm.module)
-    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, schedule="constant"), 10)
+    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, schedule="constant",
+                                                   warmup_ratio=0.0), 10)
     frozen = {"model": frozen_model,
               "reference": jax.tree.map(jnp.copy, params) if mode == "copy" else None}
     state = train.init_state(jax.tree.map(jnp.copy, params), tx, seed=0)
@@ -309,7 +310,7 @@ def test_reference_cache_key_includes_the_init_from_checkpoint(tmp_path):
 
     def precompute(init_from):
         cfg = bare_config(DPO, model="gemma_micro", init_from=init_from,
-                          batching=dict(batch_size=4, max_length=MAX_LEN))
+                          batching=dict(batch_size=4, grad_accum=1, max_length=MAX_LEN))
         algo = DPO(DPO.Config(reference="precompute"), CHUNK)
         algo.reference_mode = "precompute"
         said = []

@@ -116,7 +116,7 @@ def test_lora_factors_follow_their_kernel_and_heads_are_sharded_sensibly():
 
 def test_optimizer_state_mirrors_the_parameters_and_scalars_are_replicated(micro):
     _, params, _ = model.split(micro.module)
-    tx, _ = train.optimizer(config.OptimConfig(), 10)
+    tx, _ = train.optimizer(config.OptimConfig(warmup_ratio=0.0), 10)
     state = train.init_state(params, tx, 0)
     specs = sharding.tree_specs(state, MESH)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -213,7 +213,7 @@ assert jax.device_count() == 8, jax.devices()
 tasks.register()  # the built-in models
 lm = model.load("gemma_micro", seed=0)
 graphdef, params0, frozen0 = model.split(lm.module)
-tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-3, schedule="constant"), 10)
+tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-3, schedule="constant", warmup_ratio=0.0), 10)
 algo = SFT(SFT.Config(), logprob_chunk=8)
 rng = np.random.default_rng(0)
 batches = [_batch(rng, 8, 16, lm.tokenizer.vocab_size) for _ in range(3)]
@@ -329,7 +329,7 @@ def test_cpu_devices_auto_rule():
 
     def count(cores, model="gemma_micro", batch=32, accum=1, **mesh):
         cfg = config.Config(model=model, mesh=config.MeshConfig(cpu_devices="auto", **mesh),
-                            batching=config.DataConfig(batch_size=batch, grad_accum=accum))
+                            batching=config.BatchingConfig(batch_size=batch, grad_accum=accum))
         return cpu_devices_for(cfg, cores)
 
     assert count(2) == (2, "2 cpu devices (auto: 2 cores, micro-batch 32)")

@@ -62,7 +62,7 @@ def _batch(rng, n, length, vocab):
 def _setup(sgd=False):
     lm = model.load("gemma_micro", seed=0)
     graphdef, params, frozen = model.split(lm.module)
-    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, max_grad_norm=0.0), 10)
+    tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, max_grad_norm=0.0, warmup_ratio=0.0), 10)
     if sgd:  # the update is the gradient itself: compares gradients, unlike Adam's sign-like step
         lr = optax.constant_schedule(1.0)
         tx = optax.sgd(lr)
@@ -179,7 +179,7 @@ def test_schedule_warmup_then_cosine_to_the_floor():
     assert float(lr(10)) == pytest.approx(1.0)
     assert float(lr(60)) == pytest.approx(0.55, abs=1e-6)
     assert float(lr(110)) == pytest.approx(0.1)
-    linear = train.schedule(config.OptimConfig(learning_rate=2.0, schedule="linear"), 100)
+    linear = train.schedule(config.OptimConfig(learning_rate=2.0, schedule="linear", warmup_ratio=0.0), 100)
     assert float(linear(50)) == pytest.approx(1.0)
 
 

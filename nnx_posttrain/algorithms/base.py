@@ -38,23 +38,13 @@ def merged(base: dict, **changes) -> dict:
     return out
 
 
-# The run settings of a user's data (TRL's conventions; each algorithm adds its trainer's
-# learning rate): long sequences with a loud truncation report, warm-up as a fraction of the
-# steps, micro-batches of 4 examples (a preference pair is two sequences), 16 per optimizer step,
-# TRL's gradient_checkpointing=True. Exact match is evaluated only where the eval data has an
-# 'answer' column (``AlgorithmBase.settings_for_data``).
-USER_DATA = dict(
-    steps=1000,
-    remat="blocks",
-    optim=dict(warmup_ratio=0.1, min_lr_ratio=0.0),
-    batching=dict(batch_size=16, grad_accum=4, max_length=1024),
-    eval=dict(every=200, exact_match=200, max_new_tokens=64),
-    checkpoint=dict(every=200),
-)
+# The run settings of a user's data are the common Config's own defaults (TRL's conventions,
+# ``nnx_posttrain.config``); an algorithm's ``defaults`` change only what differs for it. Exact
+# match is evaluated only where the eval data has an 'answer' column
+# (``AlgorithmBase.settings_for_data``).
 # Online methods: batch_size counts completions; prompts up to 512 tokens (--batching.max-length
 # bounds a prompt-only record), completions up to TRL's 512 tokens.
-ONLINE_DATA = merged(USER_DATA, batching=dict(batch_size=32, grad_accum=4, max_length=512),
-                     eval=dict(max_new_tokens=256))
+ONLINE_DATA = dict(batching=dict(batch_size=32, max_length=512), eval=dict(max_new_tokens=256))
 
 
 # ----------------------------------------------------------------------------- the protocols
@@ -105,7 +95,8 @@ class Algorithm(Protocol):
 
     name: ClassVar[str]
     Config: ClassVar[type]  # the algorithm's own settings (--algo.*), with TRL's defaults
-    defaults: ClassVar[dict]  # the run settings of a user's data, over the common Config's
+    RunConfig: ClassVar[type]  # a run's settings: config.Config with ``algo: Config``
+    defaults: ClassVar[dict]  # what differs for it from the common Config's (a user's data)
     data_kind: ClassVar[str]  # the tokenized view of the data (nnx_posttrain.data.make_transform)
     head: ClassVar[str | None]  # scalar head on the backbone (nnx_posttrain.model.heads), or None
     generates: ClassVar[bool]  # the module is a language model: exact-match evaluation applies
@@ -194,8 +185,9 @@ class AlgorithmBase:
     reference_mode: str | None = None
     sequences_per_example = 2  # through the model per example: chosen + rejected (pairs)
     packs = False  # --batching.packing applies
-    # the run settings of a user's data (TRL's), over the common Config's: nested dicts of fields
-    defaults: ClassVar[dict] = USER_DATA
+    # what differs from the common Config's defaults (a user's data) for this algorithm: nested
+    # dicts of fields (its trainer's learning rate, at least)
+    defaults: ClassVar[dict] = {}
     # project the vocabulary only at the positions that carry loss (model.scored_positions);
     # False projects every position (a benchmark variant)
     scored_positions_only = True

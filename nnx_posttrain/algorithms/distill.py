@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import agents, errors, model
-from nnx_posttrain.algorithms.base import (USER_DATA, AlgorithmBase, DatasetBatches, Inputs,
+from nnx_posttrain import agents, config as config_lib, errors, model
+from nnx_posttrain.algorithms.base import (AlgorithmBase, DatasetBatches, Inputs,
                                            RunContext, eval_loss_batches, merged)
 from nnx_posttrain.losses.common import out_of_range
 from nnx_posttrain.losses.distill import DistillOptions, divergence, gkd
@@ -71,12 +71,20 @@ class DistillConfig(DistillOptions):
             for problem in out_of_range(self, name, ok, rule)]
 
 
+@dataclasses.dataclass
+class DistillRunConfig(config_lib.Config):
+    """A Distill run's settings: the common ones, Distill's own under ``algo``."""
+
+    algo: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+
+
 class Distill(AlgorithmBase):
     name = "distill"
     Config = DistillConfig
+    RunConfig = DistillRunConfig
     data_kind = "sft"
     sequences_per_example = 2  # the student's forward and the teacher's
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DistillationConfig
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's DistillationConfig
     plannable = False
     plannable_not = ("the teacher is a second model loaded beside the student and its batches "
                      "mix sampled completions; plan the student's SFT step, and the teacher's "

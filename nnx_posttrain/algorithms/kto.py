@@ -9,8 +9,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain import data, errors
-from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
+from nnx_posttrain import config as config_lib, data, errors
+from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.algorithms.pairs import sequence_logps
 from nnx_posttrain.algorithms.reference import Reference
 from nnx_posttrain.losses.kto import KTOExamples, KTOOptions, kto
@@ -23,6 +23,13 @@ class KTOConfig(KTOOptions):
     reference: Reference = "auto"
 
 
+@dataclasses.dataclass
+class KTORunConfig(config_lib.Config):
+    """A KTO run's settings: the common ones, KTO's own under ``algo``."""
+
+    algo: KTOConfig = dataclasses.field(default_factory=KTOConfig)
+
+
 class KTO(AlgorithmBase):
     """KTO's KL reference point uses mismatched completions: each prompt of the batch with the
     next example's completion (as TRL), built on the host by ``prepare``. Those pairs depend on
@@ -31,9 +38,10 @@ class KTO(AlgorithmBase):
 
     name = "kto"
     Config = KTOConfig
+    RunConfig = KTORunConfig
     data_kind = "unpaired_preference"
     sequences_per_example = 2  # the example and its KL row
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's KTOTrainer
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's KTOTrainer
 
     def setup(self, module):
         super().setup(module)

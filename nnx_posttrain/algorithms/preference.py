@@ -14,8 +14,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain import model
-from nnx_posttrain.algorithms.base import USER_DATA, merged
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequence_logps: re-exported)
     PairAlgorithm,
     nll_terms,
@@ -46,14 +45,35 @@ class DPOConfig(DPOOptions, RouterOptions):
     """lora_base (LoRA on), copy (full fine-tuning), or precompute; auto picks the first two."""
 
 
+@dataclasses.dataclass
+class DPORunConfig(config_lib.Config):
+    """A DPO run's settings: the common ones, DPO's own under ``algo``."""
+
+    algo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+
+
 @dataclasses.dataclass(frozen=True)
 class SimPOConfig(SimPOOptions):
     """SimPO: reference-free, length-normalised margin loss."""
 
 
+@dataclasses.dataclass
+class SimPORunConfig(config_lib.Config):
+    """A SimPO run's settings: the common ones, SimPO's own under ``algo``."""
+
+    algo: SimPOConfig = dataclasses.field(default_factory=SimPOConfig)
+
+
 @dataclasses.dataclass(frozen=True)
 class CPOConfig(CPOOptions):
     """Contrastive Preference Optimization: reference-free preference loss + NLL on chosen."""
+
+
+@dataclasses.dataclass
+class CPORunConfig(config_lib.Config):
+    """A CPO run's settings: the common ones, CPO's own under ``algo``."""
+
+    algo: CPOConfig = dataclasses.field(default_factory=CPOConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +82,13 @@ class ORPOConfig(ORPOOptions):
 
     nll_tokens: Literal["prompt_and_completion", "completion"] = "prompt_and_completion"
     """Tokens of the chosen NLL term: TRL's (every token of prompt and answer) or the answer's."""
+
+
+@dataclasses.dataclass
+class ORPORunConfig(config_lib.Config):
+    """An ORPO run's settings: the common ones, ORPO's own under ``algo``."""
+
+    algo: ORPOConfig = dataclasses.field(default_factory=ORPOConfig)
 
 
 # ----------------------------------------------------------------------------- pairwise
@@ -85,7 +112,8 @@ class DPO(PairAlgorithm):
 
     name = "dpo"
     Config = DPOConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's DPOTrainer
+    RunConfig = DPORunConfig
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's DPOTrainer
 
     def setup(self, module):
         super().setup(module)
@@ -144,7 +172,8 @@ class DPO(PairAlgorithm):
 class SimPO(PairAlgorithm):
     name = "simpo"
     Config = SimPOConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer (SimPO)
+    RunConfig = SimPORunConfig
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer (SimPO)
 
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
@@ -158,7 +187,8 @@ class CPO(PairAlgorithm):
 
     name = "cpo"
     Config = CPOConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer
+    RunConfig = CPORunConfig
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer
 
     def loss(self, module, batch, reference=None):
         lp = self.pair_logps(module, batch)
@@ -173,7 +203,8 @@ class ORPO(PairAlgorithm):
 
     name = "orpo"
     Config = ORPOConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-6))  # TRL's ORPOTrainer
+    RunConfig = ORPORunConfig
+    defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's ORPOTrainer
 
     def nll_mask(self, batch):
         if self.cfg.nll_tokens == "completion":

@@ -7,7 +7,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
+from nnx_posttrain import config as config_lib
+from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.losses.reward import RewardOptions, RewardPairs, reward_bt
 
 
@@ -16,10 +17,18 @@ class RewardConfig(RewardOptions):
     """Bradley-Terry reward model: a scalar head on the backbone, trained on preference pairs."""
 
 
+@dataclasses.dataclass
+class RewardRunConfig(config_lib.Config):
+    """A Reward run's settings: the common ones, Reward's own under ``algo``."""
+
+    algo: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+
+
 class Reward(AlgorithmBase):
     name = "reward"
     Config = RewardConfig
-    defaults = merged(USER_DATA, optim=dict(learning_rate=1e-4))  # TRL's RewardTrainer
+    RunConfig = RewardRunConfig
+    defaults: dict = {}  # TRL's RewardTrainer: its learning rate (1e-4) is the common default
     head = "reward"  # nnx_posttrain.model.heads.RewardModel
     generates = False
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from nnx_posttrain import model
-from nnx_posttrain.algorithms.base import USER_DATA, AlgorithmBase, merged
+from nnx_posttrain import config as config_lib, model
+from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 from nnx_posttrain.losses.sft import sft
 
@@ -17,13 +17,21 @@ class SFTConfig(RouterOptions):
     a mixture-of-experts model adds its router load-balancing loss (TRL's SFTTrainer)."""
 
 
+@dataclasses.dataclass
+class SFTRunConfig(config_lib.Config):
+    """A SFT run's settings: the common ones, SFT's own under ``algo``."""
+
+    algo: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+
+
 class SFT(AlgorithmBase):
     name = "sft"
     Config = SFTConfig
+    RunConfig = SFTRunConfig
     data_kind = "sft"
     sequences_per_example = 1
     packs = True
-    defaults = merged(USER_DATA, optim=dict(learning_rate=2e-5))  # TRL's SFTConfig
+    defaults = dict(optim=dict(learning_rate=2e-5))  # TRL's SFTConfig
 
     def loss(self, module, batch, reference=None):
         with model.routers_captured(module, self.cfg.router_aux_loss_coef) as routers:

@@ -1,72 +1,40 @@
 """``nnx-posttrain ALGORITHM [options]`` (and ``python -m experiments.ALGORITHM``): parse the
 command line into a run config, train (or with ``--eval-only``, evaluate).
 
-The defaults ``--help`` shows are those of the run the command describes: the algorithm's for
-a user's data, with the built-in task's recipe over them when the data is ``builtin`` (the
-default). The data is read from the ``--data`` flag, else from the ``--config`` file, else it is
-the built-in task's: no option is parsed twice.
+The command line is a thin layer over the Python API: ``api.configure(name, args=argv)`` detects
+the data, applies the layers of defaults in their one order (``api.ORDER``: the algorithm's, the
+built-in task's recipe when ``--data builtin``, the ``--config`` file, the flags), parses the flags
+with tyro over the same dataclasses and validates. The defaults ``--help`` shows are those of the
+run the command describes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import threading
 
-import tyro
-
-from nnx_posttrain import algorithms, api, config_files, train
-from nnx_posttrain.losses.common import unchecked_options
-
-
-def flag_value(args: list[str], flag: str) -> str | None:
-    """The value given to ``flag`` (``--flag VALUE`` or ``--flag=VALUE``; the last one wins, as
-    in the parse), or None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
+from nnx_posttrain import api, config_files, train
+from nnx_posttrain.api import flag_value  # noqa: F401  (the command line's helpers, re-exported)
 
 
 def parse(default, args: list[str], description: str | None = None, prog: str | None = None):
-    """Command line -> validated config, starting from ``default``; ``--config FILE`` replaces
-    those defaults by the file's values first, so flags override the file. tyro rejects an
-    unknown or ill-typed option by name (``SystemExit`` with its usage: this is the command
-    line). The algorithm's settings are checked once the file and the flags are applied
-    (``Config.validate``, with every other problem)."""
+    """Command line -> validated config, starting from ``default`` (a run config whose layers 1-2
+    are resolved); ``--config FILE`` applies before the flags (``api.layered``). tyro rejects an
+    unknown or ill-typed option by name (``SystemExit`` with its usage)."""
     path, args = config_files.split_arg(list(args))
-    with unchecked_options():  # the file's values, then the flags: checked when all are in
-        if path is not None:
-            default = dataclasses.replace(config_files.apply(default, path), config=path)
-        cfg = tyro.cli(type(default), default=default, args=args, description=description,
-                       prog=prog)
-    return cfg.validate()
+    return api.layered(default, path, None, args, description, prog)
 
 
 def describe(name: str, data: str) -> str:
-    cls = algorithms.get(name)
-    summary = algorithms.registry.summary(cls)
-    if data == api.BUILTIN:
-        return (f"{summary}\n\nThe defaults below are the built-in task's recipe (--data builtin, "
-                f"nnx_posttrain/tasks/recipes/{name}.yaml); `--data FILE --help` lists those of "
-                "a run on your own data.")
-    return (f"{summary}\n\nThe defaults below are those of a run on your own data (TRL's); "
-            "without --data, the built-in task's recipe applies.")
+    """``--help``'s text above the options (``api.help_text``)."""
+    return api.help_text(name, data)
 
 
 def config_from(name: str, args: list[str], prog: str):
-    """The run config the command line ``args`` describes."""
-    path, _ = config_files.split_arg(list(args))
-    data = flag_value(args, "--data")
-    if data is None and path is not None:
-        data = config_files.read(path).get("data")
-    data = api.BUILTIN if data is None else data
-    return parse(api.defaults(name, data), args, describe(name, data), prog)
+    """The run config the command line ``args`` describes: ``api.configure(name, args=args)``."""
+    return api.configure(name, args=args, prog=prog)
 
 
 def main(name: str, args: list[str], prog: str) -> int:

@@ -9,6 +9,9 @@ One job per module:
   records of its data);
 - ``formats``: record formats (TRL's column conventions), their detection, the checks of a
   record's fields, the split of a record into prompt and completion segments;
+- ``images``: TRL's vision formats (an ``images`` / ``image`` column, ``{"type": "image"}``
+  content parts): images placed, counted, decoded (Pillow) and resized by a vision model's
+  KerasHub image converter (``ImageSpec``), their tokens kept out of the loss;
 - ``tokenize``: the transforms from a record to fixed-length numpy arrays (``make_transform``);
 - ``validate``: every record read and tokenized before training (``validate``, ``only_good``);
 - ``batches``: Grain pipelines (training batches, packed or not; eval batches; the prompts and
@@ -16,7 +19,8 @@ One job per module:
 - ``errors``: ``DataError``.
 
 This package imports only ``nnx_posttrain.chat``, ``nnx_posttrain.config`` and other
-model-independent code (numpy, grain, pyarrow); never ``model``, ``losses``, ``algorithms`` or
+model-independent code (numpy, grain, pyarrow, Pillow); never ``model``, ``losses``,
+``algorithms`` or
 ``train``, and not keras (Grain worker processes import it). The built-in task registers its
 records here (``register_builtin``) rather than being imported.
 """
@@ -40,6 +44,7 @@ from nnx_posttrain.data.formats import (
     preference_parts,
     unpaired,
 )
+from nnx_posttrain.data.images import ImageSpec
 from nnx_posttrain.data.sources import (
     SPLIT_NAMES,
     ArrowSource,
@@ -94,6 +99,8 @@ __all__ = [
     "implicit_prompt",
     "preference_parts",
     "unpaired",
+    # images
+    "ImageSpec",
     # tokenize
     "Tokenize",
     "TokenizePreference",

@@ -8,6 +8,7 @@ import grain
 import numpy as np
 
 from nnx_posttrain import chat
+from nnx_posttrain.data import images
 from nnx_posttrain.data.formats import detect_format, preference_parts
 from nnx_posttrain.data.sources import Mixture
 
@@ -118,6 +119,8 @@ def packed_train_batches(src, transform, batch_size: int, seed: int, shuffle: bo
     the model's attention never crosses them (``model.hidden_states``)."""
     if getattr(transform, "kind", "sft") != "sft":
         raise ValueError("packing applies to SFT data only")
+    if getattr(transform, "images", None) is not None:
+        raise ValueError("packing does not carry images yet: train a vision model unpacked")
     length = transform.max_length
     ds = records_dataset(src, seed, shuffle).map(transform).map(_unpad)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4 if not num_workers else 1,
@@ -166,7 +169,8 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
     for i in range(len(src)):
         if len(out) >= limit:
             break
-        record = src[i]
+        # content parts as text (the sampler reads no image yet: a record with one is refused)
+        record = images.prepare(src[i], chat_format, None)[0]
         fmt = detect_format(record)
         if fmt == "messages" and record["messages"][-1]["role"] == "assistant":
             prompt = chat.render(record["messages"][:-1], chat_format, add_generation_prompt=True)

@@ -352,33 +352,37 @@ class Subset:
 
 # ============================================================================= built-in task
 
-_builtin_records: Callable[[str, str], list[dict]] | None = None
-_builtin_fingerprint: str | None = None
+_builtins: dict[str, tuple[Callable[[str, str], list[dict]], str]] = {}
 
 
-def register_builtin(records: Callable[[str, str], list[dict]], fingerprint: str) -> None:
-    """Register the built-in task: ``records(kind, split)`` -> the list of records (dicts) that
-    ``source("builtin", split, builtin=kind)`` serves, ``kind`` one of 'sft', 'preference',
+def register_builtin(records: Callable[[str, str], list[dict]], fingerprint: str,
+                     name: str = "builtin") -> None:
+    """Register a built-in task: ``records(kind, split)`` -> the list of records (dicts) that
+    ``source(name, split, builtin=kind)`` serves, ``kind`` one of 'sft', 'preference',
     'unpaired_preference', 'prompt_only' and ``split`` 'train' or 'eval'; ``fingerprint`` changes
-    whenever the records do (caches keyed on the data use it). A later registration replaces an
-    earlier one."""
-    global _builtin_records, _builtin_fingerprint
-    _builtin_records, _builtin_fingerprint = records, fingerprint
+    whenever the records do (caches keyed on the data use it). ``name`` is the ``--data`` value
+    that reads it: 'builtin' (the text task) or 'builtin:NAME' (another one, e.g.
+    'builtin:shapes'). A later registration of a name replaces an earlier one."""
+    if name != "builtin" and not name.startswith("builtin:"):
+        raise ValueError(f"a built-in task's name is 'builtin' or 'builtin:NAME', got {name!r}")
+    _builtins[name] = (records, fingerprint)
 
 
-def builtin_registered() -> bool:
-    """Whether a built-in task is registered (``register_builtin``)."""
-    return _builtin_records is not None
+def builtin_registered(name: str = "builtin") -> bool:
+    """Whether a built-in task is registered under ``name`` (``register_builtin``)."""
+    return name in _builtins
 
 
-def builtin_fingerprint() -> str:
+def builtin_fingerprint(name: str = "builtin") -> str:
     """The registered built-in task's fingerprint (see ``register_builtin``)."""
-    _builtin_provider()
-    return _builtin_fingerprint
+    _builtin_provider(name)
+    return _builtins[name][1]
 
 
-def _builtin_provider() -> Callable[[str, str], list[dict]]:
-    if _builtin_records is None:
-        raise DataError("builtin: no built-in task is registered (the module that provides it, "
-                        "e.g. nnx_posttrain.tasks.register(), calls nnx_posttrain.data.register_builtin)")
-    return _builtin_records
+def _builtin_provider(name: str = "builtin") -> Callable[[str, str], list[dict]]:
+    if name not in _builtins:
+        known = f" (registered: {', '.join(sorted(_builtins))})" if _builtins else ""
+        raise DataError(f"{name}: no built-in task is registered under this name{known} (the "
+                        "module that provides it, e.g. nnx_posttrain.tasks.register(), calls "
+                        "nnx_posttrain.data.register_builtin)")
+    return _builtins[name][0]

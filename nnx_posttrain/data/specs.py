@@ -25,8 +25,9 @@ DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 def source(spec: str, split: str = "train", builtin: str = "sft"):
     """A source from a ``--data`` value.
 
-    ``spec`` is 'builtin' (the built-in task, see ``register_builtin``, in the format ``builtin``
-    names: 'sft', 'preference', 'unpaired_preference' or 'prompt_only'), a path (``.jsonl``,
+    ``spec`` is 'builtin' (the built-in task, see ``register_builtin``; 'builtin:NAME' another
+    registered one, e.g. 'builtin:shapes'; in the format ``builtin`` names: 'sft',
+    'preference', 'unpaired_preference' or 'prompt_only'), a path (``.jsonl``,
     ``.parquet``, ``.arrow``, or a Hugging Face ``datasets`` directory; for a ``DatasetDict``
     directory, ``split`` picks the split: 'eval' tries eval, validation, valid, test), or several
     of them separated by commas: concatenated (``Concat``), or, when every one has a weight
@@ -48,6 +49,11 @@ def source(spec: str, split: str = "train", builtin: str = "sft"):
     return Mixture(sources, weights)
 
 
+def _is_builtin(spec: str) -> bool:
+    """'builtin' (the text task) or 'builtin:NAME' (another built-in task, e.g. the image one)."""
+    return spec == "builtin" or (spec.startswith("builtin:") and not Path(spec).exists())
+
+
 def _weighted(part: str) -> tuple[str, float | None]:
     head, sep, tail = part.rpartition(":")
     if not sep or not head:
@@ -65,8 +71,8 @@ def _weighted(part: str) -> tuple[str, float | None]:
 
 
 def _one_source(spec: str, split: str, builtin: str = "sft"):
-    if spec == "builtin":
-        return ListSource(_builtin_provider()(builtin, split), f"builtin:{builtin}:{split}")
+    if _is_builtin(spec):
+        return ListSource(_builtin_provider(spec)(builtin, split), f"{spec}:{builtin}:{split}")
     if (found := hub.files(spec, split)) is not None:  # hf://, a folder of Parquet shards, a glob
         parts = [_one_source(str(f), split, builtin) for f in found]
         return parts[0] if len(parts) == 1 else Concat(parts)
@@ -112,8 +118,8 @@ def signature(spec: str | None) -> list | None:
     out = []
     for part in (p.strip() for p in spec.split(",")):
         name, weight = (part, None) if Path(part).exists() else _weighted(part)
-        if name == "builtin":
-            out.append(["builtin", weight, builtin_fingerprint()])
+        if _is_builtin(name):
+            out.append([name, weight, builtin_fingerprint(name)])
             continue
         path = Path(name)
         if name.startswith(hub.PREFIX) or (any(c in name for c in "*?[") and not path.exists()):

@@ -27,6 +27,7 @@ from typing import ClassVar
 import numpy as np
 
 from nnx_posttrain import chat
+from nnx_posttrain.data import images as _images
 from nnx_posttrain.data.errors import DataError
 from nnx_posttrain.data.formats import (
     _columns,
@@ -74,6 +75,7 @@ def _sequence(t, head, tail, add_eos, max_prompt_length):
     """BOS + prompt (kept to ``max_prompt_length``) + completion (+ EOS), padded to the
     transform ``t``'s ``max_length`` (its tokenizer, chat format and truncation)."""
     tok, chat_format, max_length, truncation = t.tokenizer, t.chat_format, t.max_length, t.truncation
+    head, tail = _images.expand_segments(t.images, head), _images.expand_segments(t.images, tail)
     prompt_ids = _bos(tok) + _encode(tok, head, chat_format)[0]
     ids, mask = _encode(tok, tail, chat_format)
     if add_eos and tok.eos_id is not None:
@@ -136,6 +138,7 @@ class Tokenize:
     truncation: str = "keep_start"
     max_prompt_length: int | None = None
     format: str = "auto"
+    images: object = None  # a vision model's ``data.images.ImageSpec``
 
     def __post_init__(self):
         _check_lengths(self)
@@ -145,13 +148,15 @@ class Tokenize:
 
     def __call__(self, record: dict) -> dict:
         check_values(record)
+        record, arrays = _images.prepare(record, self.chat_format, self.images)
         fmt = self._record_format(record)
-        tok = self.tokenizer
         if fmt == "prompt_completion":
             head, tail, add_eos = _prompt_completion(record, "prompt", "completion", self.chat_format)
-            return _sequence(self, head, tail, add_eos, self.max_prompt_length)
-        segs, add_eos = _lm_segments(record, fmt, self.chat_format)
-        return _sequence(self, [], segs, add_eos, None)
+            ex = _sequence(self, head, tail, add_eos, self.max_prompt_length)
+        else:
+            segs, add_eos = _lm_segments(record, fmt, self.chat_format)
+            ex = _sequence(self, [], segs, add_eos, None)
+        return _with_images(self, ex, arrays, _where(record))
 
     def _record_format(self, record):
         where, keys = _where(record), _columns(record)
@@ -186,9 +191,25 @@ class _SequenceTransform:
     max_length: int
     truncation: str = "keep_start"
     max_prompt_length: int | None = None
+    images: object = None  # a vision model's ``data.images.ImageSpec``
 
     def __post_init__(self):
         _check_lengths(self)
+
+
+_SIDES = {"": ("input_ids", "loss_mask", "attention_mask", "vision_mask"),
+          "prompt": ("prompt_ids", None, "prompt_mask", "prompt_vision_mask")}
+
+
+def _with_images(t, ex: dict, arrays: list, where: str, sides=("",)) -> dict:
+    """A vision model's example (``t.images`` set): its image tokens out of the loss, its vision
+    masks, ``pixel_values`` and ``image_count``; the example itself for a text model."""
+    if t.images is None:
+        return ex
+    for side in sides:
+        keys = _SIDES.get(side) or tuple(f"{side}_{k}" for k in _SIDES[""])
+        _images.image_tokens(ex, keys, t.tokenizer, t.images, len(arrays), where)
+    return _images.add_pixels(ex, t.images, arrays)
 
 
 @dataclass
@@ -204,6 +225,7 @@ class TokenizePreference(_SequenceTransform):
 
     def __call__(self, record: dict) -> dict:
         check_values(record)
+        record, arrays = _images.prepare(record, self.chat_format, self.images)
         prompt, chosen, rejected = preference_parts(record)
         out, truncated = {}, 0
         for name, completion in (("chosen", chosen), ("rejected", rejected)):
@@ -218,7 +240,7 @@ class TokenizePreference(_SequenceTransform):
         elif record.get("margin") is not None:  # never dropped without a word
             raise DataError(f"{_where(record)}: field 'margin' is set here but in none of the "
                             "data's first records: give every record a margin, or none")
-        return out
+        return _with_images(self, out, arrays, _where(record), sides=("chosen", "rejected"))
 
 
 def _margin(record: dict) -> np.float32:
@@ -257,6 +279,7 @@ class TokenizeUnpaired(_SequenceTransform):
 
     def __call__(self, record: dict) -> dict:
         check_values(record)
+        record, arrays = _images.prepare(record, self.chat_format, self.images)
         where = _where(record)
         if record.get("label") is None:
             raise DataError(f"{where}: field 'label' is {'null' if 'label' in record else 'missing'}")
@@ -270,7 +293,7 @@ class TokenizeUnpaired(_SequenceTransform):
         head, tail, add_eos = _prompt_completion(record, "prompt", "completion", self.chat_format)
         ex = _sequence(self, head, tail, add_eos, self.max_prompt_length)
         ex["label"] = np.float32(bool(label))
-        return ex
+        return _with_images(self, ex, arrays, where)
 
 
 @dataclass
@@ -285,12 +308,14 @@ class TokenizePrompt:
     tokenizer: object
     chat_format: str
     max_prompt_length: int
+    images: object = None  # a vision model's ``data.images.ImageSpec``
 
     def __post_init__(self):
         _check_lengths(self)
 
     def __call__(self, record: dict) -> dict:
         check_values(record)
+        record, arrays = _images.prepare(record, self.chat_format, self.images)
         prompt = _value(record, "prompt")
         record_tools(record)  # a run with tools renders them into the prompt: checked up front
         if isinstance(prompt, list):
@@ -300,6 +325,7 @@ class TokenizePrompt:
                 raise DataError(f"{_where(record)}: field 'prompt': {exc}") from None
         else:
             segs = [(prompt, False)]
+        segs = _images.expand_segments(self.images, segs)
         tok, length = self.tokenizer, self.max_prompt_length
         ids = _bos(tok) + _encode(tok, segs, self.chat_format)[0]
         truncated = len(ids) > length
@@ -310,12 +336,9 @@ class TokenizePrompt:
         prompt_ids[length - n :] = ids
         mask = np.zeros(length, np.int32)
         mask[length - n :] = 1
-        return {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": mask,
-            "truncated": np.int32(truncated),
-            "index": np.int64(record.get("_index", -1)),
-        }
+        ex = {"prompt_ids": prompt_ids, "prompt_mask": mask, "truncated": np.int32(truncated),
+              "index": np.int64(record.get("_index", -1))}
+        return _with_images(self, ex, arrays, _where(record), sides=("prompt",))
 
 
 def make_transform(src, lm, max_length: int, truncation: str = "keep_start",
@@ -329,11 +352,14 @@ def make_transform(src, lm, max_length: int, truncation: str = "keep_start",
     its examples hold. An algorithm that needs another view (e.g. prompts of preference data for
     RL) builds that transform itself."""
     fmt, tokenizer, chat_format = data_format(src, format), lm.tokenizer, lm.chat_format
+    spec = getattr(lm, "images", None)  # a vision model's ``data.images.ImageSpec``
     if fmt in ("language_modeling", "prompt_completion"):
-        return Tokenize(tokenizer, chat_format, max_length, truncation, max_prompt_length, format)
+        return Tokenize(tokenizer, chat_format, max_length, truncation, max_prompt_length, format,
+                        images=spec)
     if fmt == "preference":
         return TokenizePreference(tokenizer, chat_format, max_length, truncation, max_prompt_length,
-                                  margin=_has_margin(src))
+                                  images=spec, margin=_has_margin(src))
     if fmt == "unpaired_preference":
-        return TokenizeUnpaired(tokenizer, chat_format, max_length, truncation, max_prompt_length)
-    return TokenizePrompt(tokenizer, chat_format, max_prompt_length or max_length)
+        return TokenizeUnpaired(tokenizer, chat_format, max_length, truncation, max_prompt_length,
+                                images=spec)
+    return TokenizePrompt(tokenizer, chat_format, max_prompt_length or max_length, images=spec)

@@ -49,7 +49,9 @@ from nnx_posttrain.model.load import (
     is_local_model,
     load,
     load_tokenizer,
+    nnx_ready,
     register_builtin,
+    warm_up,
 )
 from nnx_posttrain.model.quantize import dequantized_into, quantize, quantized_layers
 from nnx_posttrain.model.router import captured as routers_captured
@@ -82,7 +84,7 @@ __all__ = [
     # load
     "AUTO", "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer",
     "chat_format_for", "chat_format_of", "checkpoint_dtype", "describe", "is_local_model", "load", "load_tokenizer",
-    "register_builtin", "resolve_dtype", "weights_bytes",
+    "nnx_ready", "register_builtin", "resolve_dtype", "warm_up", "weights_bytes",
     # quantize
     "dequantized_into", "quantize", "quantized_layers",
     # router logits of mixtures of experts (the load-balancing loss)

@@ -187,7 +187,7 @@ def _preset_backbone_class(handle: str) -> str | None:
     return family.backbone if family else f"Hugging Face model_type {saved.get('model_type')!r}"
 
 
-def _nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
+def nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
     """Make ``nnx.state`` / ``nnx.split`` work on a KerasHub task.
 
     Keras keeps ``_compiled_trainable_state``, a dict keyed by layer objects, on every model; NNX
@@ -236,9 +236,9 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
             )
         task = _from_preset(name, handle, policy, weights, quantize)
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
-    _warm_up(task.backbone)
+    warm_up(task.backbone)
     return LanguageModel(
-        task=_nnx_ready(task),
+        task=nnx_ready(task),
         tokenizer=Tokenizer(_tokenizer_of(task, name)),
         chat_format=fmt,
         name=name,
@@ -368,8 +368,9 @@ def _task_from_preset(handle: str, **kwargs):
     return task
 
 
-def _warm_up(backbone) -> None:
-    """One abstract call: Keras flips build/bookkeeping flags on the first call, which would
+def warm_up(backbone) -> None:
+    """One abstract call (``load`` makes it; a tool that builds a KerasHub task itself makes it
+    too): Keras flips build/bookkeeping flags on the first call, which would
     otherwise happen inside the first trace and cost a second compilation. ``jax.eval_shape``
     traces the call without running it: an eager call compiled and kept one small XLA executable
     per operation (about 110 MB of a tiny model's process)."""

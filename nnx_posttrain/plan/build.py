@@ -1,6 +1,9 @@
 """A run's training step built abstractly: the model, mesh, shardings, training state, first
 batch and jitted step that ``train.prepare`` and the loop build, with every array a
 ``jax.ShapeDtypeStruct`` laid out on the topology's devices (no weight read, nothing allocated).
+It builds through the functions ``train.prepare`` and the loop call (``train.setup.build_model``
+and ``datasets``, ``train.step.optimizer``, ``init_state`` and ``jit_train_step``); what it does
+not share is what a plan has no use for (a run directory, checkpoints, the evaluator).
 
 The batch is the run's first one, made by the algorithm's own batch source from the run's data
 (offline algorithms), or (online ones) a rollout of the same shapes: prompts from the data and
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from nnx_posttrain import errors, model, sharding, tasks
 from nnx_posttrain.algorithms.base import RunContext
@@ -97,10 +100,7 @@ def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
                      echo)
     host = first_batch(algorithm, ctx, state)
     state_shardings = sharding.tree_shardings(state, mesh)
-    jitted = jax.jit(step_lib.make_train_step(graphdef, algorithm.loss, tx, lr,
-                                              state_shardings["params"]),
-                     donate_argnums=(0,),
-                     out_shardings=(state_shardings, NamedSharding(mesh, P())))
+    jitted = step_lib.jit_train_step(graphdef, algorithm.loss, (tx, lr), state_shardings, mesh)
     return AbstractRun(cfg, lm, mesh, _placed(state, state_shardings),
                        _placed(frozen, sharding.tree_shardings(frozen, mesh)),
                        _batch(host, mesh, cfg.batching.grad_accum, scale), jitted,

@@ -1,9 +1,10 @@
 """The built-in task: two-digit addition in chat form, demonstrated by a sloppy teacher and judged by
 an exact checker (``arithmetic``), its SentencePiece tokenizer (``tokenizer``) and the tiny Gemma
 configurations trained on it (``MODELS``), and the agentic task (``multiply``: two-digit products
-with a tool) and its model ``gemma_tiny_tools``. Its recipes, one file per algorithm
-(``recipes/<algorithm>.yaml``), are the settings a run on the built-in data gets over the
-algorithm's defaults (``recipe``).
+with a tool) and its model ``gemma_tiny_tools``, and the image task (``shapes``: count the
+coloured shapes in a picture drawn in code; ``--data builtin:shapes``, data only so far). Its
+recipes, one file per algorithm (``recipes/<algorithm>.yaml``), are the settings a run on the
+built-in data gets over the algorithm's defaults (``recipe``).
 
 A *user* of the library, which the lower layers never import: ``register()`` makes its data
 (``--data builtin``, through ``nnx_posttrain.data.register_builtin``) and its models (the
@@ -20,7 +21,7 @@ import hashlib
 from pathlib import Path
 
 from nnx_posttrain import data, model
-from nnx_posttrain.tasks import arithmetic, multiply, tokenizer
+from nnx_posttrain.tasks import arithmetic, multiply, shapes, tokenizer
 
 # Gemma architectures with the task's own SentencePiece tokenizer.
 MODELS = {
@@ -78,10 +79,10 @@ BUILTIN_MODELS = {
 
 
 @functools.cache
-def fingerprint() -> str:
-    """The built-in data's fingerprint: the generator's code is the data, its hash changes
+def fingerprint(module=arithmetic) -> str:
+    """A built-in task's fingerprint: the generator's code is the data, its hash changes
     whenever the records may."""
-    return hashlib.sha256(Path(arithmetic.__file__).read_bytes()).hexdigest()
+    return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()
 
 
 def register() -> None:
@@ -91,6 +92,8 @@ def register() -> None:
     calling it again changes nothing)."""
     if not data.builtin_registered():
         data.register_builtin(records, fingerprint())
+    if not data.builtin_registered("builtin:shapes"):  # the image task (data only, so far)
+        data.register_builtin(shapes.records, fingerprint(shapes), "builtin:shapes")
     for name, (dims, proto) in BUILTIN_MODELS.items():
         if name not in model.TINY:
             model.register_builtin(name, dims, proto)

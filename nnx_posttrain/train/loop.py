@@ -16,7 +16,6 @@ import signal
 from pathlib import Path
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnx_posttrain import config as config_lib, errors, metrics_log, model, progress, sharding
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
@@ -154,12 +153,10 @@ def _record_start(run: Run) -> None:
 def compile_step(run: Run):
     """The jitted training step of ``run``: state donated, its shardings pinned (without that
     they drift after an update)."""
-    tx, lr = run.optimizer
     shardings = sharding.tree_shardings(run.state, run.mesh)
     return memory.CheckedStep(
-        jax.jit(step_lib.make_train_step(run.graphdef, run.algorithm.loss, tx, lr,
-                                         shardings["params"]),
-                donate_argnums=(0,), out_shardings=(shardings, NamedSharding(run.mesh, P()))),
+        step_lib.jit_train_step(run.graphdef, run.algorithm.loss, run.optimizer, shardings,
+                                run.mesh),
         run.cfg, console(run.echo))
 
 

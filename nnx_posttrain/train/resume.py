@@ -37,7 +37,8 @@ from nnx_posttrain.train import rundir
 
 IGNORED = {
     "run_dir", "resume", "eval_only", "resume_changed", "memory_check", "mesh.*",
-    "batching.num_workers", "checkpoint.async_save", "algo_name", "config", "report_to",
+    "batching.num_workers", "checkpoint.async_save", "algo_name", "config", "resolved_from",
+    "report_to",
     "host_allocator", "compile_cache",
 }
 ANNOUNCED = {

@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnx_posttrain import config as config_lib
 from nnx_posttrain.model import merge
@@ -121,6 +122,17 @@ def _updated(tx, grads, opt_state, params):
 
 def _kept(grads, opt_state, params):
     return params, opt_state
+
+
+def jit_train_step(graphdef, loss_fn, optimizer, state_shardings, mesh):
+    """The jitted training step, as the loop and ``nnx_posttrain.plan`` build it: the state
+    donated, its output shardings pinned to ``state_shardings`` (``sharding.tree_shardings`` of
+    the state; without that they drift after an update), the metrics replicated. ``optimizer``:
+    ``(tx, lr_schedule)`` as ``optimizer`` returns them."""
+    tx, lr = optimizer
+    step = make_train_step(graphdef, loss_fn, tx, lr, state_shardings["params"])
+    return jax.jit(step, donate_argnums=(0,),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())))
 
 
 def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):

@@ -48,7 +48,6 @@ def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
     import keras_hub
 
     from nnx_posttrain import model
-    from nnx_posttrain.model.load import _warm_up
     from nnx_posttrain.tasks import tokenizer as builtin_tokenizer
 
     keras.utils.set_random_seed(seed)
@@ -58,10 +57,8 @@ def build_task(spec: dict, dtype: str = "float32", seed: int = 0):
         **{k: spec[k] for k in BACKBONE_KEYS})
     task = keras_hub.models.GemmaCausalLM(
         backbone=backbone, preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tok))
-    _warm_up(backbone)
-    if hasattr(task, "_compiled_trainable_state"):  # see model.load._nnx_ready
-        del task._compiled_trainable_state
-    return task
+    model.warm_up(backbone)
+    return model.nnx_ready(task)
 
 
 def export(spec: dict, out_dir: str, seed: int) -> dict:
@@ -96,7 +93,8 @@ def _apply_flags(flags: list[str], algorithm) -> None:
 
 def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: int,
             logprob_chunk: int | None, flags: list[str], profile_steps: int = 0,
-            attention: str = "auto", cpu_devices: int = 1, probe_steps: int = 0) -> dict:
+            attention: str = "auto", cpu_devices: int = 1, probe_steps: int = 0,
+            trace_out: str | None = None) -> dict:
     import nnx_posttrain  # noqa: F401
     import jax
     import jax.numpy as jnp
@@ -133,7 +131,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     model.set_remat(module, "remat" in flags)  # the flag: --remat blocks; else none
     graphdef, params, frozen_model = model.split(module)
     optim = config_lib.OptimConfig(learning_rate=LEARNING_RATE, schedule="constant",
-                                   weight_decay=0.0, max_grad_norm=1.0)
+                                   warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
     total = 1 + warmup + steps
     tx, lr = train.optimizer(optim, total)
     frozen = train.place({"model": frozen_model, "reference": None}, mesh)
@@ -209,7 +207,11 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
 
         with tempfile.TemporaryDirectory() as trace_dir:
             profile_breakdown.trace_steps(run_step, profile_steps, trace_dir)
-            out["profile"] = profile_breakdown.breakdown(trace_dir, hlo, profile_steps)
+            # an accelerator's trace also holds the host's threads: only the program's operations
+            out["profile"] = profile_breakdown.breakdown(
+                trace_dir, hlo, profile_steps, program_only=jax.devices()[0].platform != "cpu")
+            if trace_out:  # the trace and the program, for a closer look elsewhere
+                profile_breakdown.keep(trace_dir, hlo, trace_out)
     return out
 
 
@@ -311,6 +313,9 @@ def main(argv=None):
                    help="after measuring, save the state as a run does and time N more steps")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after measuring, trace N steps and print where the time goes")
+    p.add_argument("--trace-out", default=None, metavar="PREFIX",
+                   help="with --profile: keep the trace as PREFIX.trace.json.gz and the compiled "
+                        "program as PREFIX.hlo.txt")
     args = p.parse_args(argv)
     _setup_platform(args.device)
     spec = json.loads(args.spec)
@@ -323,7 +328,7 @@ def main(argv=None):
         return
     result = measure(spec, args.case, args.steps, args.warmup, args.dtype, args.seed,
                      args.logprob_chunk, [f for f in args.flags.split(",") if f], args.profile,
-                     args.attention, args.cpu_devices, args.checkpoint_probe)
+                     args.attention, args.cpu_devices, args.checkpoint_probe, args.trace_out)
     if "profile" in result:
         from tools.bench import profile_breakdown
 

@@ -95,6 +95,17 @@ def _short(op_name: str) -> str:
     return op.replace(")", "")[-90:]
 
 
+def keep(trace_dir: str, hlo_text: str, prefix: str) -> None:
+    """Copy the trace in ``trace_dir`` to ``PREFIX.trace.json.gz`` and write ``hlo_text`` to
+    ``PREFIX.hlo.txt``: a trace to open in Perfetto, a program to read its operations in."""
+    import shutil
+
+    shutil.copyfile(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0],
+                    f"{prefix}.trace.json.gz")
+    with open(f"{prefix}.hlo.txt", "w") as f:
+        f.write(hlo_text)
+
+
 def trace_steps(run_step, steps: int, trace_dir: str) -> None:
     import jax
 

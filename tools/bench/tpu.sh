@@ -8,6 +8,7 @@
 #   bash tools/bench/tpu.sh small      # ours vs Tunix, tiny and medium, SFT and DPO, bfloat16
 #   bash tools/bench/tpu.sh large      # the ~1 B full fine-tune (2,048-token rows) and gemma_2b LoRA
 #   bash tools/bench/tpu.sh sampler    # decoding at gemma_2b's size, batch 16 / 64, 256 new tokens
+#   bash tools/bench/tpu.sh profile    # where the ~1 B SFT step's time goes, and variants of it
 #
 # Then, here: python -m tools.bench.record_tpu $OUT (results/bench_tpu*.json, the docs' tables).
 set -uo pipefail
@@ -35,7 +36,18 @@ for part in "$@"; do
           --batch $b --new-tokens 256 --prompt-len 64 --repeats 3 --temperature $t \
           --json "$OUT/sampler_b${b}_t${t}.json" 2>&1 | tee "$OUT/sampler_b${b}_t${t}.log"
       done; done ;;
-    *) echo "unknown part $part (tests, small, large, sampler)"; exit 2 ;;
+    profile)  # VARIANTS: name=ours.py's options;... (each: its log with the breakdown, a .tgz)
+      spec=$(python -c 'import json; from tools.bench.run import spec_of; print(json.dumps(spec_of("gemma_1b")))')
+      IFS=';' read -ra variants <<< "${VARIANTS:-default=}"
+      for v in "${variants[@]}"; do
+        name=${v%%=*}; read -ra extra <<< "${v#*=}"
+        python -m tools.bench.ours --spec "$spec" --case "${CASE:-sft}" --device tpu \
+          --dtype bfloat16-params --steps 4 --warmup 1 --profile 2 --trace-out "$OUT/prof_$name" \
+          "${extra[@]}" 2>&1 | tee "$OUT/prof_$name.log"
+        tar czf "$OUT/prof_$name.tgz" -C "$OUT" "prof_$name.log" "prof_$name.trace.json.gz" \
+          "prof_$name.hlo.txt" 2>/dev/null && rm -f "$OUT/prof_$name".{log,trace.json.gz,hlo.txt}
+      done ;;
+    *) echo "unknown part $part (tests, small, large, sampler, profile)"; exit 2 ;;
   esac
   echo "tpu.sh: $part took $(( $(date +%s) - start )) s" | tee -a "$OUT/parts.log"
 done

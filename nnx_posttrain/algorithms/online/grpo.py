@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from nnx_posttrain import config as config_lib
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
@@ -17,6 +18,13 @@ from nnx_posttrain.losses.grpo import GRPOOptions, PolicyInputs, clipped_policy_
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(SamplingConfig, GRPOOptions):
     """Group Relative Policy Optimization (Shao et al. 2024) and its variants (TRL's options)."""
+
+
+@dataclasses.dataclass
+class GRPORunConfig(config_lib.Config):
+    """A GRPO run's settings: the common ones, GRPO's own under ``algo``."""
+
+    algo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
 
 
 def scored_rewards(rollouts) -> np.ndarray:
@@ -41,6 +49,7 @@ def policy_inputs(algorithm: OnlineAlgorithm, module, batch) -> PolicyInputs:
 class GRPO(OnlineAlgorithm):
     name = "grpo"
     Config = GRPOConfig
+    RunConfig = GRPORunConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's GRPOTrainer
     min_generations = 2  # as TRL: a group of one has no advantage
     runs_tools = True

@@ -15,6 +15,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_posttrain import config as config_lib
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
@@ -38,11 +39,19 @@ class OnlineDPOConfig(SamplingConfig):
         return DPOOptions(beta=self.beta, loss_type=self.loss_type)
 
 
+@dataclasses.dataclass
+class OnlineDPORunConfig(config_lib.Config):
+    """An online DPO run's settings: the common ones, OnlineDPO's own under ``algo``."""
+
+    algo: OnlineDPOConfig = dataclasses.field(default_factory=OnlineDPOConfig)
+
+
 class OnlineDPO(OnlineAlgorithm):
     """Of each prompt's two samples the higher-reward one is chosen (ties: the first)."""
 
     name = "online_dpo"
     Config = OnlineDPOConfig
+    RunConfig = OnlineDPORunConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=5e-7))  # TRL's OnlineDPOTrainer
 
     def needs_reference(self):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_posttrain import config as config_lib
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
@@ -24,9 +25,17 @@ class PPOConfig(SamplingConfig, PPOOptions):
     num_generations: int = 1
 
 
+@dataclasses.dataclass
+class PPORunConfig(config_lib.Config):
+    """A PPO run's settings: the common ones, PPO's own under ``algo``."""
+
+    algo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+
+
 class PPO(OnlineAlgorithm):
     name = "ppo"
     Config = PPOConfig
+    RunConfig = PPORunConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=3e-6))  # TRL's PPOTrainer
     head = "value"  # nnx_posttrain.model.heads.PolicyWithValue
 

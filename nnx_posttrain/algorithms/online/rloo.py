@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from nnx_posttrain import config as config_lib
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.grpo import policy_inputs, scored_rewards
 from nnx_posttrain.algorithms.online.options import SamplingConfig
@@ -23,12 +24,20 @@ class RLOOConfig(SamplingConfig, RLOOOptions):
     num_generations: int = 4
 
 
+@dataclasses.dataclass
+class RLOORunConfig(config_lib.Config):
+    """An RLOO run's settings: the common ones, RLOO's own under ``algo``."""
+
+    algo: RLOOConfig = dataclasses.field(default_factory=RLOOConfig)
+
+
 class RLOO(OnlineAlgorithm):
     """The KL to the reference enters the reward (sequence sum of log pi_old - log pi_ref), not
     the loss; the loss has one clipped ratio per sequence (``losses.rloo.rloo_loss``)."""
 
     name = "rloo"
     Config = RLOOConfig
+    RunConfig = RLOORunConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's RLOOTrainer
     min_generations = 2  # the leave-one-out baseline needs another completion
     runs_tools = True

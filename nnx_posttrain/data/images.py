@@ -1,0 +1,318 @@
+"""Images of vision-language records: TRL 1.16's vision formats, read on the host (in the Grain
+workers, never in the training step).
+
+A record's images are its ``images`` column (a list) or its ``image`` column (one image), as TRL's
+vision collators read them; an image is a file path (relative to the data file's folder, else the
+current directory), a ``data:image/...;base64,`` string (JSONL has no bytes), raw bytes, a Hugging
+Face ``datasets`` ``Image`` feature as Arrow / Parquet store it (``{"bytes": ..., "path": ...}``),
+a PIL image or a ``uint8`` array (height, width[, channels]). Decoding uses Pillow.
+
+The conversation says where each image goes with ``{"type": "image"}`` content parts beside
+``{"type": "text", "text": ...}`` ones. As TRL's ``prepare_multimodal_messages``: when no part
+names an image, the images go before the text of the first user message whose content is a string;
+the number of image parts must equal the number of images. Content parts are then flattened into
+the string the family's chat template writes (Gemma 3: each text part trimmed, an image part its
+``<start_of_image>``), so ``chat.render`` sees strings as for any record.
+
+``ImageSpec`` is what a vision model's data needs: its KerasHub image converter (called here, on
+``uint8`` arrays, to resize and rescale), how many placeholder tokens an image takes and the
+tokens around them (``expand``: KerasHub's ``Gemma3CausalLMPreprocessor`` rule, applied to the
+rendered text before tokenization), and how many images a sequence may hold. ``ImageSpec`` is
+duck-typed: this package never imports keras (``ImageSpec.from_preprocessor`` reads the
+attributes of a KerasHub preprocessor it is given).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nnx_posttrain.data.errors import DataError
+
+IMAGE_COLUMNS = ("images", "image")
+# Conversational columns, in the order the images are placed (the conversation's opening).
+CONVERSATION_FIELDS = ("messages", "prompt", "chosen", "rejected", "completion")
+# What an image part becomes in the rendered text, per chat format (the family's template).
+IMAGE_MARKERS = {"gemma": "<start_of_image>"}
+
+
+def _where(record) -> str:
+    return record.get("_where", "?")
+
+
+@dataclass
+class ImageSpec:
+    """A vision model's image handling (picklable, for Grain workers): ``converter`` (a KerasHub
+    ``ImageConverter``, or any callable from ``uint8`` (n, h, w, 3) to (n, H, W, 3) with an
+    ``image_size``), ``tokens_per_image`` placeholder tokens per image between ``start`` and
+    ``end``, at most ``max_images`` per sequence."""
+
+    converter: object
+    tokens_per_image: int
+    max_images: int
+    start: str = "<start_of_image>"
+    placeholder: str = "<img>"
+    end: str = "<end_of_image>"
+
+    @classmethod
+    def from_preprocessor(cls, preprocessor) -> "ImageSpec":
+        """The spec of a KerasHub vision preprocessor (``Gemma3CausalLMPreprocessor`` with an
+        ``image_converter``)."""
+        tok = preprocessor.tokenizer
+        return cls(preprocessor.image_converter, int(preprocessor.num_vision_tokens_per_image),
+                   int(preprocessor.max_images_per_prompt), tok.start_of_image_token,
+                   tok.image_placeholder, tok.end_of_image_token)
+
+    def expand(self, text: str) -> str:
+        """``text`` with each ``start`` marker replaced by the image's token block, as KerasHub's
+        preprocessor does: ``"\\n\\n" + start + placeholder * n + end + "\\n\\n"``."""
+        block = f"\n\n{self.start}{self.placeholder * self.tokens_per_image}{self.end}\n\n"
+        return text.replace(self.start, block)
+
+    def pixels(self, arrays: list) -> np.ndarray:
+        """(``max_images``, H, W, 3) float32: each image resized and rescaled by the converter on
+        its own; the unused slots are the converter's output for a black image, as KerasHub's
+        preprocessor pads (computed once per process)."""
+        h, w = self.converter.image_size
+        out = np.empty((self.max_images, h, w, 3), np.float32)
+        for i, array in enumerate(arrays):
+            out[i] = np.asarray(self.converter(array[None]), np.float32)[0]
+        if len(arrays) < self.max_images:
+            if getattr(self, "_blank", None) is None:
+                blank = np.zeros((1, h, w, 3), np.uint8)
+                self._blank = np.asarray(self.converter(blank), np.float32)[0]
+            out[len(arrays):] = self._blank
+        return out
+
+
+def record_images(record: dict) -> tuple[str, list]:
+    """(column, raw values) of a record's images: its ``images`` list or its ``image``; none: []."""
+    where = _where(record)
+    if record.get("images") is not None:
+        if record.get("image") is not None:
+            raise DataError(f"{where}: fields 'images' and 'image' are both set: give one")
+        values = record["images"]
+        if not isinstance(values, (list, tuple)):
+            raise DataError(f"{where}: field 'images' must be a list of images, got "
+                            f"{type(values).__name__}")
+        return "images", list(values)
+    if record.get("image") is not None:
+        return "image", [record["image"]]
+    return "images", []
+
+
+def _base_dir(record) -> Path | None:
+    """The folder of the data file a record comes from (``_where`` is "path:line" / "path:row N")."""
+    path = Path(_where(record).rsplit(":", 1)[0])
+    return path.parent if path.is_file() else None
+
+
+def _open_path(path: str, base: Path | None, where: str, field: str) -> bytes:
+    """The bytes of an image file: an absolute path, or one relative to the data file's folder
+    (``base``), else to the current directory."""
+    candidates = [Path(path)]
+    if base is not None and not Path(path).is_absolute():
+        candidates.insert(0, base / path)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.read_bytes()
+    looked = ", ".join(str(c) for c in candidates)
+    raise DataError(f"{where}: field '{field}': no such image file {path!r} (looked for {looked})")
+
+
+def _raw_bytes(value, base, where, field) -> bytes | None:
+    """The encoded bytes of an image given as a path, a data URI, bytes or a ``datasets`` Image
+    feature dict; None for an image already decoded (PIL, array)."""
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        if value.get("path"):
+            return _open_path(value["path"], base, where, field)
+        raise DataError(f"{where}: field '{field}': an image with neither bytes nor a path")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        if value.startswith("data:"):
+            try:
+                return base64.b64decode(value.split(",", 1)[1], validate=True)
+            except (IndexError, binascii.Error):
+                raise DataError(f"{where}: field '{field}': a data URI that is not base64 "
+                                "(data:image/png;base64,...)") from None
+        return _open_path(value, base, where, field)
+    return None
+
+
+def decode(value, where: str = "?", field: str = "images[0]", base: Path | None = None):
+    """One image -> ``uint8`` (height, width, 3) RGB; a ``DataError`` naming the record and the
+    field for a missing file or bytes that are no image."""
+    from PIL import Image, UnidentifiedImageError
+
+    raw = _raw_bytes(value, base, where, field)
+    if raw is not None:
+        try:
+            with Image.open(io.BytesIO(raw)) as im:
+                return np.asarray(im.convert("RGB"), np.uint8)
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
+            raise DataError(f"{where}: field '{field}': not a readable image ({len(raw)} bytes: "
+                            f"{exc})") from None
+    if isinstance(value, Image.Image):
+        return np.asarray(value.convert("RGB"), np.uint8)
+    if isinstance(value, np.ndarray) and value.size and value.dtype == np.uint8 and (
+            value.ndim == 2 or value.ndim == 3 and value.shape[-1] in (1, 3, 4)):
+        array = value[..., 0] if value.ndim == 3 and value.shape[-1] == 1 else value
+        return np.asarray(Image.fromarray(array).convert("RGB"))  # grey, RGB or RGBA
+    raise DataError(f"{where}: field '{field}': not an image (a path, bytes, a datasets Image "
+                    f"feature, a PIL image or a uint8 array), got {type(value).__name__}")
+
+
+def _image_parts(content) -> int:
+    return sum(1 for p in content if isinstance(p, dict) and p.get("type") == "image") \
+        if isinstance(content, list) else 0
+
+
+def _place_images(messages: list, n: int) -> list:
+    """TRL's placement: ``n`` image parts before the text of the first user message with string
+    content (when no message has an image part)."""
+    out = list(messages)
+    for i, m in enumerate(out):
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str):
+            out[i] = dict(m, content=[{"type": "image"}] * n + [{"type": "text",
+                                                                  "text": m["content"]}])
+            break
+    return out
+
+
+def _count(record, field) -> int:
+    return sum(_image_parts(m.get("content")) for m in record.get(field) or []
+               if isinstance(m, dict) and m.get("role") != "tool")
+
+
+def _check_plain(record: dict, n: int, marker: str | None) -> dict:
+    """A record of plain strings: as in TRL's standard (not conversational) vision format, its
+    text names each image with the model's image token (``marker``, Gemma 3's
+    ``<start_of_image>``), in ``text``, the ``prompt``, or else (an implicit prompt) ``chosen``."""
+    field = next((f for f in ("text", "prompt", "chosen") if isinstance(record.get(f), str)), None)
+    found = record[field].count(marker) if marker and field else 0
+    if found != n:
+        named = f"{found} {marker} marker(s)" if marker else "no image marker (a text-only model)"
+        raise DataError(f"{_where(record)}: field 'images' holds {n} image(s) but field "
+                        f"'{field}' has {named}")
+    return record
+
+
+def place_images(record: dict, n: int, marker: str | None = None) -> dict:
+    """The record with its ``n`` images placed in its conversation (``_place_images``, when no
+    part names one) and their count checked against its ``{"type": "image"}`` parts. The images
+    are the prompt's: parts in ``messages``, ``prompt``, or (a pair with an implicit prompt) in
+    ``chosen`` and ``rejected`` alike; a completion holds none. A record of plain strings names
+    its images with ``marker`` in its text (``_check_plain``)."""
+    where = _where(record)
+    convo = [f for f in CONVERSATION_FIELDS if isinstance(record.get(f), list)]
+    if not convo:
+        return _check_plain(record, n, marker)
+    opening = [f for f in convo if f in ("messages", "prompt")][:1] or \
+        [f for f in convo if f in ("chosen", "rejected")]
+    out = dict(record)
+    if n and opening and not any(_count(record, f) for f in convo):
+        out.update({f: _place_images(record[f], n) for f in opening})
+    for f in convo:
+        if f not in opening and _count(out, f):
+            raise DataError(f"{where}: field '{f}' has {{'type': 'image'}} parts: the images "
+                            "belong to the prompt")
+    counts = [_count(out, f) for f in opening] or [0]
+    if len(set(counts)) > 1:
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' hold {counts[0]} and "
+                        f"{counts[1]} image parts: the prompt they share holds the images")
+    if counts[0] != n:
+        raise DataError(f"{where}: field 'images' holds {n} image(s) but the conversation has "
+                        f"{counts[0]} {{'type': 'image'}} part(s)")
+    return out
+
+
+def flatten(messages: list, chat_format: str, where: str, field: str) -> list:
+    """Messages whose content is a list of parts -> the same with string content: text parts
+    joined (trimmed each for ``gemma``, whose template trims them), image parts the format's
+    marker (``IMAGE_MARKERS``)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("content"), list)):
+            out.append(m)
+            continue
+        pieces = []
+        for j, part in enumerate(m["content"]):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                pieces.append(part["text"].strip() if chat_format == "gemma" else part["text"])
+            elif kind == "image" and chat_format in IMAGE_MARKERS:
+                pieces.append(IMAGE_MARKERS[chat_format])
+            elif kind == "image":
+                raise DataError(f"{where}: field '{field}': message {i} has an image; chat format "
+                                f"{chat_format!r} reads none (image markers: "
+                                f"{', '.join(IMAGE_MARKERS)})")
+            else:
+                raise DataError(f"{where}: field '{field}': message {i}, content part {j} must "
+                                "be {'type': 'text', 'text': str} or {'type': 'image'}, got "
+                                f"{part!r:.80}")
+        out.append(dict(m, content="".join(pieces)))
+    return out
+
+
+def prepare(record: dict, chat_format: str, spec: ImageSpec | None):
+    """(record, images): the record with its images placed (``place_images``) and every
+    conversation's content parts flattened to strings (``flatten``), and its images decoded
+    (``uint8`` arrays). A record with images is refused by a text-only model (``spec`` None)."""
+    where = _where(record)
+    column, values = record_images(record)
+    if values and spec is None:
+        raise DataError(f"{where}: field '{column}': this model reads no images (a text-only "
+                        "model; exact-match evaluation and sampling read text only so far): "
+                        "train a vision-language model, or leave the images out")
+    if spec is not None and len(values) > spec.max_images:
+        raise DataError(f"{where}: field '{column}' holds {len(values)} images, over the "
+                        f"{spec.max_images} a sequence of this model may hold")
+    out = place_images(record, len(values), spec.start if spec is not None else None)
+    for f in CONVERSATION_FIELDS:
+        if isinstance(out.get(f), list):
+            out[f] = flatten(out[f], chat_format, where, f)
+    base = _base_dir(record) if values else None
+    names = [f"images[{i}]" for i in range(len(values))] if column == "images" else ["image"]
+    return out, [decode(v, where, name, base) for v, name in zip(values, names)]
+
+
+def expand_segments(spec: ImageSpec | None, segs: list) -> list:
+    """Rendered segments with each image marker expanded to its token block (``ImageSpec.expand``)."""
+    return segs if spec is None else [(spec.expand(text), flag) for text, flag in segs]
+
+
+def image_tokens(ex: dict, keys: tuple, tok, spec: ImageSpec, n_images: int, where: str) -> None:
+    """In place: the image tokens of the example's sequence ``keys`` = (ids, loss mask or None,
+    attention, vision mask) kept out of the loss, and the vision mask (1 at each placeholder
+    token, KerasHub's ``vision_mask``) added; a sequence that cut an image's tokens (``max_length``) is
+    refused."""
+    ids_key, loss_key, attention_key, vision_key = keys
+    ids_of = [tok.token_id(t) for t in (spec.start, spec.placeholder, spec.end)]
+    if None in ids_of:
+        raise ValueError(f"the tokenizer has no single token for {spec.start!r}, "
+                         f"{spec.placeholder!r} or {spec.end!r}: not this vision model's")
+    ids, attention = ex[ids_key], ex[attention_key].astype(bool)
+    vision = (ids == ids_of[1]) & attention
+    if int(vision.sum()) != n_images * spec.tokens_per_image:
+        raise DataError(f"{where}: the sequence keeps {int(vision.sum())} of the "
+                        f"{n_images * spec.tokens_per_image} image tokens of its {n_images} "
+                        f"image(s) once cut to its length: raise max_length (or max_prompt_length)")
+    if loss_key is not None:
+        ex[loss_key][np.isin(ids, ids_of) & attention] = 0
+    ex[vision_key] = vision.astype(np.int32)
+
+
+def add_pixels(ex: dict, spec: ImageSpec | None, arrays: list) -> dict:
+    """The example with ``pixel_values`` and ``image_count`` (with a vision model only)."""
+    if spec is not None:
+        ex["pixel_values"] = spec.pixels(arrays)
+        ex["image_count"] = np.int32(len(arrays))
+    return ex
