@@ -165,3 +165,11 @@ def test_dpo_on_a_moe_model_adds_the_policys_aux_loss(presets, tmp_path):
                       "--init-from", "", "--run-dir", tmp_path, echo=lambda *_: None)
     first = support.records(tmp_path)[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-3) and first["aux_loss"] > 1.0
+
+
+@pytest.mark.slow
+def test_simpo_on_a_moe_model_adds_the_aux_loss(presets, tmp_path):
+    support.train_run("simpo", "--model", presets["qwen3_moe"], *STEPS, "--lora.rank", "2",
+                      "--algo.router-aux-loss-coef", "0.5", "--init-from", "",
+                      "--run-dir", tmp_path, echo=lambda *_: None)
+    assert support.records(tmp_path)[0]["aux_loss"] > 1.0
