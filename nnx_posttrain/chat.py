@@ -20,7 +20,8 @@ template, string and token ids. Deliberate differences (listed in the README):
 Tool calling (``TOOL_FORMATS``: Qwen 2.5, Qwen 3, Llama 3.1+, Gemma): ``tools`` (JSON schemas),
 assistant ``tool_calls`` and ``tool`` results are rendered as the Qwen and Llama templates' tool
 branches, and for Gemma (whose templates have none) as this package's convention (``_gemma``);
-the other formats refuse them by name.
+the other formats refuse them by name. The newer families' formats (Gemma 4 with its tool
+branch, Phi-3) are rendered in ``chat_formats``.
 
 An assistant segment is the message content (trimmed where the template trims it; with its tool
 calls as the template writes them) plus the
@@ -33,9 +34,10 @@ from __future__ import annotations
 
 import json
 
-from nnx_posttrain import errors
+from nnx_posttrain import chat_formats, errors
 
-FORMATS = ("gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "chatml", "mistral")
+FORMATS = ("gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "chatml", "mistral", "gemma4",
+           "phi3")
 
 # Marker that ends an assistant turn, per format (generation stops there).
 END_OF_TURN = {
@@ -46,12 +48,14 @@ END_OF_TURN = {
     "qwen3": "<|im_end|>",
     "chatml": "<|im_end|>",
     "mistral": "</s>",
+    "gemma4": "<turn|>",
+    "phi3": "<|end|>",
 }
 
 ROLES = ("system", "user", "assistant", "tool")
 # Formats that render tool calling (tools, assistant tool calls, tool results): the official
 # templates' tool branches, and gemma's convention (``_gemma``); the others refuse them.
-TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma")
+TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma", "gemma4")
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 LLAMA31_DATE = "26 Jul 2024"
@@ -60,7 +64,8 @@ LLAMA31_DATE = "26 Jul 2024"
 # The official template (nnx_posttrain/chat_templates) that renders each format as ``render``
 # does (tests/test_chat.py): what an exported model's tokenizer_config.json carries.
 HF_TEMPLATES = {"gemma": "gemma3", "llama3": "llama3", "llama3.1": "llama3.1",
-                "qwen2.5": "qwen2.5", "qwen3": "qwen3", "chatml": "chatml", "mistral": "mistral"}
+                "qwen2.5": "qwen2.5", "qwen3": "qwen3", "chatml": "chatml", "mistral": "mistral",
+                "gemma4": "gemma4", "phi3": "phi3"}
 
 
 class ChatFormatError(errors.DataError):
@@ -379,6 +384,10 @@ def render(messages, fmt: str, add_generation_prompt: bool = False,
         out = _llama3(messages, add_generation_prompt, dated=fmt == "llama3.1", tools=tools)
     elif fmt in ("chatml", "qwen2.5", "qwen3"):
         out = _chatml(messages, add_generation_prompt, fmt, tools)
+    elif fmt == "gemma4":
+        out = chat_formats.gemma4(messages, add_generation_prompt, tools)
+    elif fmt == "phi3":
+        out = chat_formats.phi3(messages, add_generation_prompt)
     else:
         out = _mistral(messages, add_generation_prompt)
     return _merge(out)

@@ -33,7 +33,7 @@ class LoraConfig:
     alpha: float | None = None
     """LoRA alpha (update scale alpha/rank); default: equal to the rank."""
     targets: str = "attention"
-    """Layers to adapt: 'qv', 'attention' (q, k, v, o), 'all-linear', or comma-separated layer names."""
+    """Layers to adapt: 'qv', 'attention' (q, k, v, o), 'mlp' (gate, up, down), 'all-linear', or comma-separated layer names."""
 
 
 @dataclasses.dataclass

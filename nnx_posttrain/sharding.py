@@ -8,9 +8,9 @@ The mesh has three axes, sized by ``--mesh.data / --mesh.fsdp / --mesh.tensor``:
 - ``tensor``: Megatron-style tensor parallelism — attention heads, the MLP's intermediate
   dimension and the vocabulary are split; the batch is replicated over it.
 
-One rule set covers KerasHub's decoder families: Gemma 1/2/3 (``decoder_block_i/attention/...``,
-q/k/v kernels laid out [heads, hidden, head_dim]) and Llama 3 / Mistral / Qwen 2 / 2.5 / 3
-(``transformer_layer_i/self_attention/...``, q/k/v kernels [hidden, heads, head_dim]). Each rule
+Each model family declares its rules (``families``): Gemma 1/2/3 (``decoder_block_i/attention/...``,
+q/k/v kernels laid out [heads, hidden, head_dim]), Llama 3 / Mistral / Qwen 2 / 2.5 / 3
+(``transformer_layer_i/self_attention/...``, q/k/v kernels [hidden, heads, head_dim]), ... Each rule
 names a *logical* axis per dimension; a dimension that does not divide by its mesh axis (gemma_2b
 has one key/value head) is replicated on that axis instead of failing — see ``spec_for``. LoRA
 factors follow their base kernel (A: the kernel's input dimensions, B: its output dimension);
@@ -27,30 +27,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import config as config_lib, errors
+from nnx_posttrain import config as config_lib, errors, families
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 F, T = "fsdp", "tensor"
 
-# (regular expression searched in the Keras path, logical axis of each dimension). First match wins.
-RULES: list[tuple[str, tuple]] = [
-    # token embedding [vocab, hidden]; Llama / Mistral's untied output embedding [hidden, vocab]
+# (regular expression searched in the Keras path, logical axis of each dimension). First match
+# wins: the embeddings, every family's own rules (``families``: anchored on their path names, so
+# no family's rule matches another's variables, which tests/test_families.py checks), the heads.
+COMMON_RULES: list[tuple[str, tuple]] = [
+    # token embedding [vocab, hidden]; an untied output embedding [hidden, vocab]
     (r"token_embedding/embeddings$", (T, F)),
     (r"token_embedding/reverse_embeddings$", (F, T)),
-    # Gemma 1/2/3: q/k/v [heads, hidden, head_dim], output [heads, head_dim, hidden]
-    (r"(^|/)attention/(query|key|value)/kernel$", (T, F, None)),
-    # Llama 3 / Mistral / Qwen: q/k/v [hidden, heads, head_dim]; Qwen 2 biases [heads, head_dim]
-    (r"self_attention/(query|key|value)/kernel$", (F, T, None)),
-    (r"attention/(query|key|value)/bias$", (T, None)),
-    (r"attention_output/kernel$", (T, None, F)),
-    # MLP: gate / up [hidden, intermediate], down [intermediate, hidden]
-    (r"(ffw_gating|ffw_gating_2|feedforward_gate_dense|feedforward_intermediate_dense)/kernel$", (F, T)),
-    (r"(ffw_gating|ffw_gating_2|feedforward_gate_dense|feedforward_intermediate_dense)/bias$", (T,)),
-    (r"(ffw_linear|feedforward_output_dense)/kernel$", (T, F)),
+]
+HEAD_RULES: list[tuple[str, tuple]] = [
     # scalar heads of reward / value models [hidden, 1]
     (r"(reward_head|value_head)/kernel$", (F, None)),
 ]
+RULES: list[tuple[str, tuple]] = COMMON_RULES + list(dict.fromkeys(
+    rule for family in families.FAMILIES.values() for rule in family.sharding)) + HEAD_RULES
 _COMPILED = [(re.compile(pattern), axes) for pattern, axes in RULES]
 
 

@@ -75,32 +75,19 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def _families():
-    """Tiny random backbones of every supported family, each with the feature its kernels must get
-    right: soft caps and a sliding window (Gemma 2), one kv head (Gemma), grouped heads, Qwen's
-    q/k/v biases, Qwen 3's q/k norms, Mistral's banded mask, Gemma 3's local / global layers."""
+    """Tiny random backbones of every family (``families``: each family's ``tiny`` variants), each
+    with the features its kernels must get right: soft caps and a sliding window (Gemma 2), one kv
+    head (Gemma), grouped heads, Qwen's q/k/v biases, Qwen 3's q/k norms, Mistral's banded mask,
+    Gemma 3's local / global layers, ..."""
     import keras_hub
 
-    common = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
-                  intermediate_dim=48, dtype="float32")
-    gemma = dict(common, head_dim=8)
-    return {
-        "gemma": lambda: keras_hub.models.GemmaBackbone(num_key_value_heads=1, **gemma),
-        "gemma2": lambda: keras_hub.models.GemmaBackbone(
-            num_key_value_heads=2, query_head_dim_normalize=False, use_post_ffw_norm=True,
-            use_post_attention_norm=True, attention_logit_soft_cap=5.0, final_logit_soft_cap=30.0,
-            use_sliding_window_attention=True, sliding_window_size=8, **gemma),
-        "llama3": lambda: keras_hub.models.Llama3Backbone(num_key_value_heads=2, **common),
-        "qwen2": lambda: keras_hub.models.QwenBackbone(
-            num_key_value_heads=2, use_sliding_window_attention=True, sliding_window_size=8,
-            **common),
-        "qwen3": lambda: keras_hub.models.Qwen3Backbone(num_key_value_heads=1, head_dim=8,
-                                                        **common),
-        "mistral": lambda: keras_hub.models.MistralBackbone(num_key_value_heads=2,
-                                                            sliding_window=8, **common),
-        "gemma3": lambda: keras_hub.models.Gemma3Backbone(
-            image_size=None, num_key_value_heads=1, use_sliding_window_attention=True,
-            sliding_window_size=8, **gemma),  # q/k norms, local and global layers
-    }
+    from nnx_posttrain import families
+
+    def builder(family, kwargs):
+        return lambda: getattr(keras_hub.models, family.backbone)(dtype="float32", **kwargs)
+
+    return {variant: builder(family, kwargs) for family in families.FAMILIES.values()
+            for variant, kwargs in family.tiny.items()}
 
 
 TINY_FAMILIES = _families()

@@ -10,12 +10,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "nnx_posttrain"
 
 # model -> data -> losses -> algorithms -> train (DESIGN.md). A package may import packages of its
-# own layer and below; the shared modules (errors, config, chat, sharding, checkpoint,
+# own layer and below; the shared modules (errors, config, chat, families, sharding, checkpoint,
 # metrics_log, progress) are below everything; agents (tool calling) beside the sampler; tasks
 # (the built-in tasks) and runs sit above algorithms, below train; plan (a run's step compiled ahead of time) above train; the Python API and the command line are the library's users, on top.
 LAYERS = [
     {"errors"},
-    {"config", "config_files", "chat", "metrics_log", "progress", "user_code", "cpu_host"},
+    {"config", "config_files", "chat", "metrics_log", "progress", "user_code", "cpu_host", "families", "chat_formats"},
     {"sharding"},
     {"model"},
     {"checkpoint"},

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 import support
 from nnx_posttrain import model
-from nnx_posttrain.model import attention, blocks
+from nnx_posttrain.model import attention
 
 SEQ = 24  # long enough for the sliding windows below (8) to cut
 
@@ -38,16 +38,9 @@ def _inputs(packed: bool, length: int = SEQ):
 
 
 def _kerashub_hidden(bb, ids, mask, seg):
-    """KerasHub's own attention as its layers are written (the reference)."""
-    window = getattr(model.decoder_blocks(bb)[0], "sliding_window", None)
-    if seg is not None and window:
-        # Mistral's window lives in the block's mask method, which KerasHub's packed-row mask
-        # (blocks.segment_attention_mask) replaces: the reference applies both
-        pos = np.arange(ids.shape[1])
-        band = (pos[:, None] - pos[None, :] < window)[None]
-        packed_mask = model.segment_attention_mask(jnp.asarray(seg)) * band
-        with blocks._attention_mask_override(bb, packed_mask):
-            return bb({"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)})
+    """KerasHub's own attention as its layers are written (the reference): packed rows through
+    each block's own mask (causal, padding, window) restricted to the examples
+    (``blocks._attention_mask_override``)."""
     with support.kerashub_as_written():
         return model.hidden_states(bb, jnp.asarray(ids), jnp.asarray(mask),
                                    None if seg is None else jnp.asarray(seg))
@@ -71,9 +64,16 @@ def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
 @pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_xla_path_equals_kerashub_attention(backbone, packed):
-    """float32, 1e-5: the hidden states at every real position."""
+    """float32, 2e-5 of the states' scale: the hidden states at every real position (Gemma 4's
+    unscaled attention of normed queries and keys rounds differently from its own einsums; in
+    float64 the two agree exactly)."""
     want = _hidden(backbone, "keras", packed)
-    np.testing.assert_allclose(_hidden(backbone, "xla", packed), want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_hidden(backbone, "xla", packed), want, atol=_tolerance(want),
+                               rtol=1e-5)
+
+
+def _tolerance(want, relative=2e-5):
+    return relative * max(1.0, float(np.abs(want).max()))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
@@ -81,7 +81,7 @@ def test_splash_kernel_equals_kerashub_attention(backbone, packed):
     """Pallas splash attention in interpret mode (its blocks need 128 positions)."""
     want = _hidden(backbone, "keras", packed, length=128)
     got = _hidden(backbone, "splash", packed, interpret=True, length=128)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, want, atol=_tolerance(want), rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -105,7 +105,7 @@ def test_gradients_equal_kerashub_attention(backbone):
     for chunk in (512, 8):
         got = jax.grad(loss)(params, "xla", chunk)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
+            np.testing.assert_allclose(a, b, atol=_tolerance(b, 2e-4), rtol=2e-4)
 
 
 @pytest.mark.slow
@@ -145,12 +145,23 @@ def test_auto_resolves_per_platform_and_falls_back_by_rule():
         attention.resolve(gemma, "flash", "cpu")
 
 
-def test_unknown_attention_layers_keep_kerashub():
+def test_unknown_families_and_image_towers_keep_kerashub():
+    """Only a backbone of a known family (``families``) takes a kernel here, never one whose
+    attention merely looks familiar: PaliGemma's decoder is Gemma's, but its image prefix attends
+    bidirectionally (its tower is ``vit_encoder``), which the kernels would silently drop."""
     bb = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
                                        intermediate_dim=32, max_sequence_length=32, dropout=0.0)
     impl, why = attention.resolve(bb, "auto", "cpu")
-    assert impl == "keras" and "not a known attention layer" in why
+    assert impl == "keras" and why == "GPT2Backbone is not a known model family"
     assert model.set_attention(bb, "xla") == f"attention: keras ({why})"
+    pali = keras_hub.models.PaliGemmaBackbone(
+        vocabulary_size=64, image_size=16, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8, vit_patch_size=8, vit_num_heads=2,
+        vit_hidden_dim=16, vit_num_layers=1)
+    assert attention.resolve(pali, "xla", "cpu")[0] == "keras"
+    object.__setattr__(pali, "__class__", type("GemmaBackbone", (type(pali),), {}))
+    assert attention.resolve(pali, "xla", "cpu") == (
+        "keras", "image tokens attend bidirectionally or as a prefix (a vit_encoder)")
 
 
 def test_no_t_by_t_mask_in_the_packed_forward():

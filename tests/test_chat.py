@@ -253,11 +253,14 @@ OFFICIAL = {
     "qwen3": [("qwen3", True)],
     "chatml": [("chatml", True)],
     "mistral": [("mistral", False)],
+    "gemma4": [("gemma4", True)],
+    "phi3": [("phi3", True)],
 }
 SPECIAL = {  # bos, eos of the official rendering
     "gemma": ("<bos>", "<eos>"), "llama3": ("<|begin_of_text|>", "<|end_of_text|>"),
     "llama3.1": ("<|begin_of_text|>", "<|end_of_text|>"), "qwen2.5": ("", "<|im_end|>"),
     "qwen3": ("", "<|im_end|>"), "chatml": ("", "<|im_end|>"), "mistral": ("<s>", "</s>"),
+    "gemma4": ("<bos>", "<eos>"), "phi3": ("", "<|endoftext|>"),
 }
 SYS = {"role": "system", "content": "You are terse."}
 U1, A1 = {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}
@@ -343,7 +346,9 @@ def family_tokenizer(fmt):
     from nnx_posttrain import model
     from tools import make_preset
 
-    if fmt in ("gemma", "mistral", "chatml"):
+    if fmt == "gemma4":
+        return model.Tokenizer(make_preset.TOKENIZERS["sentencepiece-gemma4"](4096))
+    if fmt in ("gemma", "mistral", "chatml", "phi3"):
         return model.Tokenizer(keras_hub.models.GemmaTokenizer(proto=make_preset.gemma_proto(4096)))
     if fmt.startswith("llama3"):
         return model.Tokenizer(make_preset.llama3_tokenizer(4096))
@@ -359,7 +364,7 @@ def official_ids(tok, fmt, text):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("fmt", ["gemma", "llama3", "llama3.1", "qwen2.5", "qwen3"])
+@pytest.mark.parametrize("fmt", ["gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "gemma4"])
 def test_pipeline_token_ids_equal_the_official_template_tokenized(fmt, case):
     from nnx_posttrain import data
     from nnx_posttrain.sampling import sampler
@@ -418,7 +423,8 @@ TOOL_CASES = {  # name -> (messages, add_generation_prompt)
          {"role": "tool", "content": "444"}, {"role": "tool", "content": "444"},
          {"role": "assistant", "content": "444."}], False),
 }
-TOOL_OFFICIAL = {"qwen2.5": ["qwen2.5"], "qwen3": ["qwen3"], "llama3.1": ["llama3.1", "llama3.2"]}
+TOOL_OFFICIAL = {"qwen2.5": ["qwen2.5"], "qwen3": ["qwen3"], "llama3.1": ["llama3.1", "llama3.2"],
+                 "gemma4": ["gemma4"]}
 
 
 def render_with_transformers(name, fmt, messages, prompt, tools):
@@ -450,7 +456,7 @@ def test_tool_conversations_render_as_the_official_templates(fmt, case):
     # the loss: the assistant's text and calls with their end-of-turn marker, never a result
     flagged = [t for t, f in chat.render(messages, fmt, tools=[TOOL]) if f]
     assert flagged and not any("444\n</tool_response>" in t or '"444"' in t for t in flagged)
-    assert any('"multiply"' in t for t in flagged)
+    assert any('"multiply"' in t or "call:multiply{" in t for t in flagged)
 
 
 @pytest.mark.parametrize("fmt", sorted(TOOL_OFFICIAL))

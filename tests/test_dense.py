@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 import support
-from nnx_posttrain import model
+from nnx_posttrain import families, model
 from nnx_posttrain.model import dense
+from nnx_posttrain.model.blocks import backbone_inputs
 
 
 @pytest.fixture(scope="module", params=list(support.TINY_FAMILIES))
@@ -17,17 +18,17 @@ def backbone(request):
     return support.tiny_backbone(request.param)
 
 
-def _inputs():
+def _inputs(bb):
     rng = np.random.default_rng(0)
     ids = rng.integers(1, 64, size=(2, 12)).astype(np.int32)
     mask = np.ones((2, 12), np.int32)
     mask[1, :3] = 0
-    return {"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)}
+    return backbone_inputs(bb, jnp.asarray(ids), jnp.asarray(mask))
 
 
 def _grads(bb, own: bool, split=model.split):
     graphdef, params, rest = split(bb)
-    inputs = _inputs()
+    inputs = _inputs(bb)
 
     def loss(params):
         module = nnx.merge(graphdef, params, rest)
@@ -44,9 +45,15 @@ def _grads(bb, own: bool, split=model.split):
 
 
 def test_every_family_has_its_projections_overridden(backbone):
-    """q, k, v, o and the MLP's three: seven per block in every supported family."""
+    """Every projection a block calls as a layer (q, k, v, o and the MLP's three in most
+    families; not those Gemma 4's blocks read as arrays), each one matmul of its kernel."""
+    family = families.of(backbone)
     for block in model.decoder_blocks(backbone):
-        assert len(dense.projections(block)) == 7, [l.name for l in dense.projections(block)]
+        names = [layer.name for layer in dense.projections(block)]
+        if family.name in ("gemma", "gemma3", "llama2", "llama3", "mistral", "qwen2", "qwen3"):
+            assert len(names) == 7, names
+        present = {l.name for l in block._flatten_layers(include_self=False)}
+        assert set(family.lora["attention"]) & present <= set(names), names
         assert all(dense._plan(dense._equation(layer, 3)) for layer in dense.projections(block))
 
 

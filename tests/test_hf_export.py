@@ -15,7 +15,7 @@ import keras_hub
 import numpy as np
 import pytest
 
-from nnx_posttrain import model
+from nnx_posttrain import families, model
 from nnx_posttrain.export import hf as hf_export
 from tools import make_preset
 
@@ -62,9 +62,15 @@ BACKBONES = {
                                      num_key_value_heads=2, hidden_dim=32, head_dim=16,
                                      intermediate_dim=64, tie_word_embeddings=False),
 }
+# the newer families: their tests' tiny configurations (``families``), with this vocabulary
+NEWER = {"gemma4": "gemma4", "gemma4_kv": "gemma4", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+BACKBONES.update({variant: (lambda f=family, v=variant: getattr(M, families.FAMILIES[f].backbone)(
+    **dict(families.FAMILIES[f].tiny[v], vocabulary_size=V))) for variant, family in NEWER.items()})
 MODEL_TYPE = {"gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
               "gemma3": "gemma3_text", "llama3": "llama", "llama3.1_tied": "llama",
-              "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3"}
+              "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3",
+              "gemma4": "gemma4_text", "gemma4_kv": "gemma4_text", "qwen3_moe": "qwen3_moe",
+              "mixtral": "mixtral"}
 
 
 def randomized(backbone, seed=0):
@@ -111,6 +117,18 @@ def test_export_round_trips_through_transformers(name, tmp_path):
     theirs, _ = hf_logits(tmp_path)
     assert np.abs(ours).max() > 1.0  # a scale at which a wrong mapping shows
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(NEWER))
+def test_an_export_of_a_newer_family_loads_back_through_kerashubs_converter(name, tmp_path):
+    """What transformers reads, KerasHub's converter reads too (``--model HF_DIR``): the
+    published config keys, not only what transformers 5.24 writes (research P10)."""
+    backbone = randomized(BACKBONES[name]())
+    hf_export.export_model(task_of(backbone), tmp_path, "float32")
+    reloaded = keras_hub.models.Backbone.from_preset(str(tmp_path), dtype="float32")
+    assert type(reloaded) is type(backbone)
+    np.testing.assert_allclose(model.full_logits(reloaded, IDS, MASK),
+                               model.full_logits(backbone, IDS, MASK), atol=1e-5)
 
 
 def test_gemma2_export_is_gemma2_with_every_feature(tmp_path):

@@ -69,6 +69,34 @@ def test_an_embedding_is_quantized_a_block_of_rows_at_a_time_to_the_same_values(
                                   np.asarray(whole_scale, np.float32))
 
 
+def test_an_untied_output_embedding_is_quantized_per_vocabulary_column_and_dequantizes():
+    """Llama 3 8B, Mistral and the MoE families have an untied output table [hidden, vocab]:
+    Keras quantizes it with the embedding's quantizer, one scale per vocabulary column (its own
+    default), which the row-block quantizer gives too, a block of columns at a time."""
+    import keras
+    import keras_hub
+
+    from nnx_posttrain.model.quantize import RowBlockQuantizer
+
+    keras.utils.set_random_seed(0)
+    make = lambda: keras_hub.models.Llama3Backbone(  # noqa: E731
+        vocabulary_size=300, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, tie_word_embeddings=False)
+    bb = make()
+    table = bb.token_embedding.reverse_embeddings
+    whole, whole_scale = keras.quantizers.AbsMaxQuantizer(axis=0)(table, to_numpy=True)
+    cols, cols_scale = RowBlockQuantizer(rows=64, output_of=bb.token_embedding)(table)
+    np.testing.assert_array_equal(np.asarray(cols), np.asarray(whole))
+    np.testing.assert_array_equal(np.asarray(cols_scale), np.asarray(whole_scale))
+    before = _logits(bb)
+    assert model.quantize(bb, "int8") == 8  # q, k, v, o, 3 MLP, the embedding (both tables)
+    after = _logits(bb)
+    assert np.abs(after - before).max() < 0.05 * np.abs(before).max()
+    plain = make()
+    model.dequantized_into(bb, plain)
+    np.testing.assert_allclose(_logits(plain), after, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16-params"])
 def test_an_int8_vocabulary_projection_a_block_of_rows_at_a_time_is_keras_own(monkeypatch, dtype):
     import importlib

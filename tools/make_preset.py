@@ -14,8 +14,8 @@ offline). ``--scale F`` shrinks the width, head size, MLP and depth by F (the vo
 head counts stay): the small version of the same path that the tests run. ``--config-only``
 writes the preset without its weight file (config, metadata, tokenizer: a few MB whatever the
 size): enough for ``nnx-posttrain plan``, which builds the model abstractly and reads no weight.
-The dimensions are those of the published presets' config.json (KerasHub's Gemma
-``intermediate_dim`` is twice Hugging Face's ``intermediate_size``: gate and up together).
+The dimensions are those of the published presets' config.json, kept with each family
+(``nnx_posttrain.families``: ``Family.presets``).
 """
 
 from __future__ import annotations
@@ -29,56 +29,28 @@ import string
 import time
 from pathlib import Path
 
+from nnx_posttrain import families
 from tools import ToolError, command
 
-# what Gemma 2's published configs share: head size 256 and its scaling, the post norms, the
-# logit soft caps, local attention every other layer over 4,096 tokens
-GEMMA2 = dict(head_dim=256, query_head_dim_normalize=True, use_post_ffw_norm=True,
-              use_post_attention_norm=True, final_logit_soft_cap=30.0,
-              attention_logit_soft_cap=50.0, use_sliding_window_attention=True,
-              sliding_window_size=4096)
-
-# name -> (family, KerasHub backbone arguments, tokenizer size)
-LIKE = {
-    "gemma_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=18, num_query_heads=8,
-                               num_key_value_heads=1, hidden_dim=2048, intermediate_dim=32_768,
-                               head_dim=256), 256_000),
-    "gemma_7b": ("gemma", dict(vocabulary_size=256_000, num_layers=28, num_query_heads=16,
-                               num_key_value_heads=16, hidden_dim=3072, intermediate_dim=49_152,
-                               head_dim=256), 256_000),
-    "gemma2_9b": ("gemma", dict(vocabulary_size=256_000, num_layers=42, num_query_heads=16,
-                                num_key_value_heads=8, hidden_dim=3584, intermediate_dim=28_672,
-                                **GEMMA2),
-                  256_000),
-    "llama3_8b": ("llama3", dict(vocabulary_size=128_256, num_layers=32, num_query_heads=32,
-                                 num_key_value_heads=8, hidden_dim=4096, intermediate_dim=14_336,
-                                 rope_max_wavelength=500_000, layer_norm_epsilon=1e-5), 128_256),
-    "gemma2_2b": ("gemma", dict(vocabulary_size=256_000, num_layers=26, num_query_heads=8,
-                                num_key_value_heads=4, hidden_dim=2304, intermediate_dim=18_432,
-                                **GEMMA2),
-                  256_000),
-    "llama3.2_1b": ("llama3", dict(vocabulary_size=128_256, num_layers=16, num_query_heads=32,
-                                   num_key_value_heads=8, hidden_dim=2048, intermediate_dim=8192,
-                                   rope_max_wavelength=500_000,
-                                   rope_frequency_adjustment_factor=32.0,
-                                   rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                                   rope_pretraining_sequence_length=8192,
-                                   layer_norm_epsilon=1e-5, tie_word_embeddings=True), 128_256),
-    # Qwen's embedding has 151,936 rows for 151,665 tokens (padded for the hardware)
-    "qwen2.5_0.5b": ("qwen", dict(vocabulary_size=151_936, num_layers=24, num_query_heads=14,
-                                  num_key_value_heads=2, hidden_dim=896, intermediate_dim=4864,
-                                  rope_max_wavelength=1_000_000, layer_norm_epsilon=1e-6,
-                                  tie_word_embeddings=True), 151_665),
-    "qwen3_0.6b": ("qwen3", dict(vocabulary_size=151_936, num_layers=28, num_query_heads=16,
-                                 num_key_value_heads=8, hidden_dim=1024, head_dim=128,
-                                 intermediate_dim=3072, rope_max_wavelength=1_000_000,
-                                 layer_norm_epsilon=1e-6, tie_word_embeddings=True), 151_669),
-}
+# name -> (family, KerasHub backbone arguments, tokenizer size): every family's presets
+# (``nnx_posttrain.families``: ``Family.presets``)
+LIKE = {like: (family.name, preset.dims, preset.tokens)
+        for like, (family, preset) in families.presets().items()}
 
 # ----------------------------------------------------------------------------- tokenizers
 
 GEMMA_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
                  106: "<start_of_turn>", 107: "<end_of_turn>"}
+# Gemma 4's chat, tool and thinking markers (user-defined: single tokens in text); <|turn> /
+# <turn|> at 105 / 106, the others at ids of this package's choosing
+GEMMA4_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
+                  **{46 + i: m for i, m in enumerate((
+                      "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                      "<tool_response|>", '<|"|>', "<|channel>", "<channel|>"))},
+                  105: "<|turn>", 106: "<turn|>"}
+GPT_OSS_SPECIAL = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                   "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>")
+PHI3_SPECIAL = ("<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>")
 LLAMA3_SPECIAL = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
                   6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>",
                   9: "<|eot_id|>", 10: "<|python_tag|>"}  # offsets from 128,000
@@ -122,8 +94,8 @@ def gemma_proto(vocab_size: int = 256_000) -> bytes:
 @functools.cache
 def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
     """A SentencePiece BPE model of exactly ``vocab_size`` pieces: ``gemma``'s layout (see
-    ``gemma_proto``) or ``llama``'s (Llama 2 / Mistral: unk 0, <s> 1, </s> 2, SentencePiece's
-    dummy prefix on), byte fallback, generated merges."""
+    ``gemma_proto``; ``gemma4``: Gemma 4's markers, ``GEMMA4_SPECIAL``) or ``llama``'s (Llama 2 / Mistral: unk 0, <s> 1, </s> 2, SentencePiece's
+    dummy prefix on; ``phi3``: with Phi-3's chat markers), byte fallback, generated merges."""
     from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
     P = spm_pb2.ModelProto.SentencePiece
@@ -134,24 +106,27 @@ def sentencepiece_proto(vocab_size: int, layout: str = "gemma") -> bytes:
     n = proto.normalizer_spec
     n.name, n.remove_extra_whitespaces, n.escape_whitespaces = "identity", False, True
     pieces: list[tuple[str, int]] = []
-    if layout == "gemma":
+    if layout in ("gemma", "gemma4"):
+        specials = GEMMA_SPECIAL if layout == "gemma" else GEMMA4_SPECIAL
         t.pad_id, t.eos_id, t.bos_id, t.unk_id = 0, 1, 2, 3
         t.pad_piece, t.eos_piece, t.bos_piece, t.unk_piece = "<pad>", "<eos>", "<bos>", "<unk>"
         n.add_dummy_prefix = False
         special_type = {"<pad>": P.CONTROL, "<eos>": P.CONTROL, "<bos>": P.CONTROL,
                         "<unk>": P.UNKNOWN}
-        for i in range(max(GEMMA_SPECIAL) + 1):
-            name = GEMMA_SPECIAL.get(i, f"<unused{i}>")
-            kind = special_type.get(name, P.USER_DEFINED if i in GEMMA_SPECIAL else P.CONTROL)
+        for i in range(max(specials) + 1):
+            name = specials.get(i, f"<unused{i}>")
+            kind = special_type.get(name, P.USER_DEFINED if i in specials else P.CONTROL)
             pieces.append((name, kind))
         pieces += [("\n", P.USER_DEFINED), ("\n\n", P.USER_DEFINED)]
-    elif layout == "llama":
+    elif layout in ("llama", "phi3"):
         t.unk_id, t.bos_id, t.eos_id, t.pad_id = 0, 1, 2, -1
         t.unk_piece, t.bos_piece, t.eos_piece = "<unk>", "<s>", "</s>"
         n.add_dummy_prefix = True
         pieces += [("<unk>", P.UNKNOWN), ("<s>", P.CONTROL), ("</s>", P.CONTROL)]
+        if layout == "phi3":  # Phi-3's chat markers (its ids are 32,000 and up; ours follow </s>)
+            pieces += [(m, P.USER_DEFINED) for m in PHI3_SPECIAL]
     else:
-        raise ValueError(f"layout must be 'gemma' or 'llama', got {layout!r}")
+        raise ValueError(f"layout must be 'gemma', 'gemma4', 'llama' or 'phi3', got {layout!r}")
     pieces += [(f"<0x{b:02X}>", P.BYTE) for b in range(256)]
     symbols = [c if c != " " else "\u2581" for c in _ALPHABET if c not in "\n"]
     pieces += [(s, P.NORMAL) for s in symbols]
@@ -214,6 +189,17 @@ def llama3_tokenizer(vocab_size: int = 128_256):
         misc_special_tokens={"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"})
 
 
+def gpt_oss_tokenizer(vocab_size: int = 200_019):
+    """A GptOssTokenizer of ``vocab_size`` tokens: byte-level BPE and the harmony format's
+    special tokens at the end (``GPT_OSS_SPECIAL``; o200k_harmony's ids are 199,998 and up)."""
+    import keras_hub
+
+    first = vocab_size - len(GPT_OSS_SPECIAL)
+    vocab, merges = byte_bpe(first - 256, {first + i: n for i, n in enumerate(GPT_OSS_SPECIAL)})
+    return keras_hub.models.GptOssTokenizer(vocabulary=vocab, merges=merges,
+                                            unsplittable_tokens=list(GPT_OSS_SPECIAL))
+
+
 def qwen_tokenizer(vocab_size: int = 151_665, qwen3: bool = False):
     """A QwenTokenizer (Qwen3Tokenizer) of ``vocab_size`` tokens: byte-level BPE and Qwen's
     special tokens at the end (``<|endoftext|>`` first, ``<|im_start|>``, ``<|im_end|>``, ...)."""
@@ -258,8 +244,17 @@ def scaled(dims: dict, scale: float) -> dict:
         out["hidden_dim"] = r8(dims["hidden_dim"], 16)
     else:  # hidden = heads x head size
         out["hidden_dim"] = heads * new_head
-    if "sliding_window_size" in dims:
-        out["sliding_window_size"] = max(16, round(dims["sliding_window_size"] * scale))
+    for key in ("sliding_window_size", "sliding_window"):
+        if dims.get(key):
+            out[key] = max(16, round(dims[key] * scale))
+    for key, low in (("global_head_dim", 8), ("moe_intermediate_dim", 16),
+                     ("expert_intermediate_dim", 16), ("hidden_size_per_layer_input", 8)):
+        if dims.get(key):  # Gemma 4's global layers, the experts, per-layer inputs
+            out[key] = r8(dims[key], low)
+    if dims.get("num_kv_shared_layers"):  # Gemma 4 E2B / E4B: a share of the layers, not all
+        share = dims["num_kv_shared_layers"] / dims["num_layers"]
+        out["num_kv_shared_layers"] = min(out["num_layers"] - 1,
+                                          max(1, round(out["num_layers"] * share)))
     return out
 
 
@@ -323,27 +318,39 @@ def _save_config_only(task, out: Path) -> None:
     task.preprocessor.save_to_preset(str(out))
 
 
-def _task(family: str, dims: dict, tokens: int, dtype: str):
-    """The KerasHub causal LM of ``family`` with backbone ``dims`` and a synthetic tokenizer of
-    ``tokens`` ids (random weights)."""
+# synthetic tokenizer kind (``Family.tokenizer``) -> tokenizer of that many tokens
+TOKENIZERS = {
+    "sentencepiece-gemma": lambda n: _sentencepiece("GemmaTokenizer", gemma_proto(n)),
+    "sentencepiece-gemma3": lambda n: _sentencepiece("Gemma3Tokenizer", gemma_proto(n),
+                                                     has_vision_tokens=False),
+    "sentencepiece-gemma4": lambda n: _sentencepiece(
+        "Gemma4Tokenizer", sentencepiece_proto(n, "gemma4"), has_vision_tokens=False,
+        has_video_tokens=False),
+    "sentencepiece-llama": lambda n: _sentencepiece("LlamaTokenizer", sentencepiece_proto(n, "llama")),
+    "sentencepiece-phi3": lambda n: _sentencepiece("Phi3Tokenizer", sentencepiece_proto(n, "phi3")),
+    "bpe-gpt_oss": lambda n: gpt_oss_tokenizer(n),
+    "bpe-llama3": lambda n: llama3_tokenizer(n),
+    "bpe-qwen2": lambda n: qwen_tokenizer(n),
+    "bpe-qwen3": lambda n: qwen_tokenizer(n, qwen3=True),
+}
+
+
+def _sentencepiece(cls: str, proto: bytes, **kwargs):
     import keras_hub
 
-    models = keras_hub.models
-    if family == "gemma":
-        tokenizer = models.GemmaTokenizer(proto=gemma_proto(tokens))
-        backbone = models.GemmaBackbone(dtype=dtype, **dims)
-        return models.GemmaCausalLM(backbone, models.GemmaCausalLMPreprocessor(tokenizer))
-    if family == "llama3":
-        tokenizer = llama3_tokenizer(tokens)
-        backbone = models.Llama3Backbone(dtype=dtype, **dims)
-        return models.Llama3CausalLM(backbone, models.Llama3CausalLMPreprocessor(tokenizer))
-    if family == "qwen":
-        tokenizer = qwen_tokenizer(tokens)
-        backbone = models.QwenBackbone(dtype=dtype, **dims)
-        return models.QwenCausalLM(backbone, models.QwenCausalLMPreprocessor(tokenizer))
-    tokenizer = qwen_tokenizer(tokens, qwen3=True)
-    backbone = models.Qwen3Backbone(dtype=dtype, **dims)
-    return models.Qwen3CausalLM(backbone, models.Qwen3CausalLMPreprocessor(tokenizer))
+    return getattr(keras_hub.models, cls)(proto=proto, **kwargs)
+
+
+def _task(family: str, dims: dict, tokens: int, dtype: str):
+    """The KerasHub causal LM of ``family`` (a ``families.FAMILIES`` name) with backbone
+    ``dims`` and a synthetic tokenizer of ``tokens`` ids (random weights)."""
+    import keras_hub
+
+    fam = families.FAMILIES[family]
+    task, preprocessor, _ = (getattr(keras_hub.models, c) for c in fam.classes)
+    tokenizer = TOKENIZERS[fam.tokenizer](tokens)
+    backbone = getattr(keras_hub.models, fam.backbone)(dtype=dtype, **dims)
+    return task(backbone=backbone, preprocessor=preprocessor(tokenizer))
 
 
 @command

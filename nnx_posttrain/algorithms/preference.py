@@ -14,7 +14,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequence_logps: re-exported)
     PairAlgorithm,
     nll_terms,
@@ -24,6 +24,7 @@ from nnx_posttrain.algorithms.pairs import (  # noqa: F401  (pair_logps, sequenc
 from nnx_posttrain.algorithms.reference import Reference
 from nnx_posttrain.losses.common import Pairs
 from nnx_posttrain.losses.dpo import DPOOptions, DPOPairs, dpo, ld_split, wpo_weights
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 from nnx_posttrain.losses.preference import CPOOptions, ORPOOptions, SimPOOptions, cpo, orpo, simpo
 
 
@@ -33,8 +34,12 @@ from nnx_posttrain.losses.preference import CPOOptions, ORPOOptions, SimPOOption
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig(DPOOptions):
-    """Direct Preference Optimization and its TRL 1.16 variants."""
+class DPOConfig(DPOOptions, RouterOptions):
+    """Direct Preference Optimization and its TRL 1.16 variants (a mixture-of-experts policy
+    adds its router load-balancing loss, as TRL's DPOTrainer; not the reference's)."""
+
+    def problems(self) -> list[str]:
+        return DPOOptions.problems(self) + RouterOptions.problems(self)
 
     reference: Reference = "auto"
     """lora_base (LoRA on), copy (full fine-tuning), or precompute; auto picks the first two."""
@@ -48,8 +53,11 @@ class DPORunConfig(config_lib.Config):
 
 
 @dataclasses.dataclass(frozen=True)
-class SimPOConfig(SimPOOptions):
+class SimPOConfig(SimPOOptions, RouterOptions):
     """SimPO: reference-free, length-normalised margin loss."""
+
+    def problems(self) -> list[str]:
+        return SimPOOptions.problems(self) + RouterOptions.problems(self)
 
 
 @dataclasses.dataclass
@@ -60,8 +68,11 @@ class SimPORunConfig(config_lib.Config):
 
 
 @dataclasses.dataclass(frozen=True)
-class CPOConfig(CPOOptions):
+class CPOConfig(CPOOptions, RouterOptions):
     """Contrastive Preference Optimization: reference-free preference loss + NLL on chosen."""
+
+    def problems(self) -> list[str]:
+        return CPOOptions.problems(self) + RouterOptions.problems(self)
 
 
 @dataclasses.dataclass
@@ -72,8 +83,11 @@ class CPORunConfig(config_lib.Config):
 
 
 @dataclasses.dataclass(frozen=True)
-class ORPOConfig(ORPOOptions):
+class ORPOConfig(ORPOOptions, RouterOptions):
     """Odds Ratio Preference Optimization: NLL + beta * odds-ratio term, reference-free."""
+
+    def problems(self) -> list[str]:
+        return ORPOOptions.problems(self) + RouterOptions.problems(self)
 
     nll_tokens: Literal["prompt_and_completion", "completion"] = "prompt_and_completion"
     """Tokens of the chosen NLL term: TRL's (every token of prompt and answer) or the answer's."""
@@ -98,6 +112,14 @@ class _CacheKey:
 
     def __getattr__(self, key):
         return getattr(self._algorithm, key)
+
+
+def policy_pairs(algorithm, module, batch) -> tuple:
+    """The policy's pair log-probs (``pair_logps``) and, for a mixture of experts, its router
+    logits for the load-balancing loss (``losses.router``; the reference's are never taken)."""
+    with model.routers_captured(module, algorithm.cfg.router_aux_loss_coef) as routers:
+        lp = algorithm.pair_logps(module, batch)
+    return lp, routers.routed()
 
 
 class DPO(PairAlgorithm):
@@ -125,7 +147,7 @@ class DPO(PairAlgorithm):
 
     def loss(self, module, batch, reference=None):
         c = self.cfg
-        lp = self.pair_logps(module, batch)
+        lp, routed = policy_pairs(self, module, batch)
         chosen, rejected = self._ld(lp)
         if self.reference_mode == "precompute":
             ref_c, ref_r = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
@@ -139,8 +161,9 @@ class DPO(PairAlgorithm):
             weights = (wpo_weights(lp["chosen_tokens"], lp["chosen_lss"], lp["chosen_mask"])
                        * wpo_weights(lp["rejected_tokens"], lp["rejected_lss"],
                                      lp["rejected_mask"]))
-        return dpo(DPOPairs(chosen, rejected, ref_c, ref_r, self.chosen_nll(batch, lp),
-                            lp["chosen_len"], lp["rejected_len"], weights), c)
+        return with_router_aux(dpo(DPOPairs(chosen, rejected, ref_c, ref_r,
+                                            self.chosen_nll(batch, lp), lp["chosen_len"],
+                                            lp["rejected_len"], weights), c), routed)
 
     def inputs(self, run, params):
         if self.reference_mode != "precompute" or self.cfg.ld_alpha is None:
@@ -169,9 +192,10 @@ class SimPO(PairAlgorithm):
     defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer (SimPO)
 
     def loss(self, module, batch, reference=None):
-        lp = self.pair_logps(module, batch)
+        lp, routed = policy_pairs(self, module, batch)
         nll = self.chosen_nll(batch, lp) if self.cfg.nll_weight else None
-        return simpo(Pairs(lp["chosen_avg"], lp["rejected_avg"], nll), self.cfg)
+        return with_router_aux(simpo(Pairs(lp["chosen_avg"], lp["rejected_avg"], nll), self.cfg),
+                               routed)
 
 
 class CPO(PairAlgorithm):
@@ -184,10 +208,11 @@ class CPO(PairAlgorithm):
     defaults = dict(optim=dict(learning_rate=1e-6))  # TRL's CPOTrainer
 
     def loss(self, module, batch, reference=None):
-        lp = self.pair_logps(module, batch)
+        lp, routed = policy_pairs(self, module, batch)
         key = "_avg" if self.cfg.averaged else ""
         nll = self.chosen_nll(batch, lp) if self.cfg.wants_nll else None
-        return cpo(Pairs(lp["chosen" + key], lp["rejected" + key], nll), self.cfg)
+        return with_router_aux(cpo(Pairs(lp["chosen" + key], lp["rejected" + key], nll), self.cfg),
+                               routed)
 
 
 class ORPO(PairAlgorithm):
@@ -215,10 +240,11 @@ class ORPO(PairAlgorithm):
         return dict(prepared, chosen_loss_mask=batch["chosen_loss_mask"], chosen_nll_mask=nll)
 
     def loss(self, module, batch, reference=None):
-        lp = self.pair_logps(module, batch)
+        lp, routed = policy_pairs(self, module, batch)
         if self.cfg.nll_tokens == "completion":
             nll = self.chosen_nll(batch, lp)
         else:
             mask = batch["chosen_nll_mask"].astype(jnp.float32)
             nll = nll_terms(batch, -jnp.sum(lp["chosen_tokens"] * mask, axis=-1), mask.sum(-1))
-        return orpo(Pairs(lp["chosen_avg"], lp["rejected_avg"], nll), self.cfg)
+        return with_router_aux(orpo(Pairs(lp["chosen_avg"], lp["rejected_avg"], nll), self.cfg),
+                               routed)

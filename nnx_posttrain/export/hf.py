@@ -3,17 +3,9 @@ or LoRA adapters only (PEFT's adapter_model.safetensors + adapter_config.json).
 
 Only families and configurations whose export was verified by a logits round trip against
 ``transformers`` (tests/test_hf_export.py: tiny random backbones of each, exported, loaded with
-``AutoModelForCausalLM``, logits equal to 1e-4) are exported; anything else is refused by name:
-
-| KerasHub backbone | Hugging Face model_type | verified configurations |
-|---|---|---|
-| GemmaBackbone | gemma | Gemma 1: no post norms, soft caps or sliding window; any KV heads |
-| GemmaBackbone | gemma2 | Gemma 2: post norms, soft caps, sliding window on even layers |
-| Gemma3Backbone | gemma3_text | text only (no vision encoder, causal, not an embedding model) |
-| Llama3Backbone | llama | Llama 3 and 3.1+ (scaled rotary frequencies), tied or not |
-| MistralBackbone | mistral | sliding window, head_dim |
-| QwenBackbone | qwen2 | Qwen 2 / 2.5 without sliding window |
-| Qwen3Backbone | qwen3 | Qwen 3 (dense), positions up to its sliding window (32,768) |
+``AutoModelForCausalLM``, logits equal to 1e-4) are exported; anything else is refused by name.
+Each family's ``Export`` (``families``) holds its weight names, its config writer and, where
+KerasHub has none, its tokenizer writer; the models page lists the verified configurations.
 
 Weights are mapped by Keras variable path (every variable must match exactly one rule, so an
 unknown layer stops the export) and written one tensor at a time, in ``dtype``.
@@ -29,64 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
+from nnx_posttrain import families
 from nnx_posttrain.export.hf_config import VERIFIED, ExportError, family, hf_config  # noqa: F401
 
 DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", None), "float16": ("F16", np.float16)}
-
-
-# A rule: (regex on the Keras variable path, HF tensor name, layout). The layout of a kernel is
-# (output axes, input axes) of the Keras array: the HF weight is the kernel transposed to
-# (outputs, inputs) and reshaped to a matrix [out, in]; None copies the array, "flat" flattens it.
-_L = r"(\d+)"
-GEMMA_RULES = [
-    (r"token_embedding/embeddings", "model.embed_tokens.weight", None),
-    (rf"decoder_block_{_L}/pre_attention_norm/scale", "model.layers.{}.input_layernorm.weight", None),
-    (rf"decoder_block_{_L}/post_attention_norm/scale", "model.layers.{}.post_attention_layernorm.weight", None),
-    (rf"decoder_block_{_L}/pre_ffw_norm/scale", "model.layers.{}.PRE_FFW.weight", None),
-    (rf"decoder_block_{_L}/post_ffw_norm/scale", "model.layers.{}.post_feedforward_layernorm.weight", None),
-    (rf"decoder_block_{_L}/attention/query/kernel", "model.layers.{}.self_attn.q_proj.weight", ((0, 2), (1,))),
-    (rf"decoder_block_{_L}/attention/key/kernel", "model.layers.{}.self_attn.k_proj.weight", ((0, 2), (1,))),
-    (rf"decoder_block_{_L}/attention/value/kernel", "model.layers.{}.self_attn.v_proj.weight", ((0, 2), (1,))),
-    (rf"decoder_block_{_L}/attention/query_norm/scale", "model.layers.{}.self_attn.q_norm.weight", None),
-    (rf"decoder_block_{_L}/attention/key_norm/scale", "model.layers.{}.self_attn.k_norm.weight", None),
-    (rf"decoder_block_{_L}/attention/attention_output/kernel", "model.layers.{}.self_attn.o_proj.weight", ((2,), (0, 1))),
-    (rf"decoder_block_{_L}/ffw_gating/kernel", "model.layers.{}.mlp.gate_proj.weight", ((1,), (0,))),
-    (rf"decoder_block_{_L}/ffw_gating_2/kernel", "model.layers.{}.mlp.up_proj.weight", ((1,), (0,))),
-    (rf"decoder_block_{_L}/ffw_linear/kernel", "model.layers.{}.mlp.down_proj.weight", ((1,), (0,))),
-    (r"final_normalization/scale", "model.norm.weight", None),
-]
-_T = r"transformer_layer_(\d+)"
-LLAMA_RULES = [  # Llama 3, Mistral, Qwen 2 / 2.5, Qwen 3
-    (r"token_embedding/embeddings", "model.embed_tokens.weight", None),
-    (r"token_embedding/reverse_embeddings", "lm_head.weight", ((1,), (0,))),
-    (rf"{_T}/self_attention/query/kernel", "model.layers.{}.self_attn.q_proj.weight", ((1, 2), (0,))),
-    (rf"{_T}/self_attention/key/kernel", "model.layers.{}.self_attn.k_proj.weight", ((1, 2), (0,))),
-    (rf"{_T}/self_attention/value/kernel", "model.layers.{}.self_attn.v_proj.weight", ((1, 2), (0,))),
-    (rf"{_T}/self_attention/query/bias", "model.layers.{}.self_attn.q_proj.bias", "flat"),
-    (rf"{_T}/self_attention/key/bias", "model.layers.{}.self_attn.k_proj.bias", "flat"),
-    (rf"{_T}/self_attention/value/bias", "model.layers.{}.self_attn.v_proj.bias", "flat"),
-    (rf"{_T}/self_attention/query_dense_layernorm/scale", "model.layers.{}.self_attn.q_norm.weight", None),
-    (rf"{_T}/self_attention/key_dense_layernorm/scale", "model.layers.{}.self_attn.k_norm.weight", None),
-    (rf"{_T}/self_attention/attention_output/kernel", "model.layers.{}.self_attn.o_proj.weight", ((2,), (0, 1))),
-    (rf"{_T}/self_attention_layernorm/scale", "model.layers.{}.input_layernorm.weight", None),
-    (rf"{_T}/feedforward_layernorm/scale", "model.layers.{}.post_attention_layernorm.weight", None),
-    (rf"{_T}/feedforward_gate_dense/kernel", "model.layers.{}.mlp.gate_proj.weight", ((1,), (0,))),
-    (rf"{_T}/feedforward_intermediate_dense/kernel", "model.layers.{}.mlp.up_proj.weight", ((1,), (0,))),
-    (rf"{_T}/feedforward_output_dense/kernel", "model.layers.{}.mlp.down_proj.weight", ((1,), (0,))),
-    (r"sequence_output_layernorm/scale", "model.norm.weight", None),
-]
 
 
 # ----------------------------------------------------------------------------- weights
 
 
 def _rules(backbone):
-    if family(backbone) in ("GemmaBackbone", "Gemma3Backbone"):
-        pre_ffw = ("post_attention_layernorm" if family(backbone) == "GemmaBackbone"
-                   and not backbone.use_post_ffw_norm else "pre_feedforward_layernorm")
-        return [(re.compile(p + "$"), name.replace("PRE_FFW", pre_ffw), layout)
-                for p, name, layout in GEMMA_RULES]
-    return [(re.compile(p + "$"), name, layout) for p, name, layout in LLAMA_RULES]
+    """The family's weight rules (``families``: ``Export.rules``), compiled."""
+    family(backbone)
+    return [(re.compile(p + "$"), name, layout)
+            for p, name, layout in families.of(backbone).export.rules(backbone)]
 
 
 def _match(rules, path: str):
@@ -99,9 +47,14 @@ def _match(rules, path: str):
 
 
 def to_matrix(array: np.ndarray, layout) -> np.ndarray:
-    """A Keras kernel in HF's layout: (outputs, inputs) flattened to [out, in]."""
+    """A Keras kernel in HF's layout: (outputs, inputs) flattened to [out, in]. ``("expert", e,
+    lo, hi)``: expert ``e`` of stacked experts [E, in, out], its outputs ``lo:hi``, as [out, in]
+    (one HF tensor per expert: the per-expert names transformers writes)."""
     if layout is None:
         return array
+    if isinstance(layout, tuple) and layout[0] == "expert":
+        _, e, lo, hi = layout
+        return np.ascontiguousarray(array[e][:, lo:hi].T)
     if layout == "flat":
         return array.reshape(-1)
     out_axes, in_axes = layout
@@ -110,19 +63,28 @@ def to_matrix(array: np.ndarray, layout) -> np.ndarray:
                      math.prod(array.shape[a] for a in in_axes))
 
 
+def _expert_hits(rules, path: str) -> list:
+    """The (name, layout) of every per-expert rule matching ``path`` (stacked experts: one HF
+    tensor per expert and part), or [] when another rule, or none, matches it."""
+    hits = [(rx.match(path), name, layout) for rx, name, layout in rules]
+    hits = [(name.format(*m.groups()), layout) for m, name, layout in hits if m]
+    experts = all(isinstance(layout, tuple) and layout[0] == "expert" for _, layout in hits)
+    return hits if hits and experts else []
+
+
 def weight_map(backbone) -> dict[str, tuple]:
     """{HF tensor name: (Keras variable, layout)} of every variable; an unmatched variable (a
     LoRA factor not merged, an unknown layer) stops the export by name."""
     rules, out, unmatched = _rules(backbone), {}, []
     for v in backbone.weights:
-        hit = _match(rules, v.path)
-        if hit is None:
+        hits = _expert_hits(rules, v.path) or [_match(rules, v.path)]
+        if hits == [None]:
             unmatched.append(v.path)
             continue
-        name, layout = hit
-        if name in out:
-            raise ExportError(f"--format hf: two variables map to {name}")
-        out[name] = (v, layout)
+        for name, layout in hits:
+            if name in out:
+                raise ExportError(f"--format hf: two variables map to {name}")
+            out[name] = (v, layout)
     if unmatched:
         raise ExportError(f"--format hf: {len(unmatched)} variable(s) of {type(backbone).__name__} "
                           f"have no verified Hugging Face name, e.g. {unmatched[:3]}")
@@ -189,22 +151,15 @@ def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> 
 
 
 def export_tokenizer(tokenizer, to: Path) -> None:
-    """KerasHub's tokenizer export (Qwen 3's tokenizer written as Qwen 2's, with its own end
-    token)."""
+    """The tokenizer files: the writer of the family whose tokenizer class this is
+    (``Export.tokenizer``), else KerasHub's tokenizer export."""
     from keras_hub.src.utils.transformers.export import hf_exporter
 
     name = type(tokenizer).__name__
-    if name == "Qwen3Tokenizer":
-        tokenizer.save_assets(str(to))
-        (to / "vocabulary.json").rename(to / "vocab.json")
-        special = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False,
-                                                   "rstrip": False, "normalized": False,
-                                                   "single_word": False}
-                   for t in tokenizer.unsplittable_tokens or []}
-        (to / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 40960,
-            "added_tokens_decoder": special}, indent=2))
+    own = next((f.export.tokenizer for f in families.FAMILIES.values()
+                if f.classes[2] == name and f.export and f.export.tokenizer), None)
+    if own is not None:  # the family's own writer (Qwen 3's tokenizer written as Qwen 2's)
+        own(tokenizer, to)
         return
     if name not in hf_exporter.MODEL_TOKENIZER_CONFIGS:
         raise ExportError(f"--format hf: KerasHub cannot export a {name} to Hugging Face format")

@@ -16,6 +16,8 @@ its chat template. Around it:
 - ``attention``: one attention path for every family and accelerator (``set_attention``:
   ``keras``, ``xla``, ``cudnn``, ``splash``, ``auto``), segment ids compared inside the kernel,
   and the sampler's decoding step against its KV cache (``attend_cached``);
+- ``router``: the router logits of a mixture-of-experts forward pass (``routers_captured``),
+  for the load-balancing loss;
 - ``dense``: the decoder blocks' projections with their kernel gradient as one 2-D matmul;
 - ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
 - ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``).
@@ -52,6 +54,7 @@ from nnx_posttrain.model.load import (
     warm_up,
 )
 from nnx_posttrain.model.quantize import dequantized_into, quantize, quantized_layers
+from nnx_posttrain.model.router import captured as routers_captured
 from nnx_posttrain.model.logprobs import (
     LOGPROBS,
     Projection,
@@ -84,6 +87,8 @@ __all__ = [
     "nnx_ready", "register_builtin", "resolve_dtype", "warm_up", "weights_bytes",
     # quantize
     "dequantized_into", "quantize", "quantized_layers",
+    # router logits of mixtures of experts (the load-balancing loss)
+    "routers_captured",
     # lora
     "ATTENTION_LAYERS", "LORA_TARGETS", "count_params", "enable_lora", "has_lora", "lora_delta", "lora_disabled", "merge",
     "named_variables", "split", "trainable_filter",

@@ -33,8 +33,9 @@ took, with the reason of any fallback):
   takes the ``xla`` formulation;
 - ``auto``: ``splash`` on TPU, ``cudnn`` on GPU, where the layer and dtype allow; else ``xla``.
 
-A requested kernel that cannot do a layer's feature (or an unknown attention layer, dropout,
-Gemma 3's bidirectional mode or vision encoder) falls back to ``keras``. The sampler's cached
+A requested kernel that cannot do a layer's feature (or a backbone of no known family, an
+attention layer no family reads, dropout, Gemma 3's bidirectional mode, an image tower) falls
+back to ``keras``; each family's reader (``families``) says what its layers compute. The sampler's cached
 decoding goes through the same seam (``overridden``): its prompt pass takes ``attend``, each
 decoding step ``attend_cached`` (one query per row against its KV cache).
 """
@@ -44,11 +45,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
+from nnx_posttrain import families
+from nnx_posttrain.families import LayerSpec
 from nnx_posttrain.model.blocks import decoder_blocks, mask_method, override_blocks
 from nnx_posttrain.model.flash import NEG, Visible, allowed, flash
 
@@ -65,28 +67,18 @@ class Choice:
     interpret: bool = False  # Pallas kernels in interpret mode (CPU tests)
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerSpec:
-    """What :func:`attend` needs to know of one KerasHub attention layer."""
-    scale: float
-    soft_cap: float | None = None
-    window: int | None = None  # a query sees keys at most window - 1 positions earlier
-    repeated: int = 1  # keys / values arrive repeated this many times per kv head (Llama family)
-    scale_scores: bool = False  # scale the scores (Llama family) rather than the queries (Gemma)
-
-
 def attention_layer(block):
-    """The attention sublayer of a KerasHub decoder block."""
-    for name in ("attention", "_self_attention_layer"):
-        layer = getattr(block, name, None)
-        if layer is not None and hasattr(layer, "_compute_attention"):
-            return layer
-    return None
+    """The attention sublayer of a KerasHub decoder block: the one whose class some family reads
+    (``families.attention_classes``), else None."""
+    known = families.attention_classes()
+    return next((layer for layer in block._flatten_layers(include_self=False, recursive=False)
+                 if type(layer).__name__ in known), None)
 
 
 def layer_spec(block, training: bool = True) -> LayerSpec | str:
-    """The block's attention as a ``LayerSpec``, or the reason it stays with KerasHub's code
-    (attention dropout only matters in ``training``)."""
+    """The block's attention as a ``LayerSpec`` (its family's reader, by the attention layer's
+    class name), or the reason it stays with KerasHub's code (attention dropout only matters in
+    ``training``). An attention class no family reads is never guessed at."""
     layer = attention_layer(block)
     if layer is None:
         return f"{type(block).__name__} has no known attention layer"
@@ -95,23 +87,12 @@ def layer_spec(block, training: bool = True) -> LayerSpec | str:
         return f"{kind} has attention dropout"
     if getattr(layer, "use_bidirectional_attention", False):
         return f"{kind} is bidirectional"
-    if hasattr(layer, "query_head_dim_normalize"):  # Gemma 1 / 2 / 3
-        dim = layer.head_dim if layer.query_head_dim_normalize else (
-            layer.hidden_dim // layer.num_query_heads)
-        window = layer.sliding_window_size if layer.use_sliding_window_attention else None
-        return LayerSpec(1 / math.sqrt(dim), layer.logit_soft_cap or None, window)
-    if hasattr(layer, "_inv_norm_factor"):  # Llama 3, Mistral, Qwen 2, Qwen 3
-        if hasattr(layer, "_sliding_window"):  # Mistral: the decoder's banded mask
-            window = layer._sliding_window
-        elif hasattr(layer, "use_sliding_window_attention"):  # Qwen 2
-            window = layer.sliding_window_size if layer.use_sliding_window_attention else None
-        else:  # Qwen 3 (sliding_window_size None when off), Llama (none)
-            window = getattr(layer, "sliding_window_size", None)
-        groups = getattr(layer, "num_key_value_groups", None) or getattr(  # Mistral: private
-            layer, "_num_key_value_groups", 1)
-        return LayerSpec(float(layer._inv_norm_factor), None, window or None,
-                         repeated=int(groups), scale_scores=True)
-    return f"{kind} is not a known attention layer"
+    return families.attention_reader(layer)(layer, training)
+
+
+# Attributes under which a backbone holds an image tower: image tokens attend bidirectionally
+# (Gemma 3, Gemma 4) or as a prefix (PaliGemma's ``vit_encoder``), which no kernel here does.
+VISION_TOWERS = ("vision_encoder", "vit_encoder")
 
 
 def _cudnn_problem(spec: LayerSpec, head_dim: int, dtype) -> str | None:
@@ -141,13 +122,16 @@ def resolve(module, implementation: str = "auto", platform: str | None = None,
     if implementation == "keras":
         return "keras", "requested"
     platform = platform or jax.default_backend()
+    if families.of(module) is None:
+        return "keras", f"{type(module).__name__} is not a known model family"
+    tower = next((name for name in VISION_TOWERS if getattr(module, name, None) is not None), None)
+    if tower:
+        return "keras", f"image tokens attend bidirectionally or as a prefix (a {tower})"
     blocks = decoder_blocks(module)
     specs = [layer_spec(block) for block in blocks]
     unknown = next((s for s in specs if isinstance(s, str)), None)
     if unknown:
         return "keras", unknown
-    if getattr(module, "vision_encoder", None) is not None:
-        return "keras", "image tokens attend bidirectionally (a vision encoder)"
     if mask_method(blocks[0]) is None:
         return "keras", f"{type(blocks[0]).__name__} has no known mask method"
     layer = attention_layer(blocks[0])

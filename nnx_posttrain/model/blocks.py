@@ -18,6 +18,18 @@ import jax
 import jax.numpy as jnp
 
 
+def backbone_inputs(module, token_ids, padding_mask) -> dict:
+    """The backbone's inputs for ``token_ids`` / ``padding_mask`` [batch, T]: with the positions
+    0 .. T - 1 where the backbone takes them (Gemma 4's ``position_ids``; rotary attention depends
+    on relative positions only, as in the backbones that count them themselves)."""
+    inputs = {"token_ids": token_ids, "padding_mask": padding_mask}
+    if "position_ids" in {getattr(x, "name", None) for x in getattr(module, "inputs", None) or ()}:
+        t = token_ids.shape[1]
+        inputs = {k: jnp.asarray(v) for k, v in inputs.items()}  # Keras takes no mix of kinds
+        inputs["position_ids"] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), token_ids.shape)
+    return inputs
+
+
 def decoder_blocks(module) -> list:
     """The decoder blocks that the backbone's functional graph calls. ``module.transformer_layers``
     is not it after ``nnx.merge``: that list still holds the blocks of the module that was split,
@@ -125,7 +137,9 @@ def rope_positions(module, positions):
 
 
 def _attention_mask_override(module, mask):
-    """Make every decoder block use ``mask`` instead of its causal + padding mask.
+    """Make every decoder block's attention mask its own (causal, padding, and the sliding window
+    where the block builds it: Mistral, Gemma 4) restricted to ``mask`` (the block-diagonal mask
+    of packed rows, ``segment_attention_mask``).
 
     KerasHub backbones accept only a [batch, T] padding mask; packed rows need a block-diagonal
     one. The blocks' mask method is shadowed on the instances for the duration of the call."""
@@ -134,10 +148,16 @@ def _attention_mask_override(module, mask):
     if name is None:
         raise NotImplementedError(f"packed sequences are not supported for {type(module).__name__}")
 
-    def masked(*args, **kwargs):
-        return mask
+    def make(block, original):
+        def masked(*args, **kwargs):
+            own = original(*args, **kwargs)
+            if own is None:
+                return mask
+            both = jnp.logical_and(jnp.asarray(own).astype(bool), mask.astype(bool))
+            return both.astype(jnp.asarray(own).dtype)
+        return masked
 
-    return override_blocks(module, name, lambda block, original: masked)
+    return override_blocks(module, name, make)
 
 
 # ----------------------------------------------------------------------------- remat
@@ -154,9 +174,15 @@ def set_remat(module, enabled: bool, lazy_frozen: bool = False) -> None:
                        "lazy_frozen" if lazy_frozen else bool(enabled))
 
 
+# Lists that collect arrays computed inside a block's call (``model.router``'s router logits):
+# a block under ``jax.checkpoint`` returns what it added to them as outputs, so that they are
+# arrays of the enclosing computation, not of the checkpointed one.
+SINKS: list[list] = []
+
+
 def _checkpointed(call):
     """``call`` under ``jax.checkpoint``. Only array arguments are traced; the others (flags,
-    None) stay static."""
+    None) stay static. What the call adds to ``SINKS`` comes out of the checkpoint."""
     def wrapper(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
         where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
@@ -166,9 +192,17 @@ def _checkpointed(call):
             for i, x in zip(where, arrays):
                 full[i] = x
             args, kwargs = jax.tree.unflatten(treedef, full)
-            return call(*args, **kwargs)
+            marks = [len(sink) for sink in SINKS]
+            out = call(*args, **kwargs)
+            added = [sink[m:] for sink, m in zip(SINKS, marks)]
+            for sink, m in zip(SINKS, marks):
+                del sink[m:]
+            return out, added
 
-        return jax.checkpoint(inner)(*(leaves[i] for i in where))
+        out, added = jax.checkpoint(inner)(*(leaves[i] for i in where))
+        for sink, new in zip(SINKS, added):
+            sink.extend(new)
+        return out
     return wrapper
 
 

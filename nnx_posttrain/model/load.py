@@ -23,10 +23,11 @@ import keras_hub
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import chat, errors
+from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
-from nnx_posttrain.model.quantize import while_loading
+from nnx_posttrain.model.blocks import backbone_inputs
+from nnx_posttrain.model.quantize import skipped, while_loading
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -133,17 +134,10 @@ class LanguageModel:
 
 
 def chat_format_for(backbone) -> str | None:
-    """The chat template of a KerasHub backbone's family (by class name), or None when no
-    template is known for it (Llama 2's LlamaBackbone, Mixtral, ...). Llama 3 backbones with
-    scaled rotary frequencies are 3.1 or later (their template has a date header)."""
-    name = type(backbone).__name__ if not isinstance(backbone, str) else backbone
-    if name in ("GemmaBackbone", "Gemma3Backbone"):
-        return "gemma"
-    if name == "Llama3Backbone":
-        dated = getattr(backbone, "rope_frequency_adjustment_factor", None) is not None
-        return "llama3.1" if dated else "llama3"
-    return {"QwenBackbone": "qwen2.5", "Qwen3Backbone": "qwen3",
-            "MistralBackbone": "mistral"}.get(name)
+    """The chat template of a KerasHub backbone's family (an instance or its class name;
+    ``families``), or None when no template is known for it (Llama 2's LlamaBackbone, ...)."""
+    family = families.of(backbone)
+    return None if family is None else family.format_of(backbone)
 
 
 def _chat_format(name: str, family: str, backbone, chosen: str | None) -> str:
@@ -189,14 +183,8 @@ def _preset_backbone_class(handle: str) -> str | None:
         return None
     if "class_name" in saved:
         return saved["class_name"]
-    return _HF_BACKBONES.get(saved.get("model_type"), f"Hugging Face model_type "
-                             f"{saved.get('model_type')!r}")
-
-
-_HF_BACKBONES = {"gemma": "GemmaBackbone", "gemma2": "GemmaBackbone",
-                 "gemma3_text": "Gemma3Backbone", "gemma3": "Gemma3Backbone",
-                 "qwen2": "QwenBackbone", "qwen3": "Qwen3Backbone", "mistral": "MistralBackbone",
-                 "mixtral": "MixtralBackbone"}
+    family = families.by_model_type(saved.get("model_type"))
+    return family.backbone if family else f"Hugging Face model_type {saved.get('model_type')!r}"
 
 
 def nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
@@ -332,11 +320,12 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
                  quantize: str = "none"):
     try:
         if not weights:
-            return keras_hub.models.CausalLM.from_preset(handle, dtype=policy, load_weights=False)
+            return _task_from_preset(handle, dtype=policy, load_weights=False)
         if _reads_keras_weights(handle):
-            with _no_initializers(), while_loading(quantize):
-                return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
-        return keras_hub.models.CausalLM.from_preset(handle, dtype=policy)
+            skip = skipped(_preset_backbone_class(handle) or "")
+            with _no_initializers(), while_loading(quantize, skip):
+                return _task_from_preset(handle, dtype=policy)
+        return _task_from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         local = is_local_model(handle)
@@ -359,6 +348,26 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
         ) from None
 
 
+def _task_from_preset(handle: str, **kwargs):
+    """``CausalLM.from_preset``; where the family's preprocessor needs TensorFlow (Gemma 3 and 4
+    always, KerasHub's text-only path included), the task without it, holding its tokenizer in
+    the generic ``CausalLMPreprocessor`` (tokenization is this package's, ``Tokenizer``). A local
+    directory loads as its family's task (Gemma 4's backbone also has a draft-model task, which
+    KerasHub could pick)."""
+    family = families.of(_preset_backbone_class(handle) or "")
+    cls = getattr(keras_hub.models, family.classes[0]) if family else keras_hub.models.CausalLM
+    try:
+        task = cls.from_preset(handle, **kwargs)
+    except ImportError as exc:
+        if "tensorflow" not in str(exc):
+            raise
+        task = cls.from_preset(handle, preprocessor=None, **kwargs)
+    if task.preprocessor is None:
+        tokenizer = keras_hub.models.Tokenizer.from_preset(handle)
+        task.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=tokenizer)
+    return task
+
+
 def warm_up(backbone) -> None:
     """One abstract call (``load`` makes it; a tool that builds a KerasHub task itself makes it
     too): Keras flips build/bookkeeping flags on the first call, which would
@@ -366,7 +375,7 @@ def warm_up(backbone) -> None:
     traces the call without running it: an eager call compiled and kept one small XLA executable
     per operation (about 110 MB of a tiny model's process)."""
     ids = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-    jax.eval_shape(lambda ids, mask: backbone({"token_ids": ids, "padding_mask": mask}), ids, ids)
+    jax.eval_shape(lambda ids, mask: backbone(backbone_inputs(backbone, ids, mask)), ids, ids)
 
 
 def describe(lm: LanguageModel) -> str:

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain.model import attention, dense, quantize
+from nnx_posttrain.model import attention, dense, quantize, router
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _block_calls,
+    backbone_inputs,
     segment_attention_mask,
 )
 from nnx_posttrain.model.blocks import rope_positions as rope_positions_scope
@@ -34,16 +35,16 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     rope = (contextlib.nullcontext() if rope_positions is None
             else rope_positions_scope(module, rope_positions))
     branched = rope_positions is not None
-    with _block_calls(module), dense.overridden(module), rope, \
+    rows = padding_mask if segment_ids is None else segment_ids != 0
+    with _block_calls(module), dense.overridden(module), router.recording(module, rows), rope, \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
-            return constrain_batch(module({"token_ids": token_ids, "padding_mask": padding_mask}))
+            return constrain_batch(module(backbone_inputs(module, token_ids, padding_mask)))
+        inputs = backbone_inputs(module, token_ids, (segment_ids != 0).astype(jnp.int32))
         if own:  # the attention path compares the segment ids itself (model.set_attention)
-            return constrain_batch(module({"token_ids": token_ids,
-                                           "padding_mask": (segment_ids != 0).astype(jnp.int32)}))
+            return constrain_batch(module(inputs))
         with _attention_mask_override(module, segment_attention_mask(segment_ids)):
-            return constrain_batch(module({"token_ids": token_ids,
-                                           "padding_mask": (segment_ids != 0).astype(jnp.int32)}))
+            return constrain_batch(module(inputs))
 
 
 # The default (``chunk_size=None``): the logits of the whole batch at once, kept for the backward

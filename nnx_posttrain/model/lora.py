@@ -14,13 +14,31 @@ import keras
 import numpy as np
 from flax import nnx
 
-# Layer names KerasHub's decoder families give their linear projections.
+from nnx_posttrain import errors, families
+
+# Layer names most KerasHub decoder families give their attention projections; a family's own
+# (``families``: ``lora["attention"]``, ``lora["mlp"]``) name ``attention`` and ``mlp``.
 ATTENTION_LAYERS = ("query", "key", "value", "attention_output")
 LORA_TARGETS = {
     "qv": ("query", "value"),  # KerasHub's own default
-    "attention": ATTENTION_LAYERS,
+    "attention": ATTENTION_LAYERS,  # the family's attention projections
+    "mlp": (),  # the family's MLP projections
     "all-linear": None,  # every Dense / EinsumDense of the decoder blocks
 }
+
+
+def target_names(module, targets: str) -> tuple[str, ...] | None:
+    """The layer names ``targets`` selects in ``module`` (None: every linear layer): 'qv',
+    'attention' and 'mlp' as the module's family names its projections (``families``),
+    'all-linear', or comma-separated names."""
+    family = families.of(module)
+    if targets in ("attention", "mlp") and family is not None:
+        if isinstance(family.lora[targets], families.Unsupported):
+            raise errors.ConfigError(f"--lora.targets {targets}: {family.lora[targets].reason}")
+        return family.lora[targets]
+    if targets in LORA_TARGETS:
+        return LORA_TARGETS[targets]
+    return tuple(t.strip() for t in targets.split(",") if t.strip())
 
 
 def trainable_filter(path, value) -> bool:
@@ -70,8 +88,9 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
                 seed: int = 0, factor_dtype: str | None = None) -> list[str]:
     """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
 
-    ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'all-linear' (every Dense
-    or EinsumDense of the decoder blocks), or comma-separated layer names. The A factors are
+    ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'mlp' (the MLP's
+    projections), 'all-linear' (every Dense or EinsumDense of the decoder blocks), or
+    comma-separated layer names (``target_names``). The A factors are
     He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from Python's
     global random state), the B factors zero. ``factor_dtype`` 'float32' on a layer with 16-bit
     weights gives its factors float32 master weights (the layer's policy becomes mixed: the
@@ -80,9 +99,8 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     """
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
-    names = LORA_TARGETS[targets] if targets in LORA_TARGETS else tuple(
-        t.strip() for t in targets.split(",") if t.strip()
-    )
+    names = target_names(module, targets)
+    routers = _routers(module) if names is None else set()
     layers = [layer for layer in module._flatten_layers(include_self=False)]
     for layer in layers:
         layer.trainable = False
@@ -90,7 +108,7 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     for layer in layers:
         if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
             continue
-        if names is not None and layer.name not in names:
+        if (names is not None and layer.name not in names) or id(layer) in routers:
             continue
         layer.trainable = True
         if factor_dtype == "float32" and layer.variable_dtype != "float32":
@@ -106,6 +124,16 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
             f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
         )
     return adapted
+
+
+def _routers(module) -> set[int]:
+    """The ids of a mixture-of-experts backbone's router layers (its family's ``MoE.router``)."""
+    from nnx_posttrain.model.blocks import decoder_blocks
+
+    family = families.of(module)
+    if family is None or family.moe is None:
+        return set()
+    return {id(r) for r in (family.moe.router(b) for b in decoder_blocks(module)) if r is not None}
 
 
 def lora_delta(layer):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from nnx_posttrain import families
 from nnx_posttrain.model.lora import lora_delta
 
 MODES = ("none", "int8")
@@ -45,9 +46,18 @@ def quantize(module, mode: str) -> int:
         raise ValueError(f"quantize mode must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return 0
+    skip = skipped(module)
     for layer in module._flatten_layers(include_self=False):
-        quantize_layer(layer, mode)
+        if layer.name not in skip:
+            quantize_layer(layer, mode)
     return len(quantized_layers(module))
+
+
+def skipped(backbone) -> tuple[str, ...]:
+    """Layer names of ``backbone`` (an instance or its class name) that int8 leaves as they are:
+    its family's ``quantize_skip`` (``families``)."""
+    family = families.of(backbone)
+    return () if family is None else family.quantize_skip
 
 
 # The layers quantized (Keras' int8 layers; ReversibleEmbedding is an Embedding)
@@ -71,7 +81,8 @@ def quantize_layer(layer, mode: str) -> bool:
     # 256,000-token table would hold several float32 copies of itself at once
     with _no_collection():
         layer.quantize(mode, config=keras.quantizers.Int8QuantizationConfig(
-            weight_quantizer=RowBlockQuantizer() if by_rows else None, activation_quantizer=None))
+            weight_quantizer=RowBlockQuantizer(output_of=layer) if by_rows else None,
+            activation_quantizer=None))
     return True
 
 
@@ -91,12 +102,12 @@ def _no_collection():
 
 
 @contextlib.contextmanager
-def while_loading(mode: str):
+def while_loading(mode: str, skip: tuple[str, ...] = ()):
     """Within the block, every Dense / EinsumDense / embedding layer whose weights Keras reads
     from a weight file (``load_own_variables``) is quantized (``quantize_layer``) as soon as they
     are read, so a model loads with at most one layer in its stored dtype at a time (a
     gemma_2b-shaped preset: 5 GB of bfloat16 never resident at once). The classes' method is
-    put back on exit."""
+    put back on exit. Layers named in ``skip`` (``skipped``) load as they are."""
     if mode == "none":
         yield
         return
@@ -105,7 +116,8 @@ def while_loading(mode: str):
     def reading(original):
         def load_own_variables(self, store):
             original(self, store)
-            quantize_layer(self, mode)
+            if self.name not in skip:
+                quantize_layer(self, mode)
         return load_own_variables
 
     try:
@@ -119,20 +131,28 @@ def while_loading(mode: str):
 
 class RowBlockQuantizer(keras.quantizers.AbsMaxQuantizer):
     """Keras' abs-max int8 quantizer along the last axis (one scale per row: an embedding's
-    token), computed ``rows`` rows at a time; the same values as in one piece."""
+    token), computed ``rows`` rows at a time; the same values as in one piece. The untied output
+    table of ``output_of`` (a ``ReversibleEmbedding``'s ``reverse_embeddings`` [hidden, vocab],
+    which Keras quantizes with the same quantizer) along axis 0 instead, one scale per
+    vocabulary column as Keras' own default for it, ``rows`` columns at a time."""
 
-    def __init__(self, rows: int = 8192):
+    def __init__(self, rows: int = 8192, output_of=None):
         super().__init__(axis=-1)
-        self.rows = rows
+        self.rows, self.output_of = rows, output_of
 
     def __call__(self, x, axis=None, to_numpy=False):
         array = getattr(x, "value", x)
+        columns = self.output_of is not None and x is getattr(
+            self.output_of, "reverse_embeddings", None)
+        axis = 0 if columns else -1
         values = np.empty(array.shape, np.int8)
-        scales = np.empty((*array.shape[:-1], 1), np.float32)
-        for start in range(0, array.shape[0], self.rows):
-            part = slice(start, start + self.rows)
+        scales = np.empty((1, array.shape[1]) if columns else (*array.shape[:-1], 1), np.float32)
+        for start in range(0, array.shape[1 if columns else 0], self.rows):
+            part = (slice(None), slice(start, start + self.rows)) if columns else \
+                slice(start, start + self.rows)
             q, scale = keras.quantizers.abs_max_quantize(
-                array[part], -1, self.value_range, self.output_dtype, self.epsilon, to_numpy=True)
+                array[part], axis, self.value_range, self.output_dtype, self.epsilon,
+                to_numpy=True)
             values[part], scales[part] = np.asarray(q), np.asarray(scale, np.float32)
         return (keras.ops.convert_to_tensor(values),
                 keras.ops.convert_to_tensor(scales, dtype=str(array.dtype)))

@@ -7,23 +7,16 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from nnx_posttrain import errors, model
+from nnx_posttrain import errors, families, model
 from nnx_posttrain.model import device_memory
 from nnx_posttrain.model.device_memory import GiB
 
-# The longest context of each family's released checkpoints (their configs'
-# max_position_embeddings; the longest where a family's sizes differ: Gemma 3 1B has 32,768,
-# Llama 3.0 8,192). Rotary positions past it are untrained: a generation that would need them is
-# refused. A model trained for less still gets the family's bound.
-CONTEXT_LENGTHS = {
-    "GemmaBackbone": 8_192,  # Gemma, Gemma 2
-    "Gemma3Backbone": 131_072,
-    "LlamaBackbone": 4_096,  # Llama 2
-    "Llama3Backbone": 131_072,  # Llama 3.1 / 3.2
-    "MistralBackbone": 32_768,
-    "QwenBackbone": 131_072,  # Qwen 2.5 with YaRN (32,768 without)
-    "Qwen3Backbone": 131_072,  # Qwen 3 with YaRN (40,960 without)
-}
+# The longest context of each family's released checkpoints (``families``: ``context_length``,
+# their configs' max_position_embeddings; the longest where a family's sizes differ: Gemma 3 1B
+# has 32,768, Llama 3.0 8,192), by backbone class name. Rotary positions past it are untrained:
+# a generation that would need them is refused. A model trained for less still gets the
+# family's bound.
+CONTEXT_LENGTHS = families.context_lengths()
 
 
 def generation_bytes(module, batch: int, prompt_length: int, max_new_tokens: int) -> int:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import chat, model
+from nnx_posttrain import chat, families, model
 from nnx_posttrain.model import attention
 from nnx_posttrain.model.logprobs import vocabulary_logits
 from nnx_posttrain.sampling.capacity import (  # noqa: F401  (re-exported: the sampler's limits)
@@ -44,39 +44,23 @@ from nnx_posttrain.sampling.capacity import (  # noqa: F401  (re-exported: the s
 )
 from nnx_posttrain.sampling.capacity import kv_layout as _kv_layout
 
-# Backbones whose decoder blocks take a KV cache and whose positions are rotary (relative), by
-# class name. Absolute-position families (GPT-2, OPT, ...) would see shifted positions with left
-# padding and are not supported.
-_EMBED_SCALED = ("GemmaBackbone", "Gemma3Backbone")  # multiply embeddings by sqrt(hidden_dim)
-_SUPPORTED = _EMBED_SCALED + (
-    "LlamaBackbone", "Llama3Backbone", "MistralBackbone", "QwenBackbone", "Qwen3Backbone",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Family:
-    cache_kw: str  # the block's cache keyword
-    index_kw: str  # the block's cache-index keyword (the position of its first input token)
-    pair_cache: bool  # the block's cache is a (key, value) tuple (Gemma 3), else [B, 2, L, kv, hd]
-    embed_scale: bool
-
-
-def _family(module) -> _Family:
+def _family(module) -> families.Decoding:
+    """How the sampler drives ``module``'s decoder blocks (its family's ``Decoding``). Rotary
+    positions only: an absolute-position family (GPT-2, OPT, ...) would see shifted positions
+    with left padding."""
     name = type(module).__name__
-    if name not in _SUPPORTED:
+    family = families.of(module)
+    if family is None or isinstance(family.decoding, families.Unsupported):
+        supported = [f.backbone for f in families.FAMILIES.values() if f.decoding]
+        why = f" ({family.decoding.reason})" if family is not None else ""
         raise NotImplementedError(
-            f"the KV-cache sampler does not support {name}: supported backbones are "
-            f"{', '.join(_SUPPORTED)} (rotary positions and cached decoder blocks)"
+            f"the KV-cache sampler does not support {name}{why}: supported backbones are "
+            f"{', '.join(supported)} (rotary positions and cached decoder blocks)"
         )
-    block = type(module.transformer_layers[0])
-    params = inspect.signature(block.call).parameters
-    if "cache" in params and "cache_update_index" in params:
-        return _Family("cache", "cache_update_index", pair_cache=name == "Gemma3Backbone",
-                       embed_scale=name in _EMBED_SCALED)
-    if "self_attention_cache" in params:
-        return _Family("self_attention_cache", "self_attention_cache_update_index",
-                       pair_cache=False, embed_scale=name in _EMBED_SCALED)
-    raise NotImplementedError(f"{name}: decoder block {block.__name__} takes no KV cache")
+    params = inspect.signature(type(module.transformer_layers[0]).call).parameters
+    if family.decoding.cache_kw not in params:
+        raise NotImplementedError(f"{name}: decoder block takes no {family.decoding.cache_kw}")
+    return family.decoding
 
 
 def _empty_cache(module, batch: int, length: int):
@@ -87,7 +71,7 @@ def _empty_cache(module, batch: int, length: int):
                  for _ in model.decoder_blocks(module))
 
 
-def _pass_through_cache(module, fam: _Family, batch: int, length: int):
+def _pass_through_cache(module, fam: families.Decoding, batch: int, length: int):
     """What a block is given as its cache: zeros exactly as long as its input, so that KerasHub's
     cache write (a dynamic update slice, whose start is clamped to fit) is the new keys and values
     themselves, and its rotary embedding starts at the cache index."""
@@ -107,7 +91,7 @@ class _Cache(NamedTuple):
     key_mask: Any
 
 
-def _forward(module, fam: _Family, token_ids, cache: _Cache, prompt=None):
+def _forward(module, fam: families.Decoding, token_ids, cache: _Cache, prompt=None):
     """Run ``token_ids`` [B, T] at positions index..index+T-1 through the decoder blocks: float32
     logits [B, T, vocab] (the path of ``model.token_logprobs``; for the prompt pass, [B, 1, vocab]:
     its last position, the only one read) and the updated caches.

@@ -7,17 +7,22 @@ import dataclasses
 import jax
 import numpy as np
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.losses import rl
 from nnx_posttrain.losses.grpo import GRPOOptions, PolicyInputs, clipped_policy_loss
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig(SamplingConfig, GRPOOptions):
-    """Group Relative Policy Optimization (Shao et al. 2024) and its variants (TRL's options)."""
+class GRPOConfig(SamplingConfig, GRPOOptions, RouterOptions):
+    """Group Relative Policy Optimization (Shao et al. 2024) and its variants (TRL's options; a
+    mixture-of-experts policy adds its router load-balancing loss, as TRL's GRPOTrainer)."""
+
+    def problems(self) -> list[str]:
+        return GRPOOptions.problems(self) + RouterOptions.problems(self)
 
 
 @dataclasses.dataclass
@@ -69,4 +74,6 @@ class GRPO(OnlineAlgorithm):
         return batch, {}
 
     def loss(self, module, batch, reference=None):
-        return clipped_policy_loss(policy_inputs(self, module, batch), self.cfg)
+        with model.routers_captured(module, self.cfg.router_aux_loss_coef) as routers:
+            inputs = policy_inputs(self, module, batch)
+        return with_router_aux(clipped_policy_loss(inputs, self.cfg), routers.routed())

@@ -1,0 +1,164 @@
+"""What a family entry holds (``Family``) and the small records it is made of.
+
+A family is one KerasHub backbone class and everything the package must know of it: its chat
+format, how to read its attention layers (``LayerSpec``), its sharding rules, its Hugging Face
+export, its KV-cache decoding, its context, its LoRA target names, its preset shapes for
+``tools.make_preset`` and a tiny configuration for the tests. A part a family does not have is an
+``Unsupported`` with the reason, never a gap: ``tests/test_families.py`` checks every entry.
+Imports ``nnx_posttrain.errors`` only (KerasHub lazily, inside the functions that read a model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from nnx_posttrain import errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A part the family does not have, and why (said to the user where the part is asked for)."""
+
+    reason: str
+
+    def __bool__(self):  # ``if family.export:`` reads as "has an export"
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What the attention kernels (``model.attention.attend``) need to know of one KerasHub
+    attention layer: the scale of the scores, the soft cap, the sliding window, how many times
+    the layer repeated each key / value head, and whether the scale multiplies the scores (Llama
+    family) or the queries (Gemma)."""
+
+    scale: float
+    soft_cap: float | None = None
+    window: int | None = None  # a query sees keys at most window - 1 positions earlier
+    repeated: int = 1  # keys / values arrive repeated this many times per kv head (Llama family)
+    scale_scores: bool = False  # scale the scores (Llama family) rather than the queries (Gemma)
+
+
+# An attention reader: (KerasHub attention layer, training) -> its LayerSpec, or the reason the
+# layer stays with KerasHub's own code (``model.attention`` then falls back to ``keras``).
+Reader = Callable[[Any, bool], "LayerSpec | str"]
+
+
+class ExportError(errors.ModelError):
+    """The model cannot be exported as asked; the message says why."""
+
+
+def refuse(family: str, problems: list[str]) -> None:
+    """``ExportError`` when ``problems`` (configurations whose export was not verified) is not
+    empty."""
+    if problems:
+        raise ExportError(f"--format hf: this {family} configuration has no verified Hugging Face "
+                          f"export ({'; '.join(problems)}); use --format keras")
+
+
+@dataclasses.dataclass(frozen=True)
+class Export:
+    """The Hugging Face export of a family (``export.hf``), verified by a logits round trip
+    against ``transformers`` (tests/test_hf_export.py).
+
+    ``rules(backbone)``: ``(regex on the Keras variable path, HF tensor name, layout)`` per
+    variable (see ``export.hf.to_matrix``: the layout of a kernel is (output axes, input axes),
+    None copies the array, "flat" flattens it); ``config(backbone)``: the HF config.json (raising
+    ``ExportError`` for a configuration that was not verified); ``tokenizer(tokenizer, dir)``:
+    writes the tokenizer files (None: KerasHub's exporter); ``verified``: the configurations, for
+    the docs."""
+
+    rules: Callable[[Any], list]
+    config: Callable[[Any], dict]
+    verified: str
+    tokenizer: Callable[[Any, Any], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How the KV-cache sampler (``sampling.sampler``) drives the family's decoder blocks: the
+    block's cache keyword and cache-index keyword, whether its cache is a (key, value) tuple
+    (Gemma 3) rather than one [B, 2, L, kv, hd] array, and whether the backbone multiplies its
+    embeddings by sqrt(hidden_dim) (Gemma)."""
+
+    cache_kw: str
+    index_kw: str
+    pair_cache: bool = False
+    embed_scale: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts family's routing (``model.router``, ``losses.router``):
+    ``router(block)``: the layer whose output is the block's router logits [rows, experts]
+    (None: a block with a dense MLP); ``top_k(backbone)``: the experts per token;
+    ``aux_coef(backbone)``: the load-balancing loss coefficient of the family's released config
+    (transformers' ``router_aux_loss_coef``; 0 where its config has none, as TRL reads it)."""
+
+    router: Callable[[Any], Any]
+    top_k: Callable[[Any], int]
+    aux_coef: Callable[[Any], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A real model's shape for ``tools.make_preset --like``: the KerasHub backbone arguments of
+    the published checkpoint and its tokenizer's size (the embedding may have more rows)."""
+
+    dims: dict
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One KerasHub causal-LM family: everything the package knows of it, in one place.
+
+    - ``name``; ``backbone``: the KerasHub backbone class name; ``classes``: its ``CausalLM``,
+      ``CausalLMPreprocessor`` and ``Tokenizer`` class names (``keras_hub.models``);
+    - ``chat_format``: the chat format (``chat.FORMATS``), or a function of the backbone
+      returning it (Llama 3.0 or 3.1+);
+    - ``attention``: {attention layer class name: reader} (``LayerSpec`` or a reason);
+    - ``sharding``: ``(regex on the variable path, logical axis per dimension)`` rules, anchored
+      on the family's own path names (``sharding.RULES`` holds every family's);
+    - ``lora``: the layer names of ``--lora.targets attention`` and ``mlp`` (``Unsupported``:
+      a family whose MLP is stacked experts, not layers);
+    - ``export``: ``Export``; ``decoding``: ``Decoding``; ``context_length``: the longest context
+      of the released checkpoints (rotary positions beyond it are untrained);
+    - ``hf_model_types``: the Hugging Face ``model_type`` values KerasHub converts to this
+      backbone (``--model HF_DIR``);
+    - ``short_names``: ``--model`` short names -> KerasHub preset handles;
+    - ``tokenizer``: the synthetic tokenizer kind of ``tools.make_preset`` (``TOKENIZERS``);
+      ``presets``: ``--like`` name -> ``Preset``;
+    - ``tiny``: variant name -> backbone arguments of a tiny random model with the family's
+      features (the tests' ``support.TINY_FAMILIES``; float32 is added);
+    - ``moe``: the routing of a mixture-of-experts family (``MoE``), None for a dense one;
+    - ``quantize_skip``: layer names ``--quantize int8`` leaves in the model's dtype (a block
+      that reads a layer's kernel as an array, which int8 would give without its scale).
+    """
+
+    name: str
+    backbone: str
+    classes: tuple[str, str, str]
+    chat_format: str | Callable[[Any], str] | Unsupported
+    attention: dict[str, Reader]
+    sharding: tuple
+    lora: dict[str, tuple[str, ...] | Unsupported]
+    export: Export | Unsupported
+    decoding: Decoding | Unsupported
+    context_length: int
+    hf_model_types: tuple[str, ...] | Unsupported
+    short_names: dict[str, str]
+    tokenizer: str
+    presets: dict[str, Preset] | Unsupported
+    tiny: dict[str, dict]
+    quantize_skip: tuple[str, ...] = ()
+    moe: MoE | None = None
+
+    def format_of(self, backbone) -> str | None:
+        """The chat format of ``backbone`` (a model of this family), or None when the family has
+        no known template."""
+        if isinstance(self.chat_format, Unsupported):
+            return None
+        return self.chat_format if isinstance(self.chat_format, str) else \
+            self.chat_format(backbone)

@@ -1,0 +1,203 @@
+"""Gemma 1 / 2 (``GemmaBackbone``) and Gemma 3 (``Gemma3Backbone``, text).
+
+Decoder blocks ``decoder_block_i``: q / k / v kernels [heads, hidden, head_dim], output
+[heads, head_dim, hidden], the MLP's gate / up / down ``ffw_gating`` / ``ffw_gating_2`` /
+``ffw_linear``; queries scaled before the scores, optional soft cap and sliding window.
+"""
+
+from __future__ import annotations
+
+import math
+
+from nnx_posttrain.families.base import (
+    Decoding,
+    Export,
+    Family,
+    LayerSpec,
+    Preset,
+    refuse,
+)
+
+F, T = "fsdp", "tensor"
+
+
+def attention(layer, training: bool) -> LayerSpec:
+    """Gemma's attention (``CachedGemmaAttention``, ``CachedGemma3Attention``): queries scaled by
+    1 / sqrt(head_dim) (or hidden / heads), a soft cap, a sliding window on its local layers."""
+    dim = layer.head_dim if layer.query_head_dim_normalize else (
+        layer.hidden_dim // layer.num_query_heads)
+    window = layer.sliding_window_size if layer.use_sliding_window_attention else None
+    return LayerSpec(1 / math.sqrt(dim), layer.logit_soft_cap or None, window)
+
+
+SHARDING = (
+    # q/k/v [heads, hidden, head_dim], output [heads, head_dim, hidden]
+    (r"decoder_block_\d+/attention/(query|key|value)/kernel$", (T, F, None)),
+    (r"decoder_block_\d+/attention/attention_output/kernel$", (T, None, F)),
+    # MLP: gate / up [hidden, intermediate], down [intermediate, hidden]
+    (r"decoder_block_\d+/(ffw_gating|ffw_gating_2)/kernel$", (F, T)),
+    (r"decoder_block_\d+/ffw_linear/kernel$", (T, F)),
+)
+LORA = {"attention": ("query", "key", "value", "attention_output"),
+        "mlp": ("ffw_gating", "ffw_gating_2", "ffw_linear")}
+
+_L = r"(\d+)"
+_RULES = [
+    (r"token_embedding/embeddings", "model.embed_tokens.weight", None),
+    (rf"decoder_block_{_L}/pre_attention_norm/scale", "model.layers.{}.input_layernorm.weight", None),
+    (rf"decoder_block_{_L}/post_attention_norm/scale", "model.layers.{}.post_attention_layernorm.weight", None),
+    (rf"decoder_block_{_L}/pre_ffw_norm/scale", "model.layers.{}.PRE_FFW.weight", None),
+    (rf"decoder_block_{_L}/post_ffw_norm/scale", "model.layers.{}.post_feedforward_layernorm.weight", None),
+    (rf"decoder_block_{_L}/attention/query/kernel", "model.layers.{}.self_attn.q_proj.weight", ((0, 2), (1,))),
+    (rf"decoder_block_{_L}/attention/key/kernel", "model.layers.{}.self_attn.k_proj.weight", ((0, 2), (1,))),
+    (rf"decoder_block_{_L}/attention/value/kernel", "model.layers.{}.self_attn.v_proj.weight", ((0, 2), (1,))),
+    (rf"decoder_block_{_L}/attention/query_norm/scale", "model.layers.{}.self_attn.q_norm.weight", None),
+    (rf"decoder_block_{_L}/attention/key_norm/scale", "model.layers.{}.self_attn.k_norm.weight", None),
+    (rf"decoder_block_{_L}/attention/attention_output/kernel", "model.layers.{}.self_attn.o_proj.weight", ((2,), (0, 1))),
+    (rf"decoder_block_{_L}/ffw_gating/kernel", "model.layers.{}.mlp.gate_proj.weight", ((1,), (0,))),
+    (rf"decoder_block_{_L}/ffw_gating_2/kernel", "model.layers.{}.mlp.up_proj.weight", ((1,), (0,))),
+    (rf"decoder_block_{_L}/ffw_linear/kernel", "model.layers.{}.mlp.down_proj.weight", ((1,), (0,))),
+    (r"final_normalization/scale", "model.norm.weight", None),
+]
+
+
+def export_rules(backbone) -> list:
+    """Gemma's weight names; the norm before the MLP is Gemma 1's ``post_attention_layernorm``
+    (no post norms), else ``pre_feedforward_layernorm``."""
+    gemma1 = type(backbone).__name__ == "GemmaBackbone" and not backbone.use_post_ffw_norm
+    pre_ffw = "post_attention_layernorm" if gemma1 else "pre_feedforward_layernorm"
+    return [(p, name.replace("PRE_FFW", pre_ffw), layout) for p, name, layout in _RULES]
+
+
+def gemma_config(b) -> dict:
+    """Gemma 1 (``gemma``) or Gemma 2 (``gemma2``: post norms, soft caps, local layers)."""
+    gemma2 = b.use_post_ffw_norm or b.use_post_attention_norm
+    common = dict(
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim,
+        intermediate_size=b.intermediate_dim // 2, num_hidden_layers=b.num_layers,
+        num_attention_heads=b.num_query_heads, num_key_value_heads=b.num_key_value_heads,
+        head_dim=b.head_dim, rms_norm_eps=b.layer_norm_epsilon, rope_theta=10000.0,
+        hidden_activation="gelu_pytorch_tanh", attention_bias=False, attention_dropout=0.0,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+    )
+    if not gemma2:
+        refuse("GemmaBackbone (Gemma 1)", [
+            f"{name} is set (a Gemma 2 feature, without Gemma 2's post norms)"
+            for name in ("final_logit_soft_cap", "attention_logit_soft_cap",
+                         "use_sliding_window_attention") if getattr(b, name)
+        ] + ([] if b.query_head_dim_normalize else
+             ["query_head_dim_normalize=False (Gemma 1 scales queries by head_dim)"]))
+        return dict(architectures=["GemmaForCausalLM"], model_type="gemma", **common)
+    refuse("GemmaBackbone (Gemma 2)", [] if b.use_post_ffw_norm and b.use_post_attention_norm
+           else ["only one of use_post_ffw_norm / use_post_attention_norm"])
+    sliding = [bool(b.use_sliding_window_attention and i % 2 == 0) for i in range(b.num_layers)]
+    return dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", **common,
+        query_pre_attn_scalar=b.head_dim if b.query_head_dim_normalize
+        else b.hidden_dim // b.num_query_heads,
+        final_logit_softcapping=b.final_logit_soft_cap,
+        attn_logit_softcapping=b.attention_logit_soft_cap,
+        sliding_window=b.sliding_window_size,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+    )
+
+
+def gemma3_config(b) -> dict:
+    """Gemma 3 text (``gemma3_text``): KerasHub's own config writer."""
+    from keras_hub.src.utils.transformers.export.gemma3 import get_gemma3_config
+
+    refuse("Gemma3Backbone", [p for p, bad in (
+        ("a vision encoder", b.vision_encoder is not None),
+        ("an embedding model", getattr(b, "is_embedding_model", False)),
+        ("bidirectional attention", getattr(b, "use_bidirectional_attention", False)),
+        ("no post-attention / post-feedforward norms (Gemma 3 has both)",
+         not (b.use_post_ffw_norm and b.use_post_attention_norm)),
+        ("no query / key norms (Gemma 3 has them)", not b.use_query_key_norm),
+    ) if bad])
+    cfg = get_gemma3_config(b)
+    cfg.pop("torch_dtype", None)
+    return cfg
+
+
+# what Gemma 2's published configs share: head size 256 and its scaling, the post norms, the
+# logit soft caps, local attention every other layer over 4,096 tokens
+GEMMA2 = dict(head_dim=256, query_head_dim_normalize=True, use_post_ffw_norm=True,
+              use_post_attention_norm=True, final_logit_soft_cap=30.0,
+              attention_logit_soft_cap=50.0, use_sliding_window_attention=True,
+              sliding_window_size=4096)
+# KerasHub's Gemma 1 / 2 ``intermediate_dim`` is twice Hugging Face's ``intermediate_size``
+# (gate and up together); Gemma 3's is the same
+_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
+             intermediate_dim=48, head_dim=8)
+
+GEMMA = Family(
+    name="gemma",
+    backbone="GemmaBackbone",
+    classes=("GemmaCausalLM", "GemmaCausalLMPreprocessor", "GemmaTokenizer"),
+    chat_format="gemma",
+    attention={"CachedGemmaAttention": attention},
+    sharding=SHARDING,
+    lora=LORA,
+    export=Export(export_rules, gemma_config,
+                  "Gemma 1 (`gemma`: no post norms, soft caps or window; any kv heads); Gemma 2 "
+                  "(`gemma2`: post norms, soft caps, sliding window on even layers)"),
+    decoding=Decoding("cache", "cache_update_index", embed_scale=True),
+    context_length=8_192,
+    hf_model_types=("gemma", "gemma2"),
+    short_names={"gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
+                 "gemma_2b_it": "gemma_instruct_2b_en", "gemma2_2b": "gemma2_2b_en",
+                 "gemma2_9b": "gemma2_9b_en"},
+    tokenizer="sentencepiece-gemma",
+    presets={
+        "gemma_2b": Preset(dict(vocabulary_size=256_000, num_layers=18, num_query_heads=8,
+                                num_key_value_heads=1, hidden_dim=2048, intermediate_dim=32_768,
+                                head_dim=256), 256_000),
+        "gemma_7b": Preset(dict(vocabulary_size=256_000, num_layers=28, num_query_heads=16,
+                                num_key_value_heads=16, hidden_dim=3072, intermediate_dim=49_152,
+                                head_dim=256), 256_000),
+        "gemma2_9b": Preset(dict(vocabulary_size=256_000, num_layers=42, num_query_heads=16,
+                                 num_key_value_heads=8, hidden_dim=3584, intermediate_dim=28_672,
+                                 **GEMMA2), 256_000),
+        "gemma2_2b": Preset(dict(vocabulary_size=256_000, num_layers=26, num_query_heads=8,
+                                 num_key_value_heads=4, hidden_dim=2304, intermediate_dim=18_432,
+                                 **GEMMA2), 256_000),
+    },
+    tiny={
+        "gemma": dict(_TINY, num_key_value_heads=1),  # one kv head
+        "gemma2": dict(_TINY, num_key_value_heads=2, query_head_dim_normalize=False,
+                       use_post_ffw_norm=True, use_post_attention_norm=True,
+                       attention_logit_soft_cap=5.0, final_logit_soft_cap=30.0,
+                       use_sliding_window_attention=True, sliding_window_size=8),
+    },
+)
+
+GEMMA3 = Family(
+    name="gemma3",
+    backbone="Gemma3Backbone",
+    classes=("Gemma3CausalLM", "Gemma3CausalLMPreprocessor", "Gemma3Tokenizer"),
+    chat_format="gemma",
+    attention={"CachedGemma3Attention": attention},
+    sharding=SHARDING,
+    lora=LORA,
+    export=Export(export_rules, gemma3_config,
+                  "text only (`gemma3_text`: no vision encoder, causal, not an embedding model)"),
+    decoding=Decoding("cache", "cache_update_index", pair_cache=True, embed_scale=True),
+    context_length=131_072,
+    hf_model_types=("gemma3_text", "gemma3"),
+    short_names={"gemma3_270m": "gemma3_270m", "gemma3_1b": "gemma3_1b"},
+    tokenizer="sentencepiece-gemma3",
+    presets={  # google/gemma-3-270m, gemma-3-1b-pt config.json (text; local window 512)
+        "gemma3_270m": Preset(dict(vocabulary_size=262_144, image_size=None, num_layers=18,
+                                   num_query_heads=4, num_key_value_heads=1, hidden_dim=640,
+                                   intermediate_dim=2048, head_dim=256,
+                                   use_sliding_window_attention=True, sliding_window_size=512,
+                                   global_rope_scaling_factor=1.0), 262_144),
+        "gemma3_1b": Preset(dict(vocabulary_size=262_144, image_size=None, num_layers=26,
+                                 num_query_heads=4, num_key_value_heads=1, hidden_dim=1152,
+                                 intermediate_dim=6912, head_dim=256,
+                                 use_sliding_window_attention=True, sliding_window_size=512,
+                                 global_rope_scaling_factor=1.0), 262_144),
+    },
+    tiny={"gemma3": dict(_TINY, image_size=None, num_key_value_heads=1,
+                         use_sliding_window_attention=True, sliding_window_size=8)},
+)

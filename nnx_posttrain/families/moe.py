@@ -1,0 +1,245 @@
+"""The Llama-layout mixtures of experts: Qwen3-MoE (``Qwen3MoeBackbone``, 30B-A3B, 235B-A22B),
+Mixtral (``MixtralBackbone``, 8x7B) and GPT-OSS (``GptOssBackbone``, 20b / 120b).
+
+Attention and norms are the Llama layout (``llama.SHARDING``; Qwen 3's q / k norms); each block's
+MLP is a sparse MoE block (``transformer_layer_i/<name>_sparse_moe_block_j/``): a router Dense
+``sparse_feedforward_gate_dense`` [hidden, experts] (softmax, top-k, renormalised) and the
+experts stacked in raw weights (Qwen3-MoE: gate|up [E, hidden, 2 x I] and down [E, I, hidden];
+Mixtral: gate, up [E, hidden, I], down [E, I, hidden]). KerasHub computes every expert for every
+token and drops the router logits (research P6, P7): ``model.router`` captures them for the
+load-balancing loss (``losses.router``). The stacked experts are not layers: LoRA targets their
+attention (and Qwen3-MoE's dense MLP layers, ``mlp_only_layers``), int8 leaves the experts in
+float.
+"""
+
+from __future__ import annotations
+
+from nnx_posttrain.families.base import Decoding, Export, Family, MoE, Preset, Unsupported, refuse
+from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
+from nnx_posttrain.families.qwen import chatml_tokenizer
+
+F, T = "fsdp", "tensor"
+
+
+def qwen3_moe_attention(layer, training: bool):
+    """``Qwen3MoeAttention``: no window (its ``sliding_window_size`` applies only in the einsum
+    branch KerasHub skips on JAX; transformers' Qwen3-MoE has none)."""
+    return llama_like(layer, None)
+
+
+def mixtral_attention(layer, training: bool):
+    """``CachedMixtralAttention``: the window of the decoder's banded mask, ``sliding_window``
+    (research P1: Mistral's private name would read none)."""
+    return llama_like(layer, layer.sliding_window)
+
+
+_MOE = r"transformer_layer_\d+/\w+_sparse_moe_block(_\d+)?"
+SHARDING_MOE = SHARDING + (
+    (rf"{_MOE}/sparse_feedforward_gate_dense/kernel$", (F, None)),
+    # experts [E, hidden, I] (gate, up; Qwen3-MoE's gate|up) and [E, I, hidden] (down)
+    (rf"{_MOE}/experts/expert_feedforward_(gate|intermediate)_dense$", (None, F, T)),
+    (rf"{_MOE}/experts/expert_feedforward_output_dense$", (None, T, F)),
+)
+# ----------------------------------------------------------------------------- Hugging Face export
+# transformers 5.24 writes (and reads) one tensor per expert: Qwen3-MoE's
+# ``mlp.experts.{e}.{gate,up,down}_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1 / w3 / w2``
+_BLOCK = r"transformer_layer_(\d+)/\w+_sparse_moe_block(?:_\d+)?"
+
+
+def _expert_rules(b, prefix: str, parts: dict) -> list:
+    """Per expert and part: (regex of the stacked variable, HF name, ("expert", e, lo, hi))."""
+    out = []
+    for variable, pieces in parts.items():
+        for e in range(b.num_experts):
+            out += [(rf"{_BLOCK}/experts/{variable}", f"model.layers.{{}}.{prefix}.{e}.{name}.weight",
+                     ("expert", e, lo, hi)) for name, lo, hi in pieces]
+    return out
+
+
+def qwen3_moe_rules(b) -> list:
+    i = b.moe_intermediate_dim
+    return LLAMA_RULES + [
+        (rf"{_BLOCK}/sparse_feedforward_gate_dense/kernel", "model.layers.{}.mlp.gate.weight",
+         ((1,), (0,))),
+    ] + _expert_rules(b, "mlp.experts", {  # gate | up halves of one stacked kernel
+        "expert_feedforward_gate_dense": [("gate_proj", 0, i), ("up_proj", i, 2 * i)],
+        "expert_feedforward_output_dense": [("down_proj", 0, b.hidden_dim)]})
+
+
+def mixtral_rules(b) -> list:
+    i = b.intermediate_dim
+    return LLAMA_RULES + [
+        (rf"{_BLOCK}/sparse_feedforward_gate_dense/kernel",
+         "model.layers.{}.block_sparse_moe.gate.weight", ((1,), (0,))),
+    ] + _expert_rules(b, "block_sparse_moe.experts", {
+        "expert_feedforward_gate_dense": [("w1", 0, i)],
+        "expert_feedforward_intermediate_dense": [("w3", 0, i)],
+        "expert_feedforward_output_dense": [("w2", 0, b.hidden_dim)]})
+
+
+def _common(b) -> dict:
+    return dict(vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim,
+                num_hidden_layers=b.num_layers, num_attention_heads=b.num_query_heads,
+                num_key_value_heads=b.num_key_value_heads, rms_norm_eps=b.layer_norm_epsilon,
+                rope_theta=b.rope_max_wavelength, hidden_act="silu", attention_dropout=0.0,
+                num_experts_per_tok=b.top_k)
+
+
+def qwen3_moe_config(b) -> dict:
+    """``qwen3_moe``, with the expert count under both keys: ``num_experts`` (the published
+    configs', which KerasHub's converter reads) and ``num_local_experts`` (transformers 5.24's)."""
+    refuse("Qwen3MoeBackbone", [p for p, bad in (
+        (f"rope_scaling_factor={b.rope_scaling_factor}", b.rope_scaling_factor != 1.0),
+        ("dense MLP layers (mlp_only_layers, decoder_sparse_step)",
+         list(b.mlp_only_layers or []) or b.decoder_sparse_step != 1),
+        (f"sliding_window_size={b.sliding_window_size} (none on JAX, as transformers')",
+         b.sliding_window_size and b.sliding_window_size < 32768),
+    ) if bad])
+    return dict(_common(b), architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                head_dim=b.head_dim, intermediate_size=b.intermediate_dim,
+                moe_intermediate_size=b.moe_intermediate_dim, num_experts=b.num_experts,
+                num_local_experts=b.num_experts, norm_topk_prob=b.norm_top_k_prob,
+                decoder_sparse_step=1, mlp_only_layers=[],
+                router_aux_loss_coef=b.router_aux_loss_coefficient, output_router_logits=False,
+                use_sliding_window=False, sliding_window=None, attention_bias=False,
+                max_position_embeddings=40_960, tie_word_embeddings=b.tie_word_embeddings)
+
+
+def mixtral_config(b) -> dict:
+    return dict(_common(b), architectures=["MixtralForCausalLM"], model_type="mixtral",
+                intermediate_size=b.intermediate_dim, num_local_experts=b.num_experts,
+                head_dim=b.hidden_dim // b.num_query_heads, sliding_window=b.sliding_window,
+                router_aux_loss_coef=b.router_aux_loss_coef, output_router_logits=False,
+                router_jitter_noise=0.0, max_position_embeddings=32_768,
+                tie_word_embeddings=False)
+
+
+_EXPERT_LORA = Unsupported("the experts are stacked weights, not layers: --lora.targets mlp "
+                           "(per-expert adapters) is not implemented; use attention")
+
+
+def _router_layer(*attributes: str):
+    def router(block):
+        layer = block
+        for name in attributes:
+            layer = getattr(layer, name, None)
+        return layer
+    return router
+
+
+def _router(attribute: str):
+    def router(block):
+        moe = getattr(block, attribute, None)
+        return getattr(moe, "_sparse_feedforward_gate_dense", None)
+    return router
+
+
+_DECODING = Decoding("self_attention_cache", "self_attention_cache_update_index")
+# int8 leaves the routers (a [hidden, experts] matrix each): rounding them flips which experts a
+# token goes to (bitsandbytes users skip the "gate" likewise)
+_ROUTER_SKIP = ("sparse_feedforward_gate_dense",)
+_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+             hidden_dim=32, num_experts=4, top_k=2)
+
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    backbone="Qwen3MoeBackbone",
+    classes=("Qwen3MoeCausalLM", "Qwen3MoeCausalLMPreprocessor", "Qwen3MoeTokenizer"),
+    chat_format="qwen3",
+    attention={"Qwen3MoeAttention": qwen3_moe_attention},
+    sharding=SHARDING_MOE,
+    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    export=Export(qwen3_moe_rules, qwen3_moe_config,
+                  "`qwen3_moe` (every layer sparse, no window), one tensor per expert",
+                  tokenizer=chatml_tokenizer),
+    decoding=_DECODING,
+    context_length=40_960,  # 30B-A3B (131,072 with YaRN)
+    hf_model_types=("qwen3_moe",),
+    short_names={"qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en"},
+    tokenizer="bpe-qwen3",
+    presets={"qwen3_moe_30b_a3b": Preset(dict(
+        vocabulary_size=151_936, hidden_dim=2048, head_dim=128, num_layers=48, num_query_heads=32,
+        num_key_value_heads=4, intermediate_dim=6144, moe_intermediate_dim=768, num_experts=128,
+        top_k=8, norm_top_k_prob=True, layer_norm_epsilon=1e-6, rope_max_wavelength=1e6,
+        sliding_window_size=None, router_aux_loss_coefficient=0.001,
+        tie_word_embeddings=False), 151_669)},
+    tiny={"qwen3_moe": dict(_TINY, intermediate_dim=64, moe_intermediate_dim=16, head_dim=8,
+                            norm_top_k_prob=True)},
+    quantize_skip=_ROUTER_SKIP,
+    moe=MoE(_router("mlp"), lambda b: int(b.top_k),
+            lambda b: float(b.router_aux_loss_coefficient)),  # 0.001 (30B-A3B's config)
+)
+
+MIXTRAL = Family(
+    name="mixtral",
+    backbone="MixtralBackbone",
+    classes=("MixtralCausalLM", "MixtralCausalLMPreprocessor", "MixtralTokenizer"),
+    chat_format="mistral",
+    attention={"CachedMixtralAttention": mixtral_attention},
+    sharding=SHARDING_MOE,
+    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    export=Export(mixtral_rules, mixtral_config,
+                  "`mixtral` (its sliding window too), one tensor per expert (w1 / w3 / w2)"),
+    decoding=_DECODING,
+    context_length=32_768,
+    hf_model_types=("mixtral",),
+    short_names={"mixtral_8x7b": "mixtral_8_7b_en", "mixtral_8x7b_it": "mixtral_8_instruct_7b_en"},
+    tokenizer="sentencepiece-llama",
+    presets={"mixtral_8x7b": Preset(dict(
+        vocabulary_size=32_000, num_layers=32, num_query_heads=32, hidden_dim=4096,
+        intermediate_dim=14_336, num_key_value_heads=8, num_experts=8, top_k=2,
+        rope_max_wavelength=1e6, layer_norm_epsilon=1e-5,
+        sliding_window=None), 32_000)},  # KerasHub's default window is 512: 8x7B has none
+    tiny={"mixtral": dict(_TINY, intermediate_dim=16, sliding_window=8)},
+    quantize_skip=_ROUTER_SKIP,
+    moe=MoE(_router("_sparse_moe_block"), lambda b: int(b.top_k),
+            lambda b: float(b.router_aux_loss_coef)),  # 0.02 (8x7B's config)
+)
+
+
+def gpt_oss_attention(layer, training: bool):
+    """``GptOssAttention``: its learned attention sinks (a per-head logit in every softmax) are in
+    no kernel here: the model keeps KerasHub's attention. (KerasHub's windows also differ from
+    transformers' and OpenAI's: odd layers and W + 1 keys against even layers and W keys,
+    research P2; beyond 128 positions the two models differ.)"""
+    return "GptOssAttention has learned attention sinks, which no kernel here computes"
+
+
+SHARDING_GPT_OSS = SHARDING + (
+    (r"transformer_layer_\d+/sparse_moe_block/router/router_dense/kernel$", (F, None)),
+    # experts: gate / up interleaved [E, hidden, 2 x I] (+ bias [E, 2 x I]), down [E, I, hidden]
+    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj$", (None, F, T)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj_bias$", (None, T)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj$", (None, T, F)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj_bias$", (None, None)),
+)
+
+GPT_OSS = Family(
+    name="gpt_oss",
+    backbone="GptOssBackbone",
+    classes=("GptOssCausalLM", "GptOssCausalLMPreprocessor", "GptOssTokenizer"),
+    chat_format=Unsupported("the harmony format (TRL 1.16's gptoss.jinja: developer message, "
+                            "channels, to=functions.x calls) is not rendered yet"),
+    attention={"GptOssAttention": gpt_oss_attention},
+    sharding=SHARDING_GPT_OSS,
+    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    export=Unsupported("GPT-OSS has no verified Hugging Face export (KerasHub's windows differ "
+                       "from transformers', research P2); use --format keras"),
+    decoding=Unsupported("GPT-OSS's attention sinks are not in the KV-cache sampler's kernel"),
+    context_length=131_072,
+    hf_model_types=("gpt_oss",),  # KerasHub reads the published MXFP4 checkpoints only
+    short_names={"gpt_oss_20b": "gpt_oss_20b_en"},
+    tokenizer="bpe-gpt_oss",
+    presets={"gpt_oss_20b": Preset(dict(
+        vocabulary_size=201_088, num_layers=24, num_query_heads=64, num_key_value_heads=8,
+        hidden_dim=2880, intermediate_dim=2880, num_experts=32, top_k=4, head_dim=64,
+        sliding_window=128, rope_max_wavelength=150_000,
+        rope_scaling_factor=32.0,  # YaRN: the published config's rope_scaling (research P2c)
+        layer_norm_epsilon=1e-5), 200_019)},
+    tiny={"gpt_oss": dict(_TINY, intermediate_dim=16, head_dim=8, sliding_window=4)},
+    # top-k of the router's logits, softmax over the k; gpt-oss-20b's config.json:
+    # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
+    quantize_skip=("router_dense",),
+    moe=MoE(_router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
+            lambda b: 0.9),
+)

@@ -1,0 +1,142 @@
+"""One family, one place (``nnx_posttrain.families``): every family has every part, and each part
+fits the family's own tiny backbone (the attention reader reads every block, the sharding rules
+and the export names cover every variable, the LoRA targets name real layers, the decoding
+keywords are the blocks' own). A part a family does not have is ``Unsupported`` with a reason."""
+
+import inspect
+import re
+
+import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+import keras_hub
+import pytest
+
+import support
+from nnx_posttrain import chat, families, model, sharding
+from nnx_posttrain.families import Unsupported
+from nnx_posttrain.model import attention
+from tools import make_preset
+
+FAMILIES = families.FAMILIES
+PARTS = ("backbone", "classes", "chat_format", "attention", "sharding", "lora", "export",
+         "decoding", "context_length", "hf_model_types", "short_names", "tokenizer", "presets",
+         "tiny")
+
+
+def test_the_families():
+    """The list itself: the families this package supports (a new one is a new entry)."""
+    assert list(FAMILIES) == ["gemma", "gemma3", "gemma4", "llama2", "llama3", "mistral", "qwen2", "qwen3",
+                              "qwen3_moe", "mixtral", "gpt_oss", "phi3"]
+    assert len({f.backbone for f in FAMILIES.values()}) == len(FAMILIES)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_has_every_part(name):
+    family = FAMILIES[name]
+    for part in PARTS:
+        value = getattr(family, part)
+        assert value is not None, f"{name}: no {part}"
+        if isinstance(value, Unsupported):
+            assert len(value.reason) > 20, f"{name}: {part} unsupported without a reason"
+    assert family.attention and family.sharding and family.tiny, name
+    assert set(family.lora) == {"attention", "mlp"} and family.lora["attention"], name
+    assert family.lora["mlp"] or family.moe is not None, name  # no MLP layers: experts only
+    if family.moe is not None:
+        assert family.moe.router and family.moe.top_k and family.moe.aux_coef, name
+    for cls in (family.backbone, *family.classes):
+        assert hasattr(keras_hub.models, cls), f"{name}: keras_hub.models.{cls}"
+    if isinstance(family.chat_format, str):
+        assert family.chat_format in chat.FORMATS, name
+    assert family.tokenizer in make_preset.TOKENIZERS, name
+    backbone = getattr(keras_hub.models, family.backbone)
+    accepted = set(inspect.signature(backbone.__init__).parameters)
+    presets = {} if isinstance(family.presets, Unsupported) else family.presets
+    for like, preset in presets.items():
+        assert set(preset.dims) <= accepted, (like, set(preset.dims) - accepted)
+    for short, handle in family.short_names.items():
+        assert handle in keras_hub.models.CausalLM.presets, (name, short, handle)
+    assert family.context_length >= 4096
+
+
+def test_shared_attention_classes_are_read_alike_and_names_are_unique():
+    readers = {}
+    for family in FAMILIES.values():
+        for cls, reader in family.attention.items():
+            assert readers.setdefault(cls, reader) is reader, cls
+    for table in (families.short_names(), families.presets()):
+        lists = [k for f in FAMILIES.values() for k in getattr(
+            f, "short_names" if table is families.short_names() else "presets")]
+        assert len(lists) == len(set(lists))
+
+
+def _own_variant(variant):
+    return next(f for f in FAMILIES.values() if variant in f.tiny)
+
+
+@pytest.fixture(scope="module", params=list(support.TINY_FAMILIES))
+def tiny(request):
+    return _own_variant(request.param), support.TINY_FAMILIES[request.param]()
+
+
+def test_the_attention_reader_reads_every_block(tiny):
+    family, backbone = tiny
+    assert families.of(backbone) is family
+    for block in model.decoder_blocks(backbone):
+        layer = attention.attention_layer(block)
+        assert type(layer).__name__ in family.attention
+        spec = attention.layer_spec(block)
+        if isinstance(spec, str):  # a feature no kernel computes: KerasHub's attention, saying so
+            assert attention.resolve(backbone, "xla") == ("keras", spec)
+        else:
+            assert isinstance(spec, families.LayerSpec)
+
+
+def _matching(rules, path):
+    return [axes for pattern, axes in rules if re.search(pattern, path)]
+
+
+def test_every_variable_is_sharded_by_its_own_familys_rules(tiny):
+    """No other family's rule matches a variable (the rules are anchored on each family's
+    paths), and every matrix of the decoder blocks has a rule."""
+    family, backbone = tiny
+    own = sharding.COMMON_RULES + list(family.sharding) + sharding.HEAD_RULES
+    for v in backbone.weights:
+        path = v.path
+        assert _matching(sharding.RULES, path)[:1] == _matching(own, path)[:1], path
+        if len(v.shape) >= 2 and "embedding" not in path:
+            assert _matching(own, path), f"{family.name}: no sharding rule for {path}"
+
+
+def test_lora_targets_name_layers_of_the_family(tiny):
+    family, backbone = tiny
+    names = {layer.name for layer in backbone._flatten_layers(include_self=False)}
+    for targets in ("attention", "mlp"):
+        if not isinstance(family.lora[targets], Unsupported):
+            assert set(family.lora[targets]) <= names, (family.name, targets)
+
+
+def test_export_names_cover_every_variable(tiny):
+    from nnx_posttrain.export import hf
+
+    family, backbone = tiny
+    if isinstance(family.export, Unsupported):
+        with pytest.raises(hf.ExportError, match=re.escape(family.export.reason)):
+            hf.weight_map(backbone)
+        return
+    try:
+        mapping = hf.weight_map(backbone)
+    except hf.ExportError as exc:  # a tiny configuration the export refuses by design
+        pytest.skip(str(exc))
+    # every variable has its tensors (stacked experts: one per expert and part)
+    assert {id(v) for v, _ in mapping.values()} == {id(v) for v in backbone.weights}
+
+
+def test_decoding_keywords_are_the_blocks_own(tiny):
+    family, backbone = tiny
+    if isinstance(family.decoding, Unsupported):  # the sampler refuses it, saying why
+        from nnx_posttrain.sampling import sampler
+
+        with pytest.raises(NotImplementedError, match=re.escape(family.decoding.reason)):
+            sampler._family(backbone)
+        return
+    params = inspect.signature(type(backbone.transformer_layers[0]).call).parameters
+    assert {family.decoding.cache_kw, family.decoding.index_kw} <= set(params)

@@ -1,0 +1,150 @@
+"""The newer families on micro presets (a KerasHub preset directory of each family's tiny
+configuration with a synthetic tokenizer of the family's kind, as ``tools.make_preset`` writes
+them): loaded through ``model.load`` (the family's chat format, the backbone's extra inputs), a
+few SFT and DPO steps with LoRA, ``--quantize int8``. Attention and projections against
+KerasHub's own layers are tests/test_attention.py and tests/test_dense.py (every family's tiny
+configuration), export against transformers tests/test_hf_export.py, chat templates
+tests/test_chat.py."""
+
+import re
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+import keras
+
+from nnx_posttrain import families, model
+from support import losses, records, train_run
+from tools import make_preset
+
+TOKENS = 1024
+STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "0",
+         "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0",
+         "--eval.batches", "0"]
+# the micro preset of each family: a tiny variant (``Family.tiny``), shallower (fewer layers to
+# compile), with the synthetic tokenizer's size
+MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1)), "phi3": ("phi3", {}),
+         "qwen3_moe": ("qwen3_moe", {}), "mixtral": ("mixtral", {})}
+
+
+@pytest.fixture(scope="module", params=sorted(MICRO))
+def preset(request, tmp_path_factory):
+    family = families.FAMILIES[request.param]
+    variant, shallower = MICRO[request.param]
+    dims = dict(family.tiny[variant], **shallower, vocabulary_size=TOKENS)
+    out = tmp_path_factory.mktemp(request.param)
+    keras.utils.set_random_seed(0)
+    make_preset._task(family.name, dims, TOKENS, "float32").save_to_preset(str(out))
+    return family, out
+
+
+def test_a_micro_preset_loads_with_its_familys_chat_format(preset):
+    family, path = preset
+    lm = model.load(str(path))
+    assert families.of(lm.module) is family and lm.chat_format == family.format_of(lm.module)
+    assert lm.tokenizer.vocab_size == TOKENS
+    ids = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) + 5)
+    logits = model.full_logits(lm.module, ids, jnp.ones_like(ids))
+    assert logits.shape == (2, 6, TOKENS) and bool(jnp.isfinite(logits).all())
+
+
+LORA = ["--lora.rank", "2", "--lora.targets", "all-linear", "--optim.learning-rate", "1e-2"]
+
+
+@pytest.mark.slow
+def test_sft_steps(preset, tmp_path):
+    _, path = preset
+    train_run("sft", "--model", path, *STEPS, "--run-dir", tmp_path, echo=_quiet)
+    sft = losses(tmp_path)
+    assert sorted(sft) == [1, 2] and all(np.isfinite(list(sft.values())))
+
+
+@pytest.mark.slow
+def test_dpo_steps_with_lora(preset, tmp_path):
+    _, path = preset
+    train_run("dpo", "--model", path, *STEPS, *LORA, "--init-from", "", "--run-dir", tmp_path,
+              echo=_quiet)
+    first = records(tmp_path)[0]
+    assert first["loss"] == pytest.approx(np.log(2), abs=1e-3)  # policy = reference at step 1
+
+
+@pytest.mark.slow
+def test_grpo_steps_with_lora(preset, tmp_path):
+    """Rollouts through the KV-cache sampler, then the GRPO step; a family the sampler does not
+    drive is refused with the reason."""
+    import json
+
+    from nnx_posttrain import data
+
+    family, path = preset
+    src = data.source("builtin", "train", builtin="prompt_only")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({k: v for k, v in src[i].items()
+                                           if not k.startswith("_")}) + "\n" for i in range(8)))
+    args = ["grpo", "--model", path, *STEPS, *LORA, "--init-from", "", "--data", prompts,
+            "--batching.batch-size", "4", "--algo.num-generations", "2",
+            "--algo.max-completion-length", "4", "--algo.rewards", "exact_match",
+            "--run-dir", tmp_path / "run"]
+    if not family.decoding:
+        with pytest.raises(NotImplementedError, match=re.escape(family.decoding.reason)):
+            train_run(*args, echo=_quiet)
+        return
+    train_run(*args, echo=_quiet)
+    rows = records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    if family.moe is not None:  # TRL's GRPOTrainer adds the router load-balancing loss too
+        assert all(r["aux_loss"] > 1.0 for r in rows)
+
+
+def test_int8_keeps_the_layers_the_family_reads_as_arrays(preset, monkeypatch):
+    """int8 (Phi-3 and the MoE families: their untied output embedding too) computes as the model
+    up to int8 rounding (random hidden-32 weights: ~10% of the logits' range). Gemma 4's blocks
+    multiply the MLP kernels as arrays: int8 leaves them in float (``Family.quantize_skip``);
+    quantized, they would be read without their scale. A mixture of experts keeps its routers in
+    float (rounding them flips experts; on tiny random models a flip moves the logits by tens of
+    percent either way, so only the routers are checked there: research 7.1)."""
+    import sys
+
+    quantize = sys.modules["nnx_posttrain.model.quantize"]
+    family, path = preset
+    ids = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) + 5)
+
+    def change(skip):
+        lm = model.load(str(path))
+        before = np.asarray(model.full_logits(lm.module, ids, jnp.ones_like(ids)))
+        monkeypatch.setattr(quantize, "skipped", lambda _: skip)
+        assert model.quantize(lm.module, "int8") > 0
+        names = {layer.name for layer in model.quantized_layers(lm.module)}
+        assert not names & set(skip)
+        after = np.asarray(model.full_logits(lm.module, ids, jnp.ones_like(ids)))
+        return np.abs(after - before).max() / np.abs(before).max()
+
+    if family.moe is not None and family.name != "gemma4":
+        change(family.quantize_skip)  # the routers stay float (checked inside)
+        return
+    assert change(family.quantize_skip) < 0.2
+    if family.quantize_skip:
+        assert change(()) > 2 * 0.2
+
+
+def _quiet(*_):
+    pass
+
+
+NEW_LIKES = [like for like, (family, _) in families.presets().items()
+             if family.name in ("gemma4", "qwen3_moe", "mixtral", "phi3")]
+
+
+@pytest.mark.parametrize("like", NEW_LIKES)
+def test_make_preset_like_a_newer_family(like, tmp_path):
+    """``tools.make_preset --like`` writes the family's preset (config only, scaled to 2%: the
+    real vocabulary and heads) with a tokenizer of its kind and size."""
+    import json
+
+    family, preset = families.presets()[like]
+    built = make_preset.build(like, tmp_path, scale=0.02, config_only=True, echo=_quiet)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["class_name"] == family.backbone
+    assert config["config"]["vocabulary_size"] == preset.dims["vocabulary_size"]
+    assert built.dims["num_layers"] < preset.dims["num_layers"]

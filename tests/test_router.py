@@ -1,0 +1,175 @@
+"""Mixture of experts: the router load-balancing loss (``losses.router``) equals transformers
+5.24's ``load_balancing_loss_func`` on the same router logits, and ``model.router`` captures
+every MoE layer's logits of a forward pass (as the router layers compute them), under remat too;
+SFT and DPO on a tiny Qwen3-MoE / Mixtral add it (``--algo.router-aux-loss-coef``, default the
+family's) and log ``aux_loss`` and the tokens per expert."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import support
+from nnx_posttrain import errors, families, model
+from nnx_posttrain.model.blocks import backbone_inputs
+from nnx_posttrain.losses.router import RouterOptions, load_balancing, with_router_aux
+
+torch = pytest.importorskip("torch")
+
+
+def _transformers(logits, top_k, mask=None):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    gate = tuple(torch.from_numpy(np.asarray(x)) for x in logits)
+    m = None if mask is None else torch.from_numpy(np.asarray(mask))
+    return float(load_balancing_loss_func(gate, logits.shape[-1], top_k, m))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize("experts,top_k", [(4, 2), (8, 2), (32, 4), (128, 8)])
+def test_load_balancing_equals_transformers(experts, top_k, masked):
+    """3 layers, a batch of 2 x 7 positions (rows batch-major, as [B * T, E])."""
+    rng = np.random.default_rng(experts + top_k)
+    logits = rng.normal(size=(3, 14, experts)).astype(np.float32) * 2
+    mask = np.ones((2, 7), np.int64)
+    mask[1, :3] = 0
+    ours, tokens = load_balancing(jnp.asarray(logits), top_k,
+                                  jnp.asarray(mask.reshape(-1)) if masked else None)
+    theirs = _transformers(logits, top_k, mask if masked else None)
+    assert float(ours) == pytest.approx(theirs, rel=1e-5)
+    assert float(tokens.sum()) == pytest.approx(top_k, rel=1e-5)  # shares of the routed tokens
+
+
+def test_the_aux_term_is_added_to_the_mean_and_logged():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, 4)), jnp.float32)
+    routed = model.router.Routed(logits, jnp.ones(6), 2, 0.5)
+    total, weight, metrics = with_router_aux((jnp.float32(3.0), jnp.float32(2.0), {}), routed)
+    aux, _ = load_balancing(logits, 2)
+    assert float(total / weight) == pytest.approx(1.5 + 0.5 * float(aux), rel=1e-6)
+    assert float(metrics["aux_loss"][0]) == pytest.approx(float(aux))
+    assert {f"moe/tokens_per_expert/{e}" for e in range(4)} <= set(metrics)
+    assert with_router_aux((1.0, 1.0, {}), None) == (1.0, 1.0, {})
+    with pytest.raises(errors.ConfigError, match="router-aux-loss-coef"):
+        RouterOptions(router_aux_loss_coef=-1.0).check()
+
+
+# the tiny configurations with experts (Gemma 4's dense ones have none)
+MOE = [v for f in families.FAMILIES.values() if f.moe for v, kw in f.tiny.items()
+       if kw.get("num_experts")]
+
+
+@pytest.fixture(scope="module", params=MOE)
+def moe(request):
+    return support.tiny_backbone(request.param)
+
+
+def _router_outputs(bb, x):
+    """Each router layer's output, computed by the layer itself on its block's input."""
+    family = families.of(bb)
+    outs = []
+
+    def keep(layer, original):
+        def call(*a, **k):
+            y = original(*a, **k)
+            outs.append(np.asarray(y))
+            return y
+        return call
+
+    routers = [family.moe.router(b) for b in model.decoder_blocks(bb)]
+    with model.blocks.shadowed(routers, "call", keep):
+        bb(backbone_inputs(bb, x, jnp.ones_like(x)))
+    return outs
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_the_capture_holds_every_layers_router_logits_inside_jit(moe, remat):
+    x = jnp.asarray(np.random.default_rng(0).integers(1, 60, (2, 9)), jnp.int32)
+    want = _router_outputs(moe, x)
+    model.set_remat(moe, remat)
+    graphdef, params, rest = model.split(moe)
+
+    def captured(params):
+        m = nnx.merge(graphdef, params, rest)
+        with model.routers_captured(m) as capture:
+            model.hidden_states(m, x, jnp.ones_like(x))
+        routed = capture.routed()
+        return routed.logits, routed.mask
+
+    assert ("remat" in str(jax.make_jaxpr(captured)(params))) == remat
+    logits, mask = jax.jit(captured)(params)
+    model.set_remat(moe, False)
+    assert logits.shape == (len(want), 18, want[0].shape[-1]) and float(mask.sum()) == 18
+    for got, ref in zip(logits, want):
+        np.testing.assert_allclose(got, ref.reshape(18, -1), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", MOE)
+def test_all_linear_lora_leaves_the_routers(variant):
+    bb = support.TINY_FAMILIES[variant]()
+    family = families.of(bb)
+    routers = [r.path for r in map(family.moe.router, model.decoder_blocks(bb)) if r is not None]
+    adapted = model.enable_lora(bb, 2, targets="all-linear")
+    assert routers and adapted and not set(routers) & set(adapted)
+    if isinstance(family.lora["mlp"], families.Unsupported):  # experts only, no MLP layers
+        with pytest.raises(errors.ConfigError, match="stacked weights"):
+            model.enable_lora(bb, 2, targets="mlp")
+
+
+def test_a_dense_model_captures_nothing(micro):
+    with model.routers_captured(micro.module) as capture:
+        pass
+    assert capture.routed() is None
+
+
+# ----------------------------------------------------------------------------- micro presets
+
+STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "0",
+         "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0",
+         "--eval.batches", "0"]
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    from tools import make_preset
+
+    out = {}
+    for name in ("qwen3_moe", "mixtral"):
+        family = families.FAMILIES[name]
+        path = tmp_path_factory.mktemp(name)
+        make_preset._task(name, dict(family.tiny[name], vocabulary_size=1024), 1024,
+                          "float32").save_to_preset(str(path))
+        out[name] = path
+    return out
+
+
+@pytest.mark.slow
+def test_sft_on_a_moe_model_logs_the_aux_loss_with_the_familys_coefficient(presets, tmp_path):
+    """Qwen3-MoE: coefficient 0.001 by default (its config); the loss is the NLL plus it."""
+    support.train_run("sft", "--model", presets["qwen3_moe"], *STEPS, "--run-dir", tmp_path / "a",
+                      echo=lambda *_: None)
+    first = support.records(tmp_path / "a")[0]
+    assert 1.0 <= first["aux_loss"] <= 4.0  # k = 2 balanced; at most k x E / k
+    assert first["moe/min_tokens_per_expert"] <= 0.5 <= first["moe/max_tokens_per_expert"]
+    support.train_run("sft", "--model", presets["qwen3_moe"], *STEPS, "--run-dir", tmp_path / "b",
+                      "--algo.router-aux-loss-coef", "0", echo=lambda *_: None)
+    off = support.records(tmp_path / "b")[0]
+    assert off["aux_loss"] == pytest.approx(first["aux_loss"], rel=1e-5)
+    assert first["loss"] == pytest.approx(off["loss"], rel=1e-5)  # the NLL is logged as loss
+
+
+@pytest.mark.slow
+def test_dpo_on_a_moe_model_adds_the_policys_aux_loss(presets, tmp_path):
+    support.train_run("dpo", "--model", presets["mixtral"], *STEPS, "--lora.rank", "2",
+                      "--init-from", "", "--run-dir", tmp_path, echo=lambda *_: None)
+    first = support.records(tmp_path)[0]
+    assert first["loss"] == pytest.approx(np.log(2), abs=1e-3) and first["aux_loss"] > 1.0
+
+
+@pytest.mark.slow
+def test_simpo_on_a_moe_model_adds_the_aux_loss(presets, tmp_path):
+    support.train_run("simpo", "--model", presets["qwen3_moe"], *STEPS, "--lora.rank", "2",
+                      "--algo.router-aux-loss-coef", "0.5", "--init-from", "",
+                      "--run-dir", tmp_path, echo=lambda *_: None)
+    assert support.records(tmp_path)[0]["aux_loss"] > 1.0
