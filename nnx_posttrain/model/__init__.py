@@ -18,7 +18,9 @@ its chat template. Around it:
   and the sampler's decoding step against its KV cache (``attend_cached``);
 - ``dense``: the decoder blocks' projections with their kernel gradient as one 2-D matmul;
 - ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
-- ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``).
+- ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``);
+- ``vision``: vision-language backbones (Gemma 3 with its vision encoder): the images of the
+  batch being processed (``images``), the backbone's image inputs, the frozen vision tower.
 
 It may import only config-level modules (``config``, ``chat``, ``sharding``, ``checkpoint``,
 ``metrics_log``) and third-party libraries: never data, losses, algorithms, train or tasks.
@@ -63,6 +65,7 @@ from nnx_posttrain.model.logprobs import (
     token_logprobs,
     vocabulary_logits,
 )
+from nnx_posttrain.model.vision import freeze_tower, images, reads_images
 from nnx_posttrain.model.lora import (
     ATTENTION_LAYERS,
     LORA_TARGETS,
@@ -96,4 +99,6 @@ __all__ = [
     "vocabulary_logits",
     # heads
     "PolicyWithValue", "RewardModel",
+    # vision
+    "freeze_tower", "images", "reads_images",
 ]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain.model import attention, dense, quantize
+from nnx_posttrain.model.vision import backbone_inputs
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _block_calls,
@@ -30,20 +31,20 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     example. Positions are not restarted per example: every supported family uses rotary
     embeddings, whose attention scores depend only on relative positions within an example.
     ``rope_positions`` [batch, T] are the rotary positions where that does not hold (a shared-prefix
-    row, whose second branch continues the prefix: ``algorithms.shared_prompt``)."""
+    row, whose second branch continues the prefix: ``algorithms.shared_prompt``). A vision
+    backbone reads the images of ``vision.images``' scope (``vision.backbone_inputs``)."""
     rope = (contextlib.nullcontext() if rope_positions is None
             else rope_positions_scope(module, rope_positions))
     branched = rope_positions is not None
     with _block_calls(module), dense.overridden(module), rope, \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
-            return constrain_batch(module({"token_ids": token_ids, "padding_mask": padding_mask}))
+            return constrain_batch(module(backbone_inputs(module, token_ids, padding_mask)))
+        inputs = backbone_inputs(module, token_ids, (segment_ids != 0).astype(jnp.int32))
         if own:  # the attention path compares the segment ids itself (model.set_attention)
-            return constrain_batch(module({"token_ids": token_ids,
-                                           "padding_mask": (segment_ids != 0).astype(jnp.int32)}))
+            return constrain_batch(module(inputs))
         with _attention_mask_override(module, segment_attention_mask(segment_ids)):
-            return constrain_batch(module({"token_ids": token_ids,
-                                           "padding_mask": (segment_ids != 0).astype(jnp.int32)}))
+            return constrain_batch(module(inputs))
 
 
 # The default (``chunk_size=None``): the logits of the whole batch at once, kept for the backward
