@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import checkpoint, config as config_lib, cpu_host, errors, model, sharding
+from nnx_posttrain import checkpoint, config as config_lib, cpu_host, data, errors, model, sharding
 from nnx_posttrain import tasks
 from nnx_posttrain.algorithms import registry
 from nnx_posttrain.model import heads
@@ -148,6 +148,8 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
         lm = made["lm"] = model.load(spec.name, dtype=dtype, seed=spec.seed,
                                      chat_format=spec.chat_format, weights=not abstract,
                                      quantize=spec.quantize)
+        if model.reads_images(lm.module):  # what the data transforms read (data.make_transform)
+            lm.images = data.ImageSpec.from_preprocessor(lm.task.preprocessor)
         if not abstract:
             echo(f"loaded {spec.name} in {time.perf_counter() - start:.1f} s")
         if spec.init_from and not abstract:
@@ -166,7 +168,8 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
 
 
 def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
-    """``spec``'s int8 quantization of the frozen base, then its LoRA adapters."""
+    """``spec``'s int8 quantization of the frozen base, then its LoRA adapters; a vision
+    tower frozen."""
     if spec.quantize != "none":
         echo(f"quantized {model.quantize(lm.module, spec.quantize)} layers to {spec.quantize} "
              "(weights only)")
@@ -177,6 +180,7 @@ def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
                               factor_dtype="float32" if float32_factors else None)
         except ValueError as exc:  # e.g. targets that name no layer of this model
             raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
+    model.freeze_tower(lm.module)  # a vision encoder: frozen, with LoRA or without
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -72,10 +73,9 @@ def precomputed(run, algorithm, params) -> dict:
     @jax.jit
     def reference(params, batch):
         module, _ = model.merge(run.graphdef, params, run.frozen)
-        if model.has_lora(module):
-            with model.lora_disabled(module):
-                return algorithm.reference_logps(module, batch)
-        return algorithm.reference_logps(module, batch)
+        with model.images(batch.get("pixel_values")), (
+                model.lora_disabled(module) if model.has_lora(module) else contextlib.nullcontext()):
+            return algorithm.reference_logps(module, batch)
 
     out = {"train": {}, "eval": {}}
     t0 = time.perf_counter()
