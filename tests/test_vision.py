@@ -153,9 +153,15 @@ def test_lora_and_full_fine_tuning_leave_the_vision_tower_frozen(lm):
     for lora in (config_lib.LoraConfig(rank=2, targets="all-linear"), config_lib.LoraConfig()):
         built, module = runs.build_model(runs.ModelSpec(NAME, "float32", 0, lora),
                                          echo=lambda _: None)
+        every = [v.path for v in module.weights]
         trained = [v.path for _, v in nnx.to_flat_state(nnx.state(module, model.trainable_filter))]
-        assert trained and not [p for p in trained if p.startswith(("image_encoder",
-                                                                    "vision_output"))]
+        tower = [p for p in every if p.startswith(("image_encoder", "vision_output"))]
+        assert tower and trained and not set(tower) & set(trained)
+        assert not [p for p in tower if "lora" in p]  # no adapter on the tower either
+        if lora.rank:
+            assert all("lora" in p for p in trained)
+        else:
+            assert set(trained) == set(every) - set(tower)
         assert (built.images.tokens_per_image, built.images.max_images) == (4, 2)
 
 
