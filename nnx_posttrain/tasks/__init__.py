@@ -105,7 +105,7 @@ def register() -> None:
     calling it again changes nothing)."""
     if not data.builtin_registered():
         data.register_builtin(records, fingerprint())
-    if not data.builtin_registered("builtin:shapes"):  # the image task (data only, so far)
+    if not data.builtin_registered("builtin:shapes"):  # the image task (VISION_MODELS train on it)
         data.register_builtin(shapes.records, fingerprint(shapes), "builtin:shapes")
     for name, (dims, proto) in BUILTIN_MODELS.items():
         if name not in model.TINY:
