@@ -178,3 +178,14 @@ def test_a_local_preset_directory_of_a_vision_model_loads_with_its_images(lm, tm
         np.asarray(built.module.vision_encoder.weights[0].value),
         np.asarray(lm.module.vision_encoder.weights[0].value))
     shutil.rmtree(tmp_path / "preset")
+
+
+def test_a_precomputed_reference_reads_the_images(files, tmp_path):
+    """``--algo.reference precompute``: the reference log-probs, computed before training over
+    the data with its images, equal the policy's at the first step (DPO's loss is log 2 there;
+    without the images they would not be)."""
+    run("dpo", files / "pairs.jsonl", tmp_path / "pre", "--lora.rank", "4",
+        "--algo.reference", "precompute", "--steps", "1")
+    first = records(tmp_path / "pre")[0]
+    assert first["loss"] == pytest.approx(np.log(2), abs=5e-5)  # without the images: 0.69350
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-4)
