@@ -100,8 +100,8 @@ class ModelSpec:
     """What a run's model is built from: the model (``--model``), ``dtype`` (``--dtype``),
     ``seed`` (every random initialisation: a built-in model's weights, LoRA, the head),
     ``lora``, the algorithm's scalar ``head`` (if any), ``chat_format``, ``quantize`` ('int8'
-    quantizes the frozen base before LoRA is added: ``model.quantize``), ``remat``, and the
-    weights of ``init_from``'s checkpoint ``init_step`` (default: its latest) copied in."""
+    quantizes the frozen base before LoRA is added: ``model.quantize``), ``remat``, the
+    weights of ``init_from``'s checkpoint ``init_step`` (default: its latest), ``train_vision``."""
 
     name: str
     dtype: str = "auto"
@@ -113,12 +113,13 @@ class ModelSpec:
     remat: bool = False
     init_from: str | None = None
     init_step: int | None = None
+    train_vision: bool = False
 
     @classmethod
     def of(cls, cfg, head: str | None = None, init_step: int | None = None) -> "ModelSpec":
         """The model of run config ``cfg`` (``nnx_posttrain.config.Config``)."""
         return cls(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head, cfg.chat_format, cfg.quantize,
-                   cfg.remat == "blocks", cfg.init_from, init_step)
+                   cfg.remat == "blocks", cfg.init_from, init_step, cfg.train_vision)
 
 
 def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: str | None = None):
@@ -148,8 +149,7 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
         lm = made["lm"] = model.load(spec.name, dtype=dtype, seed=spec.seed,
                                      chat_format=spec.chat_format, weights=not abstract,
                                      quantize=spec.quantize)
-        if model.reads_images(lm.module):  # what the data transforms read (data.make_transform)
-            lm.images = data.ImageSpec.from_preprocessor(lm.task.preprocessor)
+        lm.images = data.ImageSpec.of_model(lm)  # a vision model's, for data.make_transform
         if not abstract:
             echo(f"loaded {spec.name} in {time.perf_counter() - start:.1f} s")
         if spec.init_from and not abstract:
@@ -168,8 +168,7 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
 
 
 def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
-    """``spec``'s int8 quantization of the frozen base, then its LoRA adapters; a vision
-    tower frozen."""
+    """``spec``'s int8 quantization of the frozen base, then its LoRA adapters, a vision tower."""
     if spec.quantize != "none":
         echo(f"quantized {model.quantize(lm.module, spec.quantize)} layers to {spec.quantize} "
              "(weights only)")
@@ -180,7 +179,7 @@ def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
                               factor_dtype="float32" if float32_factors else None)
         except ValueError as exc:  # e.g. targets that name no layer of this model
             raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
-    model.freeze_tower(lm.module)  # a vision encoder: frozen, with LoRA or without
+    model.freeze_tower(lm.module, spec.train_vision)  # a vision encoder: frozen by default
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
@@ -202,7 +201,8 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
         _pick_step(ckpt, run_dir, step)  # a missing checkpoint: before the model is built
         lm, module = build_model(ModelSpec(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
                                            head=head_of(saved_cfg), chat_format=cfg.chat_format,
-                                           quantize=cfg.quantize), echo=echo)
+                                           quantize=cfg.quantize, train_vision=saved_cfg.get(
+                                               "train_vision", False)), echo=echo)
         _, params, _ = model.split(module)
         mesh = sharding.make_mesh(config_lib.MeshConfig(data=mesh_devices))
         replicated = NamedSharding(mesh, P())

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from nnx_posttrain import data, model, runs
+from nnx_posttrain import data, errors, model, runs
 from nnx_posttrain.tasks import shapes
-from support import losses, records, train_run
+from support import MICRO, losses, records, train_run
 
 NAME = "gemma3_vision_micro"
 LENGTH = 40
@@ -189,3 +189,28 @@ def test_a_precomputed_reference_reads_the_images(files, tmp_path):
     first = records(tmp_path / "pre")[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=5e-5)  # without the images: 0.69350
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_train_vision_trains_the_tower_against_a_copied_reference(lm, files, tmp_path):
+    """``--train-vision``: every weight of the tower trains beside the language model's LoRA;
+    DPO's reference is then a frozen copy of the starting weights (LoRA off would keep the
+    trained tower), so the first step's loss is log 2; the run loads back with its tower. A
+    text model has no tower to train: refused."""
+    said = []
+    train_run("dpo", "--model", NAME, "--data", files / "pairs.jsonl", "--batching.max-length",
+              LENGTH, *STEPS, "--run-dir", tmp_path / "tower", "--lora.rank", "4",
+              "--train-vision", "--optim.learning-rate", "1e-2", "--steps", "2", echo=said.append)
+    assert any(line.endswith("reference: copy") for line in said)
+    assert records(tmp_path / "tower")[0]["loss"] == pytest.approx(np.log(2), abs=5e-5)
+    assert json.loads((tmp_path / "tower" / "config.json").read_text())["train_vision"] is True
+    loaded = runs.load(tmp_path / "tower", echo=lambda _: None)
+    tower = {v.path: np.asarray(v.value) for v in loaded.module.vision_encoder.weights}
+    start = {v.path: np.asarray(v.value) for v in lm.module.vision_encoder.weights}
+    assert tower.keys() == start.keys()
+    assert any(np.abs(tower[p] - start[p]).max() > 1e-4 for p in tower)
+    with pytest.raises(errors.ConfigError, match="lora_base: with --train-vision"):
+        run("dpo", files / "pairs.jsonl", tmp_path / "refused", "--lora.rank", "4",
+            "--train-vision", "--algo.reference", "lora_base")
+    with pytest.raises(errors.ConfigError, match="no vision encoder"):
+        train_run("sft", *MICRO, "--train-vision", *STEPS, "--run-dir", tmp_path / "text",
+                  echo=lambda _: None)

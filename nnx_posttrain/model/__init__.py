@@ -65,7 +65,7 @@ from nnx_posttrain.model.logprobs import (
     token_logprobs,
     vocabulary_logits,
 )
-from nnx_posttrain.model.vision import freeze_tower, images, reads_images
+from nnx_posttrain.model.vision import freeze_tower, images, reads_images, tower_trains
 from nnx_posttrain.model.lora import (
     ATTENTION_LAYERS,
     LORA_TARGETS,
@@ -100,5 +100,5 @@ __all__ = [
     # heads
     "PolicyWithValue", "RewardModel",
     # vision
-    "freeze_tower", "images", "reads_images",
+    "freeze_tower", "images", "reads_images", "tower_trains",
 ]

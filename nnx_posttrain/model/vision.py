@@ -23,6 +23,8 @@ import contextvars
 
 import jax.numpy as jnp
 
+from nnx_posttrain import errors
+
 _PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
 
 
@@ -99,9 +101,17 @@ def backbone_inputs(module, token_ids, padding_mask) -> dict:
 
 def freeze_tower(module, train: bool = False) -> None:
     """The vision encoder (and its projection into the language model) frozen, unless
-    ``train``; nothing for a text backbone."""
+    ``train`` (every weight of it trains); a text backbone has none to train."""
     if reads_images(module):
         module.vision_encoder.trainable = bool(train)
+    elif train:
+        raise errors.ConfigError(f"--train-vision: {type(module).__name__} has no vision "
+                                 "encoder to train")
+
+
+def tower_trains(module) -> bool:
+    """Whether ``module``'s vision encoder trains (``freeze_tower(train=True)``)."""
+    return reads_images(module) and bool(module.vision_encoder.trainable)
 
 
 @contextlib.contextmanager
