@@ -214,3 +214,17 @@ def test_train_vision_trains_the_tower_against_a_copied_reference(lm, files, tmp
     with pytest.raises(errors.ConfigError, match="no vision encoder"):
         train_run("sft", *MICRO, "--train-vision", *STEPS, "--run-dir", tmp_path / "text",
                   echo=lambda _: None)
+
+
+def test_eval_data_with_images_gives_the_eval_loss_without_exact_match(files, tmp_path):
+    """``--eval-data`` with images: the eval loss reads them; exact match (a sampler that reads
+    no image yet) is left out with a word, not a failure."""
+    said = []
+    train_run("sft", "--model", NAME, "--data", files / "sft.jsonl", "--batching.max-length",
+              LENGTH, *STEPS, "--steps", "2", "--eval-data", files / "sft.jsonl",
+              "--eval.every", "2", "--eval.exact-match", "8", "--run-dir", tmp_path / "eval",
+              echo=said.append)
+    assert any("holds images, which the sampler does not read yet" in line for line in said)
+    evaluated = records(tmp_path / "eval", "eval")
+    assert [r["step"] for r in evaluated] == [0, 2]
+    assert all(np.isfinite(r["loss"]) and "exact_match" not in r for r in evaluated)
