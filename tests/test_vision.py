@@ -228,3 +228,37 @@ def test_eval_data_with_images_gives_the_eval_loss_without_exact_match(files, tm
     evaluated = records(tmp_path / "eval", "eval")
     assert [r["step"] for r in evaluated] == [0, 2]
     assert all(np.isfinite(r["loss"]) and "exact_match" not in r for r in evaluated)
+
+
+def test_rows_that_copy_the_examples_read_their_images_encoded_once(lm):
+    """A preference pair's rows (the examples twice: chosen, then rejected) each read their
+    example's images, which the vision encoder encodes once: the log-probs equal those of each
+    copy alone, and the encoder sees the examples' images only."""
+    from flax import nnx
+
+    b = batch(lm, [shapes.sft_record(i) for i in range(2)])
+    twice = {k: np.concatenate([b[k], b[k]]) for k in b}
+    seen = []
+    encoder = next(layer for layer in lm.module.layers
+                   if isinstance(layer, type(lm.module.vision_encoder)))
+    original = type(encoder).call
+
+    def counted(self, images, *args, **kwargs):
+        seen.append(images.shape[0])
+        return original(self, images, *args, **kwargs)
+
+    state = nnx.split(lm.module)
+    fn = jax.jit(lambda s, ids, mask, px: _scored(nnx_merge(s), ids, mask, px))
+    try:
+        type(encoder).call = counted
+        both = np.asarray(fn(state, twice["input_ids"], twice["attention_mask"], b["pixel_values"]))
+    finally:
+        type(encoder).call = original
+    once = np.asarray(fn(state, b["input_ids"], b["attention_mask"], b["pixel_values"]))
+    np.testing.assert_allclose(both, np.concatenate([once, once]), atol=1e-6)
+    assert seen == [2]  # the two examples, not the four rows
+
+
+def _scored(module, ids, mask, pixels):
+    with model.images(pixels):
+        return model.token_logprobs(module, ids, mask)

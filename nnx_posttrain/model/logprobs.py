@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain.model import attention, dense, quantize
-from nnx_posttrain.model.vision import backbone_inputs
+from nnx_posttrain.model.vision import backbone_inputs, encoded_once
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _block_calls,
@@ -36,7 +36,7 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     rope = (contextlib.nullcontext() if rope_positions is None
             else rope_positions_scope(module, rope_positions))
     branched = rope_positions is not None
-    with _block_calls(module), dense.overridden(module), rope, \
+    with _block_calls(module), dense.overridden(module), rope, encoded_once(module), \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
             return constrain_batch(module(backbone_inputs(module, token_ids, padding_mask)))

@@ -24,6 +24,7 @@ import contextvars
 import jax.numpy as jnp
 
 from nnx_posttrain import errors
+from nnx_posttrain.model.blocks import shadowed
 
 _PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
 
@@ -97,6 +98,31 @@ def backbone_inputs(module, token_ids, padding_mask) -> dict:
     count = pixels.shape[1] * int(module.num_vision_tokens_per_image)
     return dict(inputs, images=pixels, vision_mask=vision.astype(jnp.int32),
                 vision_indices=vision_indices(vision, count))
+
+
+@contextlib.contextmanager
+def encoded_once(module):
+    """Within the block, the vision encoder encodes each example's images once however many
+    rows copy the example (a preference pair's chosen and rejected rows), its output copied to
+    every copy (``backbone_inputs`` gives the backbone the images of every row)."""
+    pixels = _PIXELS.get()
+    if not reads_images(module) or pixels is None:
+        yield
+        return
+    examples = pixels.shape[0]
+
+    def make(encoder, original):
+        def call(images, *args, **kwargs):
+            copies = images.shape[0] // examples
+            if copies <= 1:
+                return original(images, *args, **kwargs)
+            out = original(images[:examples], *args, **kwargs)
+            return jnp.concatenate([out] * copies, axis=0)
+        return call
+
+    kind = type(module.vision_encoder)  # the encoder the graph calls (after nnx.merge too)
+    with shadowed([layer for layer in module.layers if isinstance(layer, kind)], "call", make):
+        yield
 
 
 def freeze_tower(module, train: bool = False) -> None:
