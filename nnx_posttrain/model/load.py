@@ -253,8 +253,10 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
         with vision.preprocessor_without_tensorflow():
             task = _from_preset(name, handle, policy, weights, quantize)
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
-    if vision.reads_images(task.backbone):
-        vision.set_image_token(task.backbone, task.preprocessor.tokenizer.image_placeholder_id)
+    tokenizer = getattr(task.preprocessor, "tokenizer", None)
+    image_token = getattr(tokenizer, "image_placeholder_id", None)  # a Gemma 3 vision model's
+    if vision.reads_images(task.backbone) and image_token is not None:
+        vision.set_image_token(task.backbone, image_token)
     warm_up(task.backbone)
     return LanguageModel(
         task=nnx_ready(task),
@@ -373,7 +375,7 @@ def warm_up(backbone) -> None:
     traces the call without running it: an eager call compiled and kept one small XLA executable
     per operation (about 110 MB of a tiny model's process)."""
     ids = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-    jax.eval_shape(lambda ids, mask: backbone(vision.backbone_inputs(backbone, ids, mask)), ids, ids)
+    jax.eval_shape(lambda i, m: backbone(vision.backbone_inputs(backbone, i, m)), ids, ids)
 
 
 def describe(lm: LanguageModel) -> str:
