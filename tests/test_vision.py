@@ -42,7 +42,8 @@ def files(tmp_path_factory):
         sft.append(dict(record, images=[f"{i}.png"]))
         if i < 4:  # every DPO step reads the same four pairs: its loss must fall
             pairs.append(dict(pair, images=[f"{i}.png"]))
-    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs)):
+    unpaired = [dict(shapes.unpaired_record(i), images=[f"{i}.png"]) for i in range(8)]
+    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs), ("unpaired.jsonl", unpaired)):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
@@ -262,3 +263,13 @@ def test_rows_that_copy_the_examples_read_their_images_encoded_once(lm):
 def _scored(module, ids, mask, pixels):
     with model.images(pixels):
         return model.token_logprobs(module, ids, mask)
+
+
+def test_kto_reads_each_prompts_images_in_its_kl_rows(files, tmp_path):
+    """KTO on ``prompt`` / ``completion`` / ``label`` + ``images``: its KL rows (each prompt with
+    another example's completion) are copies of the examples' rows, each reading its prompt's
+    images; the steps run, the loss starts at KTO's 0.5 (policy = reference)."""
+    run("kto", files / "unpaired.jsonl", tmp_path / "kto", "--lora.rank", "4", "--steps", "2")
+    rows = records(tmp_path / "kto")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["loss"] == pytest.approx(0.5, abs=1e-4)
