@@ -197,6 +197,8 @@ class Config:
     """auto = the checkpoint's own: a 16-bit checkpoint keeps a frozen base in bfloat16 (LoRA factors float32) or trains float32 master weights with bfloat16 compute, anything else (the built-in models) float32; float32; bfloat16 = bfloat16 compute with float32 weights; bfloat16-params = both bfloat16."""
     quantize: Literal["none", "int8"] = "none"
     """int8: the frozen base's weights in int8 (weight-only, Keras' own quantization; compute stays in the model's dtype) under LoRA, which needs --lora.rank > 0 (QLoRA-style); none: as loaded."""
+    train_vision: bool = False
+    """A vision-language model (Gemma 3 with its vision encoder): its vision tower (and its projection into the language model) trains too, every weight of it, beside the language model's LoRA adapters or weights; default frozen."""
     log_every: int = 10
     """Log training metrics every this many steps."""
     logprob_chunk: int | None = None

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnx_posttrain import checkpoint, config as config_lib, cpu_host, errors, model, sharding
+from nnx_posttrain import checkpoint, config as config_lib, cpu_host, data, errors, model, sharding
 from nnx_posttrain import tasks
 from nnx_posttrain.algorithms import registry
 from nnx_posttrain.model import heads
@@ -100,8 +100,8 @@ class ModelSpec:
     """What a run's model is built from: the model (``--model``), ``dtype`` (``--dtype``),
     ``seed`` (every random initialisation: a built-in model's weights, LoRA, the head),
     ``lora``, the algorithm's scalar ``head`` (if any), ``chat_format``, ``quantize`` ('int8'
-    quantizes the frozen base before LoRA is added: ``model.quantize``), ``remat``, and the
-    weights of ``init_from``'s checkpoint ``init_step`` (default: its latest) copied in."""
+    quantizes the frozen base before LoRA is added: ``model.quantize``), ``remat``, the
+    weights of ``init_from``'s checkpoint ``init_step`` (default: its latest), ``train_vision``."""
 
     name: str
     dtype: str = "auto"
@@ -113,12 +113,13 @@ class ModelSpec:
     remat: bool = False
     init_from: str | None = None
     init_step: int | None = None
+    train_vision: bool = False
 
     @classmethod
     def of(cls, cfg, head: str | None = None, init_step: int | None = None) -> "ModelSpec":
         """The model of run config ``cfg`` (``nnx_posttrain.config.Config``)."""
         return cls(cfg.model, cfg.dtype, cfg.seed, cfg.lora, head, cfg.chat_format, cfg.quantize,
-                   cfg.remat == "blocks", cfg.init_from, init_step)
+                   cfg.remat == "blocks", cfg.init_from, init_step, cfg.train_vision)
 
 
 def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: str | None = None):
@@ -148,6 +149,7 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
         lm = made["lm"] = model.load(spec.name, dtype=dtype, seed=spec.seed,
                                      chat_format=spec.chat_format, weights=not abstract,
                                      quantize=spec.quantize)
+        lm.images = data.ImageSpec.of_model(lm)  # a vision model's, for data.make_transform
         if not abstract:
             echo(f"loaded {spec.name} in {time.perf_counter() - start:.1f} s")
         if spec.init_from and not abstract:
@@ -166,7 +168,7 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
 
 
 def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
-    """``spec``'s int8 quantization of the frozen base, then its LoRA adapters."""
+    """``spec``'s int8 quantization of the frozen base, then its LoRA adapters, a vision tower."""
     if spec.quantize != "none":
         echo(f"quantized {model.quantize(lm.module, spec.quantize)} layers to {spec.quantize} "
              "(weights only)")
@@ -177,6 +179,7 @@ def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
                               factor_dtype="float32" if float32_factors else None)
         except ValueError as exc:  # e.g. targets that name no layer of this model
             raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
+    model.freeze_tower(lm.module, spec.train_vision)  # a vision encoder: frozen by default
 
 
 def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
@@ -198,7 +201,8 @@ def load(run_dir: str | Path, step: int | None = None, mesh_devices: int = -1,
         _pick_step(ckpt, run_dir, step)  # a missing checkpoint: before the model is built
         lm, module = build_model(ModelSpec(cfg.model, cfg.dtype, cfg.seed, cfg.lora,
                                            head=head_of(saved_cfg), chat_format=cfg.chat_format,
-                                           quantize=cfg.quantize), echo=echo)
+                                           quantize=cfg.quantize, train_vision=saved_cfg.get(
+                                               "train_vision", False)), echo=echo)
         _, params, _ = model.split(module)
         mesh = sharding.make_mesh(config_lib.MeshConfig(data=mesh_devices))
         replicated = NamedSharding(mesh, P())

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -26,13 +27,18 @@ Reference = Literal["auto", "lora_base", "copy", "precompute"]
 
 
 def resolve_mode(mode: str | None, module) -> str | None:
-    """``--algo.reference`` -> the mode used with this module (None: reference-free)."""
+    """``--algo.reference`` -> the mode used with this module (None: reference-free); auto:
+    lora_base with LoRA (and a frozen vision tower), else copy."""
     if mode is None:
         return None
+    tower = model.tower_trains(module)  # --train-vision: weights beside LoRA's change too
     if mode == "auto":
-        mode = "lora_base" if model.has_lora(module) else "copy"
+        mode = "lora_base" if model.has_lora(module) and not tower else "copy"
     if mode == "lora_base" and not model.has_lora(module):
         raise errors.ConfigError("--algo.reference lora_base needs LoRA (--lora.rank > 0)")
+    if mode == "lora_base" and tower:
+        raise errors.ConfigError("--algo.reference lora_base: with --train-vision the vision "
+                                 "tower trains outside LoRA; use copy (the default there)")
     return mode
 
 
@@ -72,10 +78,9 @@ def precomputed(run, algorithm, params) -> dict:
     @jax.jit
     def reference(params, batch):
         module, _ = model.merge(run.graphdef, params, run.frozen)
-        if model.has_lora(module):
-            with model.lora_disabled(module):
-                return algorithm.reference_logps(module, batch)
-        return algorithm.reference_logps(module, batch)
+        with model.images(batch.get("pixel_values")), (
+                model.lora_disabled(module) if model.has_lora(module) else contextlib.nullcontext()):
+            return algorithm.reference_logps(module, batch)
 
     out = {"train": {}, "eval": {}}
     t0 = time.perf_counter()

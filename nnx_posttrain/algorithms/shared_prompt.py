@@ -33,8 +33,9 @@ def longest_row(module) -> int | None:
     positions, or an attention layer is not one ``model.attention`` knows), the shortest sliding
     window (a window counts positions in the row, and the rejected completion sits further from
     the prompt there than in its own row: rows within the window are never cut either way), else
-    None (any)."""
-    if not model.takes_positions(module):
+    None (any). A vision backbone takes none: its image tokens attend both ways, which the
+    shared row's mask does not keep."""
+    if not model.takes_positions(module) or model.reads_images(module):
         return 0
     specs = [layer_spec(block) for block in model.decoder_blocks(module)]
     if any(isinstance(spec, str) for spec in specs):

@@ -68,6 +68,15 @@ class ImageSpec:
                    int(preprocessor.max_images_per_prompt), tok.start_of_image_token,
                    tok.image_placeholder, tok.end_of_image_token)
 
+    @classmethod
+    def of_model(cls, lm) -> "ImageSpec | None":
+        """The spec of a loaded model (``model.LanguageModel``) whose preprocessor has an image
+        converter (a vision model); None for a text model."""
+        pre = getattr(lm.task, "preprocessor", None)
+        if getattr(pre, "image_converter", None) is None:
+            return None
+        return cls.from_preprocessor(pre)
+
     def expand(self, text: str) -> str:
         """``text`` with each ``start`` marker replaced by the image's token block, as KerasHub's
         preprocessor does: ``"\\n\\n" + start + placeholder * n + end + "\\n\\n"``."""

@@ -20,7 +20,9 @@ its chat template. Around it:
   for the load-balancing loss;
 - ``dense``: the decoder blocks' projections with their kernel gradient as one 2-D matmul;
 - ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
-- ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``).
+- ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``);
+- ``vision``: vision-language backbones (Gemma 3 with its vision encoder): the images of the
+  batch being processed (``images``), the backbone's image inputs, the frozen vision tower.
 
 It may import only config-level modules (``config``, ``chat``, ``sharding``, ``checkpoint``,
 ``metrics_log``) and third-party libraries: never data, losses, algorithms, train or tasks.
@@ -66,6 +68,7 @@ from nnx_posttrain.model.logprobs import (
     token_logprobs,
     vocabulary_logits,
 )
+from nnx_posttrain.model.vision import freeze_tower, images, reads_images, tower_trains
 from nnx_posttrain.model.lora import (
     ATTENTION_LAYERS,
     LORA_TARGETS,
@@ -101,4 +104,6 @@ __all__ = [
     "vocabulary_logits",
     # heads
     "PolicyWithValue", "RewardModel",
+    # vision
+    "freeze_tower", "images", "reads_images", "tower_trains",
 ]

@@ -26,8 +26,8 @@ from flax import nnx
 from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
-from nnx_posttrain.model.blocks import backbone_inputs
 from nnx_posttrain.model.quantize import skipped, while_loading
+from nnx_posttrain.model import vision
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -46,6 +46,8 @@ def register_builtin(name: str, backbone_kwargs: dict,
 def _build_builtin(name: str, policy: str, seed: int):
     """The ``GemmaCausalLM`` of a registered built-in configuration, initialised from ``seed``."""
     keras.utils.set_random_seed(seed)
+    if "vision" in TINY[name]:  # a Gemma 3 with a vision encoder
+        return vision.build_gemma3(TINY[name], _TOKENIZER_PROTOS[name](), policy)
     tok = keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]())
     backbone = keras_hub.models.GemmaBackbone(
         vocabulary_size=tok.vocabulary_size(), dtype=policy, **TINY[name]
@@ -126,6 +128,7 @@ class LanguageModel:
     tokenizer: Tokenizer
     chat_format: str
     name: str
+    images: object = None  # a vision model's ``data.ImageSpec`` (set by ``runs.build_model``)
 
     @property
     def module(self) -> nnx.Module:
@@ -234,8 +237,13 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
                 f"({', '.join(PRESETS)}), a KerasHub preset name, a kaggle:// or hf:// handle, or "
                 "an existing local directory"
             )
-        task = _from_preset(name, handle, policy, weights, quantize)
+        with vision.preprocessor_without_tensorflow():
+            task = _from_preset(name, handle, policy, weights, quantize)
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
+    tokenizer = getattr(task.preprocessor, "tokenizer", None)
+    image_token = getattr(tokenizer, "image_placeholder_id", None)  # a Gemma 3 vision model's
+    if vision.reads_images(task.backbone) and image_token is not None:
+        vision.set_image_token(task.backbone, image_token)
     warm_up(task.backbone)
     return LanguageModel(
         task=nnx_ready(task),
@@ -375,7 +383,7 @@ def warm_up(backbone) -> None:
     traces the call without running it: an eager call compiled and kept one small XLA executable
     per operation (about 110 MB of a tiny model's process)."""
     ids = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-    jax.eval_shape(lambda ids, mask: backbone(backbone_inputs(backbone, ids, mask)), ids, ids)
+    jax.eval_shape(lambda i, m: backbone(vision.backbone_inputs(backbone, i, m)), ids, ids)
 
 
 def describe(lm: LanguageModel) -> str:

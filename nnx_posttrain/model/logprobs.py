@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_posttrain.model import attention, dense, quantize, router
+from nnx_posttrain.model.vision import backbone_inputs, encoded_once
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _block_calls,
-    backbone_inputs,
     segment_attention_mask,
 )
 from nnx_posttrain.model.blocks import rope_positions as rope_positions_scope
@@ -31,12 +31,14 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     example. Positions are not restarted per example: every supported family uses rotary
     embeddings, whose attention scores depend only on relative positions within an example.
     ``rope_positions`` [batch, T] are the rotary positions where that does not hold (a shared-prefix
-    row, whose second branch continues the prefix: ``algorithms.shared_prompt``)."""
+    row, whose second branch continues the prefix: ``algorithms.shared_prompt``). A vision
+    backbone reads the images of ``vision.images``' scope (``vision.backbone_inputs``)."""
     rope = (contextlib.nullcontext() if rope_positions is None
             else rope_positions_scope(module, rope_positions))
     branched = rope_positions is not None
     rows = padding_mask if segment_ids is None else segment_ids != 0
     with _block_calls(module), dense.overridden(module), router.recording(module, rows), rope, \
+            encoded_once(module), \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
             return constrain_batch(module(backbone_inputs(module, token_ids, padding_mask)))

@@ -90,7 +90,8 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
 
     ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'mlp' (the MLP's
     projections), 'all-linear' (every Dense or EinsumDense of the decoder blocks), or
-    comma-separated layer names (``target_names``). The A factors are
+    comma-separated layer names (``target_names``); never a layer of a vision encoder
+    (``vision.freeze_tower``). The A factors are
     He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from Python's
     global random state), the B factors zero. ``factor_dtype`` 'float32' on a layer with 16-bit
     weights gives its factors float32 master weights (the layer's policy becomes mixed: the
@@ -104,9 +105,12 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     layers = [layer for layer in module._flatten_layers(include_self=False)]
     for layer in layers:
         layer.trainable = False
+    tower = getattr(module, "vision_encoder", None)  # a vision tower stays frozen, unadapted
+    skip = {id(t) for t in tower._flatten_layers()} if tower is not None else set()
     adapted = []
     for layer in layers:
-        if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) \
+                or id(layer) in skip:
             continue
         if (names is not None and layer.name not in names) or id(layer) in routers:
             continue

@@ -2,7 +2,8 @@
 an exact checker (``arithmetic``), its SentencePiece tokenizer (``tokenizer``) and the tiny Gemma
 configurations trained on it (``MODELS``), and the agentic task (``multiply``: two-digit products
 with a tool) and its model ``gemma_tiny_tools``, and the image task (``shapes``: count the
-coloured shapes in a picture drawn in code; ``--data builtin:shapes``, data only so far). Its
+coloured shapes in a picture drawn in code; ``--data builtin:shapes``) and its Gemma 3 vision
+models (``VISION_MODELS``). Its
 recipes, one file per algorithm (``recipes/<algorithm>.yaml``), are the settings a run on the
 built-in data gets over the algorithm's defaults (``recipe``).
 
@@ -47,6 +48,17 @@ MODELS = {
     ),
 }
 
+# Gemma 3 with a vision encoder (KerasHub's Gemma3Backbone + Gemma3VisionEncoder): 16 x 16
+# images in 4 x 4 patches, pooled 2 x 2 into 4 image tokens, at most ``max_images`` a sequence.
+VISION_MODELS = {
+    "gemma3_vision_micro": dict(  # for fast tests
+        num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,
+        intermediate_dim=64, head_dim=16, max_images=2,
+        vision=dict(image_size=16, patch_size=4, pool_size=2, num_heads=2, hidden_dim=16,
+                    num_layers=1, intermediate_dim=32),
+    ),
+}
+
 _RECORDS = {"sft": arithmetic.sft_record, "preference": arithmetic.preference_record,
             "unpaired_preference": arithmetic.unpaired_record,
             "prompt_only": arithmetic.prompt_record}
@@ -75,6 +87,7 @@ def recipe(algorithm: str) -> Path | None:
 BUILTIN_MODELS = {
     **{name: (dims, tokenizer.builtin_proto) for name, dims in MODELS.items()},
     "gemma_tiny_tools": (MODELS["gemma_tiny"], multiply.tokenizer_proto),
+    **{name: (dims, tokenizer.vision_proto) for name, dims in VISION_MODELS.items()},
 }
 
 
@@ -92,7 +105,7 @@ def register() -> None:
     calling it again changes nothing)."""
     if not data.builtin_registered():
         data.register_builtin(records, fingerprint())
-    if not data.builtin_registered("builtin:shapes"):  # the image task (data only, so far)
+    if not data.builtin_registered("builtin:shapes"):  # the image task (VISION_MODELS train on it)
         data.register_builtin(shapes.records, fingerprint(shapes), "builtin:shapes")
     for name, (dims, proto) in BUILTIN_MODELS.items():
         if name not in model.TINY:

@@ -13,20 +13,34 @@ import io
 
 import sentencepiece as spm
 
-from nnx_posttrain.tasks import arithmetic
+from nnx_posttrain.tasks import arithmetic, shapes
 
 VOCAB_SIZE = 512
 CHAT_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 # Kept verbatim: the chat templates put meaning in newlines.
 _USER_SYMBOLS = (*CHAT_TOKENS, "\n")
+IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<img>")  # Gemma 3's
 
 
 @functools.cache
 def builtin_proto() -> bytes:
     """Serialized SentencePiece model (deterministic: same bytes on every call and machine)."""
+    return _train(arithmetic.corpus() + ["user model\n"] * 10, _USER_SYMBOLS)
+
+
+@functools.cache
+def vision_proto() -> bytes:
+    """The built-in vision models' SentencePiece model: the arithmetic and image tasks' text,
+    with Gemma 3's image tokens as single pieces (KerasHub's ``Gemma3Tokenizer`` needs them)."""
+    questions = [shapes.question(colour) for colour in shapes.COLOURS] * 20
+    return _train(arithmetic.corpus() + questions + ["user model\n"] * 10,
+                  _USER_SYMBOLS + IMAGE_TOKENS)
+
+
+def _train(corpus: list[str], symbols: tuple) -> bytes:
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(arithmetic.corpus() + ["user model\n"] * 10),
+        sentence_iterator=iter(corpus),
         model_writer=model,
         vocab_size=VOCAB_SIZE,
         model_type="bpe",
@@ -41,7 +55,7 @@ def builtin_proto() -> bytes:
         eos_piece="<eos>",
         bos_piece="<bos>",
         unk_piece="<unk>",
-        user_defined_symbols=list(_USER_SYMBOLS),
+        user_defined_symbols=list(symbols),
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
         add_dummy_prefix=False,

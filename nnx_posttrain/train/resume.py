@@ -53,6 +53,7 @@ REFUSED = {
     "dtype": "the saved weights are of the run's precision",
     "quantize": "the LoRA factors were trained over the run's quantized (or not) base",
     "lora.*": "the saved weights are of the run's LoRA configuration",
+    "train_vision": "the saved trainable weights hold the vision tower or not",
     "init_from": "the starting weights (and the reference model) come from it",
     "chat_format": "the chat template decides the tokens of every conversational record",
     "seed": "the seed fixes the data order and the initial weights",

@@ -21,6 +21,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnx_posttrain import config as config_lib
+from nnx_posttrain import model
 from nnx_posttrain.model import merge
 
 
@@ -105,6 +106,13 @@ def _with_batch(modules, batch):
     return module, batch, reference
 
 
+def _loss(loss_fn, modules, batch):
+    """``loss_fn(module, batch, reference)``, vision backbones reading the batch's
+    ``pixel_values`` (``model.images``: the policy's and the reference's forward alike)."""
+    with model.images(batch.get("pixel_values")):
+        return loss_fn(*_with_batch(modules, batch))
+
+
 def _laid_out(tree, shardings):
     """``tree`` constrained to ``shardings`` (None: as XLA chooses)."""
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
@@ -143,7 +151,7 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
     the batch shards by a reduce-scatter into each device's share, never held whole)."""
 
     def micro_loss(params, frozen, micro_batch):
-        total, weight, metrics = loss_fn(*_with_batch(merge(graphdef, params, frozen), micro_batch))
+        total, weight, metrics = _loss(loss_fn, merge(graphdef, params, frozen), micro_batch)
         return total, (weight, metrics)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -193,6 +201,6 @@ def make_eval_step(graphdef, loss_fn):
     """eval(params, frozen, batch) -> (total, weight, metric sums): summed, divided by the caller."""
 
     def evaluate(params, frozen, batch):
-        return loss_fn(*_with_batch(merge(graphdef, params, frozen), batch))
+        return _loss(loss_fn, merge(graphdef, params, frozen), batch)
 
     return evaluate

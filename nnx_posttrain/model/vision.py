@@ -1,0 +1,186 @@
+"""Vision-language models: KerasHub's Gemma 3 backbone with its vision encoder.
+
+A vision backbone (``reads_images``) takes, beside ``token_ids`` and ``padding_mask``, the batch's
+``images`` (batch, max images, H, W, 3), ``vision_indices`` (batch, max images x tokens per image:
+the positions of the image placeholder tokens, ascending, padded with 0) and ``vision_mask``
+(1 at each placeholder token: image tokens attend to each other in both directions). The
+training forward (``logprobs.hidden_states``) builds them with ``backbone_inputs`` from the token
+ids and the pixel values of the batch being processed, which the step sets around the loss
+(``images``: the batch's ``pixel_values``, one per example; the rows through the model are whole
+copies of the examples, e.g. a preference pair's chosen then rejected rows, and each copy reads
+its example's images). Without pixel values (a text-only batch) a vision backbone gets no image.
+
+The vision tower is frozen (``freeze_tower``): LoRA or full fine-tuning trains the language model.
+KerasHub's ``Gemma3CausalLMPreprocessor`` asserts TensorFlow when it is built, though this
+project only reads its attributes (the tokenizer, the image converter, the image token counts):
+``preprocessor_without_tensorflow`` builds or loads one where TensorFlow is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax.numpy as jnp
+
+from nnx_posttrain import errors
+from nnx_posttrain.model import blocks
+from nnx_posttrain.model.blocks import shadowed
+
+_PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
+
+
+def reads_images(module) -> bool:
+    """Whether a KerasHub backbone has a vision encoder (Gemma 3 with images)."""
+    return getattr(module, "vision_encoder", None) is not None
+
+
+@contextlib.contextmanager
+def images(pixel_values):
+    """Within the block, vision backbones read ``pixel_values`` [examples, max images, H, W, 3]
+    (None: no images)."""
+    token = _PIXELS.set(pixel_values)
+    try:
+        yield
+    finally:
+        _PIXELS.reset(token)
+
+
+def _placeholder_id(module) -> int:
+    token = getattr(module, "_nnx_posttrain_image_token", None)
+    if token is None:
+        raise ValueError(f"{type(module).__name__} reads images but its image placeholder token "
+                         "is not known (load it with model.load)")
+    return int(token)
+
+
+def set_image_token(module, token_id: int) -> None:
+    """The image placeholder token of a vision backbone (a plain attribute, kept by
+    ``nnx.split`` / ``nnx.merge``)."""
+    object.__setattr__(module, "_nnx_posttrain_image_token", int(token_id))
+
+
+def vision_indices(vision_mask, count: int):
+    """[batch, count] positions of the 1s of ``vision_mask`` [batch, T], ascending, padded with
+    0 (KerasHub's ``Gemma3CausalLMPreprocessor._get_vision_indices``)."""
+    length = vision_mask.shape[1]
+    order = jnp.argsort(vision_mask == 0, axis=1, stable=True)
+    if length < count:
+        order = jnp.pad(order, ((0, 0), (0, count - length)))
+    order = order[:, :count]
+    picked = jnp.take_along_axis(vision_mask, jnp.minimum(order, length - 1), axis=1)
+    return jnp.where(picked > 0, order, 0).astype(jnp.int32)
+
+
+def _tiled(pixels, rows: int):
+    """The examples' pixel values for ``rows`` rows: whole copies of the examples in order."""
+    if rows % pixels.shape[0]:
+        raise ValueError(f"{rows} rows through the model, not whole copies of the batch's "
+                         f"{pixels.shape[0]} examples with images")
+    copies = rows // pixels.shape[0]
+    return pixels if copies == 1 else jnp.concatenate([pixels] * copies, axis=0)
+
+
+def backbone_inputs(module, token_ids, padding_mask) -> dict:
+    """The backbone's inputs: the text's (``blocks.backbone_inputs``: ``token_ids``,
+    ``padding_mask``, positions where the backbone takes them), and for a vision backbone the
+    images of the ``images`` scope (none outside it), their placeholder positions and mask."""
+    inputs = blocks.backbone_inputs(module, token_ids, padding_mask)
+    if not reads_images(module):
+        return inputs
+    token_ids, padding_mask = jnp.asarray(token_ids), jnp.asarray(padding_mask)
+    inputs = dict(inputs, token_ids=token_ids, padding_mask=padding_mask)
+    rows, size = token_ids.shape[0], int(module.image_size)
+    pixels = _PIXELS.get()
+    if pixels is None:  # no image: the vision encoder runs on none
+        pixels = jnp.zeros((rows, 0, size, size, 3), jnp.float32)
+        vision = jnp.zeros(token_ids.shape, bool)
+    else:
+        pixels = _tiled(jnp.asarray(pixels, jnp.float32), rows)
+        vision = (token_ids == _placeholder_id(module)) & (padding_mask > 0)
+    count = pixels.shape[1] * int(module.num_vision_tokens_per_image)
+    return dict(inputs, images=pixels, vision_mask=vision.astype(jnp.int32),
+                vision_indices=vision_indices(vision, count))
+
+
+@contextlib.contextmanager
+def encoded_once(module):
+    """Within the block, the vision encoder encodes each example's images once however many
+    rows copy the example (a preference pair's chosen and rejected rows), its output copied to
+    every copy (``backbone_inputs`` gives the backbone the images of every row)."""
+    pixels = _PIXELS.get()
+    if not reads_images(module) or pixels is None:
+        yield
+        return
+    examples = pixels.shape[0]
+
+    def make(encoder, original):
+        def call(images, *args, **kwargs):
+            copies = images.shape[0] // examples
+            if copies <= 1:
+                return original(images, *args, **kwargs)
+            out = original(images[:examples], *args, **kwargs)
+            return jnp.concatenate([out] * copies, axis=0)
+        return call
+
+    kind = type(module.vision_encoder)  # the encoder the graph calls (after nnx.merge too)
+    with shadowed([layer for layer in module.layers if isinstance(layer, kind)], "call", make):
+        yield
+
+
+def freeze_tower(module, train: bool = False) -> None:
+    """The vision encoder (and its projection into the language model) frozen, unless
+    ``train`` (every weight of it trains); a text backbone has none to train."""
+    if reads_images(module):
+        module.vision_encoder.trainable = bool(train)
+    elif train:
+        raise errors.ConfigError(f"--train-vision: {type(module).__name__} has no vision "
+                                 "encoder to train")
+
+
+def tower_trains(module) -> bool:
+    """Whether ``module``'s vision encoder trains (``freeze_tower(train=True)``)."""
+    return reads_images(module) and bool(module.vision_encoder.trainable)
+
+
+@contextlib.contextmanager
+def preprocessor_without_tensorflow():
+    """Within the block, KerasHub's ``Gemma3CausalLMPreprocessor`` can be built without
+    TensorFlow (its constructor's check is skipped; calling it would still need TensorFlow)."""
+    from keras_hub.src.models.gemma3 import gemma3_causal_lm_preprocessor as module
+    from keras_hub.src.utils import tensor_utils
+
+    if tensor_utils.tf is not None:
+        yield
+        return
+    original = module.assert_tf_installed
+    module.assert_tf_installed = lambda name: None
+    try:
+        yield
+    finally:
+        module.assert_tf_installed = original
+
+
+def build_gemma3(dims: dict, proto: bytes, policy: str):
+    """A ``Gemma3CausalLM`` with a vision encoder from built-in ``dims``: ``Gemma3Backbone``
+    arguments (the vocabulary is the tokenizer's), ``vision`` (``Gemma3VisionEncoder``
+    arguments; its output width is the backbone's) and ``max_images`` per sequence; the
+    tokenizer is SentencePiece model ``proto`` with Gemma 3's image tokens."""
+    import keras_hub
+
+    dims = dict(dims)
+    vision, max_images = dict(dims.pop("vision")), int(dims.pop("max_images", 1))
+    tokenizer = keras_hub.tokenizers.Gemma3Tokenizer(proto=proto)
+    encoder = keras_hub.models.Gemma3VisionEncoder(output_dim=dims["hidden_dim"], dtype=policy,
+                                                   **vision)
+    backbone = keras_hub.models.Gemma3Backbone(
+        vocabulary_size=tokenizer.vocabulary_size(), image_size=vision["image_size"],
+        vision_encoder=encoder, dtype=policy, **dims)
+    size = vision["image_size"]
+    converter = keras_hub.layers.Gemma3ImageConverter(image_size=(size, size), scale=1 / 127.5,
+                                                      offset=-1.0)
+    with preprocessor_without_tensorflow():
+        preprocessor = keras_hub.models.Gemma3CausalLMPreprocessor(
+            tokenizer, converter, num_vision_tokens_per_image=encoder.num_vision_tokens_per_image,
+            max_images_per_prompt=max_images)
+    return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=preprocessor)
