@@ -124,8 +124,10 @@ def test_export_names_cover_every_variable(tiny):
         return
     try:
         mapping = hf.weight_map(backbone)
-    except hf.ExportError as exc:  # a tiny configuration the export refuses by design
-        pytest.skip(str(exc))
+    except hf.ExportError as exc:  # Gemma 4 26B-A4B's fused expert norms: refused, naming them
+        assert family.name == "gemma4" and "no verified Hugging Face name" in str(exc), exc
+        assert "_moe" in str(exc)
+        return
     # every variable has its tensors (stacked experts: one per expert and part)
     assert {id(v) for v, _ in mapping.values()} == {id(v) for v in backbone.weights}
 
