@@ -88,6 +88,15 @@ class Decoding:
     embed_scale: bool = False
 
 
+# The decoder blocks' cache keywords of KerasHub's Llama-like families (Llama, Mistral, Qwen, the
+# mixtures of experts)
+SELF_ATTENTION_CACHE = Decoding("self_attention_cache", "self_attention_cache_update_index")
+# The micro dimensions of the per-family tests' configurations (``Family.tiny``), which add each
+# family's own (its key-value heads, head size, window, experts)
+TINY_DIMS = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
+                 intermediate_dim=48)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoE:
     """A mixture-of-experts family's routing (``model.router``, ``losses.router``):

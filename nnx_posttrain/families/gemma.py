@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from nnx_posttrain.families.base import (
+    TINY_DIMS,
     Decoding,
     Export,
     Family,
@@ -127,8 +128,7 @@ GEMMA2 = dict(head_dim=256, query_head_dim_normalize=True, use_post_ffw_norm=Tru
               sliding_window_size=4096)
 # KerasHub's Gemma 1 / 2 ``intermediate_dim`` is twice Hugging Face's ``intermediate_size``
 # (gate and up together); Gemma 3's is the same
-_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
-             intermediate_dim=48, head_dim=8)
+_TINY = dict(TINY_DIMS, head_dim=8)
 
 GEMMA = Family(
     name="gemma",

@@ -10,7 +10,8 @@ scores scaled by ``_inv_norm_factor``.
 from __future__ import annotations
 
 from nnx_posttrain.families.base import (
-    Decoding,
+    SELF_ATTENTION_CACHE,
+    TINY_DIMS,
     Export,
     Family,
     LayerSpec,
@@ -117,9 +118,6 @@ def llama3_format(backbone) -> str:
     return "llama3.1" if dated else "llama3"
 
 
-_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
-             intermediate_dim=48)
-_LLAMA_DECODING = Decoding("self_attention_cache", "self_attention_cache_update_index")
 
 LLAMA2 = Family(
     name="llama2",
@@ -131,7 +129,7 @@ LLAMA2 = Family(
     sharding=SHARDING,
     lora=LORA,
     export=Unsupported("Llama 2's export to Hugging Face was not verified"),
-    decoding=_LLAMA_DECODING,
+    decoding=SELF_ATTENTION_CACHE,
     context_length=4_096,
     hf_model_types=Unsupported("KerasHub's Llama converter reads Llama 3 directories"),
     short_names={},
@@ -139,7 +137,7 @@ LLAMA2 = Family(
     presets={"llama2_7b": Preset(dict(vocabulary_size=32_000, num_layers=32, num_query_heads=32,
                                       num_key_value_heads=32, hidden_dim=4096,
                                       intermediate_dim=11_008, layer_norm_epsilon=1e-5), 32_000)},
-    tiny={"llama2": dict(_TINY, num_key_value_heads=2)},
+    tiny={"llama2": dict(TINY_DIMS, num_key_value_heads=2)},
 )
 
 LLAMA3 = Family(
@@ -152,7 +150,7 @@ LLAMA3 = Family(
     lora=LORA,
     export=Export(llama_rules, llama3_config,
                   "Llama 3 and 3.1+ (`llama`; scaled rotary frequencies), tied or not"),
-    decoding=_LLAMA_DECODING,
+    decoding=SELF_ATTENTION_CACHE,
     context_length=131_072,  # Llama 3.1 / 3.2
     hf_model_types=("llama",),
     short_names={"llama3_8b": "llama3_8b_en", "llama3.2_1b": "llama3.2_1b",
@@ -170,7 +168,7 @@ LLAMA3 = Family(
                                    rope_pretraining_sequence_length=8192,
                                    layer_norm_epsilon=1e-5, tie_word_embeddings=True), 128_256),
     },
-    tiny={"llama3": dict(_TINY, num_key_value_heads=2)},
+    tiny={"llama3": dict(TINY_DIMS, num_key_value_heads=2)},
 )
 
 MISTRAL = Family(
@@ -182,7 +180,7 @@ MISTRAL = Family(
     sharding=SHARDING,
     lora=LORA,
     export=Export(llama_rules, mistral_config, "`mistral`: sliding window, head_dim"),
-    decoding=_LLAMA_DECODING,
+    decoding=SELF_ATTENTION_CACHE,
     context_length=32_768,
     hf_model_types=("mistral",),
     short_names={"mistral_7b": "mistral_7b_en"},
@@ -191,5 +189,5 @@ MISTRAL = Family(
                                        num_key_value_heads=8, hidden_dim=4096,
                                        intermediate_dim=14_336, layer_norm_epsilon=1e-5,
                                        sliding_window=4096), 32_000)},
-    tiny={"mistral": dict(_TINY, num_key_value_heads=2, sliding_window=8)},
+    tiny={"mistral": dict(TINY_DIMS, num_key_value_heads=2, sliding_window=8)},
 )

@@ -14,7 +14,8 @@ float.
 
 from __future__ import annotations
 
-from nnx_posttrain.families.base import Decoding, Export, Family, MoE, Preset, Unsupported, refuse
+from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export, Family, MoE,
+                                         Preset, Unsupported, refuse)
 from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
 from nnx_posttrain.families.qwen import chatml_tokenizer
 
@@ -134,12 +135,11 @@ def _router(attribute: str):
     return router
 
 
-_DECODING = Decoding("self_attention_cache", "self_attention_cache_update_index")
 # int8 leaves the routers (a [hidden, experts] matrix each): rounding them flips which experts a
 # token goes to (bitsandbytes users skip the "gate" likewise)
 _ROUTER_SKIP = ("sparse_feedforward_gate_dense",)
-_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-             hidden_dim=32, num_experts=4, top_k=2)
+# each family sets its own intermediate_dim over these
+_TINY = dict(TINY_DIMS, num_key_value_heads=2, num_experts=4, top_k=2)
 
 QWEN3_MOE = Family(
     name="qwen3_moe",
@@ -152,7 +152,7 @@ QWEN3_MOE = Family(
     export=Export(qwen3_moe_rules, qwen3_moe_config,
                   "`qwen3_moe` (every layer sparse, no window), one tensor per expert",
                   tokenizer=chatml_tokenizer),
-    decoding=_DECODING,
+    decoding=SELF_ATTENTION_CACHE,
     context_length=40_960,  # 30B-A3B (131,072 with YaRN)
     hf_model_types=("qwen3_moe",),
     short_names={"qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en"},
@@ -180,7 +180,7 @@ MIXTRAL = Family(
     lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
     export=Export(mixtral_rules, mixtral_config,
                   "`mixtral` (its sliding window too), one tensor per expert (w1 / w3 / w2)"),
-    decoding=_DECODING,
+    decoding=SELF_ATTENTION_CACHE,
     context_length=32_768,
     hf_model_types=("mixtral",),
     short_names={"mixtral_8x7b": "mixtral_8_7b_en", "mixtral_8x7b_it": "mixtral_8_instruct_7b_en"},

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from nnx_posttrain.families.base import Decoding, Export, Family, LayerSpec, Preset, refuse
+from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export, Family,
+                                         LayerSpec, Preset, refuse)
 from nnx_posttrain.families.llama import LORA, SHARDING, llama_like, llama_rules
 
 
@@ -73,9 +74,6 @@ def chatml_tokenizer(tokenizer, to, end: str = "<|im_end|>", max_length: int = 4
         "added_tokens_decoder": special}, indent=2))
 
 
-_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim=32,
-             intermediate_dim=48)
-_DECODING = Decoding("self_attention_cache", "self_attention_cache_update_index")
 
 QWEN2 = Family(
     name="qwen2",
@@ -86,7 +84,7 @@ QWEN2 = Family(
     sharding=SHARDING,
     lora=LORA,
     export=Export(llama_rules, qwen_config, "Qwen 2 / 2.5 (`qwen2`) without sliding window"),
-    decoding=_DECODING,
+    decoding=SELF_ATTENTION_CACHE,
     context_length=131_072,  # Qwen 2.5 with YaRN (32,768 without)
     hf_model_types=("qwen2",),
     short_names={"qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en"},
@@ -97,7 +95,7 @@ QWEN2 = Family(
                                     rope_max_wavelength=1_000_000, layer_norm_epsilon=1e-6,
                                     tie_word_embeddings=True), 151_665),
     },
-    tiny={"qwen2": dict(_TINY, num_key_value_heads=2, use_sliding_window_attention=True,
+    tiny={"qwen2": dict(TINY_DIMS, num_key_value_heads=2, use_sliding_window_attention=True,
                         sliding_window_size=8)},  # q/k/v biases
 )
 
@@ -112,7 +110,7 @@ QWEN3 = Family(
     export=Export(llama_rules, qwen3_config,
                   "Qwen 3 dense (`qwen3`), positions up to its sliding window (32,768)",
                   tokenizer=chatml_tokenizer),
-    decoding=_DECODING,
+    decoding=SELF_ATTENTION_CACHE,
     context_length=131_072,  # Qwen 3 with YaRN (40,960 without)
     hf_model_types=("qwen3",),
     short_names={"qwen3_0.6b": "qwen3_0.6b_en"},
@@ -123,5 +121,5 @@ QWEN3 = Family(
                                   intermediate_dim=3072, rope_max_wavelength=1_000_000,
                                   layer_norm_epsilon=1e-6, tie_word_embeddings=True), 151_669),
     },
-    tiny={"qwen3": dict(_TINY, num_key_value_heads=1, head_dim=8)},  # q/k norms
+    tiny={"qwen3": dict(TINY_DIMS, num_key_value_heads=1, head_dim=8)},  # q/k norms
 )
