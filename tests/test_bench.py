@@ -158,3 +158,31 @@ def test_tunix_side_end_to_end_micro(tmp_path):
         assert "error" not in r, r
         assert r["same_weights"] and r["params"] == by[(case, "ours")]["params"]
         assert r["loss_first"] == pytest.approx(by[(case, "ours")]["loss_first"], rel=1e-5)
+
+
+def test_a_partial_tpu_battery_keeps_the_earlier_rows_it_does_not_measure(tmp_path, monkeypatch):
+    """record_tpu --keep-earlier: the rows DIR measures are replaced, the others kept from the
+    previous record and named with the commit that measured them."""
+    import json
+
+    from tools import results
+    from tools.bench import record_tpu
+
+    previous = json.loads((results.RESULTS / "bench_tpu.json").read_text())
+    runs = previous["data"]["runs"]
+    one = next(r for run in runs for r in run["results"] if r["size"] == "tiny")
+    battery = tmp_path / "battery"
+    battery.mkdir()
+    (battery / "bench_tiny.json").write_text(json.dumps(
+        {"argv": ["--sizes", "tiny"], "results": [dict(r, ms_per_step=r["ms_per_step"] * 2)
+                                                  for run in runs for r in run["results"]
+                                                  if (r["size"], r["case"]) == ("tiny", one["case"])]}))
+    monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "bench_tpu.json").write_text(json.dumps(dict(previous, commit="abc1234")))
+    record_tpu.main([str(battery), "--keep-earlier"])
+    new = json.loads((tmp_path / "results" / "bench_tpu.json").read_text())
+    pairs = [(row[0], row[1]) for row in new["rows"]]
+    assert sorted(pairs) == sorted((row[0], row[1]) for row in previous["rows"])
+    kept = next(n for n in new["notes"] if n.startswith("Rows "))
+    assert "abc1234" in kept and f"tiny {one['case']}" not in kept and "gemma_1b sft" in kept

@@ -98,15 +98,30 @@ def test_chunked_logprobs_equal_naive_full_logits(name, chunk):
     assert np.all(np.asarray(chunked[:, 0]) == 0)
 
 
-def test_default_chunking_keeps_small_logits_and_chunks_large_ones():
-    """Kept (0: all at once, nothing recomputed) up to 256 MiB of float32 logits, else 128
-    positions at a time; an explicit --logprob-chunk is taken as given."""
+def test_default_chunking_keeps_small_logits_and_chunks_large_ones(monkeypatch):
+    """Kept (0: all at once, nothing recomputed) up to the budget of float32 logits (256 MiB on a
+    CPU host, a sixteenth of an accelerator's memory), else chunks of positions whose logits fit
+    the budget (a multiple of 128, at least 128); an explicit --logprob-chunk is taken as given."""
+    import jax
+
+    from nnx_posttrain.model import logprobs
     from nnx_posttrain.model.logprobs import chunk_positions
 
+    assert logprobs.logits_budget() == 256 * 2**20  # the CPU host
     assert chunk_positions(None, 4, 256, 32_000) == 0  # the medium benchmark's SFT: 131 MB
     assert chunk_positions(None, 8, 1024, 256_000) == 128  # gemma_2b's vocabulary: 8.4 GB
-    assert chunk_positions(None, 1, 262_144, 256) == 0 and chunk_positions(None, 1, 262_145, 256) == 128
+    assert chunk_positions(None, 1, 262_144, 256) == 0
+    assert chunk_positions(None, 1, 262_145, 256) == 262_144  # 256 MiB a chunk
     assert chunk_positions(2, 4, 256, 32_000) == 2 and chunk_positions(0, 8, 1024, 256_000) == 0
+
+    class Chip:  # a 16 GiB accelerator
+        def memory_stats(self):
+            return {"bytes_limit": 16 * 2**30}
+
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [Chip()])
+    assert logprobs.logits_budget() == 2**30
+    assert chunk_positions(None, 2, 2047, 256_000) == 512  # the ~1 B TPU benchmark: 4 chunks
+    assert chunk_positions(None, 1, 1000, 256_000) == 0  # 1 GB of logits: kept
 
 
 @pytest.mark.slow

@@ -101,6 +101,29 @@ def test_step_flops_count_every_micro_batch_of_the_accumulation_loop():
     assert xla[4] < 0.5 * xla[1]  # what XLA alone says: one micro-batch of the four
 
 
+def test_step_flops_are_counted_without_a_cpu_backend_in_jax(monkeypatch):
+    """JAX_PLATFORMS=tpu leaves JAX no CPU backend, and the TPU's client cannot analyse a loop's
+    body ("PJRT C API does not support GetHloCostAnalysis"): the loops are still counted, by a
+    CPU client of the module's own."""
+    lm, step, state, frozen = _setup()
+    batch = _batch(np.random.default_rng(2), 32, 12, lm.tokenizer.vocab_size)
+    compiled = step.lower(state, frozen, _reshape(batch, 4)).compile()
+    expected = flops.step_flops(compiled)
+    devices = jax.local_devices
+
+    def no_cpu_backend(*args, backend=None, **kwargs):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu")
+        return devices(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(jax, "local_devices", no_cpu_backend)
+    flops._analysis_client.cache_clear()
+    try:
+        assert flops.step_flops(compiled) == expected > 2 * flops.xla_flops(compiled)
+    finally:
+        flops._analysis_client.cache_clear()
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_equals_one_large_batch():
     rng = np.random.default_rng(1)

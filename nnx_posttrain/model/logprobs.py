@@ -50,11 +50,26 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
 
 
 # The default (``chunk_size=None``): the logits of the whole batch at once, kept for the backward
-# pass, while they take at most this many bytes (float32); beyond it chunks of CHUNK positions,
-# recomputed in the backward pass. Keeping them saves one vocabulary projection per step (medium
-# benchmark SFT: 1,750 -> 1,555 ms); chunks bound the memory at a real vocabulary (Gemma's 256 k).
+# pass, while they take at most ``logits_budget()`` bytes (float32); beyond it chunks of positions
+# whose logits take at most that much (a multiple of CHUNK positions, at least CHUNK), recomputed
+# in the backward pass. Keeping them saves one vocabulary projection per step (medium benchmark
+# SFT on a CPU: 1,750 -> 1,555 ms); chunks bound the memory at a real vocabulary (Gemma's 256 k).
+# On an accelerator the budget is a sixteenth of the device's memory: each chunk adds a pass over
+# the embedding's gradient (its running sum), and 16 chunks of 128 positions made a ~1 B SFT step
+# on a TPU v5e 276 ms against 227 ms with 4 chunks of 512 (docs/benchmarks.md, "TPU").
 KEEP_LOGITS_BYTES = 256 * 2**20
 CHUNK = 128
+
+
+def logits_budget() -> int:
+    """Bytes of float32 logits the vocabulary projection may hold at once: ``KEEP_LOGITS_BYTES``
+    on a host CPU (or where the device does not say its memory), a sixteenth of the first
+    device's memory on an accelerator (about 1 GB on a 16 GB TPU v5e chip)."""
+    try:
+        limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - a backend without memory statistics: the host's rule
+        limit = None
+    return max(KEEP_LOGITS_BYTES, int(limit) // 16) if limit else KEEP_LOGITS_BYTES
 
 
 def vocabulary_logits(embedding, h):
@@ -66,12 +81,17 @@ def vocabulary_logits(embedding, h):
     return embedding(h, reverse=True).astype(jnp.float32)
 
 
-def chunk_positions(chunk_size: int | None, batch: int, length: int, vocab: int) -> int:
+def chunk_positions(chunk_size: int | None, batch: int, length: int, vocab: int,
+                    budget: int | None = None) -> int:
     """Positions per chunk of the vocabulary projection (0: all at once, nothing recomputed):
-    ``chunk_size`` when given, else by the ``KEEP_LOGITS_BYTES`` rule."""
+    ``chunk_size`` when given, else by the budget rule above (``budget``: bytes, default
+    ``logits_budget()``)."""
     if chunk_size is not None:
         return chunk_size
-    return 0 if batch * length * vocab * 4 <= KEEP_LOGITS_BYTES else CHUNK
+    budget = logits_budget() if budget is None else budget
+    if batch * length * vocab * 4 <= budget:
+        return 0
+    return max(CHUNK, budget // (batch * vocab * 4) // CHUNK * CHUNK)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ hidden size, ``a`` query heads, ``e`` bytes per activation: 4 in float32, 2 in b
   no flash attention): ``L * s * b * (34*h + 5*a*s) * e / 2``; with ``--remat blocks`` each block
   keeps only its input (``L * s * b * h * e``) plus one block's activations;
 - the vocabulary projection of one ``--logprob-chunk`` (all ``s`` positions when 0, and by
-  default while they fit ``model.logprobs.KEEP_LOGITS_BYTES``): logits,
+  default while they fit ``model.logprobs.logits_budget()``): logits,
   log-softmax and their gradient in float32, ``3 * 4 * b * chunk * vocab``.
 
 ``--eval-only`` counts one layer's forward activations and the projection only. The rollout

@@ -118,18 +118,25 @@ def _laid_out(tree, shardings):
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
-def _updated(tx, grads, opt_state, params):
-    """(params, optimizer state) after one update of ``tx``. The moments keep the dtype they
-    were made in (bfloat16 beside bfloat16 weights, ``--dtype bfloat16-params``): the float32
-    gradients would otherwise promote them."""
+def _updated(tx, grads, opt_state, params, denom):
+    """(params, optimizer state) after one update of ``tx`` with the mean gradient ``grads /
+    denom`` (float32; divided here, inside the update's pass over the weights, not in a pass of
+    its own). The moments keep the dtype they were made in (bfloat16 beside bfloat16 weights,
+    ``--dtype bfloat16-params``): the float32 gradients would otherwise promote them."""
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     new_opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)
     return optax.apply_updates(params, updates), new_opt_state
 
 
-def _kept(grads, opt_state, params):
+def _kept(grads, opt_state, params, denom):
     return params, opt_state
+
+
+def _norm(grads):
+    """The global L2 norm of ``grads``, summed in float32 whatever their dtype."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
 
 
 def jit_train_step(graphdef, loss_fn, optimizer, state_shardings, mesh):
@@ -157,8 +164,12 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     like_params = functools.partial(_laid_out, shardings=param_shardings)
 
-    def step(state, frozen, batch):
-        params = state["params"]
+    def summed(params, frozen, batch):
+        """(loss sums, gradient sums) over the micro-batches: one micro-batch as the backward
+        pass gives them (no running sum to start from and add to), several summed in float32."""
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            loss, grads = grad_fn(params, frozen, jax.tree.map(lambda x: x[0], batch))
+            return jax.tree.map(lambda x: x.astype(jnp.float32), loss), like_params(grads)
         first = jax.tree.map(lambda x: x[0], batch)
         shapes = jax.eval_shape(grad_fn, params, frozen, first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
@@ -172,17 +183,20 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
             grads = like_params(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
             return _sum_tree(carry, ((total, (weight, metrics)), grads)), None
 
-        ((total, (weight, metrics)), grads), _ = jax.lax.scan(accumulate, zeros, batch)
+        return jax.lax.scan(accumulate, zeros, batch)[0]
+
+    def step(state, frozen, batch):
+        params = state["params"]
+        (total, (weight, metrics)), grads = summed(params, frozen, batch)
         denom = jnp.maximum(weight, 1e-9)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = _norm(grads) / denom
         # a NaN / inf loss or gradient never reaches the weights or the AdamW moments: the update
         # runs only on a finite step (a cond, not a select on every leaf: a select costs one more
         # pass over the weights and both moments, and keeps the old moments alive beside the new)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
 
         new_params, new_opt_state = jax.lax.cond(finite, functools.partial(_updated, tx), _kept,
-                                                 grads, state["opt_state"], params)
+                                                 grads, state["opt_state"], params, denom)
         new_state = {
             "params": new_params,
             "opt_state": new_opt_state,

@@ -56,8 +56,33 @@ def from_log(path: Path) -> dict:
     return {"argv": argv, "results": results, "from_log": path.name}
 
 
-def training(files: list[Path]) -> Path:
+def earlier_runs(previous: dict, measured: set[tuple[str, str]]) -> tuple[list[dict], list[str]]:
+    """The runs of the previous record ``previous`` (results/bench_tpu.json) cut to the (size,
+    case) pairs not ``measured`` again, each result marked with the commit that measured it; and
+    a note naming those rows and that commit."""
+    commit = previous.get("commit", "?")
+    kept, pairs = [], []
+    for run in previous.get("data", {}).get("runs", []):
+        results = [dict(r, commit=r.get("commit", commit)) for r in run["results"]
+                   if (r["size"], r["case"]) not in measured]
+        if results:
+            kept.append(dict(run, results=results))
+            pairs += [(r["size"], r["case"], r["commit"]) for r in results]
+    by_commit: dict[str, list[str]] = {}
+    for size, case, c in dict.fromkeys(pairs):
+        by_commit.setdefault(c, []).append(f"{size} {case}")
+    notes = [f"Rows {', '.join(rows)}: kept from an earlier battery at commit {c} (not measured "
+             "again in this one)." for c, rows in by_commit.items()]
+    return kept, notes
+
+
+def training(files: list[Path], previous: dict | None = None) -> Path:
+    """results/bench_tpu.json from the battery's ``files``; with ``previous`` (the earlier
+    record) the rows these files do not measure kept from it, and said so."""
     runs = [json.loads(p.read_text()) if p.suffix == ".json" else from_log(p) for p in files]
+    measured = {(r["size"], r["case"]) for run in runs for r in run["results"]}
+    kept, kept_notes = earlier_runs(previous, measured) if previous else ([], [])
+    runs += kept
     results = [r for run in runs for r in run["results"]]
     merged = bench.median_over_repeats(results)
     args = types.SimpleNamespace(peak_tflops=None, dtype="bfloat16-params", device="tpu")
@@ -65,7 +90,8 @@ def training(files: list[Path]) -> Path:
     from tools import results as readme
 
     return readme.record("bench_tpu", "; ".join(commands), bench.ACCELERATOR_COLUMNS,
-                         bench.accelerator_rows(merged), bench.accelerator_notes(merged, args),
+                         bench.accelerator_rows(merged),
+                         bench.accelerator_notes(merged, args) + kept_notes,
                          {"runs": runs}, where({r.get("device_kind", "") for r in merged} - {""}))
 
 
@@ -96,13 +122,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dir")
+    parser.add_argument("--keep-earlier", action="store_true",
+                        help="keep the rows of results/bench_tpu.json that DIR does not measure "
+                             "again (a partial battery), each noted with its commit")
     args = parser.parse_args(argv)
     root = Path(args.dir)
     if not root.is_dir():
         raise ToolError(f"{root} is not a directory")
     runs = sorted(root.glob("bench_*.json"))
     cut = [p for p in sorted(root.glob("bench_*.log")) if p.with_suffix(".json") not in runs]
-    for name, files, fn in (("training", runs + cut, training),
+    from tools import results as readme
+
+    previous_path = readme.RESULTS / "bench_tpu.json"
+    previous = (json.loads(previous_path.read_text())
+                if args.keep_earlier and previous_path.exists() else None)
+    for name, files, fn in (("training", runs + cut, lambda f: training(f, previous)),
                             ("sampling", sorted(root.glob("sampler_*.json")), sampling)):
         if files:
             print(f"recorded {fn(files)} ({name}, {len(files)} files)")
