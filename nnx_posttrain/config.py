@@ -202,7 +202,7 @@ class Config:
     log_every: int = 10
     """Log training metrics every this many steps."""
     logprob_chunk: int | None = None
-    """Sequence positions per chunk of the vocabulary projection, recomputed in the backward pass (bounds the logits in memory); 0: the whole sequence at once, no recomputation; default: at once while a batch's float32 logits take <= 256 MiB, else chunks of 128."""
+    """Sequence positions per chunk of the vocabulary projection, recomputed in the backward pass (bounds the logits in memory); 0: the whole sequence at once, no recomputation; default: at once while a batch's float32 logits take <= 256 MiB (a CPU host) or a sixteenth of the device's memory (an accelerator), else chunks of positions whose logits fit that (multiples of 128)."""
     report_to: str = "tensorboard,jsonl"
     """Where metrics go, comma-separated: tensorboard (runs/<name>/tb), jsonl (metrics.jsonl, completions.jsonl), wandb (Weights & Biases: WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline), or none."""
     config: str | None = None
