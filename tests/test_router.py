@@ -2,7 +2,8 @@
 5.24's ``load_balancing_loss_func`` on the same router logits, and ``model.router`` captures
 every MoE layer's logits of a forward pass (as the router layers compute them), under remat too;
 SFT and DPO on a tiny Qwen3-MoE / Mixtral add it (``--algo.router-aux-loss-coef``, default the
-family's) and log ``aux_loss`` and the tokens per expert."""
+family's) and log ``aux_loss`` and the tokens per expert; so do KTO, reward modelling, RLOO, PPO,
+online DPO and distillation (loss calls)."""
 
 import numpy as np
 import pytest
