@@ -284,3 +284,12 @@ def test_ktos_aux_loss_is_the_examples_not_the_kl_rows(qwen3_moe):
     routed = capture.routed()
     want, _ = load_balancing(routed.logits, routed.top_k, routed.mask)
     assert _loss("kto", qwen3_moe, 0.5)[1] == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_kto_on_a_moe_model_adds_the_examples_aux_loss(presets, tmp_path):
+    """Inside the compiled step, with its KL rows (the aux loss of the examples' rows only)."""
+    support.train_run("kto", "--model", presets["qwen3_moe"], *STEPS, "--lora.rank", "2",
+                      "--init-from", "", "--run-dir", tmp_path, echo=lambda *_: None)
+    first = support.records(tmp_path)[0]
+    assert 1.0 <= first["aux_loss"] <= 4.0 and "moe/max_tokens_per_expert" in first
