@@ -2,7 +2,8 @@
 5.24's ``load_balancing_loss_func`` on the same router logits, and ``model.router`` captures
 every MoE layer's logits of a forward pass (as the router layers compute them), under remat too;
 SFT and DPO on a tiny Qwen3-MoE / Mixtral add it (``--algo.router-aux-loss-coef``, default the
-family's) and log ``aux_loss`` and the tokens per expert."""
+family's) and log ``aux_loss`` and the tokens per expert; so do KTO, reward modelling, RLOO, PPO,
+online DPO and distillation (loss calls)."""
 
 import numpy as np
 import pytest
@@ -173,3 +174,122 @@ def test_simpo_on_a_moe_model_adds_the_aux_loss(presets, tmp_path):
                       "--algo.router-aux-loss-coef", "0.5", "--init-from", "",
                       "--run-dir", tmp_path, echo=lambda *_: None)
     assert support.records(tmp_path)[0]["aux_loss"] > 1.0
+
+
+# ----------------------------------------------------------------------------- every algorithm
+# KTO, reward modelling, RLOO, PPO, online DPO and distillation add the trainable model's aux
+# loss too (a loss call on the tiny Qwen3-MoE: total / weight with coefficient c is the one with
+# coefficient 0 plus c x the logged aux_loss)
+
+ROWS, WIDTH, CHUNK = 4, 10, 8
+
+
+def _rows(seed, rows=ROWS):
+    """(ids, attention, loss mask) [rows, WIDTH]: a padded row, the first 4 tokens a prompt."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 60, (rows, WIDTH)).astype(np.int32)
+    att = np.ones_like(ids)
+    att[0, -3:] = 0
+    ids[att == 0] = 0
+    loss = att.copy()
+    loss[:, :4] = 0
+    return ids, att, loss
+
+
+def _pairs():
+    (ci, ca, cl), (ri, ra, rl) = _rows(1), _rows(2)
+    return dict(chosen_input_ids=ci, chosen_attention_mask=ca, chosen_loss_mask=cl,
+                rejected_input_ids=ri, rejected_attention_mask=ra, rejected_loss_mask=rl)
+
+
+def _kto(algorithm, bb):
+    ids, att, loss = _rows(3)
+    batch = algorithm.prepare(dict(input_ids=ids, attention_mask=att, loss_mask=loss,
+                                   label=np.array([1, 0, 1, 0], np.int32)))
+    algorithm.reference_mode = "copy"
+    return bb, batch, bb
+
+
+def _reward(algorithm, bb):
+    from nnx_posttrain.model.heads import RewardModel
+
+    return RewardModel(bb), _pairs(), None
+
+
+def _rloo(algorithm, bb):
+    ids, att, loss = _rows(4)
+    adv = np.linspace(-1, 1, ROWS).astype(np.float32)
+    return bb, dict(input_ids=ids, attention_mask=att, loss_mask=loss, advantages=adv), None
+
+
+def _ppo(algorithm, bb):
+    from nnx_posttrain.model.heads import PolicyWithValue
+
+    ids, att, loss = _rows(5)
+    rng = np.random.default_rng(5)
+    per_token = lambda: rng.normal(size=ids.shape).astype(np.float32)  # noqa: E731
+    return PolicyWithValue(bb), dict(
+        input_ids=ids, attention_mask=att, loss_mask=loss, old_logps=per_token() - 4.0,
+        advantages=per_token(), returns=per_token(), old_values=per_token()), None
+
+
+def _online_dpo(algorithm, bb):
+    algorithm.reference_mode = "copy"
+    scores = dict(chosen_score=np.ones(ROWS, np.float32), rejected_score=np.zeros(ROWS, np.float32))
+    return bb, dict(_pairs(), **scores), bb
+
+
+def _distill(algorithm, bb):
+    algorithm.teacher_graphdef, teacher = nnx.split(support.tiny_backbone("qwen3_moe"))
+    ids, att, loss = _rows(6)
+    return bb, dict(input_ids=ids, attention_mask=att, loss_mask=loss), teacher
+
+
+CALLS = dict(kto=_kto, reward=_reward, rloo=_rloo, ppo=_ppo, online_dpo=_online_dpo,
+             distill=_distill)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe():
+    return support.tiny_backbone("qwen3_moe")
+
+
+def _loss(name, bb, coef):
+    from nnx_posttrain import algorithms
+
+    cls = algorithms.get(name)
+    online = dict(rewards="length") if name in ("rloo", "ppo", "online_dpo") else {}
+    algorithm = cls(cls.Config(router_aux_loss_coef=coef, **online), CHUNK)
+    module, batch, third = CALLS[name](algorithm, bb)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    total, weight, metrics = algorithm.loss(module, batch, third)
+    return float(total / weight), float(metrics["aux_loss"][0]), metrics
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_every_algorithm_adds_the_policys_aux_loss(qwen3_moe, name):
+    on, aux, metrics = _loss(name, qwen3_moe, 0.5)
+    off, aux_off, _ = _loss(name, qwen3_moe, 0.0)
+    assert 1.0 <= aux <= 4.0 and aux_off == pytest.approx(aux, rel=1e-6)  # k = 2 of 4 experts
+    assert on == pytest.approx(off + 0.5 * aux, rel=1e-5, abs=1e-6)
+    assert {"moe/max_tokens_per_expert", "moe/min_tokens_per_expert"} <= set(metrics)
+
+
+def test_ktos_aux_loss_is_the_examples_not_the_kl_rows(qwen3_moe):
+    """As TRL's KTOTrainer: the aux loss of the examples' forward (the KL rows' and the
+    reference's forwards add nothing)."""
+    ids, att, loss = _rows(3)
+    with model.routers_captured(qwen3_moe, 0.5) as capture:
+        model.hidden_states(qwen3_moe, jnp.asarray(ids), jnp.asarray(att))
+    routed = capture.routed()
+    want, _ = load_balancing(routed.logits, routed.top_k, routed.mask)
+    assert _loss("kto", qwen3_moe, 0.5)[1] == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_kto_on_a_moe_model_adds_the_examples_aux_loss(presets, tmp_path):
+    """Inside the compiled step, with its KL rows (the aux loss of the examples' rows only)."""
+    support.train_run("kto", "--model", presets["qwen3_moe"], *STEPS, "--lora.rank", "2",
+                      "--init-from", "", "--run-dir", tmp_path, echo=lambda *_: None)
+    first = support.records(tmp_path)[0]
+    assert 1.0 <= first["aux_loss"] <= 4.0 and "moe/max_tokens_per_expert" in first

@@ -30,12 +30,15 @@ from nnx_posttrain.algorithms.base import (AlgorithmBase, DatasetBatches, Inputs
                                            RunContext, eval_loss_batches, merged)
 from nnx_posttrain.losses.common import out_of_range
 from nnx_posttrain.losses.distill import DistillOptions, divergence, gkd
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 from nnx_posttrain.sampling import generate, sampler
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillConfig(DistillOptions):
-    """Distillation: a frozen teacher's token distributions into the student (generalized JSD, on-policy and offline)."""
+class DistillConfig(DistillOptions, RouterOptions):
+    """Distillation: a frozen teacher's token distributions into the student (generalized JSD, on-policy and offline).
+
+    A mixture-of-experts student adds its router load-balancing loss (not the teacher's)."""
 
     teacher: str = ""
     """The teacher: a built-in model, a KerasHub preset or local directory, or a run directory of ours (its latest checkpoint, or --algo.teacher-step; LoRA applied). It must share the student's tokenizer."""
@@ -61,7 +64,7 @@ class DistillConfig(DistillOptions):
     """Seconds a tool call may run; past it the call fails (its error is the model's result)."""
 
     def problems(self) -> list[str]:
-        return super().problems() + [
+        return DistillOptions.problems(self) + RouterOptions.problems(self) + [
             problem for name, ok, rule in (
                 ("lmbda", 0.0 <= self.lmbda <= 1.0, "in [0, 1]"),
                 ("top_k", self.top_k >= 0, ">= 0"),
@@ -148,11 +151,13 @@ class Distill(AlgorithmBase):
     def loss(self, module, batch, teacher_state):
         teacher = nnx.merge(self.teacher_graphdef, teacher_state)
         c = self.cfg
-        div, entropy = model.paired_terms(
-            (module, teacher), batch["input_ids"], batch["attention_mask"],
-            lambda s, t: divergence(s, t, c), self.logprob_chunk,
-            positions=batch.get("positions"))
-        return gkd(div, entropy, batch["loss_mask"])
+        # TRL's DistillationTrainer / GKDTrainer do not add it: transformers' convention
+        with model.routers_captured(module, c.router_aux_loss_coef) as routers:  # the student's
+            div, entropy = model.paired_terms(
+                (module, teacher), batch["input_ids"], batch["attention_mask"],
+                lambda s, t: divergence(s, t, c), self.logprob_chunk,
+                positions=batch.get("positions"))
+        return with_router_aux(gkd(div, entropy, batch["loss_mask"]), routers.routed())
 
     def inputs(self, run: RunContext, params) -> Inputs:
         return Inputs(MixedBatches(self, run, params), eval_loss_batches(self, run))

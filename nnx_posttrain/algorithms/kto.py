@@ -9,18 +9,25 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain import config as config_lib, data, errors
+from nnx_posttrain import config as config_lib, data, errors, model
 from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.algorithms.pairs import sequence_logps
 from nnx_posttrain.algorithms.reference import Reference
 from nnx_posttrain.losses.kto import KTOExamples, KTOOptions, kto
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 
 
 @dataclasses.dataclass(frozen=True)
-class KTOConfig(KTOOptions):
-    """Kahneman-Tversky Optimization on unpaired desirable / undesirable examples."""
+class KTOConfig(KTOOptions, RouterOptions):
+    """Kahneman-Tversky Optimization on unpaired desirable / undesirable examples.
+
+    A mixture-of-experts policy adds its router load-balancing loss over the examples' rows (not
+    the KL rows', nor the reference's), as TRL's KTOTrainer."""
 
     reference: Reference = "auto"
+
+    def problems(self) -> list[str]:
+        return KTOOptions.problems(self) + RouterOptions.problems(self)
 
 
 @dataclasses.dataclass
@@ -127,13 +134,26 @@ class KTO(AlgorithmBase):
         n = batch["input_ids"].shape[0]
         return summed[:n], summed[n:]
 
+    def _policy(self, module, batch):
+        """The policy's ``_forward`` and its router logits (``losses.router``), those of the
+        examples' rows only: TRL takes the aux loss from the examples' forward, the KL rows'
+        runs without gradient (their rows follow the examples' in the one concatenated pass)."""
+        with model.routers_captured(module, self.cfg.router_aux_loss_coef) as routers:
+            policy, kl_policy = self._forward(module, batch)
+        routed = routers.routed()
+        if routed is not None and kl_policy is not None:
+            examples = batch["input_ids"].size  # rows batch-major: the examples' come first
+            routed = routed._replace(mask=routed.mask.at[examples:].set(0.0))
+        return (policy, kl_policy), routed
+
     def loss(self, module, batch, reference=None):
-        policy, kl_policy = self._forward(module, batch)
+        (policy, kl_policy), routed = self._policy(module, batch)
         if self.reference_mode == "precompute":
             ref, kl_ref = batch["ref_logps"], batch.get("ref_kl_logps")
         else:
             ref, kl_ref = self.reference(module, reference, lambda m: self._forward(m, batch))
-        return kto(KTOExamples(policy, ref, batch["label"], kl_policy, kl_ref), self.cfg)
+        return with_router_aux(kto(KTOExamples(policy, ref, batch["label"], kl_policy, kl_ref),
+                                   self.cfg), routed)
 
     def reference_logps(self, module, batch):
         ref, kl_ref = self._forward(module, batch)

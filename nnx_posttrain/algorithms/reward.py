@@ -7,14 +7,20 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.base import AlgorithmBase
 from nnx_posttrain.losses.reward import RewardOptions, RewardPairs, reward_bt
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardConfig(RewardOptions):
-    """Bradley-Terry reward model: a scalar head on the backbone, trained on preference pairs."""
+class RewardConfig(RewardOptions, RouterOptions):
+    """Bradley-Terry reward model: a scalar head on the backbone, trained on preference pairs.
+
+    A mixture-of-experts backbone adds its router load-balancing loss."""
+
+    def problems(self) -> list[str]:
+        return RewardOptions.problems(self) + RouterOptions.problems(self)
 
 
 @dataclasses.dataclass
@@ -38,6 +44,10 @@ class Reward(AlgorithmBase):
     def loss(self, module, batch, reference=None):
         ids = jnp.concatenate([batch["chosen_input_ids"], batch["rejected_input_ids"]], axis=0)
         att = jnp.concatenate([batch["chosen_attention_mask"], batch["rejected_attention_mask"]], 0)
-        rewards = module(ids, att)
+        # TRL's RewardTrainer does not add it: transformers' convention (output_router_logits on)
+        with model.routers_captured(module.backbone, self.cfg.router_aux_loss_coef) as routers:
+            rewards = module(ids, att)
         n = batch["chosen_input_ids"].shape[0]
-        return reward_bt(RewardPairs(rewards[:n], rewards[n:], batch.get("margin")), self.cfg)
+        return with_router_aux(reward_bt(RewardPairs(rewards[:n], rewards[n:],
+                                                     batch.get("margin")), self.cfg),
+                               routers.routed())

@@ -15,18 +15,21 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.algorithms.preference import pair_logps
 from nnx_posttrain.losses.common import _mean_metric
 from nnx_posttrain.losses.dpo import DPOOptions, DPOPairs, dpo
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineDPOConfig(SamplingConfig):
-    """Online DPO (Guo et al. 2024): two samples per prompt, ranked by the reward, DPO loss."""
+class OnlineDPOConfig(SamplingConfig, RouterOptions):
+    """Online DPO (Guo et al. 2024): two samples per prompt, ranked by the reward, DPO loss.
+
+    A mixture-of-experts policy adds its router load-balancing loss (not the reference's)."""
 
     num_generations: int = 2
     # TRL's OnlineDPOConfig: DPO's beta and two of its loss types, with DPO's defaults
@@ -78,7 +81,9 @@ class OnlineDPO(OnlineAlgorithm):
                      "val/contain_eos_token": float(np.mean(finished)), "beta": self.cfg.beta}
 
     def loss(self, module, batch, reference=None):
-        lp = pair_logps(module, batch, self.logprob_chunk)
+        # TRL's OnlineDPOTrainer does not add it: transformers' convention (output_router_logits on)
+        with model.routers_captured(module, self.cfg.router_aux_loss_coef) as routers:
+            lp = pair_logps(module, batch, self.logprob_chunk)
         ref = self.reference(module, reference, lambda m: pair_logps(m, batch, self.logprob_chunk))
         total, weight, metrics = dpo(DPOPairs(lp["chosen"], lp["rejected"], ref["chosen"],
                                               ref["rejected"]), self.cfg.dpo_options)
@@ -90,4 +95,4 @@ class OnlineDPO(OnlineAlgorithm):
                              ("objective/non_score_reward", -self.cfg.beta * kl),
                              ("objective/rlhf_reward", scores - self.cfg.beta * kl)):
             metrics[name] = _mean_metric(values)
-        return total, weight, metrics
+        return with_router_aux((total, weight, metrics), routers.routed())

@@ -9,20 +9,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.losses import rl
 from nnx_posttrain.losses.rl import PPOInputs, PPOOptions, ppo_loss, ppo_rewards
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(SamplingConfig, PPOOptions):
+class PPOConfig(SamplingConfig, PPOOptions, RouterOptions):
     """PPO with a value head on the policy's backbone, GAE, clipped value loss and a per-token
-    KL penalty in the reward (Ouyang et al. 2022; TRL's PPOTrainer)."""
+    KL penalty in the reward (Ouyang et al. 2022; TRL's PPOTrainer); a mixture-of-experts policy
+    adds its router load-balancing loss."""
 
     num_generations: int = 1
+
+    def problems(self) -> list[str]:
+        return PPOOptions.problems(self) + RouterOptions.problems(self)
 
 
 @dataclasses.dataclass
@@ -88,8 +93,11 @@ class PPO(OnlineAlgorithm):
 
     def loss(self, module, batch, reference=None):
         c = self.cfg
-        (logps, entropy), values = module.logps_and_values(
-            batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
-            self.logprob_temperature, with_entropy=True, positions=batch.get("positions"))
-        return ppo_loss(PPOInputs(logps, batch["old_logps"], batch["advantages"], batch["returns"],
-                                  values, batch["old_values"], batch["loss_mask"], entropy), c)
+        # TRL's PPOTrainer does not add it: transformers' convention (output_router_logits on)
+        with model.routers_captured(self.policy(module), c.router_aux_loss_coef) as routers:
+            (logps, entropy), values = module.logps_and_values(
+                batch["input_ids"], batch["attention_mask"], self.logprob_chunk,
+                self.logprob_temperature, with_entropy=True, positions=batch.get("positions"))
+        inputs = PPOInputs(logps, batch["old_logps"], batch["advantages"], batch["returns"],
+                           values, batch["old_values"], batch["loss_mask"], entropy)
+        return with_router_aux(ppo_loss(inputs, c), routers.routed())

@@ -6,22 +6,27 @@ import dataclasses
 
 import numpy as np
 
-from nnx_posttrain import config as config_lib
+from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.grpo import policy_inputs, scored_rewards
 from nnx_posttrain.algorithms.online.options import SamplingConfig
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
 from nnx_posttrain.losses import rl
 from nnx_posttrain.losses.rloo import RLOOOptions, rloo_loss
+from nnx_posttrain.losses.router import RouterOptions, with_router_aux
 
 
 @dataclasses.dataclass(frozen=True)
-class RLOOConfig(SamplingConfig, RLOOOptions):
+class RLOOConfig(SamplingConfig, RLOOOptions, RouterOptions):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024), as TRL 1.16's RLOOTrainer: baseline = the
     group's other rewards, the KL to the reference (beta) subtracted from the reward, one clipped
-    importance ratio per sequence."""
+    importance ratio per sequence (a mixture-of-experts policy adds its router load-balancing
+    loss, as TRL's RLOOTrainer)."""
 
     num_generations: int = 4
+
+    def problems(self) -> list[str]:
+        return RLOOOptions.problems(self) + RouterOptions.problems(self)
 
 
 @dataclasses.dataclass
@@ -66,4 +71,6 @@ class RLOO(OnlineAlgorithm):
         return batch, metrics
 
     def loss(self, module, batch, reference=None):
-        return rloo_loss(policy_inputs(self, module, batch), self.cfg)
+        with model.routers_captured(module, self.cfg.router_aux_loss_coef) as routers:
+            inputs = policy_inputs(self, module, batch)
+        return with_router_aux(rloo_loss(inputs, self.cfg), routers.routed())
