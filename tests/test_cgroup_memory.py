@@ -61,6 +61,7 @@ def _memory_cgroup(limit: int):
     return None
 
 
+@pytest.mark.slow
 def test_a_step_that_fits_the_host_but_not_its_cgroup_is_refused(tmp_path):
     group = _memory_cgroup(3 * GiB)
     if group is None:

@@ -150,6 +150,7 @@ def test_the_exact_judge_and_a_pairwise_judge_in_both_orders():
         J.exact_verdicts([{"prompt": "q", "_where": "p.jsonl:1"}], ["1"], ["2"])
 
 
+@pytest.mark.slow
 def test_judge_writes_the_win_rate_from_both_sides(shared_run, tmp_path, capsys):
     from nnx_posttrain import cli
     from support import train_run, FAST_STEPS, MICRO

@@ -80,6 +80,7 @@ def test_trains_without_tensorflow(tmp_path):
     assert "BPE OK []" in out.stdout
 
 
+@pytest.mark.slow
 def test_the_package_does_not_import_tensorflow():
     code = ("import sys, nnx_posttrain.tasks, nnx_posttrain.train, keras_hub; "
             "nnx_posttrain.tasks.register(); "

@@ -82,7 +82,7 @@ def test_a_batch_of_millions_is_planned_from_the_shapes_of_a_small_one(v5e_8):
     assert run.batch["input_ids"].shape == (1, 2_000_000, 24)
 
 
-@pytest.mark.parametrize("algorithm", ["sft", "grpo"])
+@pytest.mark.parametrize("algorithm", ["sft", pytest.param("grpo", marks=pytest.mark.slow)])
 def test_sft_and_grpo_steps_compile_for_a_tpu_topology_and_the_report_is_xlas(algorithm, v5e_8):
     args = [*MICRO, "--batching.batch-size", "16", "--batching.grad-accum", "2", "--mesh.data",
             "4", "--mesh.fsdp", "2"]
@@ -123,6 +123,7 @@ def test_on_a_cpu_device_the_inputs_are_the_state_the_frozen_weights_and_the_bat
     assert 0 < sum(p.inputs.values()) - p.parts["inputs"] < p.inputs["batch"]
 
 
+@pytest.mark.slow
 def test_the_command_plans_a_cpu_mesh_and_writes_the_plan(tmp_path):
     out = tmp_path / "plan.json"
     proc = run_command([sys.executable, "-m", "nnx_posttrain.cli", "plan", "sft", *MICRO,
@@ -132,7 +133,7 @@ def test_the_command_plans_a_cpu_mesh_and_writes_the_plan(tmp_path):
     assert saved["devices"] == 2 and saved["fits"] and saved["total_bytes"] > 0
 
 
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("packing", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_splash_attention_compiles_for_tpu_with_packing_and_a_sliding_window(packing, v5e_8):
     args = ["--model", "gemma2_micro_h128", "--init-from", "", "--attention", "splash",
             "--batching.batch-size", "8", "--batching.max-length", "256", "--mesh.data", "4",
@@ -143,6 +144,7 @@ def test_splash_attention_compiles_for_tpu_with_packing_and_a_sliding_window(pac
     assert "tpu_custom_call" in compiled.as_text()  # the Pallas (Mosaic) kernel, per device
 
 
+@pytest.mark.slow
 def test_a_plan_that_does_not_fit_is_refused_with_the_changes_estimated_to_fit(v5e_8, capsys,
                                                                                monkeypatch):
     args = [*MICRO, "--batching.batch-size", "16", "--lora.rank", "2"]

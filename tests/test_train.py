@@ -289,6 +289,7 @@ def test_end_to_end_packed_sft_run(tmp_path):
     assert losses_[-1] < 0.6 * losses_[0]
 
 
+@pytest.mark.slow
 def test_a_rerun_of_the_same_shapes_reads_its_compiled_step_from_the_cache(tmp_path):
     """--compile-cache DIR: the second run of the same settings (another run directory) writes
     nothing new to the cache: every program it needs is read back, none compiled again."""
