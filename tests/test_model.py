@@ -122,6 +122,9 @@ def test_default_chunking_keeps_small_logits_and_chunks_large_ones(monkeypatch):
     assert logprobs.logits_budget() == 2**30
     assert chunk_positions(None, 2, 2047, 256_000) == 512  # the ~1 B TPU benchmark: 4 chunks
     assert chunk_positions(None, 1, 1000, 256_000) == 0  # 1 GB of logits: kept
+    with logprobs.assume_device_memory(32 * 2**30):  # plan, for a 32 GiB chip, on this host
+        assert chunk_positions(None, 2, 2047, 256_000) == 1024
+    assert logprobs.logits_budget() == 2**30
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ from nnx_posttrain.model.router import captured as routers_captured
 from nnx_posttrain.model.logprobs import (
     LOGPROBS,
     Projection,
+    assume_device_memory,
     full_logits,
     hidden_states,
     logprobs_from_hidden,
@@ -100,7 +101,7 @@ __all__ = [
     # blocks
     "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
     # logprobs
-    "LOGPROBS", "Projection", "full_logits", "hidden_states", "logprobs_from_hidden", "paired_terms", "scored_positions", "token_logprobs",
+    "LOGPROBS", "Projection", "assume_device_memory", "full_logits", "hidden_states", "logprobs_from_hidden", "paired_terms", "scored_positions", "token_logprobs",
     "vocabulary_logits",
     # heads
     "PolicyWithValue", "RewardModel",

@@ -9,6 +9,7 @@ when asked (``scored_positions``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -61,14 +62,33 @@ KEEP_LOGITS_BYTES = 256 * 2**20
 CHUNK = 128
 
 
+_DEVICE_MEMORY: contextvars.ContextVar[int | None] = contextvars.ContextVar("device_memory",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def assume_device_memory(nbytes: int | None):
+    """The logits budget within: that of a device with ``nbytes`` of memory, whatever device
+    this process has (``plan`` compiles a TPU's step on a CPU host: the chunks the TPU's run
+    will take)."""
+    token = _DEVICE_MEMORY.set(nbytes)
+    try:
+        yield
+    finally:
+        _DEVICE_MEMORY.reset(token)
+
+
 def logits_budget() -> int:
     """Bytes of float32 logits the vocabulary projection may hold at once: ``KEEP_LOGITS_BYTES``
-    on a host CPU (or where the device does not say its memory), a sixteenth of the first
-    device's memory on an accelerator (about 1 GB on a 16 GB TPU v5e chip)."""
-    try:
-        limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 - a backend without memory statistics: the host's rule
-        limit = None
+    on a host CPU (or where the device does not say its memory), a sixteenth of the device's
+    memory on an accelerator (about 1 GB on a 16 GB TPU v5e chip): the first device's, or that
+    ``assume_device_memory`` names."""
+    limit = _DEVICE_MEMORY.get()
+    if limit is None:
+        try:
+            limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+        except Exception:  # noqa: BLE001 - a backend without memory statistics: the host's rule
+            limit = None
     return max(KEEP_LOGITS_BYTES, int(limit) // 16) if limit else KEEP_LOGITS_BYTES
 
 

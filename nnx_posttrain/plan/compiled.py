@@ -23,7 +23,7 @@ import warnings
 import jax
 import numpy as np
 
-from nnx_posttrain import errors
+from nnx_posttrain import errors, model
 from nnx_posttrain.model.device_memory import GiB
 from nnx_posttrain.plan import build as build_lib, fixes as fixes_lib
 from nnx_posttrain.plan.topology import Topology
@@ -188,7 +188,8 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
          f"({len(topology.devices)} x {topology.kind}) ...")
     start = time.perf_counter()
     try:
-        compiled, refused = compile_step(run), None
+        with model.assume_device_memory(topology.memory_bytes):  # the chunks the chip's run takes
+            compiled, refused = compile_step(run), None
     except jax.errors.JaxRuntimeError as exc:
         refused = _out_of_memory(exc)
         if refused is None:
@@ -217,9 +218,10 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
                  "outputs not in place": 0, "generated code": 0}
         topology = dataclasses.replace(topology, memory_bytes=refused[1])
         flops = None
-    estimate = memory.estimate(run.cfg, run.lm.module, state["params"],
-                               algorithm.sequences_per_example, frozen["reference"] is not None,
-                               dict(run.mesh.shape))
+    with model.assume_device_memory(topology.memory_bytes):
+        estimate = memory.estimate(run.cfg, run.lm.module, state["params"],
+                                   algorithm.sequences_per_example, frozen["reference"] is not None,
+                                   dict(run.mesh.shape))
     out = Plan(_run_summary(run.cfg, algorithm, run), topology.name, topology.kind,
                len(topology.devices), topology.slices, dict(run.mesh.shape),
                topology.memory_bytes, parts, inputs,
