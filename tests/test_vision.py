@@ -273,3 +273,79 @@ def test_kto_reads_each_prompts_images_in_its_kl_rows(files, tmp_path):
     rows = records(tmp_path / "kto")
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
     assert rows[0]["loss"] == pytest.approx(0.5, abs=1e-4)
+
+
+QUESTION = "How many shapes are there?"
+
+
+def _image_prompts(lm, pictures, texts):
+    """The sampler's left-padded prompts (width 32) with their pixel values, one picture each, as
+    the sample command tokenizes them (the data pipeline's ``TokenizePrompt``)."""
+    from nnx_posttrain.cli.sample import image_prompts
+    from nnx_posttrain.sampling import sampler
+
+    shown = [image_prompts(lm, [text], [picture]) for text, picture in zip(texts, pictures)]
+    ids, mask = sampler.pad_prompts([s.ids[0] for s in shown], lm.tokenizer.pad_id, bucket=32)
+    return ids, mask, np.concatenate([s.pixel_values for s in shown])
+
+
+def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
+    """Greedy decoding with images (the prompt pass: the placeholder tokens' embeddings replaced
+    by the vision tower's, KerasHub's attention over the image tokens; then the KV cache) gives,
+    token by token, the argmax of the full training forward (no cache) over the prompt, its
+    images and the tokens so far, and its log-probs; the same question about another picture
+    gives other logits at the first new token."""
+    from flax import nnx
+    from nnx_posttrain.sampling import sampler
+
+    pictures = [shapes.sft_record(i)["images"][0] for i in range(3)]
+    ids, mask, pixels = _image_prompts(lm, pictures, [QUESTION, QUESTION,
+                                                      "Look closely. " + QUESTION])
+    assert (ids == lm.task.backbone._nnx_posttrain_image_token).sum(1).tolist() == [4, 4, 4]
+    graphdef, *states = nnx.split(lm.module)
+    n = 4
+    out = sampler.make_sampler(graphdef, n)(states, ids, mask, jax.random.key(0),
+                                             sampler.Draw(0.0, 1.0, [-1]), pixels)
+    got, logps = np.asarray(out["completion_ids"]), np.asarray(out["logprobs"])
+    width = ids.shape[1]
+    tokens = np.concatenate([ids, got], 1)
+    masks = np.concatenate([mask, np.ones_like(got)], 1)
+    full = np.asarray(_logits(nnx.split(lm.module), tokens, masks, pixels))
+    expected = full[:, width - 1:-1].argmax(-1)
+    np.testing.assert_array_equal(got, expected)
+    logp = np.asarray(jax.nn.log_softmax(full[:, width - 1:-1], -1))
+    np.testing.assert_allclose(logps, np.take_along_axis(logp, got[..., None], -1)[..., 0],
+                               atol=2e-5)
+    first = full[:, width - 1]
+    assert np.abs(first[0] - first[1]).max() > 1e-3  # the same question, another picture
+    assert np.abs(logps[0, 0] - logps[1, 0]) > 1e-5
+
+
+def test_the_sample_command_shows_the_prompt_an_image(files, micro, tmp_path, monkeypatch, capsys):
+    """``nnx-posttrain sample RUN --image FILE`` on a vision run: the answer is the sampler's
+    with that image (``sample_texts`` of ``image_prompts``); a missing file or one that is no
+    image is refused naming it, before the model loads; a text model has no vision tower."""
+    from types import SimpleNamespace
+
+    from nnx_posttrain import cli
+    from nnx_posttrain.cli import sample as sample_command
+    from nnx_posttrain.sampling import sampler
+
+    run("sft", files / "sft.jsonl", tmp_path / "run", "--steps", "1")
+    command = ["sample", str(tmp_path / "run"), "--prompt", QUESTION, "--max-new-tokens", "3"]
+    assert cli.main(command + ["--image", str(files / "1.png")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    out = out[out.index(f"> {QUESTION}"):]  # after what training and loading print
+    loaded = runs.load(tmp_path / "run", echo=lambda _: None)
+    picture = np.asarray(Image.open(files / "1.png").convert("RGB"))
+    shown = sample_command.image_prompts(loaded.lm, [QUESTION], [picture])
+    assert out[:2] == [f"> {QUESTION}", sampler.sample_texts(
+        loaded.lm, loaded.policy(), shown, sampler.Sampling(3))[0][0]]
+    (tmp_path / "text.png").write_text("not a picture")
+    for name, why in (("missing.png", "no such file"), ("text.png", "not a readable image")):
+        with pytest.raises(SystemExit, match=f"error: --image {tmp_path / name}: .*{why}"):
+            cli.main(command + ["--image", str(tmp_path / name)])
+    monkeypatch.setattr(sample_command.runs, "load", lambda run_dir, step: SimpleNamespace(
+        lm=micro, policy=lambda: micro.module))
+    with pytest.raises(SystemExit, match="--image: gemma_micro has no vision tower"):
+        cli.main(command + ["--image", str(files / "1.png")])

@@ -103,6 +103,22 @@ def backbone_inputs(module, token_ids, padding_mask) -> dict:
                 vision_indices=vision_indices(vision, count))
 
 
+def embed_images(module, x, token_ids, padding_mask):
+    """(embeddings, vision mask) of a prompt: the text embeddings ``x`` [B, T, D] (scaled as the
+    backbone scales them) with the images of the ``images`` scope in place of the placeholder
+    tokens, as the backbone's graph places them (its vision encoder, then its interleave layer,
+    on ``backbone_inputs``), and the ``vision_mask`` [B, T] its decoder blocks read (image
+    tokens attend to each other within an image); ``(x, None)`` without images or a vision
+    backbone (the sampler's prompt pass over a prompt with images)."""
+    if not reads_images(module) or _PIXELS.get() is None:
+        return x, None
+    inputs = backbone_inputs(module, token_ids, padding_mask)
+    encoded = module.vision_encoder(inputs["images"])
+    x = module.interleave_embeddings(image_embeddings=encoded, text_embeddings=x,
+                                     vision_indices=inputs["vision_indices"])
+    return x, inputs["vision_mask"]
+
+
 @contextlib.contextmanager
 def encoded_once(module):
     """Within the block, the vision encoder encodes each example's images once however many

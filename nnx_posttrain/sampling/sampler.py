@@ -19,6 +19,11 @@ one query against it (``attention.attend_cached``: causal, sliding window, soft 
 masked). KerasHub's own cached attention slices, updates and re-stacks its whole cache in every
 layer and step; this cache is updated in place (`tools.bench.sampler` measures both).
 
+A prompt with images (a vision model's, Gemma 3's: ``pixel_values``) takes the training forward's
+prompt pass instead: the image placeholder tokens' embeddings replaced by the vision tower's, and
+KerasHub's own attention (image tokens attend to each other within an image), its keys and values
+written into the same cache; decoding then goes on as for text (a new token attends causally).
+
 Log-probabilities are those of softmax(logits / temperature) (temperature 1 when greedy) WITHOUT
 top-k / top-p truncation, the convention of TRL's rollouts.
 """
@@ -26,7 +31,6 @@ top-k / top-p truncation, the convention of TRL's rollouts.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -35,107 +39,17 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import chat, families, model
-from nnx_posttrain.model import attention
-from nnx_posttrain.model.logprobs import vocabulary_logits
+from nnx_posttrain.model import vision
 from nnx_posttrain.sampling.capacity import (  # noqa: F401  (re-exported: the sampler's limits)
     CONTEXT_LENGTHS,
     check_generation,
     generation_bytes,
 )
-from nnx_posttrain.sampling.capacity import kv_layout as _kv_layout
-
-def _family(module) -> families.Decoding:
-    """How the sampler drives ``module``'s decoder blocks (its family's ``Decoding``). Rotary
-    positions only: an absolute-position family (GPT-2, OPT, ...) would see shifted positions
-    with left padding."""
-    name = type(module).__name__
-    family = families.of(module)
-    if family is None or isinstance(family.decoding, families.Unsupported):
-        supported = [f.backbone for f in families.FAMILIES.values() if f.decoding]
-        why = f" ({family.decoding.reason})" if family is not None else ""
-        raise NotImplementedError(
-            f"the KV-cache sampler does not support {name}{why}: supported backbones are "
-            f"{', '.join(supported)} (rotary positions and cached decoder blocks)"
-        )
-    params = inspect.signature(type(module.transformer_layers[0]).call).parameters
-    if family.decoding.cache_kw not in params:
-        raise NotImplementedError(f"{name}: decoder block takes no {family.decoding.cache_kw}")
-    return family.decoding
-
-
-def _empty_cache(module, batch: int, length: int):
-    """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``)."""
-    heads, head_dim, dtype = _kv_layout(module)
-    shape = (batch * heads, length, head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                 for _ in model.decoder_blocks(module))
-
-
-def _pass_through_cache(module, fam: families.Decoding, batch: int, length: int):
-    """What a block is given as its cache: zeros exactly as long as its input, so that KerasHub's
-    cache write (a dynamic update slice, whose start is clamped to fit) is the new keys and values
-    themselves, and its rotary embedding starts at the cache index."""
-    heads, head_dim, dtype = _kv_layout(module)
-    if fam.pair_cache:
-        shape = (batch, length, heads, head_dim)
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-    return jnp.zeros((batch, 2, length, heads, head_dim), dtype)
-
-
-class _Cache(NamedTuple):
-    """The KV cache of every block, the position of the next token written to it, and the mask
-    of its keys (the prompt's left pads masked)."""
-
-    caches: tuple
-    index: Any
-    key_mask: Any
-
-
-def _forward(module, fam: families.Decoding, token_ids, cache: _Cache, prompt=None):
-    """Run ``token_ids`` [B, T] at positions index..index+T-1 through the decoder blocks: float32
-    logits [B, T, vocab] (the path of ``model.token_logprobs``; for the prompt pass, [B, 1, vocab]:
-    its last position, the only one read) and the updated caches.
-
-    KerasHub's blocks compute everything but attention (projections, biases, q/k norms, rotary
-    embedding, norms, feed-forward, LoRA); each attention layer's ``_compute_attention`` writes its
-    keys and values into this sampler's cache at ``index`` (in place in the decoding loop: no copy
-    of the cache per step, as KerasHub's slice / update / stack of its cache makes) and returns
-    ``model.attention``'s kernels' output: for the prompt pass (``prompt``: the prompt's padding
-    mask), the module's training path over the prompt's own keys; for a decoding step, one query
-    per row against the cache (``attend_cached``), its left pads masked by ``key_mask``."""
-    batch, t = token_ids.shape
-    index, key_mask = cache.index, cache.key_mask
-    x = module.token_embedding(token_ids)
-    if fam.embed_scale:
-        x = x * jnp.sqrt(jnp.asarray(module.hidden_dim, jnp.float32)).astype(x.dtype)
-    caches = list(cache.caches)
-    choice = attention.attention_of(module)
-    if choice.implementation == "keras":
-        choice = attention.Choice("xla", choice.chunk)
-
-    def kernel(i, spec, q, k, v):
-        own_k, own_v = k[:, :, ::spec.repeated], v[:, :, ::spec.repeated]  # Llama family repeats
-        cache_k, cache_v = caches[i]
-        cache_k, cache_v = (  # [B, T, K, H] -> rows b * K + k of the [B * K, L, H] cache
-            jax.lax.dynamic_update_slice_in_dim(
-                cache, jnp.transpose(own, (0, 2, 1, 3)).reshape(cache.shape[0], t, -1)
-                .astype(cache.dtype), index, 1)
-            for cache, own in ((cache_k, own_k), (cache_v, own_v)))
-        caches[i] = (cache_k, cache_v)
-        if prompt is not None:
-            return attention.attend(q, k, v, prompt, spec, choice)
-        return attention.attend_cached(q, cache_k, cache_v, key_mask, index, spec)
-
-    through = _pass_through_cache(module, fam, batch, t)
-    with attention.overridden(module, (batch, t), kernel, training=False) as blocks:
-        for block in blocks:
-            x, _ = block(x, **{fam.cache_kw: through, fam.index_kw: index})
-    h = module.layer_norm(x)
-    if prompt is not None:  # only the last position's prediction is read
-        h = h[:, -1:]
-    logits = vocabulary_logits(module.token_embedding, h)
-    return logits, tuple(caches)
-
+from nnx_posttrain.sampling.passes import Cache as _Cache
+from nnx_posttrain.sampling.passes import empty_cache as _empty_cache
+from nnx_posttrain.sampling.passes import family as _family
+from nnx_posttrain.sampling.passes import forward as _forward
+from nnx_posttrain.sampling.passes import image_prompt as _image_prompt
 
 def _categorical(rng, logits):
     """One draw per row from softmax(logits) [B, V] by inverting its CDF with one uniform number
@@ -207,7 +121,7 @@ class _Decoder:
     def __init__(self, graphdef, max_new: int, top_k: int, pad_id: int):
         self.graphdef, self.n, self.top_k, self.pad_id = graphdef, max_new, top_k, pad_id
 
-    def __call__(self, states, prompt_ids, prompt_mask, rng, draw: Draw):
+    def __call__(self, states, prompt_ids, prompt_mask, rng, draw: Draw, pixel_values=None):
         module = nnx.merge(self.graphdef, *states)
         fam = _family(module)
         batch, width = prompt_ids.shape
@@ -216,7 +130,11 @@ class _Decoder:
             [prompt_mask.astype(jnp.int32), jnp.ones((batch, n), jnp.int32)], axis=1
         )
         cache = _Cache(_empty_cache(module, batch, width + n), 0, key_mask)
-        logits, caches = _forward(module, fam, prompt_ids, cache, prompt=prompt_mask)
+        if pixel_values is None:
+            logits, caches = _forward(module, fam, prompt_ids, cache, prompt=prompt_mask)
+        else:
+            with vision.images(pixel_values):
+                logits, caches = _image_prompt(module, fam, prompt_ids, cache.caches, prompt_mask)
         logits = logits[:, -1]
 
         def cond(carry):
@@ -257,12 +175,15 @@ class _Decoder:
 
 
 def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int = 0) -> Callable:
-    """``sample(states, prompt_ids, prompt_mask, rng, draw) -> dict``.
+    """``sample(states, prompt_ids, prompt_mask, rng, draw, pixel_values=None) -> dict``.
 
     ``states``: the states of ``nnx.split(module)`` after the graphdef; ``prompt_ids`` /
     ``prompt_mask`` [B, P]: left-padded prompts (see ``pad_prompts``); ``rng``: a PRNG key;
     ``draw``: how to draw (:class:`Draw`: temperature, top-p, stop ids, vocabulary size,
-    budget). Returns ``completion_ids`` [B, N] (``pad_id`` after the stop token),
+    budget); ``pixel_values`` [B, max images, H, W, 3] (a vision model's: each row's images,
+    as ``data.TokenizePrompt`` makes them): the prompt pass reads them as the training forward
+    does (``passes.image_prompt``); None (text) compiles the text sampler, as without them.
+    Returns ``completion_ids`` [B, N] (``pad_id`` after the stop token),
     ``completion_mask`` [B, N] (1 up to and including the stop token), ``logprobs`` [B, N]
     float32 (0 where the mask is 0) and ``finished`` [B] (a stop token was produced). Rows stop
     independently; decoding ends when every row has stopped. ``top_k`` (0 = off) is static: one
@@ -276,7 +197,7 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     _sample = jax.jit(_Decoder(graphdef, n, top_k, pad_id).__call__)
 
-    def sample(states, prompt_ids, prompt_mask, rng, draw: Draw):
+    def sample(states, prompt_ids, prompt_mask, rng, draw: Draw, pixel_values=None):
         # Fixed dtypes (a Python float is weakly typed, an np.float32 is not): no recompilation
         # when callers mix them. vocab_size (traced; default: every id of the embedding).
         rows = np.shape(prompt_ids)[0]
@@ -286,8 +207,9 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
             jnp.asarray(draw.stop_ids, jnp.int32).reshape(-1), jnp.asarray(vocab, jnp.int32),
             jnp.broadcast_to(jnp.asarray(n if draw.budget is None else draw.budget, jnp.int32),
                              (rows,)))
+        pixels = None if pixel_values is None else jnp.asarray(pixel_values, jnp.float32)
         return _sample(tuple(states), jnp.asarray(prompt_ids, jnp.int32),
-                       jnp.asarray(prompt_mask, jnp.int32), rng, traced)
+                       jnp.asarray(prompt_mask, jnp.int32), rng, traced, pixels)
 
     sample.jitted = _sample
     sample._cache_size = _sample._cache_size
@@ -333,6 +255,16 @@ def chat_prompt(lm, prompt: str | list[dict]) -> list[int]:
     return encode_prompt(lm, chat.render(messages, lm.chat_format, add_generation_prompt=True))
 
 
+class ImagePrompts(NamedTuple):
+    """Tokenized prompts with images, for ``sample_ids`` and ``sample_texts`` (a vision model's):
+    ``ids`` (a list of token ids per prompt, its image tokens expanded) and ``pixel_values``
+    [prompts, max images, H, W, 3] (the image converter's output: ``data.TokenizePrompt``'s,
+    ``cli.sample.image_prompts``)."""
+
+    ids: list
+    pixel_values: Any
+
+
 def decode_completions(lm, out: dict, stops) -> list[str]:
     """Text of each row of a sampler output, stop tokens removed."""
     ids, mask = np.asarray(out["completion_ids"]), np.asarray(out["completion_mask"])
@@ -358,11 +290,15 @@ class Sampling:
 GREEDY = Sampling()
 
 
-def sample_ids(lm, sample, states, prompts: list[list[int]], sampling: Sampling = GREEDY,
-               batch_size: int = 64) -> list[str]:
-    """Completions (text, stop marker removed) of tokenized prompts with a sampler from
-    ``make_sampler``, ``batch_size`` rows per call (the last batch is padded to the same shape),
-    drawn as ``sampling`` says (its temperature, top-p and seed)."""
+def sample_ids(lm, sample, states, prompts: list[list[int]] | ImagePrompts,
+               sampling: Sampling = GREEDY, batch_size: int = 64) -> list[str]:
+    """Completions (text, stop marker removed) of tokenized prompts (with their images:
+    ``ImagePrompts``) with a sampler from ``make_sampler``, ``batch_size`` rows per call (the
+    last batch is padded to the same shape), drawn as ``sampling`` says (its temperature, top-p
+    and seed)."""
+    pixels = None
+    if isinstance(prompts, ImagePrompts):
+        prompts, pixels = prompts.ids, np.asarray(prompts.pixel_values, np.float32)
     stops = stop_ids(lm)
     rng = jax.random.key(sampling.seed)
     bucket = 16
@@ -371,21 +307,22 @@ def sample_ids(lm, sample, states, prompts: list[list[int]], sampling: Sampling 
                 lm.tokenizer.vocab_size)
     out = []
     for b, start in enumerate(range(0, len(prompts), batch_size)):
-        chunk = prompts[start : start + batch_size]
-        count = len(chunk)
-        chunk = chunk + [chunk[-1]] * (batch_size - count)  # fixed batch shape
-        ids, mask = pad_prompts(chunk, lm.tokenizer.pad_id, bucket=width)
-        result = sample(tuple(states), ids, mask, jax.random.fold_in(rng, b), draw)
+        count = len(prompts[start : start + batch_size])
+        rows = list(range(start, start + count)) + [start + count - 1] * (batch_size - count)
+        ids, mask = pad_prompts([prompts[r] for r in rows], lm.tokenizer.pad_id, bucket=width)
+        result = sample(tuple(states), ids, mask, jax.random.fold_in(rng, b), draw,
+                        None if pixels is None else pixels[rows])  # fixed batch shape
         out += decode_completions(lm, result, stops)[:count]
     return out
 
 
-def sample_texts(lm, module_or_states, prompts: list[str], sampling: Sampling = GREEDY,
-                 graphdef=None) -> list[list[str]]:
-    """Answers to user messages (rendered with the chat template + generation prompt): for each
-    prompt, ``sampling.num_samples`` completions (text, stop marker removed), as ``sampling``
-    says (greedy by default). ``module_or_states`` is an ``nnx.Module`` (e.g.
-    ``runs.load(...).module``) or the states of ``nnx.split`` with their ``graphdef``."""
+def sample_texts(lm, module_or_states, prompts: list[str] | ImagePrompts,
+                 sampling: Sampling = GREEDY, graphdef=None) -> list[list[str]]:
+    """Answers to user messages (rendered with the chat template + generation prompt), or to
+    prompts with images (``ImagePrompts``, tokenized): for each prompt, ``sampling.num_samples``
+    completions (text, stop marker removed), as ``sampling`` says (greedy by default).
+    ``module_or_states`` is an ``nnx.Module`` (e.g. ``runs.load(...).module``) or the states of
+    ``nnx.split`` with their ``graphdef``."""
     if isinstance(module_or_states, nnx.Module):
         graphdef, *states = nnx.split(module_or_states)
     elif graphdef is None:
@@ -393,12 +330,15 @@ def sample_texts(lm, module_or_states, prompts: list[str], sampling: Sampling = 
     else:
         states = list(module_or_states)
     n = sampling.num_samples
-    encoded = [chat_prompt(lm, p) for p in prompts for _ in range(n)]
+    if isinstance(prompts, ImagePrompts):
+        ids = [p for p in prompts.ids for _ in range(n)]
+        encoded = ImagePrompts(ids, np.repeat(np.asarray(prompts.pixel_values), n, axis=0))
+    else:
+        ids = encoded = [chat_prompt(lm, p) for p in prompts for _ in range(n)]
     module = module_or_states if isinstance(module_or_states, nnx.Module) else \
         nnx.merge(graphdef, *states)
-    check_generation(module, min(64, len(encoded)), max(map(len, encoded)),
-                     sampling.max_new_tokens)
+    check_generation(module, min(64, len(ids)), max(map(len, ids)), sampling.max_new_tokens)
     sample = make_sampler(graphdef, sampling.max_new_tokens, top_k=sampling.top_k,
                           pad_id=lm.tokenizer.pad_id)
-    texts = sample_ids(lm, sample, states, encoded, sampling, batch_size=min(64, len(encoded)))
-    return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+    texts = sample_ids(lm, sample, states, encoded, sampling, batch_size=min(64, len(ids)))
+    return [texts[i * n:(i + 1) * n] for i in range(len(ids) // n)]

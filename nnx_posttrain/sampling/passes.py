@@ -1,0 +1,160 @@
+"""The sampler's passes through the model (``sampler``): the prompt pass and each decoding step
+run KerasHub's decoder blocks with the sampler's KV cache behind the attention layers'
+``_compute_attention`` seam (``forward``); a prompt with images on a vision model takes the
+training forward's prompt pass (``image_prompt``)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nnx_posttrain import families, model
+from nnx_posttrain.model import attention, vision
+from nnx_posttrain.model.blocks import override_blocks
+from nnx_posttrain.model.logprobs import vocabulary_logits
+from nnx_posttrain.sampling.capacity import kv_layout as _kv_layout
+
+
+def family(module) -> families.Decoding:
+    """How the sampler drives ``module``'s decoder blocks (its family's ``Decoding``). Rotary
+    positions only: an absolute-position family (GPT-2, OPT, ...) would see shifted positions
+    with left padding."""
+    name = type(module).__name__
+    family = families.of(module)
+    if family is None or isinstance(family.decoding, families.Unsupported):
+        supported = [f.backbone for f in families.FAMILIES.values() if f.decoding]
+        why = f" ({family.decoding.reason})" if family is not None else ""
+        raise NotImplementedError(
+            f"the KV-cache sampler does not support {name}{why}: supported backbones are "
+            f"{', '.join(supported)} (rotary positions and cached decoder blocks)"
+        )
+    params = inspect.signature(type(module.transformer_layers[0]).call).parameters
+    if family.decoding.cache_kw not in params:
+        raise NotImplementedError(f"{name}: decoder block takes no {family.decoding.cache_kw}")
+    return family.decoding
+
+
+def empty_cache(module, batch: int, length: int):
+    """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``)."""
+    heads, head_dim, dtype = _kv_layout(module)
+    shape = (batch * heads, length, head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for _ in model.decoder_blocks(module))
+
+
+def _pass_through_cache(module, fam: families.Decoding, batch: int, length: int):
+    """What a block is given as its cache: zeros exactly as long as its input, so that KerasHub's
+    cache write (a dynamic update slice, whose start is clamped to fit) is the new keys and values
+    themselves, and its rotary embedding starts at the cache index."""
+    heads, head_dim, dtype = _kv_layout(module)
+    if fam.pair_cache:
+        shape = (batch, length, heads, head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return jnp.zeros((batch, 2, length, heads, head_dim), dtype)
+
+
+class Cache(NamedTuple):
+    """The KV cache of every block, the position of the next token written to it, and the mask
+    of its keys (the prompt's left pads masked)."""
+
+    caches: tuple
+    index: Any
+    key_mask: Any
+
+
+def _embedded(module, fam: families.Decoding, token_ids):
+    """The token embeddings [B, T, D] of ``token_ids``, scaled as the family's backbone scales
+    them."""
+    x = module.token_embedding(token_ids)
+    if fam.embed_scale:
+        x = x * jnp.sqrt(jnp.asarray(module.hidden_dim, jnp.float32)).astype(x.dtype)
+    return x
+
+
+def _written(pair, k, v, index):
+    """One block's cache ``pair`` (keys, values) [B * K, L, H] with keys and values [B, T, K, H]
+    written at positions index..index+T-1 (row b * K + k: kv head k of row b)."""
+    t = k.shape[1]
+    return tuple(
+        jax.lax.dynamic_update_slice_in_dim(
+            cache, jnp.transpose(own, (0, 2, 1, 3)).reshape(cache.shape[0], t, -1)
+            .astype(cache.dtype), index, 1)
+        for cache, own in zip(pair, (k, v)))
+
+
+def _head(module, x, last: bool):
+    """float32 logits of the blocks' output ``x``: the final norm, then the vocabulary projection
+    (at the last position only when ``last``: a prompt pass reads nothing else)."""
+    h = module.layer_norm(x)
+    return vocabulary_logits(module.token_embedding, h[:, -1:] if last else h)
+
+
+def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None):
+    """Run ``token_ids`` [B, T] at positions index..index+T-1 through the decoder blocks: float32
+    logits [B, T, vocab] (the path of ``model.token_logprobs``; for the prompt pass, [B, 1, vocab]:
+    its last position, the only one read) and the updated caches.
+
+    KerasHub's blocks compute everything but attention (projections, biases, q/k norms, rotary
+    embedding, norms, feed-forward, LoRA); each attention layer's ``_compute_attention`` writes its
+    keys and values into this sampler's cache at ``index`` (in place in the decoding loop: no copy
+    of the cache per step, as KerasHub's slice / update / stack of its cache makes) and returns
+    ``model.attention``'s kernels' output: for the prompt pass (``prompt``: the prompt's padding
+    mask), the module's training path over the prompt's own keys; for a decoding step, one query
+    per row against the cache (``attend_cached``), its left pads masked by ``key_mask``."""
+    batch, t = token_ids.shape
+    index, key_mask = cache.index, cache.key_mask
+    x = _embedded(module, fam, token_ids)
+    caches = list(cache.caches)
+    choice = attention.attention_of(module)
+    if choice.implementation == "keras":
+        choice = attention.Choice("xla", choice.chunk)
+
+    def kernel(i, spec, q, k, v):
+        caches[i] = _written(caches[i], k[:, :, ::spec.repeated], v[:, :, ::spec.repeated], index)
+        if prompt is not None:
+            return attention.attend(q, k, v, prompt, spec, choice)
+        return attention.attend_cached(q, caches[i][0], caches[i][1], key_mask, index, spec)
+
+    through = _pass_through_cache(module, fam, batch, t)
+    with attention.overridden(module, (batch, t), kernel, training=False) as blocks:
+        for block in blocks:
+            x, _ = block(x, **{fam.cache_kw: through, fam.index_kw: index})
+    return _head(module, x, last=prompt is not None), tuple(caches)
+
+
+def image_prompt(module, fam: families.Decoding, token_ids, caches: tuple, prompt):
+    """The prompt pass over prompts with images (those of the ``model.images`` scope) on a vision
+    backbone, as the training forward computes it: the placeholder tokens' embeddings replaced by
+    the vision tower's projected embeddings (``vision.embed_images``), and KerasHub's own mask and
+    attention in every block (causal, image tokens bidirectional within an image, the sliding
+    window, the prompt's left pads masked: what a vision model trains with); each attention layer
+    also writes its keys and values into ``caches`` at position 0. Returns the last position's
+    float32 logits [B, 1, vocab] and the caches, from which decoding goes on as for text."""
+    if not vision.reads_images(module):
+        raise ValueError(f"pixel values given, but {type(module).__name__} has no vision tower")
+    batch, t = token_ids.shape
+    x, vision_mask = vision.embed_images(module, _embedded(module, fam, token_ids), token_ids,
+                                         prompt)
+    caches = list(caches)
+    blocks = model.decoder_blocks(module)
+    specs = [attention.layer_spec(block, training=False) for block in blocks]
+    index = {id(attention.attention_layer(block)): i for i, block in enumerate(blocks)}
+
+    def make(layer, original):
+        i = index[id(layer)]
+
+        def compute(q, k, v, *args, **kwargs):
+            caches[i] = _written(caches[i], k[:, :, ::specs[i].repeated],
+                                 v[:, :, ::specs[i].repeated], 0)
+            return original(q, k, v, *args, **kwargs)
+        return compute
+
+    through = _pass_through_cache(module, fam, batch, t)
+    with override_blocks(module, "_compute_attention", make, part=attention.attention_layer):
+        for block in blocks:
+            x, _ = block(x, padding_mask=prompt, vision_mask=vision_mask,
+                         **{fam.cache_kw: through, fam.index_kw: 0})
+    return _head(module, x, last=True), tuple(caches)
