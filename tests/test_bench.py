@@ -186,3 +186,25 @@ def test_a_partial_tpu_battery_keeps_the_earlier_rows_it_does_not_measure(tmp_pa
     assert sorted(pairs) == sorted((row[0], row[1]) for row in previous["rows"])
     kept = next(n for n in new["notes"] if n.startswith("Rows "))
     assert "abc1234" in kept and f"tiny {one['case']}" not in kept and "gemma_1b sft" in kept
+
+
+def test_compile_pairs_are_recorded_cold_against_warm(tmp_path, monkeypatch):
+    """tpu.sh compile's pairs of runs: one row per step, cold and warm compile and their ratio;
+    an empty result (a run that failed) is refused by name."""
+    import json
+
+    from tools import results
+    from tools.bench import record_tpu
+
+    battery = tmp_path / "battery"
+    battery.mkdir()
+    for when, seconds in (("cold", 27.66), ("warm", 5.75)):
+        (battery / f"compile_gemma_1b--sft_{when}.json").write_text(json.dumps(
+            {"compile_s": seconds, "ms_per_step": 206.7, "device_kind": "TPU v5 lite"}))
+    monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
+    record_tpu.main([str(battery)])
+    table = json.loads((tmp_path / "results" / "bench_compile_tpu.json").read_text())
+    assert table["rows"] == [["gemma_1b", "sft", "27.7", "5.8", "0.21", "206.7"]]
+    (battery / "compile_gemma_2b--dpo_lora_cold.json").write_text("")
+    with pytest.raises(SystemExit, match="compile_gemma_2b--dpo_lora_cold.json: empty"):
+        record_tpu.main([str(battery)])

@@ -5,7 +5,9 @@
 ``results/bench_tpu.json``: ours against Tunix per size and case (``tools.bench``'s accelerator
 table: ms/step, MFU, HBM peak, compile), from every ``bench_*.json`` in DIR (and the log of a run
 cut short before its JSON: its ms/step lines, MFU computed from them, the rest n/a); and
-``results/bench_sampler_tpu.json``: decoding, from every ``sampler_*.json``. Then
+``results/bench_sampler_tpu.json``: decoding, from every ``sampler_*.json``;
+``results/bench_compile_tpu.json``: each step's compile cold and warm (JAX's persistent cache),
+from the ``compile_SIZE--CASE_{cold,warm}.json`` pairs. Then
 ``python -m tools.results`` renders them into docs/benchmarks.md.
 """
 
@@ -117,6 +119,38 @@ def sampling(files: list[Path]) -> Path:
                          {"runs": raw}, where({m.get("device_kind", "") for m in raw} - {""}))
 
 
+COMPILE_COLUMNS = ["size", "case", "cold s", "warm s (persistent cache)", "warm / cold",
+                   "ms/step"]
+
+
+def compiling(files: list[Path]) -> Path:
+    """results/bench_compile_tpu.json from ``tpu.sh compile``'s pairs of runs."""
+    from tools import results as readme
+
+    pairs: dict[tuple[str, str], dict[str, dict]] = {}
+    for p in files:
+        size, case, when = re.fullmatch(r"compile_(.+)--(.+)_(cold|warm)\.json", p.name).groups()
+        text = p.read_text().strip()
+        if not text:
+            raise ToolError(f"{p}: empty (the run failed before its result: see the machine's log)")
+        pairs.setdefault((size, case), {})[when] = json.loads(text)
+    rows = []
+    for (size, case), runs in sorted(pairs.items()):
+        cold, warm = runs.get("cold"), runs.get("warm")
+        rows.append([size, case, f"{cold['compile_s']:.1f}" if cold else "n/a",
+                     f"{warm['compile_s']:.1f}" if warm else "n/a",
+                     f"{warm['compile_s'] / cold['compile_s']:.2f}" if cold and warm else "n/a",
+                     f"{(warm or cold)['ms_per_step']:.1f}"])
+    notes = ["Compile: lowering and compiling the step (tools.bench.ours' compile_s), each run in "
+             "a fresh process; cold with an empty JAX_COMPILATION_CACHE_DIR, warm the same "
+             "command again over that cache (as a resume or a second run of the same shapes "
+             "reads its step: --compile-cache, on by default for runs)."]
+    kinds = {r.get("device_kind", "") for runs in pairs.values() for r in runs.values()}
+    return readme.record("bench_compile_tpu", "bash tools/bench/tpu.sh compile", COMPILE_COLUMNS,
+                         rows, notes, {"runs": {f"{s}/{c}": r for (s, c), r in pairs.items()}},
+                         where(kinds - {""}))
+
+
 @command
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
@@ -137,7 +171,8 @@ def main(argv=None):
     previous = (json.loads(previous_path.read_text())
                 if args.keep_earlier and previous_path.exists() else None)
     for name, files, fn in (("training", runs + cut, lambda f: training(f, previous)),
-                            ("sampling", sorted(root.glob("sampler_*.json")), sampling)):
+                            ("sampling", sorted(root.glob("sampler_*.json")), sampling),
+                            ("compiling", sorted(root.glob("compile_*.json")), compiling)):
         if files:
             print(f"recorded {fn(files)} ({name}, {len(files)} files)")
 

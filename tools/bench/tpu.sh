@@ -9,6 +9,7 @@
 #   bash tools/bench/tpu.sh large      # the ~1 B full fine-tune (2,048-token rows) and gemma_2b LoRA
 #   bash tools/bench/tpu.sh sampler    # decoding at gemma_2b's size, batch 16 / 64, 256 new tokens
 #   bash tools/bench/tpu.sh profile    # where the ~1 B SFT step's time goes, and variants of it
+#   bash tools/bench/tpu.sh compile    # the steps' compile time cold, then warm from JAX's cache
 #
 # Then, here: python -m tools.bench.record_tpu $OUT (results/bench_tpu*.json, the docs' tables).
 set -uo pipefail
@@ -47,7 +48,18 @@ for part in "$@"; do
         tar czf "$OUT/prof_$name.tgz" -C "$OUT" "prof_$name.log" "prof_$name.trace.json.gz" \
           "prof_$name.hlo.txt" 2>/dev/null && rm -f "$OUT/prof_$name".{log,trace.json.gz,hlo.txt}
       done ;;
-    *) echo "unknown part $part (tests, small, large, sampler, profile)"; exit 2 ;;
+    compile)  # each case twice in a fresh process over one new persistent cache: cold, warm
+      cache=$(mktemp -d)
+      for c in ${COMPILE_CASES:-gemma_1b:sft gemma_2b:dpo_lora}; do
+        spec=$(python -c "import json, sys; from tools.bench.run import spec_of; print(json.dumps(spec_of(sys.argv[1])))" "${c%%:*}")
+        for t in cold warm; do
+          JAX_COMPILATION_CACHE_DIR=$cache python -m tools.bench.ours --spec "$spec" \
+            --case "${c#*:}" --device tpu --dtype bfloat16-params --steps 2 --warmup 1 \
+            2>&1 | grep "^BENCH_RESULT" | sed "s/^BENCH_RESULT //" \
+            > "$OUT/compile_${c%%:*}--${c#*:}_$t.json"
+        done
+      done ;;
+    *) echo "unknown part $part (tests, small, large, sampler, profile, compile)"; exit 2 ;;
   esac
   echo "tpu.sh: $part took $(( $(date +%s) - start )) s" | tee -a "$OUT/parts.log"
 done
