@@ -109,7 +109,10 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
     of the cache per step, as KerasHub's slice / update / stack of its cache makes) and returns
     ``model.attention``'s kernels' output: for the prompt pass (``prompt``: the prompt's padding
     mask), the module's training path over the prompt's own keys; for a decoding step, one query
-    per row against the cache (``attend_cached``), its left pads masked by ``key_mask``."""
+    per row against the cache (``attend_cached``), its left pads masked by ``key_mask``. A
+    KV-shared block (Gemma 4: ``fam.kv_source``) writes nothing and attends over its source
+    block's keys (given it as ``fam.shared_kw``, as KerasHub's backbone does); the family's
+    ``layer_inputs`` (Gemma 4's per-layer inputs) go to each block."""
     batch, t = token_ids.shape
     index, key_mask = cache.index, cache.key_mask
     x = _embedded(module, fam, token_ids)
