@@ -7,6 +7,8 @@ import inspect
 import re
 
 import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
+import jax
+import jax.numpy as jnp
 import keras_hub
 import pytest
 
@@ -140,5 +142,24 @@ def test_decoding_keywords_are_the_blocks_own(tiny):
         with pytest.raises(NotImplementedError, match=re.escape(family.decoding.reason)):
             sampler._family(backbone)
         return
+    decoding = family.decoding
     params = inspect.signature(type(backbone.transformer_layers[0]).call).parameters
-    assert {family.decoding.cache_kw, family.decoding.index_kw} <= set(params)
+    assert {decoding.cache_kw, decoding.index_kw} <= set(params)
+    # Gemma 4: each block's per-layer input, and a KV-shared block reads an earlier block that
+    # has its own cache, by the block's own keyword
+    from nnx_posttrain.sampling import capacity, passes
+
+    blocks = model.decoder_blocks(backbone)
+    layouts = capacity.block_layouts(backbone)
+    for i, (block, layout) in enumerate(zip(blocks, layouts)):
+        source = decoding.kv_source(block) if decoding.kv_source else None
+        assert (layout is None) == (source is not None), (i, layout, source)
+        if source is not None:
+            assert source < i and layouts[source] is not None and decoding.shared_kw in params
+    if decoding.layer_inputs:
+        ids = jnp.ones((1, 3), jnp.int32)
+        extra = decoding.layer_inputs(backbone, ids, backbone.token_embedding(ids))
+        assert len(extra) == len(blocks) and all(set(kw) <= set(params) for kw in extra)
+    # the memory estimate is the cache the sampler allocates (and one position's logits)
+    cache = sum(a.nbytes for a in jax.tree.leaves(passes.empty_cache(backbone, 2, 5)))
+    assert capacity.generation_bytes(backbone, 2, 3, 2) == cache + 4 * 2 * backbone.vocabulary_size

@@ -93,7 +93,9 @@ def test_grpo_steps_with_lora(preset, tmp_path):
     train_run(*args, echo=_quiet)
     rows = records(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
-    if family.moe is not None:  # TRL's GRPOTrainer adds the router load-balancing loss too
+    # TRL's GRPOTrainer adds the router load-balancing loss too (Gemma 4's micro preset is the
+    # dense E2B-like variant: per-layer inputs and KV-shared blocks through the sampler)
+    if family.moe is not None and family.name != "gemma4":
         assert all(r["aux_loss"] > 1.0 for r in rows)
 
 

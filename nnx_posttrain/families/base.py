@@ -80,12 +80,23 @@ class Decoding:
     """How the KV-cache sampler (``sampling.sampler``) drives the family's decoder blocks: the
     block's cache keyword and cache-index keyword, whether its cache is a (key, value) tuple
     (Gemma 3) rather than one [B, 2, L, kv, hd] array, and whether the backbone multiplies its
-    embeddings by sqrt(hidden_dim) (Gemma)."""
+    embeddings by sqrt(hidden_dim) (Gemma).
+
+    Gemma 4's blocks differ from one another; three functions, None for the other families:
+    ``layout(block)``: the block's (kv heads, head dim) (None: the backbone's, every block);
+    ``kv_source(block)``: the index of the earlier block whose keys and values a KV-shared block
+    reads (given to it as keyword ``shared_kw``: that block's cache output), None for a block
+    with its own; ``layer_inputs(backbone, token_ids, x)``: each block's extra keyword arguments
+    (a list of dicts) from the token ids and the scaled embeddings ``x``."""
 
     cache_kw: str
     index_kw: str
     pair_cache: bool = False
     embed_scale: bool = False
+    layout: Callable[[Any], tuple[int, int]] | None = None
+    kv_source: Callable[[Any], int | None] | None = None
+    shared_kw: str = ""
+    layer_inputs: Callable[[Any, Any, Any], list] | None = None
 
 
 # The decoder blocks' cache keywords of KerasHub's Llama-like families (Llama, Mistral, Qwen, the

@@ -14,12 +14,12 @@ raw int8 kernel without its scale, so they stay in the model's dtype (``quantize
 from __future__ import annotations
 
 from nnx_posttrain.families.base import (
+    Decoding,
     Export,
     Family,
     LayerSpec,
     MoE,
     Preset,
-    Unsupported,
     refuse,
 )
 from nnx_posttrain.families.gemma import SHARDING as GEMMA_SHARDING
@@ -32,6 +32,40 @@ def attention(layer, training: bool) -> LayerSpec:
     repeated, a soft cap where set, the window on local layers (the decoder block's mask)."""
     window = layer.sliding_window_size if layer.use_sliding_window_attention else None
     return LayerSpec(1.0, layer.logit_soft_cap or None, window)
+
+
+def layer_inputs(backbone, token_ids, x) -> list[dict]:
+    """Each decoder block's ``per_layer_input`` (E2B / E4B), as the backbone computes it: the
+    block's slice of the per-layer token embedding (scaled by sqrt(width)) and of the projection
+    of the scaled embeddings ``x`` (scaled by 1 / sqrt(hidden), then normalised), summed, times
+    1 / sqrt(2). No keyword where the model has no per-layer inputs."""
+    from keras import ops
+
+    width = int(backbone.hidden_size_per_layer_input or 0)
+    if not width:
+        return [{} for _ in range(backbone.num_layers)]
+    emb = ops.cast(backbone.per_layer_token_embedding(token_ids), x.dtype)
+    emb = emb * ops.cast(float(width) ** 0.5, x.dtype)
+    proj = backbone.per_layer_model_projection(x)
+    proj = proj * ops.cast(float(backbone.hidden_dim) ** -0.5, proj.dtype)
+    out = []
+    for i in range(backbone.num_layers):
+        part = slice(i * width, (i + 1) * width)
+        normed = backbone.per_layer_projection_norm(proj[:, :, part])
+        out.append({"per_layer_input": (normed + emb[:, :, part]) * ops.cast(2.0 ** -0.5,
+                                                                             proj.dtype)})
+    return out
+
+
+# The sampler's cached decoding: each block's cache of its own shape (global layers: their head
+# dim and, K=V, their kv heads), the KV-shared trailing blocks reading an earlier block's cache
+# (``shared_kv``: KerasHub's own keyword), the per-layer inputs
+DECODING = Decoding(
+    "cache", "cache_update_index", embed_scale=True,
+    layout=lambda block: (int(block.attention.effective_num_kv_heads),
+                          int(block.attention.head_dim)),
+    kv_source=lambda block: block.kv_shared_layer_index if block.is_kv_shared_layer else None,
+    shared_kw="shared_kv", layer_inputs=layer_inputs)
 
 
 SHARDING = GEMMA_SHARDING + (
@@ -148,8 +182,7 @@ GEMMA4 = Family(
     export=Export(export_rules, config,
                   "text (`gemma4_text`): per-layer inputs, KV-shared layers, global layers with "
                   "their own head dim and kv heads (keys = values); not the 26B-A4B experts yet"),
-    decoding=Unsupported("Gemma 4's cached decoding needs its per-layer inputs, KV-shared layers "
-                         "and per-layer cache shapes, which the sampler does not drive yet"),
+    decoding=DECODING,
     context_length=262_144,  # 26B / 31B (E2B / E4B: 131,072)
     hf_model_types=("gemma4_text", "gemma4"),
     short_names={"gemma4_2b": "gemma4_2b", "gemma4_4b": "gemma4_4b",

@@ -23,9 +23,10 @@ def generation_bytes(module, batch: int, prompt_length: int, max_new_tokens: int
     """What decoding ``batch`` prompts of ``prompt_length`` tokens for ``max_new_tokens`` tokens
     allocates beyond the weights: the KV cache of every block, the float32 logits of one
     position (the prompt pass projects only its last)."""
-    heads, head_dim, dtype = kv_layout(module)
+    dtype = kv_layout(module)[2]
     length = prompt_length + max_new_tokens
-    cache = 2 * len(model.decoder_blocks(module)) * batch * heads * length * head_dim
+    width = sum(heads * head_dim for heads, head_dim in filter(None, block_layouts(module)))
+    cache = 2 * batch * length * width
     return cache * np.dtype(dtype).itemsize + 4 * batch * int(module.vocabulary_size)
 
 
@@ -61,3 +62,16 @@ def kv_layout(module) -> tuple[int, int, str]:
     heads = int(module.num_key_value_heads)
     head_dim = getattr(module, "head_dim", None) or module.hidden_dim // module.num_query_heads
     return heads, int(head_dim), keras.backend.standardize_dtype(module.compute_dtype)
+
+
+def block_layouts(module) -> list:
+    """Each decoder block's KV cache: (kv heads, head dim), or None for a block that reads an
+    earlier block's (Gemma 4's KV-shared layers); the backbone's ``kv_layout`` for every block
+    unless the family's ``Decoding`` says otherwise (``layout``, ``kv_source``)."""
+    heads, head_dim, _ = kv_layout(module)
+    family = families.of(module)
+    decoding = family.decoding if family is not None and family.decoding else None
+    layout = getattr(decoding, "layout", None) or (lambda block: (heads, head_dim))
+    source = getattr(decoding, "kv_source", None) or (lambda block: None)
+    return [None if source(block) is not None else layout(block)
+            for block in model.decoder_blocks(module)]

@@ -15,6 +15,7 @@ from nnx_posttrain import families, model
 from nnx_posttrain.model import attention, vision
 from nnx_posttrain.model.blocks import override_blocks
 from nnx_posttrain.model.logprobs import vocabulary_logits
+from nnx_posttrain.sampling.capacity import block_layouts
 from nnx_posttrain.sampling.capacity import kv_layout as _kv_layout
 
 
@@ -38,18 +39,23 @@ def family(module) -> families.Decoding:
 
 
 def empty_cache(module, batch: int, length: int):
-    """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``)."""
-    heads, head_dim, dtype = _kv_layout(module)
-    shape = (batch * heads, length, head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                 for _ in model.decoder_blocks(module))
+    """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``),
+    of the block's own kv heads and head dim (``capacity.block_layouts``); None for a block that
+    reads an earlier block's cache (Gemma 4's KV-shared layers)."""
+    dtype = _kv_layout(module)[2]
+    return tuple(None if layout is None else tuple(
+        jnp.zeros((batch * layout[0], length, layout[1]), dtype) for _ in range(2))
+        for layout in block_layouts(module))
 
 
 def _pass_through_cache(module, fam: families.Decoding, batch: int, length: int):
     """What a block is given as its cache: zeros exactly as long as its input, so that KerasHub's
     cache write (a dynamic update slice, whose start is clamped to fit) is the new keys and values
-    themselves, and its rotary embedding starts at the cache index."""
-    heads, head_dim, dtype = _kv_layout(module)
+    themselves, and its rotary embedding starts at the cache index. As wide as the widest block's
+    keys (Gemma 4's blocks slice theirs out of it, as from KerasHub's own cache)."""
+    dtype = _kv_layout(module)[2]
+    layouts = [layout for layout in block_layouts(module) if layout is not None]
+    heads, head_dim = max(h for h, _ in layouts), max(d for _, d in layouts)
     if fam.pair_cache:
         shape = (batch, length, heads, head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
@@ -103,7 +109,10 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
     of the cache per step, as KerasHub's slice / update / stack of its cache makes) and returns
     ``model.attention``'s kernels' output: for the prompt pass (``prompt``: the prompt's padding
     mask), the module's training path over the prompt's own keys; for a decoding step, one query
-    per row against the cache (``attend_cached``), its left pads masked by ``key_mask``."""
+    per row against the cache (``attend_cached``), its left pads masked by ``key_mask``. A
+    KV-shared block (Gemma 4: ``fam.kv_source``) writes nothing and attends over its source
+    block's keys (given it as ``fam.shared_kw``, as KerasHub's backbone does); the family's
+    ``layer_inputs`` (Gemma 4's per-layer inputs) go to each block."""
     batch, t = token_ids.shape
     index, key_mask = cache.index, cache.key_mask
     x = _embedded(module, fam, token_ids)
@@ -112,16 +121,27 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
     if choice.implementation == "keras":
         choice = attention.Choice("xla", choice.chunk)
 
+    blocks = model.decoder_blocks(module)
+    sources = [fam.kv_source(block) if fam.kv_source else None for block in blocks]
+
     def kernel(i, spec, q, k, v):
-        caches[i] = _written(caches[i], k[:, :, ::spec.repeated], v[:, :, ::spec.repeated], index)
-        if prompt is not None:
+        if sources[i] is None:
+            caches[i] = _written(caches[i], k[:, :, ::spec.repeated], v[:, :, ::spec.repeated],
+                                 index)
+        if prompt is not None:  # a KV-shared block's k / v: its source block's, as KerasHub's
             return attention.attend(q, k, v, prompt, spec, choice)
-        return attention.attend_cached(q, caches[i][0], caches[i][1], key_mask, index, spec)
+        own = caches[i if sources[i] is None else sources[i]]
+        return attention.attend_cached(q, own[0], own[1], key_mask, index, spec)
 
     through = _pass_through_cache(module, fam, batch, t)
-    with attention.overridden(module, (batch, t), kernel, training=False) as blocks:
-        for block in blocks:
-            x, _ = block(x, **{fam.cache_kw: through, fam.index_kw: index})
+    extra = fam.layer_inputs(module, token_ids, x) if fam.layer_inputs else [{}] * len(blocks)
+    outputs = []  # each block's cache output: what a KV-shared block reads
+    with attention.overridden(module, (batch, t), kernel, training=False):
+        for block, kwargs, source in zip(blocks, extra, sources):
+            if source is not None:
+                kwargs = dict(kwargs, **{fam.shared_kw: outputs[source]})
+            x, out = block(x, **{fam.cache_kw: through, fam.index_kw: index}, **kwargs)
+            outputs.append(out)
     return _head(module, x, last=prompt is not None), tuple(caches)
 
 
