@@ -217,15 +217,16 @@ def test_train_vision_trains_the_tower_against_a_copied_reference(lm, files, tmp
                   echo=lambda _: None)
 
 
-def test_eval_data_with_images_gives_the_eval_loss_without_exact_match(files, tmp_path):
-    """``--eval-data`` with images: the eval loss reads them; exact match (a sampler that reads
-    no image yet) is left out with a word, not a failure."""
+def test_eval_data_with_images_gives_the_eval_loss(files, tmp_path):
+    """``--eval-data`` with images: the eval loss reads them; without an ``answer`` column exact
+    match is left out with a word, as for text (with one, the sampler reads the images:
+    ``test_vision_rl``)."""
     said = []
     train_run("sft", "--model", NAME, "--data", files / "sft.jsonl", "--batching.max-length",
               LENGTH, *STEPS, "--steps", "2", "--eval-data", files / "sft.jsonl",
               "--eval.every", "2", "--eval.exact-match", "8", "--run-dir", tmp_path / "eval",
               echo=said.append)
-    assert any("holds images, which the sampler does not read yet" in line for line in said)
+    assert any("has no 'answer' column" in line for line in said)
     evaluated = records(tmp_path / "eval", "eval")
     assert [r["step"] for r in evaluated] == [0, 2]
     assert all(np.isfinite(r["loss"]) and "exact_match" not in r for r in evaluated)

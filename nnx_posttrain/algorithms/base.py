@@ -219,20 +219,16 @@ class AlgorithmBase:
         """``run_cfg`` with the settings that depend on the data: exact-match evaluation only
         where the eval data has reference answers (the built-in task, or an ``answer`` column in
         any of its first 100 records): a greedy answer compared with a free-text ``chosen`` or
-        ``completion`` measures nothing; none where they hold images (the sampler reads none)."""
+        ``completion`` measures nothing (with images too: the sampler reads them)."""
         if not (run_cfg.eval.exact_match and run_cfg.eval_data) \
                 or "builtin" in (run_cfg.data, run_cfg.eval_data):
             return run_cfg
         src = data.source(run_cfg.eval_data, "eval", builtin=self.data_kind)
         first = [src[i] for i in range(min(len(src), 100))]
-        if any(r.get("images") or r.get("image") is not None for r in first):
-            echo(f"eval: no exact match: {run_cfg.eval_data} holds images, which the sampler "
-                 "does not read yet; eval loss only")
-        elif any(r.get("answer") is not None for r in first):
+        if any(r.get("answer") is not None for r in first):
             return run_cfg
-        else:
-            echo(f"eval: no exact match: {run_cfg.eval_data} has no 'answer' column (exact "
-                 "match compares a greedy answer with a reference answer); eval loss only")
+        echo(f"eval: no exact match: {run_cfg.eval_data} has no 'answer' column (exact "
+             "match compares a greedy answer with a reference answer); eval loss only")
         return dataclasses.replace(run_cfg, eval=dataclasses.replace(run_cfg.eval, exact_match=0))
 
     # -- the data, once the tokenizer is known

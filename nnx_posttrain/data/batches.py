@@ -156,8 +156,12 @@ def eval_batches(src, transform, batch_size: int, limit: int = 0) -> list[dict]:
     ]
 
 
-def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tuple[str, bool]], str]]:
-    """Held-out (prompt segments, reference answer) pairs for exact-match evaluation.
+def prompts_and_answers(src, chat_format: str, limit: int, spec=None) -> list[tuple]:
+    """Held-out (prompt segments, reference answer) pairs for exact-match evaluation; with a
+    vision model's ``spec`` (``images.ImageSpec``), (prompt segments, reference answer, pixel
+    values [max images, H, W, 3] or None for a record without images): the segments name each
+    image with its marker, which ``images.expand_segments`` expands before tokenizing (a
+    record with images is refused without a ``spec``: a text model reads none).
 
     A conversation whose last turn is the assistant's gives (the conversation before it, that
     turn); a prompt/completion record gives (prompt, completion); a preference pair gives
@@ -169,29 +173,33 @@ def prompts_and_answers(src, chat_format: str, limit: int) -> list[tuple[list[tu
     for i in range(len(src)):
         if len(out) >= limit:
             break
-        # content parts as text (the sampler reads no image yet: a record with one is refused)
-        record = images.prepare(src[i], chat_format, None)[0]
-        fmt = detect_format(record)
-        if fmt == "messages" and record["messages"][-1]["role"] == "assistant":
-            prompt = chat.render(record["messages"][:-1], chat_format, add_generation_prompt=True)
-            answer = record.get("answer")
-            out.append((prompt, record["messages"][-1]["content"] if answer is None else str(answer)))
-            continue
-        if fmt == "preference":
-            p, c, _ = preference_parts(record)
-        elif fmt in ("prompt_completion", "unpaired_preference"):
-            if fmt == "unpaired_preference" and not record["label"]:
-                continue
-            p, c = record["prompt"], record["completion"]
-        elif fmt == "prompt_only" and record.get("answer") is not None:
-            p, c = record["prompt"], str(record["answer"])
-        else:
-            continue
-        if record.get("answer") is not None:
-            c = str(record["answer"])
-        if isinstance(p, list):
-            answer = c[-1]["content"] if isinstance(c, list) else c
-            out.append((chat.render(p, chat_format, add_generation_prompt=True), answer))
-        else:
-            out.append(([(p, False)], c if isinstance(c, str) else c[-1]["content"]))
+        record, arrays = images.prepare(src[i], chat_format, spec)  # content parts as text
+        pair = _prompt_and_answer(record, chat_format)
+        if pair is not None:
+            out.append(pair if spec is None else pair + (spec.pixels(arrays) if arrays else None,))
     return out
+
+
+def _prompt_and_answer(record: dict, chat_format: str) -> tuple | None:
+    """(prompt segments, reference answer) of a record (``prompts_and_answers``), or None."""
+    fmt = detect_format(record)
+    if fmt == "messages" and record["messages"][-1]["role"] == "assistant":
+        prompt = chat.render(record["messages"][:-1], chat_format, add_generation_prompt=True)
+        answer = record.get("answer")
+        return prompt, record["messages"][-1]["content"] if answer is None else str(answer)
+    if fmt == "preference":
+        p, c, _ = preference_parts(record)
+    elif fmt in ("prompt_completion", "unpaired_preference"):
+        if fmt == "unpaired_preference" and not record["label"]:
+            return None
+        p, c = record["prompt"], record["completion"]
+    elif fmt == "prompt_only" and record.get("answer") is not None:
+        p, c = record["prompt"], str(record["answer"])
+    else:
+        return None
+    if record.get("answer") is not None:
+        c = str(record["answer"])
+    if isinstance(p, list):
+        answer = c[-1]["content"] if isinstance(c, list) else c
+        return chat.render(p, chat_format, add_generation_prompt=True), answer
+    return [(p, False)], c if isinstance(c, str) else c[-1]["content"]

@@ -279,8 +279,7 @@ def prepare(record: dict, chat_format: str, spec: ImageSpec | None):
     column, values = record_images(record)
     if values and spec is None:
         raise DataError(f"{where}: field '{column}': this model reads no images (a text-only "
-                        "model; exact-match evaluation and sampling read text only so far): "
-                        "train a vision-language model, or leave the images out")
+                        "model): train a vision-language model, or leave the images out")
     if spec is not None and len(values) > spec.max_images:
         raise DataError(f"{where}: field '{column}' holds {len(values)} images, over the "
                         f"{spec.max_images} a sequence of this model may hold")

@@ -9,8 +9,11 @@ reference answer, score; and the rewards for online methods), which the loop log
 
 Per-problem exact match goes to ``<run_dir>/exact_match.jsonl``, one line per evaluation:
 ``{"step", "exact_match", "keys", "correct"}`` with ``keys[i]`` a CRC-32 (hex) of held-out prompt
-i's text and ``correct[i]`` 1 or 0, so that runs can be compared problem by problem (paired
-bootstrap, ``tools.preference_table``).
+i's text (and its images' pixel values, a vision model's) and ``correct[i]`` 1 or 0, so that runs
+can be compared problem by problem (paired bootstrap, ``tools.preference_table``).
+
+A vision model's held-out prompts are sampled with their images (``sampler.ImagePrompts``): the
+records' ``images`` as the training forward reads them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 from nnx_posttrain import chat, data
 from nnx_posttrain.algorithms.online.generation import Completions
+from nnx_posttrain.data import images
 from nnx_posttrain.sampling import generate, sampler
 from nnx_posttrain.train.mesh import shard_batch
 from nnx_posttrain.train.step import _sum_tree, make_eval_step, metric_means
@@ -57,15 +61,17 @@ class Evaluator:
         self.pairs, self.greedy, self.completions = [], None, []
         self.scorer = getattr(inputs.train, "score", None) if algorithm.generates else None
         self.tool_answers = getattr(inputs.train, "tool_answers", None)  # runs with tools
+        self.spec = getattr(run.lm, "images", None)  # a vision model's image handling
         if self.enabled and algorithm.generates and cfg.eval.exact_match:
-            if self.scorer is not None:  # every held-out prompt, answered or not: (segs, ref, index)
-                self.pairs = held_out_prompts(run.eval_src, run.lm.chat_format, cfg.eval.exact_match)
-            else:
-                self.pairs = [(segs, ref, None) for segs, ref in data.prompts_and_answers(
-                    run.eval_src, run.lm.chat_format, cfg.eval.exact_match)]
+            # (segs, ref, index, pixel values or None): every held-out prompt, answered or not,
+            # for online methods; those with a reference answer for the others
+            self.pairs = (held_out_prompts(run.eval_src, run.lm.chat_format, cfg.eval.exact_match,
+                                           self.spec) if self.scorer is not None else
+                          [(p[0], p[1], None, p[2] if self.spec else None)
+                           for p in data.prompts_and_answers(run.eval_src, run.lm.chat_format,
+                                                             cfg.eval.exact_match, self.spec)])
             graphdef = algorithm.policy_view(run.graphdef, params, run.frozen["model"])[0]
-            longest = max((len(generate.encode_prompt(run.lm, segs)) for segs, _, _ in self.pairs),
-                          default=0)
+            longest = max((len(ids) for ids in self._prompt_ids()), default=0)
             sampler.check_generation(run.lm.module, min(64, len(self.pairs)), longest,
                                      cfg.eval.max_new_tokens, "--eval.max-new-tokens",
                                      cfg.memory_check)
@@ -103,20 +109,37 @@ class Evaluator:
                 self._write_per_problem(step, result["exact_match"])
         return self.algorithm.eval_metrics(result)
 
+    def _prompt_ids(self) -> list[list[int]]:
+        """The held-out prompts' token ids (their image markers expanded to the image tokens)."""
+        return [generate.encode_prompt(self.run.lm, images.expand_segments(self.spec, segs))
+                for segs, *_ in self.pairs]
+
+    def _prompts(self):
+        """The held-out prompts as the sampler reads them: token ids, with their images
+        (``sampler.ImagePrompts``) when any has one (a prompt without: a blank image slot)."""
+        ids = self._prompt_ids()
+        if all(pixels is None for *_, pixels in self.pairs):
+            return ids
+        blank = self.spec.pixels([])
+        return sampler.ImagePrompts(ids, np.stack([blank if pixels is None else pixels
+                                                   for *_, pixels in self.pairs]))
+
     def _generate(self, states) -> dict:
-        """Greedy answers to the held-out prompts: exact match, the held-out reward (online
-        methods), and the completion rows to log."""
-        lm, max_new = self.run.lm, self.run.cfg.eval.max_new_tokens
-        prompts = [generate.encode_prompt(lm, segs) for segs, _, _ in self.pairs]
+        """Greedy answers to the held-out prompts (with their images): exact match, the held-out
+        reward (online methods), and the completion rows to log."""
+        lm, prompts = self.run.lm, self._prompts()
         rows = [{"prompt": "".join(text for text, _ in segs), "reference": ref}
-                for segs, ref, _ in self.pairs]
+                for segs, ref, *_ in self.pairs]
+        self.keys = [prompt_key(row["prompt"], pixels) for row, (*_, pixels)
+                     in zip(rows, self.pairs)]
         out = {}
         if self.scorer is None:
-            accuracy, texts = generate.exact_match(lm, self.greedy, states,
-                                                   [(s, r) for s, r, _ in self.pairs], max_new)
-            out["exact_match"], logged = accuracy, texts
+            texts = sampler.sample_ids(lm, self.greedy, states, prompts, sampler.GREEDY,
+                                       batch_size=min(64, len(self.pairs)))
+            hits = [c.strip() == ref.strip() for c, (_, ref, *_) in zip(texts, self.pairs)]
+            out["exact_match"], logged = float(np.mean(hits)) if hits else 0.0, texts
         else:
-            index = np.asarray([i for _, _, i in self.pairs])
+            index = np.asarray([i for _, _, i, _ in self.pairs])
             if self.tool_answers is not None:  # the tool-calling loop, greedy
                 logged, texts, total, per_fn = self.tool_answers(states, self.run.eval_src, index)
             else:
@@ -130,7 +153,7 @@ class Evaluator:
             for name, values in per_fn.items():
                 applies = values[np.isfinite(values)]
                 out[f"rewards/{name}/mean"] = float(applies.mean()) if len(applies) else math.nan
-            answered = [c.strip() == r.strip() for c, (_, r, _) in zip(texts, self.pairs)
+            answered = [c.strip() == r.strip() for c, (_, r, *_) in zip(texts, self.pairs)
                         if isinstance(r, str)]
             if answered:
                 out["exact_match"] = float(np.mean(answered))
@@ -142,53 +165,64 @@ class Evaluator:
         return out
 
     def _write_per_problem(self, step, accuracy):
-        scored = [row for row in self.completions if "score" in row]
-        keys = [prompt_key(row["prompt"]) for row in scored]
+        scored = [(row, key) for row, key in zip(self.completions, self.keys) if "score" in row]
+        keys = [key for _, key in scored]
         with (self.run.run_dir / "exact_match.jsonl").open("a") as f:
             f.write(json.dumps({"step": int(step), "exact_match": accuracy, "keys": keys,
-                                "correct": [int(row["score"]) for row in scored]}) + "\n")
+                                "correct": [int(row["score"]) for row, _ in scored]}) + "\n")
 
 
-def held_out_prompts(src, chat_format: str, limit: int) -> list[tuple[list, str | None, int]]:
-    """(prompt segments, reference answer or None, record index) of the first ``limit`` held-out
-    records that have a ``prompt`` (a string or a conversation); the reference is the ``answer``
-    column, as exact match reads it for prompt-only data."""
+def held_out_prompts(src, chat_format: str, limit: int, spec=None) -> list[tuple]:
+    """(prompt segments, reference answer or None, record index, pixel values or None) of the
+    first ``limit`` held-out records that have a ``prompt`` (a string or a conversation); the
+    reference is the ``answer`` column, as exact match reads it for prompt-only data; the pixel
+    values are those of the record's images (a vision model's ``spec``), None without any."""
     out = []
     for i in range(len(src)):
         if len(out) >= limit:
             break
-        record = src[i]
-        prompt = record.get("prompt")
-        if prompt is None:
+        if src[i].get("prompt") is None:
             continue
+        record, arrays = images.prepare(src[i], chat_format, spec)
+        prompt = record["prompt"]
         segs = (chat.render(prompt, chat_format, add_generation_prompt=True)
                 if isinstance(prompt, list) else [(prompt, False)])
         answer = record.get("answer")
-        out.append((segs, answer if isinstance(answer, str) else None, i))
+        out.append((segs, answer if isinstance(answer, str) else None, i,
+                    spec.pixels(arrays) if arrays else None))
     return out
 
 
-def _greedy_with_ids(lm, greedy, states, prompts: list[list[int]], batch_size: int = 64):
-    """Greedy completions (text) and (prompt ids, prompt mask, completion ids, completion mask),
-    batched as ``sampler.sample_ids`` does (one prompt width, fixed batch shape)."""
+def _greedy_with_ids(lm, greedy, states, prompts, batch_size: int = 64):
+    """Greedy completions (text) and (prompt ids, prompt mask, completion ids, completion mask)
+    of prompts (token ids, or ``sampler.ImagePrompts``), batched as ``sampler.sample_ids`` does
+    (one prompt width, fixed batch shape)."""
+    pixels = None
+    if isinstance(prompts, sampler.ImagePrompts):
+        prompts, pixels = prompts.ids, np.asarray(prompts.pixel_values, np.float32)
     stops = np.asarray(sampler.stop_ids(lm), np.int32)
     batch_size = min(batch_size, len(prompts))
     width = -(-max(len(p) for p in prompts) // 16) * 16
     texts, parts = [], []
     for b, start in enumerate(range(0, len(prompts), batch_size)):
-        chunk = prompts[start:start + batch_size]
-        count = len(chunk)
-        ids, mask = sampler.pad_prompts(chunk + [chunk[-1]] * (batch_size - count),
-                                        lm.tokenizer.pad_id, bucket=width)
+        count = len(prompts[start:start + batch_size])
+        rows = list(range(start, start + count)) + [start + count - 1] * (batch_size - count)
+        ids, mask = sampler.pad_prompts([prompts[r] for r in rows], lm.tokenizer.pad_id,
+                                        bucket=width)
         result = jax.device_get(greedy(tuple(states), ids, mask,
                                        jax.random.fold_in(jax.random.key(0), b),
-                                       sampler.Draw(0.0, 1.0, stops)))
+                                       sampler.Draw(0.0, 1.0, stops),
+                                       None if pixels is None else pixels[rows]))
         texts += sampler.decode_completions(lm, result, stops)[:count]
         parts.append((ids[:count], mask[:count], np.asarray(result["completion_ids"])[:count],
                       np.asarray(result["completion_mask"]).astype(np.int32)[:count]))
     return texts, tuple(np.concatenate(arrays) for arrays in zip(*parts))
 
 
-def prompt_key(text: str) -> str:
-    """A held-out prompt's key in exact_match.jsonl: CRC-32 (hex) of its rendered text."""
-    return f"{zlib.crc32(text.encode()):08x}"
+def prompt_key(text: str, pixels=None) -> str:
+    """A held-out prompt's key in exact_match.jsonl: CRC-32 (hex) of its rendered text, and of
+    its images' pixel values (float32) when it has any."""
+    crc = zlib.crc32(text.encode())
+    if pixels is not None:
+        crc = zlib.crc32(np.ascontiguousarray(pixels, np.float32).tobytes(), crc)
+    return f"{crc:08x}"

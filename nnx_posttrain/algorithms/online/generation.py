@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nnx_posttrain import errors
+
 
 class Completions(NamedTuple):
     """Completions as the reward functions score them (``rewards.score_batch``): their texts,
@@ -27,7 +29,8 @@ class Completions(NamedTuple):
 class Generated:
     """One rollout's sequences: left-padded prompts [B, P], completions [B, N] with their mask,
     the model's own tokens (``model_mask``: 0 on tool results), ``finished`` [B], the texts
-    logged, the completions as chat messages (tool runs) and metrics of the generation."""
+    logged, the completions as chat messages (tool runs), metrics of the generation, and the
+    prompts' images (a vision model's ``pixel_values`` [B, max images, H, W, 3], or None)."""
 
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
@@ -38,6 +41,7 @@ class Generated:
     texts: list[str]
     conversations: list | None = None
     metrics: dict = dataclasses.field(default_factory=dict)
+    pixel_values: np.ndarray | None = None
 
     @property
     def completions(self) -> Completions:
@@ -66,4 +70,40 @@ def means(rows: list[dict]) -> dict:
     for key in sorted({k for r in rows for k in r}):
         values = [r[key] for r in rows if key in r and np.isfinite(r[key])]
         out[key] = float(np.mean(values)) if values else float("nan")
+    return out
+
+
+def prompt_pixels(algorithm, prompts: dict, g: int, tools: bool) -> np.ndarray | None:
+    """The images of a batch of prompts (a vision model's ``pixel_values``), one copy per
+    completion (``g`` per prompt), for the sampler and the training forward; None for a text
+    model. Images in the prompts of an algorithm that reads none (``reads_images``: PPO's value
+    head, online DPO's pairs) or of a run with tools are refused."""
+    if "pixel_values" not in prompts:
+        return None
+    if tools or not algorithm.reads_images:
+        if np.asarray(prompts["image_count"]).any():
+            why = "with tools" if tools else f"of {algorithm.name}"
+            raise errors.DataError(f"the prompts hold images, which the rollouts {why} do not "
+                                   "read yet: GRPO and RLOO (without tools) do")
+        return None
+    return np.repeat(np.asarray(prompts["pixel_values"], np.float32), g, axis=0)
+
+
+def decode_texts(lm, stop_ids, ids, mask) -> list[str]:
+    """The text of each completion row (its masked tokens, stop tokens left out); a tokenizer
+    failure names the row and its ids."""
+    stops = set(np.asarray(stop_ids).tolist())
+    out = []
+    for i, (row, mrow) in enumerate(zip(ids, mask)):
+        kept = [int(t) for t, m in zip(row, mrow) if m and int(t) not in stops]
+        try:
+            out.append(lm.tokenizer.decode(kept))
+        except Exception as exc:  # noqa: BLE001 - a tokenizer failure names the row and ids
+            size = lm.tokenizer.vocab_size
+            bad = [t for t in kept if not 0 <= t < size]
+            raise errors.ModelError(
+                f"the tokenizer cannot decode completion {i} of the rollout "
+                f"({type(exc).__name__}: {exc}); ids {kept[:16]}"
+                + (f", of which {bad[:8]} are outside the tokenizer's {size} ids" if bad else "")
+            ) from None
     return out

@@ -58,6 +58,7 @@ class GRPO(OnlineAlgorithm):
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's GRPOTrainer
     min_generations = 2  # as TRL: a group of one has no advantage
     runs_tools = True
+    reads_images = True  # TRL's prompt-only vision format: rollouts and loss read the images
 
     def advantages(self, rollouts):
         c = self.cfg

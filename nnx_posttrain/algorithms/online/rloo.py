@@ -46,6 +46,7 @@ class RLOO(OnlineAlgorithm):
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=1e-6))  # TRL's RLOOTrainer
     min_generations = 2  # the leave-one-out baseline needs another completion
     runs_tools = True
+    reads_images = True  # TRL's prompt-only vision format: rollouts and loss read the images
 
     def make_batch(self, batch, scores, finished, rollouts, state):
         c = self.cfg

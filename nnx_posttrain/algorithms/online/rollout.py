@@ -42,6 +42,7 @@ class OnlineAlgorithm(AlgorithmBase):
     sequences_per_example = 1
     min_generations = 1  # completions per prompt the method needs (GRPO's, RLOO's groups: 2)
     runs_tools = False  # whether the rollouts may call tools (--algo.tools, --algo.environment)
+    reads_images = False  # whether its prompts may hold images (the rollout and loss read them)
 
     def __init__(self, cfg, logprob_chunk: int | None = None):
         super().__init__(cfg, logprob_chunk)
@@ -152,8 +153,9 @@ class OnlineAlgorithm(AlgorithmBase):
 
 
 def rollout_rows(batch: dict) -> dict:
-    """The arrays of a rollout batch its log-probs are computed from."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "positions")}
+    """The arrays of a rollout batch its log-probs are computed from (with its images)."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "positions", "pixel_values")
+            if k in batch}
 
 
 class Rollouts(HostWindow):
@@ -283,11 +285,11 @@ class Rollouts(HostWindow):
     def sampler_call(self, states, rng, temperature, top_p):
         """``sample(ids, mask, budget, turn)``: the policy's sampler on host arrays (turn t draws
         with ``rng`` folded with t; turn 0 with ``rng`` itself)."""
-        def sample(ids, mask, budget, turn):
+        def sample(ids, mask, budget, turn, pixel_values=None):
             key = rng if turn == 0 else jax.random.fold_in(rng, turn)
             return jax.device_get(self._sample(tuple(states), ids, mask, key, sampler.Draw(
                 jnp.float32(temperature), jnp.float32(top_p), self.stop_ids,
-                self.lm.tokenizer.vocab_size, budget)))
+                self.lm.tokenizer.vocab_size, budget), pixel_values))
         return sample
 
     def generate(self, states, rng, prompts: dict, g: int) -> generation.Generated:
@@ -295,16 +297,16 @@ class Rollouts(HostWindow):
         c = self.algorithm.cfg
         sample = self.sampler_call(states, rng, c.temperature, c.top_p)
         index = np.repeat(np.asarray(prompts["index"]), g, axis=0)
+        pixels = generation.prompt_pixels(self.algorithm, prompts, g, self.agent is not None)
         if self.agent is not None:
             return self.agent.generate(sample, self.train_src, index)
         prompt_ids = np.repeat(np.asarray(prompts["prompt_ids"]), g, axis=0)
         prompt_mask = np.repeat(np.asarray(prompts["prompt_mask"]), g, axis=0)
-        out = sample(prompt_ids, prompt_mask, None, 0)
-        completion_ids = np.asarray(out["completion_ids"])
-        completion_mask = np.asarray(out["completion_mask"]).astype(np.int32)
-        return generation.Generated(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                 completion_mask, np.asarray(out["finished"]).astype(bool),
-                                 self._texts(completion_ids, completion_mask))
+        out = sample(prompt_ids, prompt_mask, None, 0, pixels)
+        ids, mask = np.asarray(out["completion_ids"]), np.asarray(out["completion_mask"])
+        return generation.Generated(prompt_ids, prompt_mask, ids, mask.astype(np.int32),
+                                    mask.astype(np.int32), np.asarray(out["finished"]).astype(bool),
+                                    self._texts(ids, mask), pixel_values=pixels)
 
     def rollout(self, step: int, state: dict, prompts: dict) -> tuple[dict, dict]:
         """Prompts batch -> (training batch of numpy arrays, host metrics)."""
@@ -327,6 +329,8 @@ class Rollouts(HostWindow):
             "positions": np.broadcast_to(np.arange(width, width + shape[1], dtype=np.int32),
                                          shape).copy(),
         }
+        if gen.pixel_values is not None:  # each completion's prompt images: the forward's too
+            batch["pixel_values"] = gen.pixel_values
         metrics.update(generation.completion_metrics(gen.model_mask, finished), **gen.metrics)
         batch, extra = algo.make_batch(batch, scores, finished, self, state)
         metrics.update(extra)
@@ -346,22 +350,7 @@ class Rollouts(HostWindow):
         return rows
 
     def _texts(self, ids, mask) -> list[str]:
-        stops = set(np.asarray(self.stop_ids).tolist())
-        decode = self.lm.tokenizer.decode
-        out = []
-        for i, (row, mrow) in enumerate(zip(ids, mask)):
-            kept = [int(t) for t, m in zip(row, mrow) if m and int(t) not in stops]
-            try:
-                out.append(decode(kept))
-            except Exception as exc:  # noqa: BLE001 - a tokenizer failure names the row and ids
-                size = self.lm.tokenizer.vocab_size
-                bad = [t for t in kept if not 0 <= t < size]
-                raise errors.ModelError(
-                    f"the tokenizer cannot decode completion {i} of the rollout "
-                    f"({type(exc).__name__}: {exc}); ids {kept[:16]}"
-                    + (f", of which {bad[:8]} are outside the tokenizer's {size} ids" if bad else "")
-                ) from None
-        return out
+        return generation.decode_texts(self.lm, np.asarray(self.stop_ids), ids, mask)
 
     def score(self, src, index, completions):
         """``completions`` (``generation.Completions``) of the records of ``src`` at ``index``
@@ -401,8 +390,10 @@ class Rollouts(HostWindow):
         module, reference = model.merge(self.graphdef, params, frozen)
         policy = algo.policy(module)
         projection = model.Projection(algo.logprob_chunk, algo.logprob_temperature)
-        fwd = lambda m: model.token_logprobs(m, rows["input_ids"], rows["attention_mask"],
-                                             projection, rows["positions"])
+        def fwd(m):
+            with model.images(rows.get("pixel_values")):  # as the training step's forward
+                return model.token_logprobs(m, rows["input_ids"], rows["attention_mask"],
+                                            projection, rows["positions"])
         out = {}
         if with_old:
             out["old_logps"] = fwd(policy)
