@@ -3,7 +3,8 @@ samples each held-out prompt with its images (the answers are ``sample_texts``'s
 images), and GRPO samples its rollouts from TRL's prompt-only vision format (``prompt`` with an
 ``{"type": "image"}`` part + ``images``) with the images, which the training forward reads too:
 the rollout's log-probs are the sampler's, and at a rollout's first step the importance ratio is
-1 (no token clipped under a tiny clip range)."""
+1 (no token clipped under a tiny clip range). So for RLOO and PPO (whose rollout values are its
+value head's forward with the images), and online DPO's pairs read their prompt's images."""
 
 import json
 import zlib
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from nnx_posttrain import data, errors, metrics_log, runs
-from nnx_posttrain.algorithms import online
+from nnx_posttrain import data, errors, metrics_log, model, runs, train
+from nnx_posttrain.algorithms import online, pairs
 from nnx_posttrain.sampling import generate, sampler
 from nnx_posttrain.tasks import shapes
 from support import records, train_run
@@ -187,13 +188,92 @@ def test_grpo_with_images_resumes_exactly(files, tmp_path):
                                atol=1e-6)
 
 
-def test_online_methods_that_read_no_images_refuse_image_prompts(files, tmp_path):
-    """PPO (its value head) and online DPO read no image yet: prompts with images are refused
-    by name rather than sampled without them."""
-    for name in ("ppo", "online_dpo"):
-        with pytest.raises(errors.DataError, match=f"rollouts of {name} do not read yet"):
-            train_run(name, *COMMON, "--data", files / "prompts.jsonl", "--steps", "1",
-                      "--batching.batch-size", "4", "--algo.num-generations", "2",
-                      "--algo.max-completion-length", "4", "--algo.rewards", "length",
-                      "--eval.every", "0", "--run-dir", tmp_path / name, echo=lambda _: None)
-    assert online.GRPO.reads_images and online.RLOO.reads_images
+def _rollout(result, step=7):
+    """A rollout of the trained ``result`` on the first two prompts of its data (one image
+    each): (prompts, training batch)."""
+    lm = result.lm
+    transform = data.TokenizePrompt(lm.tokenizer, lm.chat_format, LENGTH, images=lm.images)
+    prompts = next(data.train_batches(result.source.train_src, transform, 2, seed=0))
+    assert list(prompts["image_count"]) == [1, 1]
+    return prompts, result.source.rollout(step, result.state, prompts)[0]
+
+
+def test_ppo_rollout_values_and_ratio_read_the_prompts_images(files, tmp_path):
+    """PPO on prompt-only records with images, two epochs per rollout and clip ranges of 1e-3:
+    at each rollout's first epoch nothing is clipped, the policy's ratio nor the values (the
+    second rollout starts after the value head trained), at its second something is; the loss is
+    finite. A rollout's log-probs and values are a direct forward's with its images, and its
+    values differ from the forward's without them."""
+    result = _grpo(files, tmp_path / "ppo", "--steps", "4", "--algo.num-iterations", "2",
+                   "--algo.cliprange", "1e-3", "--algo.cliprange-value", "1e-3",
+                   "--eval.every", "0", algorithm="ppo")
+    rows = records(tmp_path / "ppo")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    assert [r["policy/clipfrac_avg"] for r in rows[::2]] == [0.0, 0.0]
+    assert rows[2]["val/clipfrac_avg"] == 0.0
+    assert all(r["policy/clipfrac_avg"] > 0.0 for r in rows[1::2])
+
+    prompts, batch = _rollout(result)
+    np.testing.assert_array_equal(batch["pixel_values"],
+                                  np.repeat(prompts["pixel_values"], 2, axis=0))
+    module, _ = model.merge(result.graphdef, result.state["params"], result.frozen)
+    algo = result.algorithm
+
+    def forward(pixels):
+        with model.images(pixels):
+            out = module.logps_and_values(batch["input_ids"], batch["attention_mask"],
+                                          algo.logprob_chunk, algo.logprob_temperature,
+                                          positions=batch["positions"])
+        return [np.asarray(x) for x in out]
+
+    mask = batch["loss_mask"]
+    logps, values = forward(batch["pixel_values"])
+    np.testing.assert_allclose(batch["old_logps"] * mask, logps * mask, atol=2e-4)
+    np.testing.assert_allclose(batch["old_values"], values, atol=2e-4)
+    assert np.abs(values).max() > 1e-2  # the value head trained: it reads the hidden states
+    blind = forward(None)[1]
+    assert np.abs((blind - batch["old_values"]) * mask).max() > 1e-3
+
+
+def test_online_dpo_pairs_read_their_prompts_images(files, tmp_path):
+    """Online DPO on prompt-only records with images: a 2-step run trains with a finite loss;
+    each pair built from a rollout carries its prompt's pixel values, and the pair log-probs the
+    training step computes are those of a direct forward of each pair's rows with its prompt's
+    images (which differ from the forward's without them)."""
+    result = _grpo(files, tmp_path / "online_dpo", "--steps", "2", "--eval.every", "0",
+                   algorithm="online_dpo")
+    rows = records(tmp_path / "online_dpo")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+
+    prompts, batch = _rollout(result)
+    np.testing.assert_array_equal(batch["pixel_values"], prompts["pixel_values"])  # one a pair
+    algo, state = result.algorithm, result.state
+    evaluate = jax.jit(train.make_eval_step(result.graphdef, algo.loss))
+    sums = evaluate(state["params"], result.frozen, result.source.to_device(batch))[2]
+    module, _ = model.merge(result.graphdef, state["params"], result.frozen)
+
+    def direct(side, images):
+        out = []
+        for i in range(len(prompts["pixel_values"])):  # pair i: prompt i's two completions
+            with model.images(prompts["pixel_values"][i:i + 1] if images else None):
+                out.append(float(pairs.sequence_logps(
+                    module, *(batch[f"{side}_{k}"][i:i + 1] for k in
+                              ("input_ids", "attention_mask", "loss_mask")),
+                    algo.logprob_chunk)[0][0]))
+        return np.mean(out)
+
+    for side in ("chosen", "rejected"):
+        total, count = (float(x) for x in sums[f"logps/{side}"])
+        np.testing.assert_allclose(total / count, direct(side, True), rtol=1e-4, atol=1e-3)
+        assert abs(total / count - direct(side, False)) > 1e-2
+
+
+def test_rollouts_with_tools_refuse_image_prompts(files, tmp_path):
+    """Tool-calling rollouts read no image yet: prompts with images are refused by name rather
+    than sampled without them."""
+    with pytest.raises(errors.DataError, match="rollouts with tools do not read yet"):
+        _grpo(files, tmp_path / "tools", "--steps", "1", "--eval.every", "0",
+              "--algo.tools", "agent_tools:multiply")
+    assert all(getattr(online, name).reads_images for name in ("GRPO", "RLOO", "PPO",
+                                                               "OnlineDPO"))

@@ -76,15 +76,15 @@ def means(rows: list[dict]) -> dict:
 def prompt_pixels(algorithm, prompts: dict, g: int, tools: bool) -> np.ndarray | None:
     """The images of a batch of prompts (a vision model's ``pixel_values``), one copy per
     completion (``g`` per prompt), for the sampler and the training forward; None for a text
-    model. Images in the prompts of an algorithm that reads none (``reads_images``: PPO's value
-    head, online DPO's pairs) or of a run with tools are refused."""
+    model. Images in the prompts of an algorithm that reads none (``reads_images``; the online
+    methods here all read them) or of a run with tools are refused."""
     if "pixel_values" not in prompts:
         return None
     if tools or not algorithm.reads_images:
         if np.asarray(prompts["image_count"]).any():
             why = "with tools" if tools else f"of {algorithm.name}"
             raise errors.DataError(f"the prompts hold images, which the rollouts {why} do not "
-                                   "read yet: GRPO and RLOO (without tools) do")
+                                   "read yet: GRPO, RLOO, PPO and online DPO without tools do")
         return None
     return np.repeat(np.asarray(prompts["pixel_values"], np.float32), g, axis=0)
 

@@ -56,6 +56,7 @@ class OnlineDPO(OnlineAlgorithm):
     Config = OnlineDPOConfig
     RunConfig = OnlineDPORunConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=5e-7))  # TRL's OnlineDPOTrainer
+    reads_images = True  # TRL's prompt-only vision format: the pairs read their prompt's images
 
     def needs_reference(self):
         return True
@@ -74,6 +75,8 @@ class OnlineDPO(OnlineAlgorithm):
         for key in ("input_ids", "attention_mask", "loss_mask", "positions"):
             out[f"chosen_{key}"] = batch[key][chosen]
             out[f"rejected_{key}"] = batch[key][rejected]
+        if "pixel_values" in batch:  # a pair's two completions share their prompt's images
+            out["pixel_values"] = batch["pixel_values"][chosen]
         out["chosen_score"] = np.asarray(scores[chosen], np.float32)  # for objective/rlhf_reward
         out["rejected_score"] = np.asarray(scores[rejected], np.float32)
         return out, {"objective/scores": float(np.mean(scores)),

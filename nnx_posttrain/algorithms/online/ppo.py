@@ -12,7 +12,7 @@ from flax import nnx
 from nnx_posttrain import config as config_lib, model
 from nnx_posttrain.algorithms.base import ONLINE_DATA, merged
 from nnx_posttrain.algorithms.online.options import SamplingConfig
-from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm
+from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, rollout_rows
 from nnx_posttrain.losses import rl
 from nnx_posttrain.losses.rl import PPOInputs, PPOOptions, ppo_loss, ppo_rewards
 from nnx_posttrain.losses.router import RouterOptions, with_router_aux
@@ -43,6 +43,7 @@ class PPO(OnlineAlgorithm):
     RunConfig = PPORunConfig
     defaults = merged(ONLINE_DATA, optim=dict(learning_rate=3e-6))  # TRL's PPOTrainer
     head = "value"  # nnx_posttrain.model.heads.PolicyWithValue
+    reads_images = True  # TRL's prompt-only vision format: rollouts, log-probs, values read them
 
     def needs_reference(self):
         return bool(self.cfg.kl_coef)
@@ -55,17 +56,20 @@ class PPO(OnlineAlgorithm):
         return backbone_graphdef, tuple(states)
 
     def attach(self, rollouts):
-        # the rollout's log-probs and values under the generating policy, without gradient
-        self._logps_and_values = rollouts.compile(
-            lambda module, reference, ids, att, positions: module.logps_and_values(
-                ids, att, self.logprob_chunk, self.logprob_temperature, positions=positions))
+        # the rollout's log-probs and values under the generating policy, without gradient,
+        # reading the rows' images as the training step's forward does
+        def forward(module, reference, rows):
+            with model.images(rows.get("pixel_values")):
+                return module.logps_and_values(rows["input_ids"], rows["attention_mask"],
+                                               self.logprob_chunk, self.logprob_temperature,
+                                               positions=rows["positions"])
+        self._logps_and_values = rollouts.compile(forward)
 
     def make_batch(self, batch, scores, finished, rollouts, state):
         c = self.cfg
-        ids, att = batch["input_ids"], batch["attention_mask"]
         mask = batch["loss_mask"].astype(np.float32)
         old_logps, old_values = (np.asarray(x) for x in jax.device_get(
-            self._logps_and_values(state, ids, att, batch["positions"])))
+            self._logps_and_values(state, rollout_rows(batch))))
         scores = scores.astype(np.float32)
         if c.missing_eos_penalty is not None:
             scores = scores - c.missing_eos_penalty * (~finished)
