@@ -3,6 +3,7 @@ fits the family's own tiny backbone (the attention reader reads every block, the
 and the export names cover every variable, the LoRA targets name real layers, the decoding
 keywords are the blocks' own). A part a family does not have is ``Unsupported`` with a reason."""
 
+import contextlib
 import inspect
 import re
 
@@ -207,3 +208,28 @@ def test_smollm3_is_built_in_the_dtype_it_is_given(tmp_path):
     lm = model.load(str(tmp_path), dtype="bfloat16-params")
     assert {v.dtype for v in lm.module.trainable_weights} == {"bfloat16"}
     assert keras.config.dtype_policy().name == before
+
+
+def test_smollm3_attention_call_is_kerashubs_without_mutating_the_layer():
+    """``Family.attention_call``: KerasHub's output (its own call, eagerly), and it runs inside a
+    nested trace (here ``jax.checkpoint``, as ``--remat blocks`` and the sampler's loop), where
+    KerasHub's own call, assigning ``self.training``, is refused by NNX."""
+    import flax
+
+    from flax import nnx
+
+    bb = support.tiny_backbone("smollm3")
+    ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 64
+    inputs = {"token_ids": ids, "padding_mask": jnp.ones_like(ids)}
+    reference = bb(inputs)
+    graphdef, state = nnx.split(bb)
+
+    def forward(state, own):
+        m = nnx.merge(graphdef, state)
+        with attention.own_calls(m) if own else contextlib.nullcontext():
+            return jax.checkpoint(lambda x: m(dict(inputs, token_ids=x)))(ids)
+
+    out = jax.jit(forward, static_argnums=1)(state, True)
+    assert jnp.allclose(out, reference, atol=1e-5)
+    with pytest.raises(flax.errors.TraceContextError, match="Cannot mutate 'SmolLM3Attention'"):
+        jax.jit(forward, static_argnums=1)(state, False)
