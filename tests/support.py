@@ -84,7 +84,8 @@ def _families():
     from nnx_posttrain import families
 
     def builder(family, kwargs):
-        return lambda: getattr(keras_hub.models, family.backbone)(dtype="float32", **kwargs)
+        return lambda: families.prepare(
+            getattr(keras_hub.models, family.backbone)(dtype="float32", **kwargs))
 
     return {variant: builder(family, kwargs) for family in families.FAMILIES.values()
             for variant, kwargs in family.tiny.items()}

@@ -3,6 +3,7 @@ fits the family's own tiny backbone (the attention reader reads every block, the
 and the export names cover every variable, the LoRA targets name real layers, the decoding
 keywords are the blocks' own). A part a family does not have is ``Unsupported`` with a reason."""
 
+import contextlib
 import inspect
 import re
 
@@ -27,7 +28,7 @@ PARTS = ("backbone", "classes", "chat_format", "attention", "sharding", "lora", 
 def test_the_families():
     """The list itself: the families this package supports (a new one is a new entry)."""
     assert list(FAMILIES) == ["gemma", "gemma3", "gemma4", "llama2", "llama3", "mistral", "qwen2", "qwen3",
-                              "qwen3_moe", "mixtral", "gpt_oss", "phi3"]
+                              "qwen3_moe", "mixtral", "gpt_oss", "phi3", "smollm3"]
     assert len({f.backbone for f in FAMILIES.values()}) == len(FAMILIES)
 
 
@@ -143,8 +144,13 @@ def test_decoding_keywords_are_the_blocks_own(tiny):
             sampler._family(backbone)
         return
     decoding = family.decoding
-    params = inspect.signature(type(backbone.transformer_layers[0]).call).parameters
-    assert {decoding.cache_kw, decoding.index_kw} <= set(params)
+    call = type(backbone.transformer_layers[0]).call
+    params = inspect.signature(call).parameters
+    if not {decoding.cache_kw, decoding.index_kw} <= set(params):  # SmolLM3: read from **kwargs
+        assert any(p.kind is p.VAR_KEYWORD for p in params.values()), family.name
+        source = inspect.getsource(call)
+        for kw in (decoding.cache_kw, decoding.index_kw):
+            assert re.search(rf'kwargs\.get\(\s*"{kw}"', source), (family.name, kw)
     # Gemma 4: each block's per-layer input, and a KV-shared block reads an earlier block that
     # has its own cache, by the block's own keyword
     from nnx_posttrain.sampling import capacity, passes
@@ -163,3 +169,67 @@ def test_decoding_keywords_are_the_blocks_own(tiny):
     # the memory estimate is the cache the sampler allocates (and one position's logits)
     cache = sum(a.nbytes for a in jax.tree.leaves(passes.empty_cache(backbone, 2, 5)))
     assert capacity.generation_bytes(backbone, 2, 3, 2) == cache + 4 * 2 * backbone.vocabulary_size
+
+
+def test_variable_paths_are_unique_per_layer(tiny):
+    """Paths key the sharding rules, ``--init-from`` and the exports: no two variables share one
+    (SmolLM3's attention layers create their output projections outside their block's scope:
+    ``families.prepare`` puts them under it)."""
+    family, backbone = tiny
+    paths = [v.path for v in backbone.weights]
+    assert len(paths) == len(set(paths)), (family.name, sorted(p for p in paths
+                                                               if paths.count(p) > 1)[:4])
+    from flax import nnx
+
+    assert len(model.named_variables(nnx.state(backbone))) == len(nnx.to_flat_state(
+        nnx.state(backbone)))
+
+
+def test_smollm3_no_rope_layers_and_repair():
+    """SmolLM3's tiny configuration has a NoPE layer, and the repair is idempotent."""
+    backbone = support.TINY_FAMILIES["smollm3"]()
+    assert [b.self_attn.use_rope for b in backbone.transformer_layers] == [True, False]
+    before = [v.path for v in backbone.weights]
+    assert "transformer_layer_1/self_attn/o_proj/kernel" in before
+    assert [v.path for v in families.prepare(backbone).weights] == before
+
+
+def test_smollm3_is_built_in_the_dtype_it_is_given(tmp_path):
+    """SmolLM3's backbone builds its layers in Keras' global policy, not its ``dtype``: the
+    package builds it with the global one set (``families.building``), when it loads a preset
+    and when ``tools.make_preset`` writes one; the global policy is put back."""
+    import keras
+
+    before = keras.config.dtype_policy().name
+    task = make_preset._task("smollm3", FAMILIES["smollm3"].tiny["smollm3"], 1024, "bfloat16")
+    trained = {v.dtype for v in task.backbone.trainable_weights}
+    assert trained == {"bfloat16"} and keras.config.dtype_policy().name == before
+    task.save_to_preset(str(tmp_path))
+    lm = model.load(str(tmp_path), dtype="bfloat16-params")
+    assert {v.dtype for v in lm.module.trainable_weights} == {"bfloat16"}
+    assert keras.config.dtype_policy().name == before
+
+
+def test_smollm3_attention_call_is_kerashubs_without_mutating_the_layer():
+    """``Family.attention_call``: KerasHub's output (its own call, eagerly), and it runs inside a
+    nested trace (here ``jax.checkpoint``, as ``--remat blocks`` and the sampler's loop), where
+    KerasHub's own call, assigning ``self.training``, is refused by NNX."""
+    import flax
+
+    from flax import nnx
+
+    bb = support.tiny_backbone("smollm3")
+    ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 64
+    inputs = {"token_ids": ids, "padding_mask": jnp.ones_like(ids)}
+    reference = bb(inputs)
+    graphdef, state = nnx.split(bb)
+
+    def forward(state, own):
+        m = nnx.merge(graphdef, state)
+        with attention.own_calls(m) if own else contextlib.nullcontext():
+            return jax.checkpoint(lambda x: m(dict(inputs, token_ids=x)))(ids)
+
+    out = jax.jit(forward, static_argnums=1)(state, True)
+    assert jnp.allclose(out, reference, atol=1e-5)
+    with pytest.raises(flax.errors.TraceContextError, match="Cannot mutate 'SmolLM3Attention'"):
+        jax.jit(forward, static_argnums=1)(state, False)

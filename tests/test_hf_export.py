@@ -19,6 +19,8 @@ from nnx_posttrain import families, model
 from nnx_posttrain.export import hf as hf_export
 from tools import make_preset
 
+import support
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -195,6 +197,9 @@ def test_unverified_families_and_configurations_are_refused_by_name(tmp_path):
                              sliding_window_size=8)
     with pytest.raises(hf_export.ExportError, match="sliding_window_size=8"):
         hf_export.export_model(task_of(window), tmp_path / "w", "float32")
+    smollm3 = support.TINY_FAMILIES["smollm3"]()
+    with pytest.raises(hf_export.ExportError, match="no SmolLM3 exporter"):
+        hf_export.export_model(task_of(smollm3), tmp_path / "s", "float32")
     lora = BACKBONES["gemma_1kv"]()
     model.enable_lora(lora, 2)
     with pytest.raises(hf_export.ExportError, match="lora_kernel"):

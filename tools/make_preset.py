@@ -21,6 +21,7 @@ The dimensions are those of the published presets' config.json, kept with each f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -200,6 +201,22 @@ def gpt_oss_tokenizer(vocab_size: int = 200_019):
                                             unsplittable_tokens=list(GPT_OSS_SPECIAL))
 
 
+def smollm3_tokenizer(vocab_size: int = 128_256):
+    """A SmolLM3Tokenizer of ``vocab_size`` tokens: Llama 3's layout (byte-level BPE, 256 special
+    tokens at the end, ``<|begin_of_text|>`` / ``<|end_of_text|>`` first) with the ChatML turn
+    tokens and the think tags among them, as SmolLM3's vocabulary has them (their ids here are
+    this tool's)."""
+    import keras_hub
+
+    first = vocab_size - 256
+    own = {**LLAMA3_SPECIAL, 2: "<|im_start|>", 3: "<|im_end|>", 5: "<think>",
+           11: "</think>"}
+    special = {first + i: own.get(i, f"<|reserved_special_token_{i}|>") for i in range(256)}
+    vocab, merges = byte_bpe(first - 256, special)
+    return keras_hub.models.SmolLM3Tokenizer(
+        vocabulary=vocab, merges=merges, unsplittable_tokens=["<|im_start|>", "<|im_end|>"])
+
+
 def qwen_tokenizer(vocab_size: int = 151_665, qwen3: bool = False):
     """A QwenTokenizer (Qwen3Tokenizer) of ``vocab_size`` tokens: byte-level BPE and Qwen's
     special tokens at the end (``<|endoftext|>`` first, ``<|im_start|>``, ``<|im_end|>``, ...)."""
@@ -234,7 +251,7 @@ def scaled(dims: dict, scale: float) -> dict:
     def r8(x, low):
         return max(low, 8 * round(x * scale / 8))
 
-    heads = dims["num_query_heads"]
+    heads = dims.get("num_query_heads") or dims["num_attention_heads"]  # SmolLM3's name
     head_dim = dims.get("head_dim") or dims["hidden_dim"] // heads
     new_head = r8(head_dim, 8)
     out["num_layers"] = max(2, round(dims["num_layers"] * scale))
@@ -251,6 +268,9 @@ def scaled(dims: dict, scale: float) -> dict:
                      ("expert_intermediate_dim", 16), ("hidden_size_per_layer_input", 8)):
         if dims.get(key):  # Gemma 4's global layers, the experts, per-layer inputs
             out[key] = r8(dims[key], low)
+    for key in ("rope_layer_enabled_list", "layer_types"):  # SmolLM3's per-layer lists
+        if key in dims:
+            out[key] = list(dims[key][:out["num_layers"]])
     if dims.get("num_kv_shared_layers"):  # Gemma 4 E2B / E4B: a share of the layers, not all
         share = dims["num_kv_shared_layers"] / dims["num_layers"]
         out["num_kv_shared_layers"] = min(out["num_layers"] - 1,
@@ -284,7 +304,8 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
             del task._compiled_trainable_state
             return task
 
-        task = nnx.eval_shape(abstract)
+        with _concrete_rope_frequencies():
+            task = nnx.eval_shape(abstract)
     else:
         task = _task(family, dims, tokens, dtype)
     tokenizer, backbone = task.preprocessor.tokenizer, task.backbone
@@ -305,6 +326,26 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
          f"{dims['vocabulary_size']:,} rows; {size / 1e9:.2f} GB, {built.seconds:.0f} s\n  "
          f"{json.dumps(dims)}")
     return built
+
+
+@contextlib.contextmanager
+def _concrete_rope_frequencies():
+    """SmolLM3's rotary layers turn their frequencies into NumPy in ``__init__``, which an
+    abstract build cannot: computed concretely (a few numbers) while the model is built."""
+    import jax
+    from keras_hub.src.models.smollm3 import smollm3_layers
+
+    original = smollm3_layers.rope_init
+
+    def concrete(*args):
+        with jax.ensure_compile_time_eval():
+            return original(*args)
+
+    smollm3_layers.rope_init = concrete
+    try:
+        yield
+    finally:
+        smollm3_layers.rope_init = original
 
 
 def _save_config_only(task, out: Path) -> None:
@@ -330,6 +371,7 @@ TOKENIZERS = {
     "sentencepiece-phi3": lambda n: _sentencepiece("Phi3Tokenizer", sentencepiece_proto(n, "phi3")),
     "bpe-gpt_oss": lambda n: gpt_oss_tokenizer(n),
     "bpe-llama3": lambda n: llama3_tokenizer(n),
+    "bpe-smollm3": lambda n: smollm3_tokenizer(n),
     "bpe-qwen2": lambda n: qwen_tokenizer(n),
     "bpe-qwen3": lambda n: qwen_tokenizer(n, qwen3=True),
 }
@@ -349,7 +391,9 @@ def _task(family: str, dims: dict, tokens: int, dtype: str):
     fam = families.FAMILIES[family]
     task, preprocessor, _ = (getattr(keras_hub.models, c) for c in fam.classes)
     tokenizer = TOKENIZERS[fam.tokenizer](tokens)
-    backbone = getattr(keras_hub.models, fam.backbone)(dtype=dtype, **dims)
+    with families.building(fam.backbone, dtype):
+        backbone = getattr(keras_hub.models, fam.backbone)(dtype=dtype, **dims)
+    families.prepare(backbone)
     return task(backbone=backbone, preprocessor=preprocessor(tokenizer))
 
 

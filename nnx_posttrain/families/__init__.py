@@ -11,10 +11,15 @@ of the package reads them: ``model.attention`` (readers), ``sharding`` (rules), 
 ``sampling`` (decoding, context), ``tools.make_preset`` (presets). ``tests/test_families.py``
 lists the families and fails on one missing a part (``Unsupported`` says why a part is absent).
 
+``prepare(backbone)`` runs the family's repair of a KerasHub backbone (``Family.prepare``);
+``building(backbone, dtype)`` is the context to build one in (``Family.ignores_dtype``).
+
 Lookups: ``of(backbone)`` (an instance or a class name), ``by_model_type``, ``attention_reader``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from nnx_posttrain.families.base import (  # noqa: F401  (the records, re-exported)
     Decoding,
@@ -34,10 +39,11 @@ from nnx_posttrain.families.llama import LLAMA2, LLAMA3, MISTRAL
 from nnx_posttrain.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
 from nnx_posttrain.families.phi3 import PHI3
 from nnx_posttrain.families.qwen import QWEN2, QWEN3
+from nnx_posttrain.families.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     GEMMA, GEMMA3, GEMMA4, LLAMA2, LLAMA3, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
-    GPT_OSS, PHI3,
+    GPT_OSS, PHI3, SMOLLM3,
 )}
 _BY_BACKBONE = {f.backbone: f for f in FAMILIES.values()}
 
@@ -80,3 +86,31 @@ def presets() -> dict[str, tuple[Family, Preset]]:
 def context_lengths() -> dict[str, int]:
     """{backbone class name: the longest context of the family's released checkpoints}."""
     return {f.backbone: f.context_length for f in FAMILIES.values()}
+
+
+def prepare(backbone):
+    """Run the family's repair of ``backbone`` (``Family.prepare``) where it has one; returns
+    ``backbone``."""
+    family = of(backbone)
+    if family is not None and family.prepare is not None:
+        family.prepare(backbone)
+    return backbone
+
+
+@contextlib.contextmanager
+def building(backbone: str, dtype):
+    """While active, a backbone of class ``backbone`` whose family ignores its ``dtype``
+    (``Family.ignores_dtype``: SmolLM3) is built in ``dtype`` (a Keras dtype policy name):
+    Keras' global policy is ``dtype`` until the block ends. Other families: nothing changes."""
+    family = of(backbone or "")
+    if family is None or not family.ignores_dtype or dtype is None:
+        yield
+        return
+    import keras
+
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(before)

@@ -154,7 +154,14 @@ class Family:
       features (the tests' ``support.TINY_FAMILIES``; float32 is added);
     - ``moe``: the routing of a mixture-of-experts family (``MoE``), None for a dense one;
     - ``quantize_skip``: layer names ``--quantize int8`` leaves in the model's dtype (a block
-      that reads a layer's kernel as an array, which int8 would give without its scale).
+      that reads a layer's kernel as an array, which int8 would give without its scale);
+    - ``prepare(backbone)``: a repair of KerasHub's backbone the package runs on every one it
+      builds or loads (``families.prepare``; SmolLM3's variable paths), None for none;
+    - ``attention_call(layer, *args, **kwargs)``: the attention layer's ``call`` in the package's
+      forward passes (``model.attention.own_calls``), None: KerasHub's (SmolLM3's mutates the
+      layer, which NNX refuses inside a nested trace);
+    - ``ignores_dtype``: the backbone builds its layers in Keras' global dtype policy, not its
+      ``dtype`` argument (SmolLM3): ``families.building`` sets the global one while it is built.
     """
 
     name: str
@@ -174,6 +181,9 @@ class Family:
     tiny: dict[str, dict]
     quantize_skip: tuple[str, ...] = ()
     moe: MoE | None = None
+    prepare: Callable[[Any], None] | None = None
+    attention_call: Callable[..., Any] | None = None
+    ignores_dtype: bool = False
 
     def format_of(self, backbone) -> str | None:
         """The chat format of ``backbone`` (a model of this family), or None when the family has

@@ -373,8 +373,20 @@ def overridden(module, shape, kernel, training: bool = True):
 
     placeholder = jnp.ones(tuple(shape) + (1,), jnp.int32)
     with override_blocks(module, masks, lambda block, original: lambda *a, **kw: placeholder), \
-            override_blocks(module, "_compute_attention", make_compute, part=attention_layer):
+            override_blocks(module, "_compute_attention", make_compute, part=attention_layer), \
+            own_calls(module):
         yield blocks
+
+
+def own_calls(module):
+    """While active, every attention layer of ``module`` whose family has its own
+    ``attention_call`` (SmolLM3: KerasHub's without mutating the layer) is called through it."""
+    family = families.of(module)
+    own = family.attention_call if family is not None else None
+    if own is None:
+        return contextlib.nullcontext()
+    return override_blocks(module, "call", lambda layer, original: functools.partial(own, layer),
+                           part=attention_layer)
 
 
 @contextlib.contextmanager
@@ -386,7 +398,8 @@ def scope(module, padding_mask, segment_ids=None, branched: bool = False):
     that path takes ``xla`` instead."""
     choice = attention_of(module)
     if choice.implementation == "keras":
-        yield False
+        with own_calls(module):
+            yield False
         return
     if branched and choice.implementation == "splash":
         choice = dataclasses.replace(choice, implementation="xla")

@@ -362,14 +362,17 @@ def _task_from_preset(handle: str, **kwargs):
     the generic ``CausalLMPreprocessor`` (tokenization is this package's, ``Tokenizer``). A local
     directory loads as its family's task (Gemma 4's backbone also has a draft-model task, which
     KerasHub could pick)."""
-    family = families.of(_preset_backbone_class(handle) or "")
+    family = families.of(_preset_backbone_class(handle) or "") or next(  # a named preset's
+        (f for f in families.FAMILIES.values()
+         if handle in getattr(keras_hub.models, f.backbone).presets), None)
     cls = getattr(keras_hub.models, family.classes[0]) if family else keras_hub.models.CausalLM
-    try:
-        task = cls.from_preset(handle, **kwargs)
-    except ImportError as exc:
-        if "tensorflow" not in str(exc):
-            raise
-        task = cls.from_preset(handle, preprocessor=None, **kwargs)
+    with families.building(family.backbone if family else "", kwargs.get("dtype")):
+        try:
+            task = cls.from_preset(handle, **kwargs)
+        except ImportError as exc:
+            if "tensorflow" not in str(exc):
+                raise
+            task = cls.from_preset(handle, preprocessor=None, **kwargs)
     if task.preprocessor is None:
         tokenizer = keras_hub.models.Tokenizer.from_preset(handle)
         task.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=tokenizer)
@@ -381,9 +384,14 @@ def warm_up(backbone) -> None:
     too): Keras flips build/bookkeeping flags on the first call, which would
     otherwise happen inside the first trace and cost a second compilation. ``jax.eval_shape``
     traces the call without running it: an eager call compiled and kept one small XLA executable
-    per operation (about 110 MB of a tiny model's process)."""
+    per operation (about 110 MB of a tiny model's process). The family's repair of the backbone
+    (``families.prepare``) runs first."""
+    from nnx_posttrain.model.attention import own_calls
+
+    families.prepare(backbone)
     ids = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-    jax.eval_shape(lambda i, m: backbone(vision.backbone_inputs(backbone, i, m)), ids, ids)
+    with own_calls(backbone):  # (SmolLM3's attention mutates itself in KerasHub's call)
+        jax.eval_shape(lambda i, m: backbone(vision.backbone_inputs(backbone, i, m)), ids, ids)
 
 
 def describe(lm: LanguageModel) -> str:

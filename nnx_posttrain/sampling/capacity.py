@@ -60,7 +60,8 @@ def check_generation(module, batch: int, prompt_length: int, max_new_tokens: int
 def kv_layout(module) -> tuple[int, int, str]:
     """(kv heads, head dim, compute dtype) of the backbone's keys and values."""
     heads = int(module.num_key_value_heads)
-    head_dim = getattr(module, "head_dim", None) or module.hidden_dim // module.num_query_heads
+    queries = getattr(module, "num_query_heads", None) or module.num_attention_heads  # SmolLM3
+    head_dim = getattr(module, "head_dim", None) or module.hidden_dim // queries
     return heads, int(head_dim), keras.backend.standardize_dtype(module.compute_dtype)
 
 

@@ -33,7 +33,8 @@ def family(module) -> families.Decoding:
             f"{', '.join(supported)} (rotary positions and cached decoder blocks)"
         )
     params = inspect.signature(type(module.transformer_layers[0]).call).parameters
-    if family.decoding.cache_kw not in params:
+    keywords = any(p.kind is p.VAR_KEYWORD for p in params.values())  # SmolLM3: from **kwargs
+    if family.decoding.cache_kw not in params and not keywords:
         raise NotImplementedError(f"{name}: decoder block takes no {family.decoding.cache_kw}")
     return family.decoding
 
@@ -94,7 +95,7 @@ def _written(pair, k, v, index):
 def _head(module, x, last: bool):
     """float32 logits of the blocks' output ``x``: the final norm, then the vocabulary projection
     (at the last position only when ``last``: a prompt pass reads nothing else)."""
-    h = module.layer_norm(x)
+    h = (getattr(module, "layer_norm", None) or module.norm)(x)  # SmolLM3: norm
     return vocabulary_logits(module.token_embedding, h[:, -1:] if last else h)
 
 
@@ -136,6 +137,8 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
     through = _pass_through_cache(module, fam, batch, t)
     extra = fam.layer_inputs(module, token_ids, x) if fam.layer_inputs else [{}] * len(blocks)
     outputs = []  # each block's cache output: what a KV-shared block reads
+    if fam.cache_kw not in inspect.signature(type(blocks[0]).call).parameters:
+        index = jnp.asarray(index, jnp.int32)  # SmolLM3's **kwargs: Keras mixes no int and array
     with attention.overridden(module, (batch, t), kernel, training=False):
         for block, kwargs, source in zip(blocks, extra, sources):
             if source is not None:

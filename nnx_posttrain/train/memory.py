@@ -46,7 +46,8 @@ def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: 
     s = b.max_length
     layers = int(getattr(backbone, "num_layers", 1))
     hidden = int(getattr(backbone, "hidden_dim", 0))
-    heads = int(getattr(backbone, "num_query_heads", 1))
+    heads = int(getattr(backbone, "num_query_heads", None)  # SmolLM3: num_attention_heads
+                or getattr(backbone, "num_attention_heads", 1))
     vocab = int(getattr(backbone, "vocabulary_size", 0))
     e = 2 if str(backbone.dtype_policy.compute_dtype) in ("bfloat16", "float16") else 4
     per_layer = s * seqs * (34 * hidden + 5 * heads * s) * e // 2
