@@ -198,13 +198,19 @@ def test_sampling_with_images_is_refused_by_name(lm):
 
 def test_a_local_preset_directory_of_a_gemma4_vision_model_loads(lm, tmp_path):
     """``save_to_preset`` then ``--model DIR``: KerasHub's own ``from_preset`` (its Gemma 4
-    preprocessor built without TensorFlow), the same tower weights and image handling."""
+    preprocessor built without TensorFlow), the same tower weights and image handling; the
+    built-in's chat format and tokenizer read without its weights are the loaded model's."""
     lm.task.save_to_preset(str(tmp_path / "preset"))
     built, _ = runs.build_model(runs.ModelSpec(str(tmp_path / "preset"), "float32"),
                                 echo=lambda _: None)
     assert model.reads_images(built.module) and built.chat_format == "gemma4"
     assert (built.images.tokens_per_image, built.images.max_images, built.images.patches) == \
         (4, 2, True)
+    assert model.chat_format_of(NAME) == "gemma4"  # read before loading, as the loaded model's
+    alone = model.load_tokenizer(NAME)
+    assert type(alone.keras_tokenizer).__name__ == "Gemma4Tokenizer"
+    placeholder = lm.task.preprocessor.tokenizer.image_placeholder_id
+    assert alone.keras_tokenizer.image_placeholder_id == placeholder
     np.testing.assert_array_equal(
         np.asarray(built.module.vision_encoder.weights[1].value),
         np.asarray(lm.module.vision_encoder.weights[1].value))
