@@ -64,10 +64,11 @@ def image_prompts(lm, prompts: list[str], images: list) -> sampler.ImagePrompts:
     if spec is None or not model.reads_images(lm.module):
         raise errors.ConfigError(f"--image: {lm.name} has no vision tower (a text model): "
                                  "sample with a vision-language model (Gemma 3)")
+    model.vision.check_samples(lm.module)  # Gemma 4's image prompt pass: not yet
     transform = data.TokenizePrompt(lm.tokenizer, lm.chat_format, PROMPT_ROOM, images=spec)
     ids, pixels = [], []
     for i, text in enumerate(prompts):
-        ex = transform({"prompt": _user_message(text, spec.start), "images": list(images),
+        ex = transform({"prompt": _user_message(text, spec.marker), "images": list(images),
                         "_where": f"--prompt {i + 1}"})
         if ex["truncated"]:
             raise errors.ConfigError(f"--prompt {i + 1}: over {PROMPT_ROOM:,} tokens with its "

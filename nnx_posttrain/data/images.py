@@ -11,14 +11,16 @@ The conversation says where each image goes with ``{"type": "image"}`` content p
 ``{"type": "text", "text": ...}`` ones. As TRL's ``prepare_multimodal_messages``: when no part
 names an image, the images go before the text of the first user message whose content is a string;
 the number of image parts must equal the number of images. Content parts are then flattened into
-the string the family's chat template writes (Gemma 3: each text part trimmed, an image part its
-``<start_of_image>``), so ``chat.render`` sees strings as for any record.
+the string the family's chat template writes (each text part trimmed, an image part Gemma 3's
+``<start_of_image>`` or Gemma 4's ``<|image|>``), so ``chat.render`` sees strings as for any record.
 
 ``ImageSpec`` is what a vision model's data needs: its KerasHub image converter (called here, on
 ``uint8`` arrays, to resize and rescale), how many placeholder tokens an image takes and the
-tokens around them (``expand``: KerasHub's ``Gemma3CausalLMPreprocessor`` rule, applied to the
-rendered text before tokenization), and how many images a sequence may hold. ``ImageSpec`` is
-duck-typed: this package never imports keras (``ImageSpec.from_preprocessor`` reads the
+tokens around them (``expand``: KerasHub's ``Gemma3CausalLMPreprocessor`` / ``Gemma4...`` rule,
+applied to the rendered text before tokenization), and how many images a sequence may hold.
+Gemma 3's ``pixel_values`` are the resized images; Gemma 4's (``patches``) the converter's
+patches, each with its (x, y) position appended as two last channels (-1: a padding patch).
+``ImageSpec`` is duck-typed: this package never imports keras (``ImageSpec.from_preprocessor`` reads the
 attributes of a KerasHub preprocessor it is given).
 """
 
@@ -38,7 +40,7 @@ IMAGE_COLUMNS = ("images", "image")
 # Conversational columns, in the order the images are placed (the conversation's opening).
 CONVERSATION_FIELDS = ("messages", "prompt", "chosen", "rejected", "completion")
 # What an image part becomes in the rendered text, per chat format (the family's template).
-IMAGE_MARKERS = {"gemma": "<start_of_image>"}
+IMAGE_MARKERS = {"gemma": "<start_of_image>", "gemma4": "<|image|>"}
 
 
 def _where(record) -> str:
@@ -50,7 +52,9 @@ class ImageSpec:
     """A vision model's image handling (picklable, for Grain workers): ``converter`` (a KerasHub
     ``ImageConverter``, or any callable from ``uint8`` (n, h, w, 3) to (n, H, W, 3) with an
     ``image_size``), ``tokens_per_image`` placeholder tokens per image between ``start`` and
-    ``end``, at most ``max_images`` per sequence."""
+    ``end`` (with ``around`` on either side), at most ``max_images`` per sequence; the text names
+    an image with ``marker`` (default ``start``). ``patches``: Gemma 4's converter (patches and
+    their positions, ``pixels``)."""
 
     converter: object
     tokens_per_image: int
@@ -58,15 +62,24 @@ class ImageSpec:
     start: str = "<start_of_image>"
     placeholder: str = "<img>"
     end: str = "<end_of_image>"
+    marker: str = ""
+    around: str = "\n\n"
+    patches: bool = False
+
+    def __post_init__(self):
+        self.marker = self.marker or self.start
 
     @classmethod
     def from_preprocessor(cls, preprocessor) -> "ImageSpec":
-        """The spec of a KerasHub vision preprocessor (``Gemma3CausalLMPreprocessor`` with an
-        ``image_converter``)."""
+        """The spec of a KerasHub vision preprocessor (``Gemma3CausalLMPreprocessor`` or
+        ``Gemma4CausalLMPreprocessor`` with an ``image_converter``)."""
         tok = preprocessor.tokenizer
+        gemma4 = type(preprocessor).__name__.startswith("Gemma4")
+        tokens = (tok.start_of_image_token, tok.image_placeholder, tok.end_of_image_token)
         return cls(preprocessor.image_converter, int(preprocessor.num_vision_tokens_per_image),
-                   int(preprocessor.max_images_per_prompt), tok.start_of_image_token,
-                   tok.image_placeholder, tok.end_of_image_token)
+                   int(preprocessor.max_images_per_prompt), *tokens,
+                   marker=tokens[1] if gemma4 else "", around="" if gemma4 else "\n\n",
+                   patches=gemma4)
 
     @classmethod
     def of_model(cls, lm) -> "ImageSpec | None":
@@ -78,15 +91,19 @@ class ImageSpec:
         return cls.from_preprocessor(pre)
 
     def expand(self, text: str) -> str:
-        """``text`` with each ``start`` marker replaced by the image's token block, as KerasHub's
-        preprocessor does: ``"\\n\\n" + start + placeholder * n + end + "\\n\\n"``."""
-        block = f"\n\n{self.start}{self.placeholder * self.tokens_per_image}{self.end}\n\n"
-        return text.replace(self.start, block)
+        """``text`` with each ``marker`` replaced by the image's token block, as KerasHub's
+        preprocessor does: ``around + start + placeholder * n + end + around`` (Gemma 3:
+        ``"\\n\\n"`` around its ``<start_of_image>``; Gemma 4: nothing around, its
+        ``<|image|>`` the marker)."""
+        block = f"{self.start}{self.placeholder * self.tokens_per_image}{self.end}"
+        return text.replace(self.marker, self.around + block + self.around)
 
     def pixels(self, arrays: list) -> np.ndarray:
         """(``max_images``, H, W, 3) float32: each image resized and rescaled by the converter on
         its own; the unused slots are the converter's output for a black image, as KerasHub's
-        preprocessor pads (computed once per process)."""
+        preprocessor pads (computed once per process). Gemma 4: ``_patches``."""
+        if self.patches:
+            return self._patches(arrays)
         h, w = self.converter.image_size
         out = np.empty((self.max_images, h, w, 3), np.float32)
         for i, array in enumerate(arrays):
@@ -96,6 +113,22 @@ class ImageSpec:
                 blank = np.zeros((1, h, w, 3), np.uint8)
                 self._blank = np.asarray(self.converter(blank), np.float32)[0]
             out[len(arrays):] = self._blank
+        return out
+
+    def _patches(self, arrays: list) -> np.ndarray:
+        """(``max_images``, patches, 3 x patch^2 + 2) float32: each image's patches from
+        Gemma 4's converter (resized to its aspect ratio, padded to the most patches) with each
+        patch's (x, y) position appended; an unused slot is padding patches only (zeros at
+        position -1), which the encoder reads as nothing (zero embeddings) and which leaves the
+        other images' pooling grid as it is (KerasHub pads a prompt's images to one size)."""
+        c = self.converter
+        count, width = c.max_soft_tokens * c.pooling_kernel_size ** 2, 3 * c.patch_size ** 2
+        out = np.zeros((self.max_images, count, width + 2), np.float32)
+        out[..., width:] = -1
+        for i, array in enumerate(arrays):
+            got = c(array[None])
+            out[i, :, :width] = np.asarray(got["pixel_values"], np.float32)[0]
+            out[i, :, width:] = np.asarray(got["pixel_position_ids"], np.float32)[0]
         return out
 
 
@@ -245,7 +278,8 @@ def place_images(record: dict, n: int, marker: str | None = None) -> dict:
 
 def flatten(messages: list, chat_format: str, where: str, field: str) -> list:
     """Messages whose content is a list of parts -> the same with string content: text parts
-    joined (trimmed each for ``gemma``, whose template trims them), image parts the format's
+    joined (trimmed each for ``gemma`` / ``gemma4``, whose templates trim them), image parts the
+    format's
     marker (``IMAGE_MARKERS``)."""
     out = []
     for i, m in enumerate(messages):
@@ -256,7 +290,8 @@ def flatten(messages: list, chat_format: str, where: str, field: str) -> list:
         for j, part in enumerate(m["content"]):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
-                pieces.append(part["text"].strip() if chat_format == "gemma" else part["text"])
+                trims = chat_format in ("gemma", "gemma4")
+                pieces.append(part["text"].strip() if trims else part["text"])
             elif kind == "image" and chat_format in IMAGE_MARKERS:
                 pieces.append(IMAGE_MARKERS[chat_format])
             elif kind == "image":
@@ -283,7 +318,7 @@ def prepare(record: dict, chat_format: str, spec: ImageSpec | None):
     if spec is not None and len(values) > spec.max_images:
         raise DataError(f"{where}: field '{column}' holds {len(values)} images, over the "
                         f"{spec.max_images} a sequence of this model may hold")
-    out = place_images(record, len(values), spec.start if spec is not None else None)
+    out = place_images(record, len(values), spec.marker if spec is not None else None)
     for f in CONVERSATION_FIELDS:
         if isinstance(out.get(f), list):
             out[f] = flatten(out[f], chat_format, where, f)

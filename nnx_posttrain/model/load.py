@@ -46,8 +46,10 @@ def register_builtin(name: str, backbone_kwargs: dict,
 def _build_builtin(name: str, policy: str, seed: int):
     """The ``GemmaCausalLM`` of a registered built-in configuration, initialised from ``seed``."""
     keras.utils.set_random_seed(seed)
-    if "vision" in TINY[name]:  # a Gemma 3 with a vision encoder
-        return vision.build_gemma3(TINY[name], _TOKENIZER_PROTOS[name](), policy)
+    if "vision" in TINY[name]:  # a Gemma 3 or (``family``: gemma4) Gemma 4 with a vision encoder
+        dims = dict(TINY[name])
+        build = vision.build_gemma4 if dims.pop("family", None) == "gemma4" else vision.build_gemma3
+        return build(dims, _TOKENIZER_PROTOS[name](), policy)
     tok = keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]())
     backbone = keras_hub.models.GemmaBackbone(
         vocabulary_size=tok.vocabulary_size(), dtype=policy, **TINY[name]
@@ -167,7 +169,8 @@ def chat_format_of(name: str, chosen: str | None = None) -> str | None:
     if chosen:
         return chosen
     if name in TINY:
-        return chat_format_for("GemmaBackbone")
+        gemma4 = TINY[name].get("family") == "gemma4"
+        return chat_format_for("Gemma4Backbone" if gemma4 else "GemmaBackbone")
     handle = PRESETS.get(name, name)
     family = _preset_backbone_class(str(Path(handle).expanduser())) if is_local_model(handle) \
         else None
@@ -241,7 +244,7 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
             task = _from_preset(name, handle, policy, weights, quantize)
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
-    image_token = getattr(tokenizer, "image_placeholder_id", None)  # a Gemma 3 vision model's
+    image_token = getattr(tokenizer, "image_placeholder_id", None)  # a Gemma 3 / 4 vision model's
     if vision.reads_images(task.backbone) and image_token is not None:
         vision.set_image_token(task.backbone, image_token)
     warm_up(task.backbone)
@@ -257,6 +260,9 @@ def load_tokenizer(name: str) -> Tokenizer | None:
     """``name``'s tokenizer alone, without its weights (``load``'s names), to compare two models'
     before the second loads; None where KerasHub cannot read it apart from the model."""
     if name in TINY:
+        if TINY[name].get("family") == "gemma4":
+            return Tokenizer(keras_hub.models.Gemma4Tokenizer(
+                proto=_TOKENIZER_PROTOS[name](), has_video_tokens=False))
         return Tokenizer(keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]()))
     handle = PRESETS.get(name, name)
     if is_local_model(handle):

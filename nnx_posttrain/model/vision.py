@@ -1,7 +1,9 @@
-"""Vision-language models: KerasHub's Gemma 3 backbone with its vision encoder.
+"""Vision-language models: KerasHub's Gemma 3 and Gemma 4 backbones with their vision encoders.
 
 A vision backbone (``reads_images``) takes, beside ``token_ids`` and ``padding_mask``, the batch's
-``images`` (batch, max images, H, W, 3), ``vision_indices`` (batch, max images x tokens per image:
+images (``VisionInputs``, per family: Gemma 3's ``images`` (batch, max images, H, W, 3), Gemma 4's
+``pixel_values`` (batch, max images, patches, 3 x patch^2) with their ``pixel_position_ids``),
+``vision_indices`` (batch, max images x tokens per image:
 the positions of the image placeholder tokens, ascending, padded with 0) and ``vision_mask``
 (1 at each placeholder token: image tokens attend to each other in both directions). The
 training forward (``logprobs.hidden_states``) builds them with ``backbone_inputs`` from the token
@@ -10,17 +12,23 @@ ids and the pixel values of the batch being processed, which the step sets aroun
 copies of the examples, e.g. a preference pair's chosen then rejected rows, and each copy reads
 its example's images). Without pixel values (a text-only batch) a vision backbone gets no image.
 
+The batch's ``pixel_values`` column is one array per family: Gemma 3's images; Gemma 4's patches
+with each patch's (x, y) position (-1 for a padding patch) as two last channels, which
+``VisionInputs.split`` gives the backbone as its two inputs (small integers, exact in float32).
+
 The vision tower is frozen (``freeze_tower``): LoRA or full fine-tuning trains the language model.
-KerasHub's ``Gemma3CausalLMPreprocessor`` asserts TensorFlow when it is built, though this
-project only reads its attributes (the tokenizer, the image converter, the image token counts):
-``preprocessor_without_tensorflow`` builds or loads one where TensorFlow is absent.
+KerasHub's ``Gemma3CausalLMPreprocessor`` (and Gemma 4's) asserts TensorFlow when it is built,
+though this project only reads its attributes (the tokenizer, the image converter, the image
+token counts): ``preprocessor_without_tensorflow`` builds or loads one where TensorFlow is absent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 
 from nnx_posttrain import errors
@@ -31,8 +39,54 @@ _PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
 
 
 def reads_images(module) -> bool:
-    """Whether a KerasHub backbone has a vision encoder (Gemma 3 with images)."""
+    """Whether a KerasHub backbone has a vision encoder (Gemma 3 or Gemma 4 with images)."""
     return getattr(module, "vision_encoder", None) is not None
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """How a family's backbone takes images: ``split`` (the batch's ``pixel_values`` [rows, max
+    images, ...] -> the backbone's image inputs), ``empty`` (backbone, rows -> those inputs for
+    no image) and whether the sampler's image prompt pass handles the family (``samples``; else
+    the reason it does not)."""
+
+    split: object
+    empty: object
+    samples: str | None = None
+
+
+def _gemma4_split(pixels):
+    return {"pixel_values": pixels[..., :-2],
+            "pixel_position_ids": pixels[..., -2:].astype(jnp.int32)}
+
+
+def _gemma4_empty(module, rows):
+    patch = int(module.vision_encoder.patch_size)
+    return {"pixel_values": jnp.zeros((rows, 0, 1, 3 * patch * patch), jnp.float32),
+            "pixel_position_ids": jnp.zeros((rows, 0, 1, 2), jnp.int32)}
+
+
+GEMMA3 = VisionInputs(
+    lambda pixels: {"images": pixels},
+    lambda module, rows: {"images": jnp.zeros(
+        (rows, 0, int(module.image_size), int(module.image_size), 3), jnp.float32)})
+GEMMA4 = VisionInputs(_gemma4_split, _gemma4_empty, samples=(
+    "the sampler's image prompt pass does not compute Gemma 4's per-layer inputs nor read its "
+    "KV-shared layers' caches yet"))
+
+
+def vision_inputs(module) -> VisionInputs:
+    """The vision inputs of a vision backbone's family (Gemma 4's or Gemma 3's)."""
+    return GEMMA4 if type(module).__name__ == "Gemma4Backbone" else GEMMA3
+
+
+def check_samples(module) -> None:
+    """Refuse to sample a vision backbone with images where the image prompt pass does not
+    handle its family (Gemma 4)."""
+    why = vision_inputs(module).samples
+    if why is not None:
+        raise errors.ConfigError(f"sampling {type(module).__name__} with images is not supported: "
+                                 f"{why} (training with images is)")
 
 
 @contextlib.contextmanager
@@ -90,16 +144,17 @@ def backbone_inputs(module, token_ids, padding_mask) -> dict:
         return inputs
     token_ids, padding_mask = jnp.asarray(token_ids), jnp.asarray(padding_mask)
     inputs = dict(inputs, token_ids=token_ids, padding_mask=padding_mask)
-    rows, size = token_ids.shape[0], int(module.image_size)
+    rows, family = token_ids.shape[0], vision_inputs(module)
     pixels = _PIXELS.get()
     if pixels is None:  # no image: the vision encoder runs on none
-        pixels = jnp.zeros((rows, 0, size, size, 3), jnp.float32)
+        images, count = family.empty(module, rows), 0
         vision = jnp.zeros(token_ids.shape, bool)
     else:
         pixels = _tiled(jnp.asarray(pixels, jnp.float32), rows)
+        images, count = family.split(pixels), pixels.shape[1]
         vision = (token_ids == _placeholder_id(module)) & (padding_mask > 0)
-    count = pixels.shape[1] * int(module.num_vision_tokens_per_image)
-    return dict(inputs, images=pixels, vision_mask=vision.astype(jnp.int32),
+    count *= int(module.num_vision_tokens_per_image)
+    return dict(inputs, **images, vision_mask=vision.astype(jnp.int32),
                 vision_indices=vision_indices(vision, count))
 
 
@@ -112,6 +167,7 @@ def embed_images(module, x, token_ids, padding_mask):
     backbone (the sampler's prompt pass over a prompt with images)."""
     if not reads_images(module) or _PIXELS.get() is None:
         return x, None
+    check_samples(module)
     inputs = backbone_inputs(module, token_ids, padding_mask)
     encoded = module.vision_encoder(inputs["images"])
     x = module.interleave_embeddings(image_embeddings=encoded, text_embeddings=x,
@@ -131,11 +187,11 @@ def encoded_once(module):
     examples = pixels.shape[0]
 
     def make(encoder, original):
-        def call(images, *args, **kwargs):
-            copies = images.shape[0] // examples
+        def call(images, *args, **kwargs):  # Gemma 3: an array; Gemma 4: a dict of arrays
+            copies = jax.tree.leaves(images)[0].shape[0] // examples
             if copies <= 1:
                 return original(images, *args, **kwargs)
-            out = original(images[:examples], *args, **kwargs)
+            out = original(jax.tree.map(lambda a: a[:examples], images), *args, **kwargs)
             return jnp.concatenate([out] * copies, axis=0)
         return call
 
@@ -161,20 +217,24 @@ def tower_trains(module) -> bool:
 
 @contextlib.contextmanager
 def preprocessor_without_tensorflow():
-    """Within the block, KerasHub's ``Gemma3CausalLMPreprocessor`` can be built without
-    TensorFlow (its constructor's check is skipped; calling it would still need TensorFlow)."""
-    from keras_hub.src.models.gemma3 import gemma3_causal_lm_preprocessor as module
+    """Within the block, KerasHub's ``Gemma3CausalLMPreprocessor`` and
+    ``Gemma4CausalLMPreprocessor`` can be built without TensorFlow (their constructors' check is
+    skipped; calling them would still need TensorFlow)."""
+    from keras_hub.src.models.gemma3 import gemma3_causal_lm_preprocessor as gemma3
+    from keras_hub.src.models.gemma4 import gemma4_causal_lm_preprocessor as gemma4
     from keras_hub.src.utils import tensor_utils
 
     if tensor_utils.tf is not None:
         yield
         return
-    original = module.assert_tf_installed
-    module.assert_tf_installed = lambda name: None
+    originals = [(m, m.assert_tf_installed) for m in (gemma3, gemma4)]
+    for m, _ in originals:
+        m.assert_tf_installed = lambda name: None
     try:
         yield
     finally:
-        module.assert_tf_installed = original
+        for m, original in originals:
+            m.assert_tf_installed = original
 
 
 def build_gemma3(dims: dict, proto: bytes, policy: str):
@@ -200,3 +260,31 @@ def build_gemma3(dims: dict, proto: bytes, policy: str):
             tokenizer, converter, num_vision_tokens_per_image=encoder.num_vision_tokens_per_image,
             max_images_per_prompt=max_images)
     return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=preprocessor)
+
+
+def build_gemma4(dims: dict, proto: bytes, policy: str):
+    """A ``Gemma4CausalLM`` with a vision encoder from built-in ``dims``: ``Gemma4Backbone``
+    arguments (the vocabulary is the tokenizer's), ``vision`` (``Gemma4VisionEncoder``
+    arguments; its output width is the backbone's) and ``max_images`` per sequence; the
+    tokenizer is SentencePiece model ``proto`` with Gemma 4's image tokens. The image converter
+    resizes an image to at most the encoder's patch grid (square images: exactly), rescaled to
+    [0, 1] as Gemma 4's checkpoints' converters are."""
+    import keras_hub
+
+    dims = dict(dims)
+    vision, max_images = dict(dims.pop("vision")), int(dims.pop("max_images", 1))
+    tokenizer = keras_hub.tokenizers.Gemma4Tokenizer(proto=proto, has_video_tokens=False)
+    encoder = keras_hub.models.Gemma4VisionEncoder(output_dim=dims["hidden_dim"], dtype=policy,
+                                                   **vision)
+    backbone = keras_hub.models.Gemma4Backbone(
+        vocabulary_size=tokenizer.vocabulary_size(), image_size=vision["image_size"],
+        vision_encoder=encoder, dtype=policy, **dims)
+    tokens = encoder.num_vision_tokens_per_image
+    converter = keras_hub.layers.Gemma4ImageConverter(
+        patch_size=vision["patch_size"], max_soft_tokens=tokens,
+        pooling_kernel_size=vision["pool_size"], scale=1 / 255)
+    with preprocessor_without_tensorflow():
+        preprocessor = keras_hub.models.Gemma4CausalLMPreprocessor(
+            tokenizer, converter, num_vision_tokens_per_image=tokens,
+            max_images_per_prompt=max_images)
+    return keras_hub.models.Gemma4CausalLM(backbone=backbone, preprocessor=preprocessor)

@@ -48,7 +48,7 @@ MODELS = {
     ),
 }
 
-# Gemma 3 with a vision encoder (KerasHub's Gemma3Backbone + Gemma3VisionEncoder): 16 x 16
+# Vision models. Gemma 3 (KerasHub's Gemma3Backbone + Gemma3VisionEncoder): 16 x 16
 # images in 4 x 4 patches, pooled 2 x 2 into 4 image tokens, at most ``max_images`` a sequence.
 VISION_MODELS = {
     "gemma3_vision_micro": dict(  # for fast tests
@@ -56,6 +56,19 @@ VISION_MODELS = {
         intermediate_dim=64, head_dim=16, max_images=2,
         vision=dict(image_size=16, patch_size=4, pool_size=2, num_heads=2, hidden_dim=16,
                     num_layers=1, intermediate_dim=32),
+    ),
+    # Gemma 4 (Gemma4Backbone + Gemma4VisionEncoder): E2B-like text (per-layer inputs, KV-shared
+    # layers) with image tokens attending to each other; 16 x 16 images in 4 x 4 patches, pooled
+    # 2 x 2 into 4 image tokens
+    "gemma4_vision_micro": dict(  # for fast tests
+        family="gemma4", num_layers=4, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,
+        intermediate_dim=64, head_dim=8, global_head_dim=16, sliding_window_size=8,
+        sliding_window_pattern=2, final_logit_soft_cap=30.0,
+        global_rope_partial_rotary_factor=0.25, hidden_size_per_layer_input=8,
+        num_kv_shared_layers=2, use_double_wide_mlp=True,
+        use_vision_bidirectional_attention=True, max_images=2,
+        vision=dict(image_size=16, patch_size=4, pool_size=2, num_heads=2, hidden_dim=16,
+                    num_layers=1, intermediate_dim=32, head_dim=8, position_embedding_size=8),
     ),
 }
 
@@ -87,7 +100,8 @@ def recipe(algorithm: str) -> Path | None:
 BUILTIN_MODELS = {
     **{name: (dims, tokenizer.builtin_proto) for name, dims in MODELS.items()},
     "gemma_tiny_tools": (MODELS["gemma_tiny"], multiply.tokenizer_proto),
-    **{name: (dims, tokenizer.vision_proto) for name, dims in VISION_MODELS.items()},
+    **{name: (dims, tokenizer.gemma4_vision_proto if dims.get("family") == "gemma4"
+                 else tokenizer.vision_proto) for name, dims in VISION_MODELS.items()},
 }
 
 

@@ -20,6 +20,7 @@ CHAT_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 # Kept verbatim: the chat templates put meaning in newlines.
 _USER_SYMBOLS = (*CHAT_TOKENS, "\n")
 IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<img>")  # Gemma 3's
+GEMMA4_TOKENS = ("<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>")  # chat, image
 
 
 @functools.cache
@@ -35,6 +36,15 @@ def vision_proto() -> bytes:
     questions = [shapes.question(colour) for colour in shapes.COLOURS] * 20
     return _train(arithmetic.corpus() + questions + ["user model\n"] * 10,
                   _USER_SYMBOLS + IMAGE_TOKENS)
+
+
+@functools.cache
+def gemma4_vision_proto() -> bytes:
+    """The built-in Gemma 4 vision model's SentencePiece model: the same text, with Gemma 4's
+    chat and image tokens as single pieces (KerasHub's ``Gemma4Tokenizer`` needs the latter)."""
+    questions = [shapes.question(colour) for colour in shapes.COLOURS] * 20
+    return _train(arithmetic.corpus() + questions + ["user model\n"] * 10,
+                  _USER_SYMBOLS + GEMMA4_TOKENS)
 
 
 def _train(corpus: list[str], symbols: tuple) -> bytes:
