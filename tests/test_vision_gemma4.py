@@ -196,6 +196,19 @@ def test_sampling_with_images_is_refused_by_name(lm):
     assert len(texts) == 1 and len(texts[0]) == 1
 
 
+def test_an_online_run_with_image_prompts_is_refused_before_its_first_step(lm):
+    """GRPO & co. sample their prompts: on Gemma 4 prompts with images are refused when the run
+    builds its inputs (generation.check_image_sampling), not at the first rollout; text
+    prompts pass."""
+    from nnx_posttrain.algorithms.online import generation
+
+    text = [{"prompt": "How many?"}] * 3
+    generation.check_image_sampling(lm.module, text)
+    with pytest.raises(errors.ConfigError, match="Gemma4Backbone with images"):
+        generation.check_image_sampling(lm.module, text + [{"prompt": "How many?",
+                                                            "images": [picture(0)]}])
+
+
 def test_a_local_preset_directory_of_a_gemma4_vision_model_loads(lm, tmp_path):
     """``save_to_preset`` then ``--model DIR``: KerasHub's own ``from_preset`` (its Gemma 4
     preprocessor built without TensorFlow), the same tower weights and image handling; the
