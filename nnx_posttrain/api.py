@@ -27,7 +27,9 @@ function detects the data, applies the layers and validates, for both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,8 +127,9 @@ def configure(algorithm, config: str | Path | None = None, *, args: Sequence[str
     ``--config FILE`` among them; parsed by tyro over the same dataclasses, ``prog`` naming the
     command in its usage). The data (which decides the recipe) is ``--data``, else ``data=``,
     else the file's, else the built-in task's. An unknown name, a value of the wrong type or a
-    setting given twice raises ``ConfigError`` naming it (a flag: ``SystemExit`` with the usage,
-    as any command line; ``--help`` too). Every setting is checked once all are applied
+    setting given twice raises ``ConfigError`` naming it (a bad flag too, with tyro's message;
+    under a command, ``prog`` given, a bad flag exits with the usage as any command line does;
+    ``--help`` prints and exits). Every setting is checked once all are applied
     (``Config.validate``)."""
     if config is not None and not isinstance(config, (str, Path)):
         raise errors.ConfigError(f"configure(config=...): the path of a YAML or JSON file, got "
@@ -152,11 +155,29 @@ def layered(base: config_lib.Config, config=None, settings: dict | None = None,
         if settings:
             cfg = config_files.merge(cfg, settings, "configure()")
         if args is not None:
-            import tyro
-
-            cfg = tyro.cli(type(cfg), default=cfg, args=list(args), description=description,
-                           prog=prog)
+            cfg = _flags(cfg, list(args), description, prog)
     return cfg.validate()
+
+
+def _flags(cfg, args: list[str], description: str | None, prog: str | None):
+    """``cfg`` with the flags ``args`` (tyro over its dataclasses). A command (``prog``) exits
+    as any command line does on a bad flag, with tyro's usage; the Python API (no ``prog``)
+    raises ``ConfigError`` with tyro's message instead (``--help`` still prints and exits)."""
+    import tyro
+
+    if prog is not None:
+        return tyro.cli(type(cfg), default=cfg, args=args, description=description, prog=prog)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            return tyro.cli(type(cfg), default=cfg, args=args, description=description)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        lines = [line.strip(" │─") for line in said.getvalue().splitlines()
+                 if not line.lstrip().startswith(("╭", "╰"))]  # the box's title and bottom
+        message = "; ".join(line for line in lines if line and "--help" not in line)
+        raise errors.ConfigError(f"configure(args={args}): {message}") from None
 
 
 def _config_arg(config, args):

@@ -63,3 +63,17 @@ def test_prepare_train_and_evaluate_only_are_the_loop_a_driver_can_take_apart(tm
     with train.prepare(evaluating, npt.api.build(evaluating), echo=lambda _: None) as run:
         assert run.restored.step == 2 and run.optimizer is None and "opt_state" not in run.state
         assert set(train.evaluate_only(run)) >= {"loss", "exact_match"}
+
+
+def test_a_bad_flag_given_to_configure_is_a_config_error_not_an_exit():
+    """The Python API's ``args``: an unknown or ill-typed flag raises ConfigError with tyro's
+    message (the flag, its suggestion), not SystemExit, which would end a notebook's kernel
+    cell as a crash; good flags apply. A command (``prog`` given) still exits with its usage."""
+    with pytest.raises(npt.ConfigError, match=r"--stepz.*Perhaps you meant.*--steps INT"):
+        npt.configure("sft", args=["--stepz", "5"])
+    with pytest.raises(npt.ConfigError, match=r"Error parsing --steps.*'five'"):
+        npt.configure("sft", args=["--steps", "five"])
+    assert npt.configure("sft", args=["--steps", "7"]).steps == 7
+    with pytest.raises(SystemExit) as info:
+        npt.configure("sft", args=["--stepz", "5"], prog="nnx-posttrain train sft")
+    assert info.value.code == 2

@@ -19,10 +19,12 @@ from nnx_posttrain import api, config_files, train
 from nnx_posttrain.api import flag_value  # noqa: F401  (the command line's helpers, re-exported)
 
 
-def parse(default, args: list[str], description: str | None = None, prog: str | None = None):
+def parse(default, args: list[str], description: str | None = None,
+          prog: str = "nnx-posttrain"):
     """Command line -> validated config, starting from ``default`` (a run config whose layers 1-2
     are resolved); ``--config FILE`` applies before the flags (``api.layered``). tyro rejects an
-    unknown or ill-typed option by name (``SystemExit`` with its usage)."""
+    unknown or ill-typed option by name (``SystemExit`` with its usage, ``prog`` naming the
+    command)."""
     path, args = config_files.split_arg(list(args))
     return api.layered(default, path, None, args, description, prog)
 
