@@ -159,3 +159,23 @@ def command_output(capsys, monkeypatch, argv, columns: int = 100, **main_kw) -> 
             code = 1
     out = capsys.readouterr()
     return code or 0, out.out, out.err
+
+
+def vision_model(name: str):
+    """The built-in vision model ``name`` (seed 0) with its image spec, as a run loads it."""
+    from nnx_posttrain import data, model
+
+    lm = model.load(name, seed=0)
+    lm.images = data.ImageSpec.from_preprocessor(lm.task.preprocessor)
+    return lm
+
+
+def tokenized_batch(lm, records_, length: int) -> dict:
+    """``records_`` through the training pipeline's ``Tokenize`` (images included), stacked."""
+    import numpy as np
+
+    from nnx_posttrain import data
+
+    transform = data.Tokenize(lm.tokenizer, lm.chat_format, length, images=lm.images)
+    examples = [transform(r) for r in records_]
+    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}

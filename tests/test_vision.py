@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from nnx_posttrain import data, errors, model, runs
+from nnx_posttrain import errors, model, runs
 from nnx_posttrain.tasks import shapes
-from support import MICRO, losses, records, train_run
+from support import MICRO, losses, records, tokenized_batch, train_run, vision_model
 
 NAME = "gemma3_vision_micro"
 LENGTH = 40
@@ -25,9 +25,7 @@ STEPS = ["--steps", "6", "--log-every", "1", "--eval.every", "0", "--eval.exact-
 
 @pytest.fixture(scope="module")
 def lm():
-    lm = model.load(NAME, seed=0)
-    lm.images = data.ImageSpec.from_preprocessor(lm.task.preprocessor)
-    return lm
+    return vision_model(NAME)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +47,7 @@ def files(tmp_path_factory):
 
 
 def batch(lm, records_):
-    transform = data.Tokenize(lm.tokenizer, lm.chat_format, LENGTH, images=lm.images)
-    examples = [transform(r) for r in records_]
-    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+    return tokenized_batch(lm, records_, LENGTH)
 
 
 def keras_hub_inputs(b, tokens_per_image):

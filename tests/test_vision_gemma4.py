@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, errors, model, runs
-from support import records, train_run
+from support import records, tokenized_batch, train_run, vision_model
 
 NAME = "gemma4_vision_micro"
 LENGTH = 40
@@ -23,9 +23,7 @@ STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--eval.exact-
 
 @pytest.fixture(scope="module")
 def lm():
-    lm = model.load(NAME, seed=0)
-    lm.images = data.ImageSpec.from_preprocessor(lm.task.preprocessor)
-    return lm
+    return vision_model(NAME)
 
 
 def picture(seed, size=(16, 16)):
@@ -70,9 +68,7 @@ def test_image_tokens_and_pixels_equal_keras_hubs_gemma4_preprocessor(lm):
 
 
 def batch(lm, records_):
-    transform = data.Tokenize(lm.tokenizer, lm.chat_format, LENGTH, images=lm.images)
-    examples = [transform(r) for r in records_]
-    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+    return tokenized_batch(lm, records_, LENGTH)
 
 
 def keras_hub_inputs(b, tokens_per_image):
