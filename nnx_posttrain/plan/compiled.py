@@ -180,7 +180,14 @@ def compile_step(run: build_lib.AbstractRun):
 
 def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
     """Compile the step of the run ``cfg`` of ``algorithm`` for ``topology`` (nothing runs,
-    nothing is allocated) and report it (``Plan``)."""
+    nothing is allocated) and report it (``Plan``). Built, compiled and estimated as on the
+    topology's chip, not on this host: the vocabulary chunks of its memory
+    (``model.assume_device_memory``)."""
+    with model.assume_device_memory(topology.memory_bytes):
+        return _planned(cfg, algorithm, topology, echo)
+
+
+def _planned(cfg, algorithm, topology: Topology, echo) -> Plan:
     from nnx_posttrain.train import flops as flops_lib, memory
 
     run = build_lib.build(cfg, algorithm, topology, echo)
@@ -188,8 +195,7 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
          f"({len(topology.devices)} x {topology.kind}) ...")
     start = time.perf_counter()
     try:
-        with model.assume_device_memory(topology.memory_bytes):  # the chunks the chip's run takes
-            compiled, refused = compile_step(run), None
+        compiled, refused = compile_step(run), None
     except jax.errors.JaxRuntimeError as exc:
         refused = _out_of_memory(exc)
         if refused is None:
@@ -218,10 +224,9 @@ def plan(cfg, algorithm, topology: Topology, echo=print) -> Plan:
                  "outputs not in place": 0, "generated code": 0}
         topology = dataclasses.replace(topology, memory_bytes=refused[1])
         flops = None
-    with model.assume_device_memory(topology.memory_bytes):
-        estimate = memory.estimate(run.cfg, run.lm.module, state["params"],
-                                   algorithm.sequences_per_example, frozen["reference"] is not None,
-                                   dict(run.mesh.shape))
+    estimate = memory.estimate(run.cfg, run.lm.module, state["params"],
+                               algorithm.sequences_per_example, frozen["reference"] is not None,
+                               dict(run.mesh.shape))
     out = Plan(_run_summary(run.cfg, algorithm, run), topology.name, topology.kind,
                len(topology.devices), topology.slices, dict(run.mesh.shape),
                topology.memory_bytes, parts, inputs,

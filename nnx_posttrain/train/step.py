@@ -167,10 +167,10 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
     def summed(params, frozen, batch):
         """(loss sums, gradient sums) over the micro-batches: one micro-batch as the backward
         pass gives them (no running sum to start from and add to), several summed in float32."""
-        if jax.tree.leaves(batch)[0].shape[0] == 1:
-            loss, grads = grad_fn(params, frozen, jax.tree.map(lambda x: x[0], batch))
-            return jax.tree.map(lambda x: x.astype(jnp.float32), loss), like_params(grads)
         first = jax.tree.map(lambda x: x[0], batch)
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            loss, grads = grad_fn(params, frozen, first)
+            return jax.tree.map(lambda x: x.astype(jnp.float32), loss), like_params(grads)
         shapes = jax.eval_shape(grad_fn, params, frozen, first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
         zeros = (zeros[0], like_params(zeros[1]))
