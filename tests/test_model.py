@@ -142,6 +142,43 @@ def test_chunked_logprob_gradients_equal_naive(micro):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_16_bit_logits_are_kept_for_the_backward_pass_with_the_same_gradients():
+    """A bfloat16 model's chunked projection keeps its chunks' bf16 logits for the backward pass
+    (the projection is not recomputed: three matmuls over the vocabulary, not four) while they
+    fit the logits budget; float32 logits, or more than that, are recomputed. Either way
+    the gradients are the same values."""
+    from nnx_posttrain.model import logprobs
+
+    lm = model.load("gemma_micro", seed=0, dtype="bfloat16")
+    emb = lm.module.token_embedding
+    assert logprobs._recomputation(emb, 2 * 2048, 32_000) is not None  # 250 MiB: kept
+    assert logprobs._recomputation(emb, 2 * 2048, 256_000) is None  # 2 GB: over this host's
+    with logprobs.assume_device_memory(16 * 2**30):
+        assert logprobs._recomputation(emb, 2 * 2048, 256_000) is None  # and a v5e's 1 GiB
+    with logprobs.assume_device_memory(32 * 2**30):
+        assert logprobs._recomputation(emb, 2 * 2048, 256_000) is not None  # but a v5p's
+    float32 = model.load("gemma_micro", seed=0).module.token_embedding
+    assert logprobs._recomputation(float32, 2, 8) is None  # recomputed, as before
+    graphdef, params, frozen = model.split(lm.module)
+
+    def grads():
+        def loss(p):
+            m = nnx.merge(graphdef, p, frozen)
+            return jnp.sum(model.token_logprobs(m, IDS, MASK, model.Projection(4)))
+        program = str(jax.make_jaxpr(jax.grad(loss))(params)).splitlines()
+        vocab = f",{emb.input_dim}]"
+        projections = sum("dot_general" in line and vocab in line for line in program)
+        return jax.jit(jax.grad(loss))(params), projections
+
+    kept, kept_projections = grads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logprobs, "_recomputation", lambda *a: None)
+        recomputed, recomputed_projections = grads()
+    assert kept_projections == recomputed_projections - 1  # the recomputation is gone
+    for a, b in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(recomputed)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_scored_positions_lists_the_loss_positions_in_one_bucketed_width():
     a = np.zeros((2, 16), np.float32)
     a[0, 10:13] = 1

@@ -240,6 +240,27 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_pick_masked_ids():
         assert int(sampler._categorical(jax.random.key(0), logits[None])[0]) == 4
 
 
+def test_inverse_cdf_draws_across_blocks_of_the_vocabulary():
+    """Over more ids than one block (``CDF_BLOCK``, the last block padded): the mass of ids in
+    three blocks, with a block of zeros between, drawn in proportion; nothing else is drawn, and u
+    at the top falls to the last id of positive probability."""
+    probs = np.zeros(2 * sampler.CDF_BLOCK + 500)
+    probs[[5, 2 * sampler.CDF_BLOCK + 1, 2 * sampler.CDF_BLOCK + 400]] = [0.25, 0.5, 0.25]
+    probs[7] = 1e-9  # tiny but drawable: not a masked id
+    logits = jnp.log(jnp.asarray(probs, jnp.float32))
+    draws = 20000
+    tokens = np.asarray(sampler._categorical(jax.random.key(1),
+                                             jnp.broadcast_to(logits, (draws, probs.size))))
+    ids, counts = np.unique(tokens, return_counts=True)
+    assert set(ids) <= {5, 7, 2 * sampler.CDF_BLOCK + 1, 2 * sampler.CDF_BLOCK + 400}, ids
+    np.testing.assert_allclose([np.mean(tokens == i) for i in (5, 2 * sampler.CDF_BLOCK + 1)],
+                               [0.25, 0.5], atol=0.015)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.random, "uniform", lambda rng, shape, dtype: jnp.ones(shape, dtype))
+        assert int(sampler._categorical(jax.random.key(0), logits[None])[0]) == (
+            2 * sampler.CDF_BLOCK + 400)
+
+
 def test_stop_tokens_rows_stop_independently(micro_sampler):
     lm, _, states, sample = micro_sampler
     ids, mask = _batch()
@@ -330,3 +351,17 @@ def test_eval_and_rollout_lengths_are_bounded_by_the_context(tmp_path):
                           "--algo.max-completion-length", "9000", error=ConfigError)
     assert msg.startswith("--algo.max-completion-length 9,000: a prompt of up to 24 tokens")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_tpu_tiers_checks_run_on_this_cpu(tmp_path):
+    """tests/tpu_checks.py (the TPU tier's chip-side script, run nowhere else) calls the
+    library as it is today: its sampler and bfloat16 checks, in process, on the CPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tpu_checks", support.ROOT / "tests" / "tpu_checks.py")
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    tokens = checks.sampler()["tokens"]
+    assert np.asarray(tokens).shape == (4, 16)
+    losses = checks.bf16_step()["losses"]
+    assert abs(losses["bfloat16"] - losses["float32"]) < 0.05 * losses["float32"]

@@ -90,8 +90,8 @@ def sampler() -> dict:
     graphdef, *states = nnx.split(lm.module)
     sample = sampler_lib.make_sampler(graphdef, 16)
     with jax.default_matmul_precision("highest"):
-        out = sample(tuple(states), jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), 0.0,
-                     1.0, jnp.asarray([-1], jnp.int32))
+        out = sample(tuple(states), jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0),
+                     sampler_lib.Draw(stop_ids=jnp.asarray([-1], jnp.int32)))
     return {"tokens": np.asarray(out["completion_ids"]).tolist()}
 
 

@@ -51,19 +51,37 @@ from nnx_posttrain.sampling.passes import family as _family
 from nnx_posttrain.sampling.passes import forward as _forward
 from nnx_posttrain.sampling.passes import image_prompt as _image_prompt
 
+CDF_BLOCK = 1024
+
+
 def _categorical(rng, logits):
     """One draw per row from softmax(logits) [B, V] by inverting its CDF with one uniform number
-    per row (as torch.multinomial does). ``jax.random.categorical`` adds a Gumbel number to every
-    vocabulary entry: B x V threefry draws per token, most of a sampled decoding step on CPU
-    (batch 64: 0.32 s vs 0.18 s greedy for 64 tokens). Ids of probability 0 (-inf) are never
-    drawn: the first id whose CDF exceeds u has a positive probability; u rounding up to the total
-    falls back to the last such id."""
+    per row (as torch.multinomial does), in two levels: the block of ``CDF_BLOCK`` ids whose
+    cumulative mass passes u, then the id within that block. ``jax.random.categorical`` adds a
+    Gumbel number to every vocabulary entry: B x V threefry draws per token, most of a sampled
+    decoding step on CPU (batch 64: 0.32 s vs 0.18 s greedy for 64 tokens); a cumulative sum over
+    the whole vocabulary is a log-depth scan of passes over [B, V] on a TPU (the sampled batch 64
+    at 0.86x Tunix's sampler); two levels read [B, V] twice. Ids of probability 0 (-inf) are never
+    drawn: within the chosen block the first id whose CDF exceeds u's remainder has a positive
+    probability; u rounding up to the total falls back to the last such id."""
     probs = jax.nn.softmax(logits, axis=-1)
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.random.uniform(rng, cdf.shape[:-1] + (1,), cdf.dtype) * cdf[..., -1:]
-    drawn = jnp.sum(cdf <= u, axis=-1)
-    last = probs.shape[-1] - 1 - jnp.argmax(probs[..., ::-1] > 0, axis=-1)
-    return jnp.minimum(drawn, last)
+    batch, vocab = probs.shape
+    width = min(CDF_BLOCK, vocab)
+    blocks = jnp.pad(probs, ((0, 0), (0, -vocab % width))).reshape(batch, -1, width)
+    mass = jnp.sum(blocks, axis=-1)  # [B, blocks]
+    cdf = jnp.cumsum(mass, axis=-1)
+    u = jax.random.uniform(rng, (batch, 1), cdf.dtype) * cdf[:, -1:]
+    block = jnp.minimum(jnp.sum(cdf <= u, axis=-1), _last_positive(mass))
+    before = jnp.where(block > 0, jnp.take_along_axis(cdf, jnp.maximum(block - 1, 0)[:, None],
+                                                      axis=-1)[:, 0], 0.0)  # <= u: r >= 0
+    inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, width]
+    drawn = jnp.sum(jnp.cumsum(inner, axis=-1) <= (u[:, 0] - before)[:, None], axis=-1)
+    return block * width + jnp.minimum(drawn, _last_positive(inner))
+
+
+def _last_positive(p):
+    """[B, n] -> [B]: the index of the last entry > 0 of each row."""
+    return p.shape[-1] - 1 - jnp.argmax(p[..., ::-1] > 0, axis=-1)
 
 
 def _choose(logits, rng, temperature, top_p, top_k: int, vocab_size=None):
