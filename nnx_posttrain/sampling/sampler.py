@@ -182,7 +182,8 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
     ``states``: the states of ``nnx.split(module)`` after the graphdef; ``prompt_ids`` /
     ``prompt_mask`` [B, P]: left-padded prompts (see ``pad_prompts``); ``rng``: a PRNG key;
     ``draw``: how to draw (:class:`Draw`: temperature, top-p, stop ids, vocabulary size,
-    budget); ``pixel_values`` [B, max images, H, W, 3] (a vision model's: each row's images,
+    budget); ``pixel_values`` [B, max images, ...] (a vision model's: each row's images,
+    Gemma 3's [H, W, 3] pixels or Gemma 4's patches with their positions,
     as ``data.TokenizePrompt`` makes them): the prompt pass reads them as the training forward
     does (``passes.image_prompt``); None (text) compiles the text sampler, as without them.
     Gemma 4's patches of images whose patch grids differ in width are refused
