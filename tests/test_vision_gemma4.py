@@ -1,10 +1,14 @@
-"""Training Gemma 4 with images (the built-in micro ``gemma4_vision_micro``: KerasHub's
+"""Gemma 4 with images (the built-in micro ``gemma4_vision_micro``: KerasHub's
 ``Gemma4Backbone`` with per-layer inputs, KV-shared layers and a ``Gemma4VisionEncoder``): the
 data pipeline's image tokens and pixel values are KerasHub's preprocessor's, our forward with
 images equals KerasHub's own ``Gemma4CausalLM`` call, SFT and DPO train on TRL's ``messages`` /
-``prompt`` + ``images`` JSONL with the tower frozen, and sampling with images is refused by name."""
+``prompt`` + ``images`` JSONL with the tower frozen, the KV-cache sampler with images decodes as
+the training forward (greedy tokens, log-probs), so ``sample --image`` answers and GRPO trains on
+image prompts; a sampling batch mixing image widths (KerasHub's batch-wide pooling grid) is
+refused."""
 
 import json
+import zlib
 
 import jax
 import numpy as np
@@ -136,11 +140,28 @@ def run(algorithm, data_file, run_dir, *extra):
                      LENGTH, *STEPS, "--run-dir", run_dir, *extra, echo=lambda _: None)
 
 
-def test_sft_on_messages_and_images_runs_two_steps(files, tmp_path):
-    """SFT with LoRA on a ``messages`` + ``images`` JSONL: two steps, finite losses."""
+def test_sft_on_messages_and_images_runs_two_steps(files, tmp_path, capsys):
+    """SFT with LoRA on a ``messages`` + ``images`` JSONL: two steps, finite losses; then
+    ``nnx-posttrain sample RUN --image FILE`` answers with the sampler's answer to that image
+    (``sample_texts`` of ``image_prompts``)."""
+    from nnx_posttrain import cli
+    from nnx_posttrain.cli import sample as sample_command
+    from nnx_posttrain.sampling import sampler
+
     run("sft", files / "sft.jsonl", tmp_path / "sft", "--lora.rank", "4")
     rows = records(tmp_path / "sft")
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    command = ["sample", str(tmp_path / "sft"), "--prompt", "How many shapes?",
+               "--max-new-tokens", "3", "--image", str(files / "1.png")]
+    capsys.readouterr()
+    assert cli.main(command) == 0
+    out = capsys.readouterr().out.splitlines()
+    out = out[out.index("> How many shapes?"):]  # after what loading prints
+    loaded = runs.load(tmp_path / "sft", echo=lambda _: None)
+    shown = sample_command.image_prompts(loaded.lm, ["How many shapes?"],
+                                         [np.asarray(Image.open(files / "1.png").convert("RGB"))])
+    assert out[1] == sampler.sample_texts(loaded.lm, loaded.policy(), shown,
+                                          sampler.Sampling(3))[0][0]
 
 
 def test_dpo_on_images_starts_at_log_2(files, tmp_path):
@@ -174,35 +195,126 @@ def test_the_vision_tower_is_frozen_by_default():
         assert (built.images.tokens_per_image, built.images.max_images) == (4, 2)
 
 
-def test_sampling_with_images_is_refused_by_name(lm):
-    """The sampler's image prompt pass does not handle Gemma 4 yet: prompts with images are
-    refused naming why (the sample command before any forward); text prompts still sample."""
-    from nnx_posttrain.cli.sample import image_prompts
+QUESTION = "How many shapes?"
+
+
+def image_prompts(lm, pictures, texts, width=32):
+    """Left-padded prompts (``width``) and their pixel values, one picture each, as the sample
+    command tokenizes them (``cli.sample.image_prompts``: the data pipeline's
+    ``TokenizePrompt``)."""
+    from nnx_posttrain.cli.sample import image_prompts as tokenized
     from nnx_posttrain.sampling import sampler
 
-    with pytest.raises(errors.ConfigError, match="Gemma4Backbone with images.*per-layer inputs"):
-        image_prompts(lm, ["How many shapes?"], [picture(0)])
-    ex = data.TokenizePrompt(lm.tokenizer, lm.chat_format, 32, images=lm.images)(
-        {"prompt": ask("How many?", "3")[:1], "images": [picture(0)]})
-    shown = sampler.ImagePrompts([[int(t) for t, m in zip(ex["prompt_ids"], ex["prompt_mask"])
-                                   if m]], ex["pixel_values"][None])
-    with pytest.raises(errors.ConfigError, match="KV-shared layers"):
-        sampler.sample_texts(lm, lm.module, shown, sampler.Sampling(2))
-    texts = sampler.sample_texts(lm, lm.module, ["How many?"], sampler.Sampling(2))
-    assert len(texts) == 1 and len(texts[0]) == 1
+    shown = [tokenized(lm, [text], [picture]) for text, picture in zip(texts, pictures)]
+    ids, mask = sampler.pad_prompts([s.ids[0] for s in shown], lm.tokenizer.pad_id, bucket=width)
+    return ids, mask, np.concatenate([s.pixel_values for s in shown])
 
 
-def test_an_online_run_with_image_prompts_is_refused_before_its_first_step(lm):
-    """GRPO & co. sample their prompts: on Gemma 4 prompts with images are refused when the run
-    builds its inputs (generation.check_image_sampling), not at the first rollout; text
-    prompts pass."""
-    from nnx_posttrain.algorithms.online import generation
+def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
+    """Greedy decoding with images (the prompt pass: the image tokens' embeddings the vision
+    tower's, per-layer inputs with image tokens reading padding's, KV-shared blocks reading their
+    source's keys, image tokens attending to each other on the local layers; then the KV cache,
+    past the sliding window of 8) gives, token by token, the argmax of the training forward
+    (``model.full_logits`` with the same pixel values, no cache) over the prompt, its image and
+    the tokens so far, and its log-probs; sampled tokens' log-probs (temperature 1) equal
+    ``model.token_logprobs`` of prompt + completion with the images; another picture gives other
+    logits, and so does the same prompt without its image."""
+    from flax import nnx
+    from nnx_posttrain.sampling import sampler
 
-    text = [{"prompt": "How many?"}] * 3
-    generation.check_image_sampling(lm.module, text)
-    with pytest.raises(errors.ConfigError, match="Gemma4Backbone with images"):
-        generation.check_image_sampling(lm.module, text + [{"prompt": "How many?",
-                                                            "images": [picture(0)]}])
+    ids, mask, pixels = image_prompts(lm, [picture(i) for i in range(3)],
+                                      [QUESTION, QUESTION, "Look closely. " + QUESTION])
+    placeholder = lm.task.preprocessor.tokenizer.image_placeholder_id
+    assert (ids == placeholder).sum(1).tolist() == [4, 4, 4]
+    graphdef, *states = nnx.split(lm.module)
+    sample, width = sampler.make_sampler(graphdef, 6), ids.shape[1]
+
+    def run(temperature, images=True):
+        out = sample(states, ids, mask, jax.random.key(1), sampler.Draw(temperature, 1.0, [-1]),
+                     pixels if images else None)
+        got = np.asarray(out["completion_ids"])
+        seq = np.concatenate([ids, got], 1)
+        seq_mask = np.concatenate([mask, np.asarray(out["completion_mask"])], 1)
+        return got, np.asarray(out["logprobs"]), seq, seq_mask
+
+    got, logps, seq, seq_mask = run(0.0)
+    with model.images(pixels):
+        full = np.asarray(model.full_logits(lm.module, seq, seq_mask))[:, width - 1:-1]
+    np.testing.assert_array_equal(got, full.argmax(-1))
+    logp = np.asarray(jax.nn.log_softmax(full, -1))
+    np.testing.assert_allclose(logps, np.take_along_axis(logp, got[..., None], -1)[..., 0],
+                               atol=2e-5)
+    assert np.abs(full[0, 0] - full[1, 0]).max() > 1e-3  # the same question, another picture
+    assert np.abs(run(0.0, images=False)[1][:, 0] - logps[:, 0]).max() > 1e-5
+
+    _, logps, seq, seq_mask = run(1.0)
+    with model.images(pixels):
+        want = np.asarray(model.token_logprobs(lm.module, seq, seq_mask))[:, width:]
+    np.testing.assert_allclose(logps, want, atol=2e-5)
+
+
+def test_a_sampling_batch_mixing_image_widths_is_refused(lm):
+    """KerasHub's Gemma 4 pools every image of a call on the widest image's grid: a sampling
+    batch of pictures of two patch-grid widths is refused naming them (not sampled with a
+    narrower picture's embeddings pooled wrong); ``sample_texts`` of one such prompt too, a
+    prompt with one picture answers."""
+    from flax import nnx
+    from nnx_posttrain.cli.sample import image_prompts as tokenized
+    from nnx_posttrain.sampling import sampler
+
+    ids, mask, pixels = image_prompts(lm, [picture(0), picture(1, (16, 8))], [QUESTION] * 2)
+    graphdef, *states = nnx.split(lm.module)
+    sample = sampler.make_sampler(graphdef, 2)
+    with pytest.raises(errors.DataError, match=r"2 patch-grid widths \(2, 4 patches\)"):
+        sample(states, ids, mask, jax.random.key(0), sampler.Draw(0.0, 1.0, [-1]), pixels)
+    both = tokenized(lm, [QUESTION], [picture(0), picture(1, (16, 8))])
+    with pytest.raises(errors.DataError, match="patch-grid widths"):
+        sampler.sample_texts(lm, lm.module, both, sampler.Sampling(2))
+    one = sampler.sample_texts(lm, lm.module, tokenized(lm, [QUESTION], [picture(1, (16, 8))]),
+                               sampler.Sampling(2))
+    assert len(one) == 1 and len(one[0]) == 1
+
+
+def varied_reward(prompts, completions, **_):
+    """Test reward: a hash of the completion's text (completions differ, so do their rewards)."""
+    return [float(zlib.crc32(c[0]["content"].encode()) % 7) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    """TRL's prompt-only vision format (``prompt`` + ``images`` + ``answer``) of the built-in
+    image task, its pictures (one size) as PNG files beside it."""
+    from nnx_posttrain.tasks import shapes
+
+    root = tmp_path_factory.mktemp("gemma4_vision_prompts")
+    rows = []
+    for i in range(8):
+        record = shapes.prompt_record(i)
+        Image.fromarray(record["images"][0]).save(root / f"{i}.png")
+        rows.append(dict(record, images=[f"{i}.png"]))
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "prompts.jsonl"
+
+
+def test_grpo_samples_and_trains_on_image_prompts(prompt_file, tmp_path):
+    """GRPO on prompt-only records with images, two iterations per rollout and a clip range of
+    1e-3: the rollouts are sampled with each prompt's image, and at the first step the
+    ratio is 1 at every token (nothing clipped: the sampler's log-probs are the training
+    forward's, per-layer inputs and KV-shared layers included), at the second it is not; the
+    loss is finite; held-out prompts are answered with their images (exact match)."""
+    run_dir = tmp_path / "grpo"
+    train_run("grpo", "--model", NAME, "--data", prompt_file, "--batching.max-length", LENGTH,
+              *STEPS, "--run-dir", run_dir, "--algo.num-generations", "2",
+              "--algo.max-completion-length", "4", "--algo.temperature", "1.0",
+              "--algo.rewards", "test_vision_gemma4:varied_reward", "--lora.rank", "4",
+              "--optim.learning-rate", "3e-2", "--algo.num-iterations", "2",
+              "--algo.epsilon", "1e-3", "--eval-data", prompt_file, "--eval.every", "2",
+              "--eval.exact-match", "2", "--eval.max-new-tokens", "2", echo=lambda _: None)
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["clip_ratio/region_mean"] == 0.0
+    assert rows[1]["clip_ratio/region_mean"] > 0.0
+    assert 0 <= records(run_dir, "eval")[-1]["exact_match"] <= 1
 
 
 def test_a_local_preset_directory_of_a_gemma4_vision_model_loads(lm, tmp_path):

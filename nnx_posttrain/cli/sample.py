@@ -8,9 +8,10 @@
 Each prompt is a user message rendered with the run's chat template and decoded by the compiled
 KV-cache sampler (``nnx_posttrain.sampling.sampler``): greedy by default (``--temperature 0``),
 else sampled at that temperature, with optional top-k / top-p truncation. ``--image FILE``
-(repeatable; a vision model's, Gemma 3's) shows every prompt the images, decoded and resized as
-the training data's are; they go before the prompt's text, or where it names them with the
-model's image marker (``<start_of_image>``), one per image.
+(repeatable; a vision model's, Gemma 3's or Gemma 4's) shows every prompt the images, decoded
+and resized as the training data's are; they go before the prompt's text, or where it names them
+with the model's image marker (Gemma 3's ``<start_of_image>``, Gemma 4's ``<|image|>``), one per
+image.
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ def image_prompts(lm, prompts: list[str], images: list) -> sampler.ImagePrompts:
     spec = lm.images or data.ImageSpec.of_model(lm)
     if spec is None or not model.reads_images(lm.module):
         raise errors.ConfigError(f"--image: {lm.name} has no vision tower (a text model): "
-                                 "sample with a vision-language model (Gemma 3)")
-    model.vision.check_samples(lm.module)  # Gemma 4's image prompt pass: not yet
+                                 "sample with a vision-language model (Gemma 3, Gemma 4)")
     transform = data.TokenizePrompt(lm.tokenizer, lm.chat_format, PROMPT_ROOM, images=spec)
     ids, pixels = [], []
     for i, text in enumerate(prompts):

@@ -86,8 +86,9 @@ class Decoding:
     ``layout(block)``: the block's (kv heads, head dim) (None: the backbone's, every block);
     ``kv_source(block)``: the index of the earlier block whose keys and values a KV-shared block
     reads (given to it as keyword ``shared_kw``: that block's cache output), None for a block
-    with its own; ``layer_inputs(backbone, token_ids, x)``: each block's extra keyword arguments
-    (a list of dicts) from the token ids and the scaled embeddings ``x``."""
+    with its own; ``layer_inputs(backbone, token_ids, x, vision_mask=None)``: each block's extra
+    keyword arguments (a list of dicts) from the token ids and the scaled embeddings ``x`` (with
+    a prompt's images: its image tokens' ``vision_mask``)."""
 
     cache_kw: str
     index_kw: str
@@ -96,7 +97,7 @@ class Decoding:
     layout: Callable[[Any], tuple[int, int]] | None = None
     kv_source: Callable[[Any], int | None] | None = None
     shared_kw: str = ""
-    layer_inputs: Callable[[Any, Any, Any], list] | None = None
+    layer_inputs: Callable[..., list] | None = None
 
 
 # The decoder blocks' cache keywords of KerasHub's Llama-like families (Llama, Mistral, Qwen, the

@@ -34,16 +34,20 @@ def attention(layer, training: bool) -> LayerSpec:
     return LayerSpec(1.0, layer.logit_soft_cap or None, window)
 
 
-def layer_inputs(backbone, token_ids, x) -> list[dict]:
+def layer_inputs(backbone, token_ids, x, vision_mask=None) -> list[dict]:
     """Each decoder block's ``per_layer_input`` (E2B / E4B), as the backbone computes it: the
     block's slice of the per-layer token embedding (scaled by sqrt(width)) and of the projection
     of the scaled embeddings ``x`` (scaled by 1 / sqrt(hidden), then normalised), summed, times
-    1 / sqrt(2). No keyword where the model has no per-layer inputs."""
+    1 / sqrt(2). Image tokens (``vision_mask``: a prompt with images, whose ``x`` holds the
+    image embeddings) read the per-layer embedding of id 0, padding, as KerasHub's backbone
+    (and transformers') reads them. No keyword where the model has no per-layer inputs."""
     from keras import ops
 
     width = int(backbone.hidden_size_per_layer_input or 0)
     if not width:
         return [{} for _ in range(backbone.num_layers)]
+    if vision_mask is not None:
+        token_ids = ops.where(ops.cast(vision_mask, "bool"), ops.zeros_like(token_ids), token_ids)
     emb = ops.cast(backbone.per_layer_token_embedding(token_ids), x.dtype)
     emb = emb * ops.cast(float(width) ** 0.5, x.dtype)
     proj = backbone.per_layer_model_projection(x)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nnx_posttrain import errors
 from nnx_posttrain.model import blocks
@@ -47,12 +48,12 @@ def reads_images(module) -> bool:
 class VisionInputs:
     """How a family's backbone takes images: ``split`` (the batch's ``pixel_values`` [rows, max
     images, ...] -> the backbone's image inputs), ``empty`` (backbone, rows -> those inputs for
-    no image) and whether the sampler's image prompt pass handles the family (``samples``; else
-    the reason it does not)."""
+    no image) and ``placed`` (backbone, the vision encoder's output -> the image embeddings as
+    they sit among the scaled text embeddings: the sampler's image prompt pass)."""
 
     split: object
     empty: object
-    samples: str | None = None
+    placed: object = lambda module, encoded: encoded
 
 
 def _gemma4_split(pixels):
@@ -66,13 +67,22 @@ def _gemma4_empty(module, rows):
             "pixel_position_ids": jnp.zeros((rows, 0, 1, 2), jnp.int32)}
 
 
+def _gemma4_placed(module, encoded):
+    """Gemma 4's backbone scales the image embeddings by 1 / sqrt(hidden) before it places them
+    among the unscaled text embeddings, then scales every position by sqrt(hidden): the
+    encoder's output up to rounding, computed as the backbone computes it."""
+    from keras import ops
+
+    hidden = module.hidden_dim
+    encoded = encoded * ops.cast(float(hidden) ** -0.5, encoded.dtype)
+    return encoded * ops.cast(ops.sqrt(hidden), encoded.dtype)
+
+
 GEMMA3 = VisionInputs(
     lambda pixels: {"images": pixels},
     lambda module, rows: {"images": jnp.zeros(
         (rows, 0, int(module.image_size), int(module.image_size), 3), jnp.float32)})
-GEMMA4 = VisionInputs(_gemma4_split, _gemma4_empty, samples=(
-    "the sampler's image prompt pass does not compute Gemma 4's per-layer inputs nor read its "
-    "KV-shared layers' caches yet"))
+GEMMA4 = VisionInputs(_gemma4_split, _gemma4_empty, _gemma4_placed)
 
 
 def vision_inputs(module) -> VisionInputs:
@@ -80,13 +90,26 @@ def vision_inputs(module) -> VisionInputs:
     return GEMMA4 if type(module).__name__ == "Gemma4Backbone" else GEMMA3
 
 
-def check_samples(module) -> None:
-    """Refuse to sample a vision backbone with images where the image prompt pass does not
-    handle its family (Gemma 4)."""
-    why = vision_inputs(module).samples
-    if why is not None:
-        raise errors.ConfigError(f"sampling {type(module).__name__} with images is not supported: "
-                                 f"{why} (training with images is)")
+def check_one_grid(pixel_values) -> None:
+    """Refuse to sample Gemma 4's patches (``pixel_values`` [rows, max images, patches, 3 x
+    patch^2 + 2]: 4 dimensions, Gemma 3's images have 5) of images whose patch grids differ in
+    width: KerasHub's ``Gemma4VisionAveragePooling`` reads the pooling grid's width from the
+    widest image of the whole call, so a narrower image would be pooled on the wider grid (its
+    embeddings depending on which images share its batch). A ``DataError`` naming the widths."""
+    pixels = None if pixel_values is None else np.asarray(pixel_values)
+    if pixels is None or pixels.ndim != 4 or not pixels.size:
+        return
+    x = pixels[..., -2]
+    real = (pixels[..., -2:] >= 0).all(-1)  # padding patches: (-1, -1)
+    widths = {int(w) + 1 for w, has in zip(np.where(real, x, -1).max(-1).ravel(),
+                                           real.any(-1).ravel()) if has}
+    if len(widths) > 1:
+        raise errors.DataError(
+            f"images of {len(widths)} patch-grid widths ({', '.join(map(str, sorted(widths)))} "
+            "patches) in one sampling batch of Gemma 4: KerasHub's Gemma 4 pools every image on "
+            "the grid of the widest one, so a narrower image's embeddings would be wrong. Give "
+            "the images of a batch one aspect ratio (resize them), or sample one prompt (and its "
+            "images of one width) a batch")
 
 
 @contextlib.contextmanager
@@ -167,11 +190,12 @@ def embed_images(module, x, token_ids, padding_mask):
     backbone (the sampler's prompt pass over a prompt with images)."""
     if not reads_images(module) or _PIXELS.get() is None:
         return x, None
-    check_samples(module)
     inputs = backbone_inputs(module, token_ids, padding_mask)
-    encoded = module.vision_encoder(inputs["images"])
-    x = module.interleave_embeddings(image_embeddings=encoded, text_embeddings=x,
-                                     vision_indices=inputs["vision_indices"])
+    family = vision_inputs(module)
+    images = {k: inputs[k] for k in family.empty(module, 0)}
+    encoded = module.vision_encoder(images.get("images", images))  # Gemma 4's: a dict
+    x = module.interleave_embeddings(image_embeddings=family.placed(module, encoded),
+                                     text_embeddings=x, vision_indices=inputs["vision_indices"])
     return x, inputs["vision_mask"]
 
 

@@ -151,18 +151,21 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
 def image_prompt(module, fam: families.Decoding, token_ids, caches: tuple, prompt):
     """The prompt pass over prompts with images (those of the ``model.images`` scope) on a vision
     backbone, as the training forward computes it: the placeholder tokens' embeddings replaced by
-    the vision tower's projected embeddings (``vision.embed_images``), and KerasHub's own mask and
-    attention in every block (causal, image tokens bidirectional within an image, the sliding
-    window, the prompt's left pads masked: what a vision model trains with); each attention layer
-    also writes its keys and values into ``caches`` at position 0. Returns the last position's
-    float32 logits [B, 1, vocab] and the caches, from which decoding goes on as for text."""
+    the vision tower's projected embeddings (``vision.embed_images``), and every block called as
+    the backbone's graph calls it, without a cache, with KerasHub's own mask and attention
+    (causal, image tokens bidirectional within an image, the sliding window, the prompt's left
+    pads masked: what a vision model trains with), Gemma 4's per-layer inputs (its image tokens
+    reading padding's) and its KV-shared blocks given their source block's keys and values; each
+    attention layer with its own keys and values writes them into ``caches`` at position 0.
+    Returns the last position's float32 logits [B, 1, vocab] and the caches, from which decoding
+    goes on as for text."""
     if not vision.reads_images(module):
         raise ValueError(f"pixel values given, but {type(module).__name__} has no vision tower")
-    batch, t = token_ids.shape
     x, vision_mask = vision.embed_images(module, _embedded(module, fam, token_ids), token_ids,
                                          prompt)
     caches = list(caches)
     blocks = model.decoder_blocks(module)
+    sources = [fam.kv_source(block) if fam.kv_source else None for block in blocks]
     specs = [attention.layer_spec(block, training=False) for block in blocks]
     index = {id(attention.attention_layer(block)): i for i, block in enumerate(blocks)}
 
@@ -170,14 +173,20 @@ def image_prompt(module, fam: families.Decoding, token_ids, caches: tuple, promp
         i = index[id(layer)]
 
         def compute(q, k, v, *args, **kwargs):
-            caches[i] = _written(caches[i], k[:, :, ::specs[i].repeated],
-                                 v[:, :, ::specs[i].repeated], 0)
+            if sources[i] is None:  # a KV-shared block's keys are its source's, written there
+                caches[i] = _written(caches[i], k[:, :, ::specs[i].repeated],
+                                     v[:, :, ::specs[i].repeated], 0)
             return original(q, k, v, *args, **kwargs)
         return compute
 
-    through = _pass_through_cache(module, fam, batch, t)
+    extra = (fam.layer_inputs(module, token_ids, x, vision_mask=vision_mask) if fam.layer_inputs
+             else [{}] * len(blocks))
+    outputs = []  # each block's keys and values (Gemma 4): what a KV-shared block reads
     with override_blocks(module, "_compute_attention", make, part=attention.attention_layer):
-        for block in blocks:
-            x, _ = block(x, padding_mask=prompt, vision_mask=vision_mask,
-                         **{fam.cache_kw: through, fam.index_kw: 0})
+        for block, kwargs, source in zip(blocks, extra, sources):
+            if source is not None:
+                kwargs = dict(kwargs, **{fam.shared_kw: outputs[source]})
+            out = block(x, padding_mask=prompt, vision_mask=vision_mask, **kwargs)
+            x, kv = out if isinstance(out, tuple) else (out, None)  # Gemma 3: x alone
+            outputs.append(kv)
     return _head(module, x, last=True), tuple(caches)

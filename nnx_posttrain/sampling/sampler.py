@@ -19,10 +19,12 @@ one query against it (``attention.attend_cached``: causal, sliding window, soft 
 masked). KerasHub's own cached attention slices, updates and re-stacks its whole cache in every
 layer and step; this cache is updated in place (`tools.bench.sampler` measures both).
 
-A prompt with images (a vision model's, Gemma 3's: ``pixel_values``) takes the training forward's
-prompt pass instead: the image placeholder tokens' embeddings replaced by the vision tower's, and
-KerasHub's own attention (image tokens attend to each other within an image), its keys and values
-written into the same cache; decoding then goes on as for text (a new token attends causally).
+A prompt with images (a vision model's, Gemma 3's or Gemma 4's: ``pixel_values``) takes the
+training forward's prompt pass instead: the image placeholder tokens' embeddings replaced by the
+vision tower's, and KerasHub's own attention (image tokens attend to each other within an image;
+Gemma 4's per-layer inputs and KV-shared blocks as its backbone computes them), its keys and
+values written into the same cache; decoding then goes on as for text (a new token attends
+causally).
 
 Log-probabilities are those of softmax(logits / temperature) (temperature 1 when greedy) WITHOUT
 top-k / top-p truncation, the convention of TRL's rollouts.
@@ -198,9 +200,12 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
     ``states``: the states of ``nnx.split(module)`` after the graphdef; ``prompt_ids`` /
     ``prompt_mask`` [B, P]: left-padded prompts (see ``pad_prompts``); ``rng``: a PRNG key;
     ``draw``: how to draw (:class:`Draw`: temperature, top-p, stop ids, vocabulary size,
-    budget); ``pixel_values`` [B, max images, H, W, 3] (a vision model's: each row's images,
+    budget); ``pixel_values`` [B, max images, ...] (a vision model's: each row's images,
+    Gemma 3's [H, W, 3] pixels or Gemma 4's patches with their positions,
     as ``data.TokenizePrompt`` makes them): the prompt pass reads them as the training forward
     does (``passes.image_prompt``); None (text) compiles the text sampler, as without them.
+    Gemma 4's patches of images whose patch grids differ in width are refused
+    (``vision.check_one_grid``: KerasHub's pooling would read one grid for all).
     Returns ``completion_ids`` [B, N] (``pad_id`` after the stop token),
     ``completion_mask`` [B, N] (1 up to and including the stop token), ``logprobs`` [B, N]
     float32 (0 where the mask is 0) and ``finished`` [B] (a stop token was produced). Rows stop
@@ -225,6 +230,7 @@ def make_sampler(graphdef, max_new_tokens: int, *, top_k: int = 0, pad_id: int =
             jnp.asarray(draw.stop_ids, jnp.int32).reshape(-1), jnp.asarray(vocab, jnp.int32),
             jnp.broadcast_to(jnp.asarray(n if draw.budget is None else draw.budget, jnp.int32),
                              (rows,)))
+        vision.check_one_grid(pixel_values)  # Gemma 4: images of one grid width a batch
         pixels = None if pixel_values is None else jnp.asarray(pixel_values, jnp.float32)
         return _sample(tuple(states), jnp.asarray(prompt_ids, jnp.int32),
                        jnp.asarray(prompt_mask, jnp.int32), rng, traced, pixels)

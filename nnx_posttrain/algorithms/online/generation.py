@@ -8,8 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nnx_posttrain import errors, model
-from nnx_posttrain.data import images
+from nnx_posttrain import errors
 
 
 class Completions(NamedTuple):
@@ -108,13 +107,3 @@ def decode_texts(lm, stop_ids, ids, mask) -> list[str]:
                 + (f", of which {bad[:8]} are outside the tokenizer's {size} ids" if bad else "")
             ) from None
     return out
-
-
-def check_image_sampling(module, source, records: int = 100) -> None:
-    """Before the first step: prompts with images (among the first ``records``) on a vision
-    model whose image prompts the sampler cannot decode yet (Gemma 4) are refused by name, not
-    at the first rollout."""
-    if not model.reads_images(module):
-        return
-    if any(images.record_images(source[i])[1] for i in range(min(len(source), records))):
-        model.vision.check_samples(module)

@@ -135,7 +135,6 @@ class OnlineAlgorithm(AlgorithmBase):
 
     def inputs(self, run: RunContext, params) -> Inputs:
         # the loss needs rollouts: held-out data is evaluated by generation only
-        generation.check_image_sampling(run.lm.module, run.train_src)
         return Inputs(Rollouts(self, run, params), [])
 
     def attach(self, rollouts: "Rollouts") -> None:
