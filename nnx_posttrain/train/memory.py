@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from nnx_posttrain import errors, model
+from nnx_posttrain import errors, model, sharding
 from nnx_posttrain.model import device_memory
 from nnx_posttrain.model.device_memory import GiB
 from nnx_posttrain.model.logprobs import chunk_positions
@@ -40,7 +40,7 @@ def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: 
              mesh_shape: dict) -> dict[str, int]:
     """{part: bytes per device} still to allocate for a step (see the module docstring)."""
     b = cfg.batching
-    batch_shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    batch_shards = sharding.batch_divisor(mesh_shape)
     weight_shards = mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1)
     seqs = max(b.batch_size // b.grad_accum // batch_shards, 1) * sequences_per_example
     s = b.max_length
