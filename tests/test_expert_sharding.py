@@ -107,6 +107,19 @@ def test_an_expert_count_the_axis_does_not_divide_and_a_dense_model_are_refused(
             f"--mesh.expert 2: model dense ({type(bb).__name__}) has no experts"), str(err.value)
 
 
+def test_the_memory_estimate_counts_a_devices_share_of_the_experts():
+    from nnx_posttrain import model
+    from nnx_posttrain.train import memory
+
+    _, params, _ = model.split(support.TINY_FAMILIES["qwen3_moe"]())
+    specs = _specs(support.TINY_FAMILIES["qwen3_moe"](), MESH)
+    experts = sum(int(np.prod(shape)) for shape, spec in specs.values() if "expert" in spec)
+    total, nbytes = memory._per_device(params, {})
+    assert nbytes == 4 * total and experts > total / 3
+    assert memory._per_device(params, {"expert": 1, "fsdp": 2}) == (total // 2, nbytes // 2)
+    assert memory._per_device(params, {"expert": 2})[0] == total - experts // 2
+
+
 def test_the_command_refuses_the_expert_axis_on_a_dense_model(tmp_path):
     run_dir = tmp_path / "dense"
     cmd = [sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--steps", "1",
@@ -212,3 +225,53 @@ def test_the_experts_arrays_are_split_over_the_expert_axis(four_devices):
         for name in ("expert=2", "fsdp=2,expert=2", "expert=2,tensor=2"):
             assert rows[f"{variant} {name}"] == [2], (variant, name)  # 2 of the 4 experts each
     assert all(n == 0 for n in four_devices["drift"].values()), four_devices["drift"]
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_preset(tmp_path_factory):
+    from tools import make_preset
+
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    make_preset._task("qwen3_moe", dict(families.FAMILIES["qwen3_moe"].tiny["qwen3_moe"],
+                                        vocabulary_size=1024), 1024, "float32").save_to_preset(str(path))
+    return path
+
+
+def _plan_cfg(preset, *extra):
+    from nnx_posttrain.cli import train_command
+
+    args = ["--model", str(preset), "--init-from", "", "--batching.batch-size", "8",
+            "--batching.max-length", "96", *extra]
+    return train_command.config_from("sft", args, "sft")
+
+
+def test_a_plan_lays_the_experts_on_the_expert_axis_of_the_topology(qwen3_moe_preset):
+    from nnx_posttrain import api, plan
+    from nnx_posttrain.plan import build as build_lib
+
+    v5e_8 = plan.resolve("v5e-8")
+    cfg = _plan_cfg(qwen3_moe_preset, "--mesh.expert", "2")
+    run = build_lib.build(cfg, api.build(cfg), v5e_8, echo=lambda s: None)
+    assert dict(run.mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
+    experts = [v for v in jax_variables(run.state["params"]) if "/experts/" in v.path]
+    assert experts and {v.value.sharding.spec[0] for v in experts} == {"expert"}
+    assert run.batch["input_ids"].sharding.spec[1] == ("data", "fsdp", "expert")
+    planned = plan.plan(cfg, api.build(cfg), v5e_8, echo=lambda s: None)  # compiled for it
+    assert planned.mesh == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1} and planned.fits
+    # over two slices the data axis spans them, the expert axis stays within a slice
+    mesh = build_lib.abstract_mesh(config.MeshConfig(data=2, fsdp=-1, expert=4),
+                                   plan.resolve("v5e-16", slices=2).devices, slices=2)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 4, "tensor": 1}
+    bad = _plan_cfg(qwen3_moe_preset, "--mesh.expert", "8")
+    with pytest.raises(errors.ConfigError, match="--mesh.expert 8: model .* has 4 experts per "
+                       "MoE layer, which do not divide over 8 devices; valid values: 1, 2, 4"):
+        build_lib.build(bad, api.build(bad), v5e_8, echo=lambda s: None)
+
+
+def jax_variables(tree) -> list:
+    import jax
+
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
