@@ -275,3 +275,26 @@ def jax_variables(tree) -> list:
     import jax
 
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@pytest.mark.slow
+def test_the_command_trains_with_the_experts_split_and_the_losses_of_one_device(
+        qwen3_moe_preset, tmp_path):
+    """The run's own path (mesh, placement, batches, checkpoints) with --mesh.expert 2."""
+    def run(name, *mesh):
+        cmd = [sys.executable, "-m", "experiments.sft", "--model", str(qwen3_moe_preset),
+               "--init-from", "", "--steps", "3", "--log-every", "1", "--eval.every", "0",
+               "--eval.exact-match", "0", "--eval.batches", "1", "--checkpoint.every", "0",
+               "--batching.batch-size", "4", "--batching.grad-accum", "1",
+               "--batching.max-length", "96", "--run-dir", str(tmp_path / name), *mesh]
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, XLA_FLAGS=" ".join(flags)),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout, [r["loss"] for r in support.records(tmp_path / name)]
+
+    _, one = run("one")
+    out, split = run("split", "--mesh.cpu-devices", "2", "--mesh.data", "1", "--mesh.expert", "2")
+    assert "mesh: data 1 x fsdp 1 x expert 2 x tensor 1 (2 cpu devices)" in out, out
+    assert len(one) == 3
+    np.testing.assert_allclose(split, one, rtol=2e-5)
