@@ -21,8 +21,9 @@ The mesh has three axes, sized by ``--mesh.data / --mesh.fsdp / --mesh.tensor``,
 Each model family declares its rules (``families``): Gemma 1/2/3 (``decoder_block_i/attention/...``,
 q/k/v kernels laid out [heads, hidden, head_dim]), Llama 3 / Mistral / Qwen 2 / 2.5 / 3
 (``transformer_layer_i/self_attention/...``, q/k/v kernels [hidden, heads, head_dim]), ... Each rule
-names a *logical* axis per dimension (``fsdp``, ``tensor``, ``expert``: the mesh axis of that name); a dimension that does not divide by its mesh axis (gemma_2b
-has one key/value head) is replicated on that axis instead of failing — see ``spec_for``. LoRA
+names a *logical* axis per dimension (``fsdp``, ``tensor``, ``expert``: the mesh axis of that
+name); a dimension that does not divide by its mesh axis (gemma_2b has one key/value head) is
+replicated on that axis instead of failing — see ``spec_for``. LoRA
 factors follow their base kernel (A: the kernel's input dimensions, B: its output dimension);
 norms, biases of the output projections, scalars and anything unknown of rank < 2 are replicated.
 """
@@ -39,8 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nnx_posttrain import config as config_lib, errors, families
 
-AXES = ("data", "fsdp", "tensor")  # the mesh's axes; with --mesh.expert > 1: EXPERT_AXES
-EXPERT_AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "fsdp", "tensor")  # the mesh's axes; --mesh.expert > 1 adds "expert" before tensor
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over those the mesh has
 F, T = "fsdp", "tensor"
 

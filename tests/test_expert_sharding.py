@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -26,6 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MOE = [v for f in families.FAMILIES.values() if f.moe for v, kw in f.tiny.items()
        if kw.get("num_experts")]
 MESH = {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
+
+
+def _variables(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _specs(backbone, mesh) -> dict:
@@ -235,8 +240,8 @@ def qwen3_moe_preset(tmp_path_factory):
     from tools import make_preset
 
     path = tmp_path_factory.mktemp("qwen3_moe")
-    make_preset._task("qwen3_moe", dict(families.FAMILIES["qwen3_moe"].tiny["qwen3_moe"],
-                                        vocabulary_size=1024), 1024, "float32").save_to_preset(str(path))
+    dims = dict(families.FAMILIES["qwen3_moe"].tiny["qwen3_moe"], vocabulary_size=1024)
+    make_preset._task("qwen3_moe", dims, 1024, "float32").save_to_preset(str(path))
     return path
 
 
@@ -256,7 +261,7 @@ def test_a_plan_lays_the_experts_on_the_expert_axis_of_the_topology(qwen3_moe_pr
     cfg = _plan_cfg(qwen3_moe_preset, "--mesh.expert", "2")
     run = build_lib.build(cfg, api.build(cfg), v5e_8, echo=lambda s: None)
     assert dict(run.mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
-    experts = [v for v in jax_variables(run.state["params"]) if "/experts/" in v.path]
+    experts = [v for v in _variables(run.state["params"]) if "/experts/" in v.path]
     assert experts and {v.value.sharding.spec[0] for v in experts} == {"expert"}
     assert run.batch["input_ids"].sharding.spec[1] == ("data", "fsdp", "expert")
     planned = plan.plan(cfg, api.build(cfg), v5e_8, echo=lambda s: None)  # compiled for it
@@ -269,12 +274,6 @@ def test_a_plan_lays_the_experts_on_the_expert_axis_of_the_topology(qwen3_moe_pr
     with pytest.raises(errors.ConfigError, match="--mesh.expert 8: model .* has 4 experts per "
                        "MoE layer, which do not divide over 8 devices; valid values: 1, 2, 4"):
         build_lib.build(bad, api.build(bad), v5e_8, echo=lambda s: None)
-
-
-def jax_variables(tree) -> list:
-    import jax
-
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 @pytest.mark.slow

@@ -8,9 +8,9 @@ experts stacked in raw weights (Qwen3-MoE: gate|up [E, hidden, 2 x I] and down [
 Mixtral: gate, up [E, hidden, I], down [E, I, hidden]). KerasHub computes every expert for every
 token and drops the router logits (research P6, P7): ``model.router`` captures them for the
 load-balancing loss (``losses.router``). The experts' leading dimension is sharded over the
-``expert`` mesh axis (``--mesh.expert``, ``sharding``). The stacked experts are not layers: LoRA targets their
-attention (and Qwen3-MoE's dense MLP layers, ``mlp_only_layers``), int8 leaves the experts in
-float.
+``expert`` mesh axis (``--mesh.expert``, ``sharding``). The stacked experts are not layers: LoRA
+targets their attention (and Qwen3-MoE's dense MLP layers, ``mlp_only_layers``), int8 leaves the
+experts in float.
 """
 
 from __future__ import annotations

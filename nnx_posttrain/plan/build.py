@@ -44,8 +44,9 @@ class AbstractRun:
 
 
 def abstract_mesh(mesh_cfg, devices: list, slices: int = 1) -> jax.sharding.Mesh:
-    """The run's (data, fsdp[, expert], tensor) mesh over ``devices``; over several slices, the data axis
-    spans them (a slice's devices share fast links, the slices the data-centre network)."""
+    """The run's (data, fsdp[, expert], tensor) mesh over ``devices``; over several slices, the
+    data axis spans them (a slice's devices share fast links, the slices the data-centre
+    network)."""
     if slices == 1:
         return sharding.make_mesh(mesh_cfg, devices)
     from jax.experimental import mesh_utils

@@ -6,7 +6,8 @@ preference pairs, chosen and rejected — ``s`` = ``--batching.max-length``, ``L
 hidden size, ``a`` query heads, ``e`` bytes per activation: 4 in float32, 2 in bfloat16):
 
 - gradients and AdamW's two moments: 12 bytes per trainable parameter (float32), sharded over
-  fsdp x tensor (a mixture of experts' stacked experts also over ``--mesh.expert``); a frozen reference copy (``--algo.reference copy``): the trainable weights again;
+  fsdp x tensor (a mixture of experts' stacked experts also over ``--mesh.expert``); a frozen
+  reference copy (``--algo.reference copy``): the trainable weights again;
 - activations kept for the backward pass (Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models", per layer ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits,
   no flash attention): ``L * s * b * (34*h + 5*a*s) * e / 2``; with ``--remat blocks`` each block

@@ -114,8 +114,8 @@ def check_batch_rows(name: str, rows: int, mesh: Mesh) -> None:
 
 def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
     """[batch, ...] host arrays -> [accum, micro, ...] device arrays, micro split over the data
-    and fsdp axes and, where the mesh has one, the expert axis (replicated over tensor). Every process holds the whole global batch and
-    contributes the rows of its own devices."""
+    and fsdp axes and, where the mesh has one, the expert axis (replicated over tensor). Every
+    process holds the whole global batch and contributes the rows of its own devices."""
     out = {}
     for k, v in batch.items():
         v = np.asarray(v)
