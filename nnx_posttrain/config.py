@@ -122,8 +122,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    """The device mesh (data x fsdp x tensor; the product must equal the number of devices of all
-    processes) and, for several hosts, how the processes find each other."""
+    """The device mesh (data x fsdp x expert x tensor; the product must equal the number of devices
+    of all processes) and, for several hosts, how the processes find each other."""
 
     data: int = -1
     """Devices on the data-parallel axis (batch split, weights replicated); -1: the devices the other axes leave."""
@@ -131,6 +131,8 @@ class MeshConfig:
     """Devices on the FSDP axis (batch split, weights / gradients / optimizer state sharded); -1: the rest."""
     tensor: int = 1
     """Devices on the tensor-parallel axis (heads, MLP width and vocabulary split); -1: the rest."""
+    expert: int = 1
+    """Devices on the expert axis of a mixture-of-experts model (Qwen3-MoE, Mixtral, GPT-OSS, Gemma 4 26B-A4B): its stacked experts are split over them (each device holds and computes its share of every MoE layer's experts) and the batch is split over them too, as over --mesh.data (the other weights are replicated on it). Must divide the model's expert count; a model without experts refuses more than 1."""
     cpu_devices: int | Literal["auto"] = 1
     """XLA devices the host CPU is split into when JAX runs on it (1: one device whose operations use every core). More than 1: the batch is split over them (data parallelism across cores), which is faster for small models, whose many small operations do not use several cores well (README, Scaling). 'auto': one per core this process may use (the most that divides the micro-batch) for a built-in tiny model on the default mesh in one process, else 1. Set before JAX starts: a process that has already used JAX must have this many CPU devices ('auto' takes what it has). No effect on GPUs / TPUs."""
     distributed: Literal["auto", "on", "off"] = "auto"
@@ -148,6 +150,9 @@ class MeshConfig:
         for name, size in sizes.items():
             if size == 0 or size < -1:
                 out.append(f"--mesh.{name} must be a positive device count or -1 (the rest), got {size}")
+        if not isinstance(self.expert, int) or self.expert < 1:
+            out.append(f"--mesh.expert must be a positive device count (it divides the model's "
+                       f"experts; no -1), got {self.expert}")
         if self.cpu_devices != "auto" and (not isinstance(self.cpu_devices, int)
                                            or self.cpu_devices < 1):
             out.append(f"--mesh.cpu-devices must be a count >= 1 or 'auto', got {self.cpu_devices!r}")

@@ -1,18 +1,29 @@
 """Sharding is a rule: (Keras variable path, shape, mesh) -> PartitionSpec; and the mesh itself.
 
-The mesh has three axes, sized by ``--mesh.data / --mesh.fsdp / --mesh.tensor``:
+The mesh has three axes, sized by ``--mesh.data / --mesh.fsdp / --mesh.tensor``, and a fourth,
+``expert``, when ``--mesh.expert`` is more than 1 (a mesh without it is exactly the three-axis one):
 
 - ``data``: pure data parallelism — the batch is split, every weight is replicated;
 - ``fsdp``: the batch is split *and* every weight is sharded along its model dimension (ZeRO-3:
   XLA gathers a weight just before it is used); optimizer state and gradients follow the weights;
 - ``tensor``: Megatron-style tensor parallelism — attention heads, the MLP's intermediate
-  dimension and the vocabulary are split; the batch is replicated over it.
+  dimension and the vocabulary are split; the batch is replicated over it;
+- ``expert``: expert parallelism for mixtures of experts — the stacked experts' leading
+  dimension is split (each device holds, and computes for its rows, its share of the experts of
+  every MoE layer), and the batch is split over it *as over data*: the axis is data parallelism
+  for everything but the experts (their weights replicated on it, like ``data``), so no device
+  repeats another's attention. It is a batch axis because KerasHub computes every expert for
+  every token (no dispatch): a device's tokens meet the other devices' experts through XLA's
+  collectives over the axis, and the rule ``(expert, fsdp, tensor)`` of an expert kernel
+  composes with the other axes. ``--mesh.expert`` must divide the expert count
+  (``check_experts``: a model without experts refuses it).
 
 Each model family declares its rules (``families``): Gemma 1/2/3 (``decoder_block_i/attention/...``,
 q/k/v kernels laid out [heads, hidden, head_dim]), Llama 3 / Mistral / Qwen 2 / 2.5 / 3
 (``transformer_layer_i/self_attention/...``, q/k/v kernels [hidden, heads, head_dim]), ... Each rule
-names a *logical* axis per dimension; a dimension that does not divide by its mesh axis (gemma_2b
-has one key/value head) is replicated on that axis instead of failing — see ``spec_for``. LoRA
+names a *logical* axis per dimension (``fsdp``, ``tensor``, ``expert``: the mesh axis of that
+name); a dimension that does not divide by its mesh axis (gemma_2b has one key/value head) is
+replicated on that axis instead of failing — see ``spec_for``. LoRA
 factors follow their base kernel (A: the kernel's input dimensions, B: its output dimension);
 norms, biases of the output projections, scalars and anything unknown of rank < 2 are replicated.
 """
@@ -29,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nnx_posttrain import config as config_lib, errors, families
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+AXES = ("data", "fsdp", "tensor")  # the mesh's axes; --mesh.expert > 1 adds "expert" before tensor
+BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over those the mesh has
 F, T = "fsdp", "tensor"
 
 # (regular expression searched in the Keras path, logical axis of each dimension). First match
@@ -56,7 +67,8 @@ def _sizes(mesh) -> dict[str, int]:
 
 
 def logical_axes(path: str, ndim: int) -> tuple:
-    """The logical axis (``fsdp``, ``tensor`` or None) of each dimension of variable ``path``."""
+    """The logical axis (``fsdp``, ``tensor``, ``expert`` or None) of each dimension of variable
+    ``path``."""
     if path.endswith(("/lora_kernel_a", "/lora_kernel_b")):
         base, which = path.rsplit("/", 1)
         kernel = _match(base + "/kernel")
@@ -141,9 +153,21 @@ def put(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
-def batch_spec(ndim: int, leading: int = 0) -> P:
-    """Spec of a batch array: dimension ``leading`` (the examples) over data and fsdp."""
-    return P(*([None] * leading), BATCH_AXES, *([None] * (ndim - leading - 1)))
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The batch axes (``BATCH_AXES``) ``mesh`` has: data, fsdp, and expert where it has one."""
+    sizes = _sizes(mesh)
+    return tuple(a for a in BATCH_AXES if a in sizes)
+
+
+def batch_flags(mesh) -> str:
+    """The options that size the batch shards of ``mesh``, for messages."""
+    return " x ".join(f"--mesh.{a}" for a in batch_axes(mesh))
+
+
+def batch_spec(ndim: int, mesh, leading: int = 0) -> P:
+    """Spec of a batch array on ``mesh``: dimension ``leading`` (the examples) over its batch
+    axes (``batch_axes``)."""
+    return P(*([None] * leading), batch_axes(mesh), *([None] * (ndim - leading - 1)))
 
 
 def context_row_axes(rows: int) -> tuple[str, ...] | None:
@@ -171,9 +195,9 @@ def constrain_batch(x):
 
 
 def batch_divisor(mesh) -> int:
-    """How many ways the batch dimension is split (data x fsdp)."""
+    """How many ways the batch dimension is split (data x fsdp x expert)."""
     sizes = _sizes(mesh)
-    return sizes.get("data", 1) * sizes.get("fsdp", 1)
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -222,38 +246,68 @@ def describe(tree, mesh) -> dict[str, str]:
 
 
 def mesh_shape(cfg: config_lib.MeshConfig, n_devices: int) -> dict[str, int]:
-    """{data, fsdp, tensor} sizes for ``n_devices``, the -1 axis taking the rest;
-    ``ConfigError`` with the reason when they do not multiply to the device count."""
-    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
+    """{data, fsdp, tensor} sizes for ``n_devices`` (with ``expert`` before tensor when
+    ``--mesh.expert`` is more than 1), the -1 axis taking the rest; ``ConfigError`` with the
+    reason, naming the options, when they do not multiply to the device count."""
+    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "expert": cfg.expert, "tensor": cfg.tensor}
+    if sizes["expert"] == 1:
+        del sizes["expert"]
     fixed = math.prod(v for v in sizes.values() if v != -1)
     rest = [k for k, v in sizes.items() if v == -1]
     if rest:
         if n_devices % fixed:
             raise errors.ConfigError(
                 f"mesh {sizes}: {n_devices} device(s) do not divide by the fixed axes' "
-                f"product {fixed}")
+                f"product {fixed} ({' x '.join(f'--mesh.{k}' for k in sizes if k not in rest)})")
         sizes[rest[0]] = n_devices // fixed
     if math.prod(sizes.values()) != n_devices:
         raise errors.ConfigError(
-            f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
+            f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} = "
             f"{math.prod(sizes.values())} devices, but {n_devices} are available "
             f"({jax.process_count()} process(es)); the product must equal the device count "
-            "(set one axis to -1 to take the rest)"
+            f"(set one axis to -1 to take the rest: {' / '.join(f'--mesh.{k}' for k in sizes)})"
         )
     return sizes
 
 
 def make_mesh(cfg: config_lib.MeshConfig, devices: list | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over ``devices`` (default: every device of every process).
-    Tensor-parallel neighbours are adjacent devices (same host / fast links), then fsdp, then
-    data."""
+    """The (data, fsdp, tensor) mesh over ``devices`` (default: every device of every process),
+    (data, fsdp, expert, tensor) with ``--mesh.expert`` > 1. Tensor-parallel neighbours are
+    adjacent devices (same host / fast links), then expert, then fsdp, then data."""
     devices = jax.devices() if devices is None else list(devices)
     sizes = mesh_shape(cfg, len(devices))
-    shape = tuple(sizes[a] for a in AXES)
+    shape = tuple(sizes.values())
     try:
         from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_device_mesh(shape, devices)
     except Exception:  # noqa: BLE001 - CPU / odd topologies: the plain order is fine
         grid = np.asarray(devices).reshape(shape)
-    return Mesh(grid, AXES)
+    return Mesh(grid, tuple(sizes))
+
+
+def expert_count(backbone) -> int:
+    """How many experts each mixture-of-experts layer of ``backbone`` has (its family's
+    ``MoE.experts``); 0 for a model without experts."""
+    family = families.of(backbone)
+    if family is None or family.moe is None:
+        return 0
+    return family.moe.experts(backbone)
+
+
+def check_experts(expert: int, backbone, model: str) -> None:
+    """``ConfigError`` when ``--mesh.expert`` (``expert``) cannot split ``backbone``'s experts:
+    a model without experts, or an expert count it does not divide (the message lists the
+    values that do). ``model``: the model's name, for the message."""
+    if expert == 1:
+        return
+    count = expert_count(backbone)
+    if count == 0:
+        raise errors.ConfigError(
+            f"--mesh.expert {expert}: model {model} ({type(backbone).__name__}) has no experts; "
+            "the expert axis splits a mixture of experts' experts (leave --mesh.expert at 1)")
+    if count % expert:
+        valid = ", ".join(str(k) for k in range(1, count + 1) if count % k == 0)
+        raise errors.ConfigError(
+            f"--mesh.expert {expert}: model {model} has {count} experts per MoE layer, which do "
+            f"not divide over {expert} devices; valid values: {valid}")

@@ -115,11 +115,15 @@ class MoE:
     ``router(block)``: the layer whose output is the block's router logits [rows, experts]
     (None: a block with a dense MLP); ``top_k(backbone)``: the experts per token;
     ``aux_coef(backbone)``: the load-balancing loss coefficient of the family's released config
-    (transformers' ``router_aux_loss_coef``; 0 where its config has none, as TRL reads it)."""
+    (transformers' ``router_aux_loss_coef``; 0 where its config has none, as TRL reads it);
+    ``experts(backbone)``: the experts of each MoE layer (0: a model of the family without any),
+    which ``--mesh.expert`` must divide (``sharding.check_experts``). A family's sharding rules
+    map its stacked experts' leading dimension to the logical axis ``expert``."""
 
     router: Callable[[Any], Any]
     top_k: Callable[[Any], int]
     aux_coef: Callable[[Any], float]
+    experts: Callable[[Any], int] = lambda backbone: int(backbone.num_experts)
 
 
 @dataclasses.dataclass(frozen=True)

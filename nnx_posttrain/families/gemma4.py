@@ -24,7 +24,7 @@ from nnx_posttrain.families.base import (
 )
 from nnx_posttrain.families.gemma import SHARDING as GEMMA_SHARDING
 
-F, T = "fsdp", "tensor"
+F, T, E = "fsdp", "tensor", "expert"
 
 
 def attention(layer, training: bool) -> LayerSpec:
@@ -81,8 +81,8 @@ SHARDING = GEMMA_SHARDING + (
     (r"decoder_block_\d+/per_layer_up_proj/kernel$", (None, F)),
     # 26B-A4B: the router [hidden, experts] and the experts [E, hidden, I] / [E, I, hidden]
     (r"decoder_block_\d+/moe_router/proj/kernel$", (F, None)),
-    (r"decoder_block_\d+/moe_expert_bank/(gate_proj|up_proj)$", (None, F, T)),
-    (r"decoder_block_\d+/moe_expert_bank/down_proj$", (None, T, F)),
+    (r"decoder_block_\d+/moe_expert_bank/(gate_proj|up_proj)$", (E, F, T)),
+    (r"decoder_block_\d+/moe_expert_bank/down_proj$", (E, T, F)),
 )
 
 _L = r"(\d+)"
@@ -212,7 +212,8 @@ GEMMA4 = Family(
     # per-expert scales); transformers' Gemma 4 config has no router_aux_loss_coef, so TRL
     # leaves the loss off: coefficient 0, aux_loss and tokens per expert still logged
     moe=MoE(lambda block: getattr(getattr(block, "moe_router", None), "proj", None),
-            lambda b: int(b.num_experts_per_token), lambda b: 0.0),
+            lambda b: int(b.num_experts_per_token), lambda b: 0.0,
+            lambda b: int(b.num_experts) if b.enable_moe_block else 0),
     # the MLP the blocks read as arrays; 26B-A4B's router (``moe_router/proj``): int8 would flip
     # which experts a token goes to
     quantize_skip=("ffw_gating", "ffw_gating_2", "ffw_linear", "proj"),

@@ -7,9 +7,10 @@ MLP is a sparse MoE block (``transformer_layer_i/<name>_sparse_moe_block_j/``): 
 experts stacked in raw weights (Qwen3-MoE: gate|up [E, hidden, 2 x I] and down [E, I, hidden];
 Mixtral: gate, up [E, hidden, I], down [E, I, hidden]). KerasHub computes every expert for every
 token and drops the router logits (research P6, P7): ``model.router`` captures them for the
-load-balancing loss (``losses.router``). The stacked experts are not layers: LoRA targets their
-attention (and Qwen3-MoE's dense MLP layers, ``mlp_only_layers``), int8 leaves the experts in
-float.
+load-balancing loss (``losses.router``). The experts' leading dimension is sharded over the
+``expert`` mesh axis (``--mesh.expert``, ``sharding``). The stacked experts are not layers: LoRA
+targets their attention (and Qwen3-MoE's dense MLP layers, ``mlp_only_layers``), int8 leaves the
+experts in float.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export
 from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
 from nnx_posttrain.families.qwen import chatml_tokenizer
 
-F, T = "fsdp", "tensor"
+F, T, E = "fsdp", "tensor", "expert"
 
 
 def qwen3_moe_attention(layer, training: bool):
@@ -37,9 +38,10 @@ def mixtral_attention(layer, training: bool):
 _MOE = r"transformer_layer_\d+/\w+_sparse_moe_block(_\d+)?"
 SHARDING_MOE = SHARDING + (
     (rf"{_MOE}/sparse_feedforward_gate_dense/kernel$", (F, None)),
-    # experts [E, hidden, I] (gate, up; Qwen3-MoE's gate|up) and [E, I, hidden] (down)
-    (rf"{_MOE}/experts/expert_feedforward_(gate|intermediate)_dense$", (None, F, T)),
-    (rf"{_MOE}/experts/expert_feedforward_output_dense$", (None, T, F)),
+    # experts [E, hidden, I] (gate, up; Qwen3-MoE's gate|up) and [E, I, hidden] (down): the
+    # experts over the expert axis (--mesh.expert), each one's matrices as a dense MLP's
+    (rf"{_MOE}/experts/expert_feedforward_(gate|intermediate)_dense$", (E, F, T)),
+    (rf"{_MOE}/experts/expert_feedforward_output_dense$", (E, T, F)),
 )
 # ----------------------------------------------------------------------------- Hugging Face export
 # transformers 5.24 writes (and reads) one tensor per expert: Qwen3-MoE's
@@ -208,10 +210,10 @@ def gpt_oss_attention(layer, training: bool):
 SHARDING_GPT_OSS = SHARDING + (
     (r"transformer_layer_\d+/sparse_moe_block/router/router_dense/kernel$", (F, None)),
     # experts: gate / up interleaved [E, hidden, 2 x I] (+ bias [E, 2 x I]), down [E, I, hidden]
-    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj$", (None, F, T)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj_bias$", (None, T)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj$", (None, T, F)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj_bias$", (None, None)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj$", (E, F, T)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj_bias$", (E, T)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj$", (E, T, F)),
+    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj_bias$", (E, None)),
 )
 
 GPT_OSS = Family(

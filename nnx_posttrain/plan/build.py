@@ -44,8 +44,9 @@ class AbstractRun:
 
 
 def abstract_mesh(mesh_cfg, devices: list, slices: int = 1) -> jax.sharding.Mesh:
-    """The run's (data, fsdp, tensor) mesh over ``devices``; over several slices, the data axis
-    spans them (a slice's devices share fast links, the slices the data-centre network)."""
+    """The run's (data, fsdp[, expert], tensor) mesh over ``devices``; over several slices, the
+    data axis spans them (a slice's devices share fast links, the slices the data-centre
+    network)."""
     if slices == 1:
         return sharding.make_mesh(mesh_cfg, devices)
     from jax.experimental import mesh_utils
@@ -55,9 +56,10 @@ def abstract_mesh(mesh_cfg, devices: list, slices: int = 1) -> jax.sharding.Mesh
         raise errors.ConfigError(
             f"--slices {slices}: the mesh's data axis ({sizes['data']}) must divide by the "
             "slices (it spans them); set --mesh.data to a multiple of the slice count")
-    ici = (sizes["data"] // slices, sizes["fsdp"], sizes["tensor"])
-    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices)
-    return jax.sharding.Mesh(grid, sharding.AXES)
+    ici = (sizes["data"] // slices, *list(sizes.values())[1:])
+    dcn = (slices, *[1] * (len(sizes) - 1))
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    return jax.sharding.Mesh(grid, tuple(sizes))
 
 
 def _placed(tree, shardings):
@@ -147,7 +149,7 @@ def _batch(host: dict, mesh, accum: int, scale: int = 1) -> dict:
         check_batch_rows(k, rows // accum, mesh)
         shape = (accum, rows // accum, *v.shape[1:])
         out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=NamedSharding(
-            mesh, sharding.batch_spec(len(shape), leading=1)))
+            mesh, sharding.batch_spec(len(shape), mesh, leading=1)))
     return out
 
 

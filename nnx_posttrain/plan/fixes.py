@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from nnx_posttrain import sharding
 from nnx_posttrain.train import memory
 
 
@@ -27,7 +28,7 @@ def candidates(cfg, mesh_shape: dict) -> list[tuple[str, object, dict]]:
     if cfg.lora.rank and cfg.quantize == "none":
         out.append(("--quantize int8", dataclasses.replace(cfg, quantize="int8"), mesh_shape))
     micro = b.batch_size // b.grad_accum
-    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    shards = sharding.batch_divisor(mesh_shape)
     if micro % (2 * shards) == 0 and b.batch_size % (2 * b.grad_accum) == 0:
         out.append((f"--batching.grad-accum {2 * b.grad_accum}",
                     dataclasses.replace(cfg, batching=dataclasses.replace(

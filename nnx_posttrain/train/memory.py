@@ -6,7 +6,8 @@ preference pairs, chosen and rejected — ``s`` = ``--batching.max-length``, ``L
 hidden size, ``a`` query heads, ``e`` bytes per activation: 4 in float32, 2 in bfloat16):
 
 - gradients and AdamW's two moments: 12 bytes per trainable parameter (float32), sharded over
-  fsdp x tensor; a frozen reference copy (``--algo.reference copy``): the trainable weights again;
+  fsdp x tensor (a mixture of experts' stacked experts also over ``--mesh.expert``); a frozen
+  reference copy (``--algo.reference copy``): the trainable weights again;
 - activations kept for the backward pass (Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models", per layer ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits,
   no flash attention): ``L * s * b * (34*h + 5*a*s) * e / 2``; with ``--remat blocks`` each block
@@ -24,24 +25,36 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import nnx
 
-from nnx_posttrain import errors, model
+from nnx_posttrain import errors, model, sharding
 from nnx_posttrain.model import device_memory
 from nnx_posttrain.model.device_memory import GiB
 from nnx_posttrain.model.logprobs import chunk_positions
 from nnx_posttrain.train import flops as flops_lib
 
 
-def _nbytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+def _per_device(params, mesh_shape: dict) -> tuple[int, int]:
+    """(elements, bytes) of ``params`` one device holds: divided by fsdp x tensor (as if every
+    weight divided), a mixture of experts' stacked experts also by the expert axis."""
+    shards = mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1)
+    expert = mesh_shape.get("expert", 1)
+    elements = nbytes = 0
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        x = leaf.value if isinstance(leaf, nnx.Variable) else leaf
+        n = int(np.prod(x.shape))
+        if expert > 1 and isinstance(leaf, nnx.Variable) and \
+                sharding.logical_axes(leaf.path, len(x.shape))[:1] == ("expert",):
+            n //= expert
+        elements, nbytes = elements + n, nbytes + n * x.dtype.itemsize
+    return elements // shards, nbytes // shards
 
 
 def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: bool,
              mesh_shape: dict) -> dict[str, int]:
     """{part: bytes per device} still to allocate for a step (see the module docstring)."""
     b = cfg.batching
-    batch_shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
-    weight_shards = mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1)
+    batch_shards = sharding.batch_divisor(mesh_shape)
     seqs = max(b.batch_size // b.grad_accum // batch_shards, 1) * sequences_per_example
     s = b.max_length
     layers = int(getattr(backbone, "num_layers", 1))
@@ -56,10 +69,10 @@ def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: 
     if cfg.eval_only:
         out["activations"] = per_layer
         return out
-    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    out["gradients + AdamW moments"] = 12 * trainable // weight_shards
+    trainable, nbytes = _per_device(params, mesh_shape)
+    out["gradients + AdamW moments"] = 12 * trainable
     if reference_copy:
-        out["reference copy"] = _nbytes(params) // weight_shards
+        out["reference copy"] = nbytes
     out["activations"] = (layers * s * seqs * hidden * e + per_layer if cfg.remat == "blocks"
                           else layers * per_layer)
     return out

@@ -27,7 +27,7 @@ def cpu_devices_for(cfg: config_lib.Config, cores: int | None = None) -> tuple[i
     m = cfg.mesh
     if cfg.model not in model.TINY:
         return 1, f"1 cpu device (auto: {cfg.model} is not a built-in tiny model)"
-    if (m.data, m.fsdp, m.tensor) != (-1, 1, 1) or _distributed(m)[0]:
+    if (m.data, m.fsdp, m.expert, m.tensor) != (-1, 1, 1, 1) or _distributed(m)[0]:
         return 1, "1 cpu device (auto: the mesh is set by hand or spans several processes)"
     cores = cores or len(os.sched_getaffinity(0))
     micro = cfg.batching.batch_size // cfg.batching.grad_accum
@@ -93,7 +93,7 @@ def check_micro_batch(cfg: config_lib.Config, mesh: Mesh) -> None:
     if (b.batch_size // b.grad_accum) % shards:
         split_cpu = mesh.devices.flat[0].platform == "cpu" and cfg.mesh.cpu_devices != 1
         where = (f"--mesh.cpu-devices {cfg.mesh.cpu_devices}" if split_cpu
-                 else "--mesh.data x --mesh.fsdp")
+                 else sharding.batch_flags(mesh))
         raise errors.ConfigError(
             f"micro-batch {b.batch_size // b.grad_accum} (--batching.batch-size "
             f"{b.batch_size} / --batching.grad-accum {b.grad_accum}) does not divide over the "
@@ -108,20 +108,20 @@ def check_batch_rows(name: str, rows: int, mesh: Mesh) -> None:
     if rows % shards:
         raise errors.ConfigError(
             f"the step's micro-batches hold {rows} rows of {name!r}, which do not divide over the "
-            f"{shards} batch shards (--mesh.data x --mesh.fsdp); choose a --batching.batch-size "
+            f"{shards} batch shards ({sharding.batch_flags(mesh)}); choose a --batching.batch-size "
             f"(/ --batching.grad-accum) that gives a multiple of {shards} rows")
 
 
 def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
     """[batch, ...] host arrays -> [accum, micro, ...] device arrays, micro split over the data
-    and fsdp axes (replicated over tensor). Every process holds the whole global batch and
-    contributes the rows of its own devices."""
+    and fsdp axes and, where the mesh has one, the expert axis (replicated over tensor). Every
+    process holds the whole global batch and contributes the rows of its own devices."""
     out = {}
     for k, v in batch.items():
         v = np.asarray(v)
         check_batch_rows(k, v.shape[0] // accum, mesh)
         v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
-        target = NamedSharding(mesh, sharding.batch_spec(v.ndim, leading=1))
+        target = NamedSharding(mesh, sharding.batch_spec(v.ndim, mesh, leading=1))
         out[k] = jax.make_array_from_callback(v.shape, target, lambda index, v=v: v[index])
     return out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nnx_posttrain import data, errors, model, runs
+from nnx_posttrain import data, errors, model, runs, sharding
 
 
 def settings_for_data(cfg, algorithm, echo):
@@ -21,9 +21,11 @@ def build_model(cfg, algorithm, echo, init_step: int | None = None, abstract: bo
     """(language model, trained module) of a run, the algorithm's settings resolved on it; the
     weights of ``--init-from``'s checkpoint ``init_step`` (default: its latest). ``abstract``:
     built without weights (``runs.build_model``) for a step that will run on ``platform``
-    (default: this process's)."""
+    (default: this process's). ``ConfigError`` where ``--mesh.expert`` cannot split the model's
+    experts (``sharding.check_experts``)."""
     lm, module = runs.build_model(runs.ModelSpec.of(cfg, algorithm.head, init_step), echo,
                                   abstract, platform)
+    sharding.check_experts(cfg.mesh.expert, lm.module, cfg.model)
     echo(model.set_attention(lm.module, cfg.attention, platform=platform))
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
