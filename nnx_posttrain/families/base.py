@@ -87,7 +87,14 @@ class Decoding:
     ``kv_source(block)``: the index of the earlier block whose keys and values a KV-shared block
     reads (given to it as keyword ``shared_kw``: that block's cache output), None for a block
     with its own; ``layer_inputs(backbone, token_ids, x)``: each block's extra keyword arguments
-    (a list of dicts) from the token ids and the scaled embeddings ``x``."""
+    (a list of dicts) from the token ids and the scaled embeddings ``x``.
+
+    A family with recurrent blocks (``Family.recurrent``: Qwen 3.5's Gated DeltaNet) carries
+    their state in the sampler's cache instead of keys and values: ``state(block, batch)``, a
+    recurrent block's initial state (a tuple of zero arrays); ``state_step(block, x, state,
+    index, mask)``: the block on ``x`` [B, T, D] at positions ``index ..`` from ``state``,
+    returning (its output, the new state); ``mask``: the prompt's padding mask [B, T] (left
+    pads) in the prompt pass, None for a decoding step."""
 
     cache_kw: str
     index_kw: str
@@ -97,6 +104,8 @@ class Decoding:
     kv_source: Callable[[Any], int | None] | None = None
     shared_kw: str = ""
     layer_inputs: Callable[[Any, Any, Any], list] | None = None
+    state: Callable[[Any, int], tuple] | None = None
+    state_step: Callable[..., tuple] | None = None
 
 
 # The decoder blocks' cache keywords of KerasHub's Llama-like families (Llama, Mistral, Qwen, the
@@ -161,7 +170,11 @@ class Family:
       forward passes (``model.attention.own_calls``), None: KerasHub's (SmolLM3's mutates the
       layer, which NNX refuses inside a nested trace);
     - ``ignores_dtype``: the backbone builds its layers in Keras' global dtype policy, not its
-      ``dtype`` argument (SmolLM3): ``families.building`` sets the global one while it is built.
+      ``dtype`` argument (SmolLM3): ``families.building`` sets the global one while it is built;
+    - ``recurrent``: the layer classes of decoder blocks that mix tokens with a recurrent state
+      instead of softmax attention (Qwen 3.5's Gated DeltaNet): the attention path leaves those
+      blocks to KerasHub's code, and rows whose examples such a state would cross (packed rows,
+      shared-prompt pairs) are refused or not built.
     """
 
     name: str
@@ -184,6 +197,7 @@ class Family:
     prepare: Callable[[Any], None] | None = None
     attention_call: Callable[..., Any] | None = None
     ignores_dtype: bool = False
+    recurrent: tuple[str, ...] = ()
 
     def format_of(self, backbone) -> str | None:
         """The chat format of ``backbone`` (a model of this family), or None when the family has

@@ -1,0 +1,135 @@
+"""Qwen 3.5 dense (``Qwen3_5Backbone``, text tower): decoder blocks ``transformer_layer_i`` of
+two kinds, by ``layer_types``:
+
+- ``full_attention``: ``self_attention`` (``Qwen3_5Attention``), grouped-query attention with
+  Qwen 3's q / k norms (``(1 + scale)`` RMS norms), a partial rotary embedding (the first
+  ``partial_rotary_factor`` of each head; 0.25 in the released models) and a sigmoid output gate
+  (the query projection gives each head ``2 x head_dim``: the query, then the gate). The norms
+  and the rotation happen before ``_compute_attention``, the gate after it, so the attention
+  kernels (``model.attention``) compute the seam itself: rotated queries against keys repeated
+  per group, scores scaled by ``1 / sqrt(head_dim)``. No sliding window: the published model
+  (transformers' ``Qwen3_5TextConfig``) has none, and KerasHub on JAX drops its
+  ``sliding_window_size`` (its fused branch ignores it);
+- ``linear_attention``: ``linear_attn`` (``Qwen3_5GatedDeltaNet``), the Gated DeltaNet: q / k / v
+  from one projection through a causal depthwise convolution, a gated delta-rule recurrence
+  over a state [value heads, key dim, value dim] per row, a gated RMS norm and ``out_proj``.
+  It has no attention to replace: these blocks stay with KerasHub's code
+  (``Family.recurrent``). Its state runs along the whole row: packed rows and shared-prompt
+  pairs, whose examples it would cross, are refused (``model.hidden_states``) or not built
+  (``algorithms.shared_prompt``). A padding position's input is zeroed by the layer itself,
+  which leaves a zero state zero: left padding is exact.
+
+The released 0.8B to 27B checkpoints are vision-language models; the text tower is what this
+family trains (a vision tower stays with KerasHub's attention, ``model.attention``).
+"""
+
+from __future__ import annotations
+
+from nnx_posttrain.families.base import Decoding, Family, Preset, Unsupported
+from nnx_posttrain.families.llama import SHARDING as LLAMA_SHARDING
+from nnx_posttrain.families.llama import llama_like
+
+F, T = "fsdp", "tensor"
+_B = r"transformer_layer_\d+"
+
+
+def qwen3_5_attention(layer, training: bool):
+    """``Qwen3_5Attention``: the Llama family's seam (keys / values repeated per group, scores
+    scaled by ``_inv_norm_factor``), no window (see the module's docstring)."""
+    return llama_like(layer, None)
+
+
+def empty_state(block, batch: int) -> tuple:
+    """A Gated DeltaNet block's initial state, as KerasHub's ``Qwen3_5CausalLM`` builds it: the
+    convolution's last inputs [B, channels, kernel - 1] (zeros: the causal padding) and the
+    delta-rule state [B, value heads, key dim, value dim] in float32."""
+    import jax.numpy as jnp
+
+    layer = block._linear_attn
+    channels = 2 * layer.key_dim + layer.value_dim
+    return (jnp.zeros((batch, channels, layer.conv_kernel_size - 1), layer.compute_dtype),
+            jnp.zeros((batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim),
+                      jnp.float32))
+
+
+def state_step(block, x, state: tuple, index, mask=None) -> tuple:
+    """A Gated DeltaNet block of the sampler (``Decoding.state_step``): KerasHub's block with
+    its state as its cache (the prompt pass: its chunked delta rule from that state; a
+    decoding step: one recurrent step), returning (output, (conv state, delta-rule state)).
+
+    The prompt pass's left pads (``mask``) are zeroed at the layer's input, which leaves the
+    zero state zero (no bias anywhere before the recurrence: zero queries, keys and values, a
+    zero update), so a row's state is its own tokens'. KerasHub's own masked branch would pick
+    its convolution state at the row's length, as for right padding: the mask is applied here
+    instead, for the duration of the call (the layer's ``call`` shadowed on the instance)."""
+    layer = block._linear_attn
+    original = layer.call
+
+    def masked(hidden_states, attention_mask=None, **kwargs):
+        keep = mask[..., None].astype(hidden_states.dtype)
+        return original(hidden_states * keep, attention_mask=None, **kwargs)
+
+    if mask is not None:
+        object.__setattr__(layer, "call", masked)
+    try:
+        out, conv, recurrent = block(x, self_attention_cache=state,
+                                     self_attention_cache_update_index=index)
+    finally:
+        if mask is not None:
+            object.__delattr__(layer, "call")
+    return out, (conv, recurrent)
+
+
+SHARDING = LLAMA_SHARDING + (
+    # the Gated DeltaNet: q / k / v in one projection [hidden, 2 key dim + value dim] (its
+    # channels also the depthwise convolution's [channels, kernel]), the output gate z [hidden,
+    # value dim], the per-head gates a / b [hidden, value heads], out_proj [value dim, hidden]
+    (rf"{_B}/linear_attn/(in_proj_qkv|in_proj_z)/kernel$", (F, T)),
+    (rf"{_B}/linear_attn/(in_proj_a|in_proj_b)/kernel$", (F, None)),
+    (rf"{_B}/linear_attn/conv1d_kernel$", (T, None)),
+    (rf"{_B}/linear_attn/out_proj/kernel$", (T, F)),
+)
+
+# The tiny configuration: a Gated DeltaNet block, then a full-attention block (grouped heads,
+# q / k norms, half the head rotated, the output gate); two key heads shared by four value heads
+_TINY = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+             head_dim=8, hidden_dim=32, intermediate_dim=48,
+             layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.5,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+# Qwen3.5-0.8B's text tower (its config.json's text_config): 24 layers, every 4th full attention
+_0_8B = dict(vocabulary_size=248_320, num_layers=24, num_query_heads=8, num_key_value_heads=2,
+             head_dim=256, hidden_dim=1024, intermediate_dim=3584,
+             layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                          for i in range(24)],
+             partial_rotary_factor=0.25, rope_max_wavelength=10_000_000, layer_norm_epsilon=1e-6,
+             tie_word_embeddings=True, linear_num_key_heads=16, linear_num_value_heads=16,
+             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+
+QWEN3_5 = Family(
+    name="qwen3_5",
+    backbone="Qwen3_5Backbone",
+    classes=("Qwen3_5CausalLM", "Qwen3_5CausalLMPreprocessor", "Qwen3_5Tokenizer"),
+    # Qwen 3.5's published template (TRL's qwen3_5_think.jinja: a <think> block opened by the
+    # generation prompt, XML tool calls) is not one this package renders yet; its turns are
+    # ChatML's
+    chat_format="chatml",
+    attention={"Qwen3_5Attention": qwen3_5_attention},
+    sharding=SHARDING,
+    lora={"attention": ("query", "key", "value", "attention_output", "in_proj_qkv", "in_proj_z",
+                        "out_proj"),
+          "mlp": ("feedforward_gate_dense", "feedforward_intermediate_dense",
+                  "feedforward_output_dense")},
+    export=Unsupported("this package has no verified Hugging Face export of Qwen 3.5 yet (its "
+                       "Gated DeltaNet layers, the gated attention); use --format keras"),
+    decoding=Decoding("self_attention_cache", "self_attention_cache_update_index",
+                      state=empty_state, state_step=state_step),
+    context_length=262_144,  # Qwen 3.5's max_position_embeddings
+    hf_model_types=("qwen3_5",),
+    short_names={"qwen3_5_0.8b": "qwen3_5_0.8b", "qwen3_5_0.8b_base": "qwen3_5_0.8b_base"},
+    tokenizer="bpe-qwen3_5",
+    presets={"qwen3_5_0.8b": Preset(_0_8B, 248_070)},  # tokenizer.json's 248,070 tokens
+    tiny={"qwen3_5": _TINY},
+    recurrent=("Qwen3_5GatedDeltaNet",),
+)
