@@ -25,9 +25,10 @@ family trains (a vision tower stays with KerasHub's attention, ``model.attention
 
 from __future__ import annotations
 
-from nnx_posttrain.families.base import Decoding, Family, Preset, Unsupported
+from nnx_posttrain.families.base import Decoding, Export, Family, Preset, refuse
 from nnx_posttrain.families.llama import SHARDING as LLAMA_SHARDING
 from nnx_posttrain.families.llama import llama_like
+from nnx_posttrain.families.qwen import chatml_tokenizer
 
 F, T = "fsdp", "tensor"
 _B = r"transformer_layer_\d+"
@@ -80,6 +81,71 @@ def state_step(block, x, state: tuple, index, mask=None) -> tuple:
     return out, (conv, recurrent)
 
 
+_T = r"transformer_layer_(\d+)"
+_L = "model.layers.{}"
+_EXPORT_RULES = [  # Keras path -> transformers' Qwen3_5ForCausalLM name, layout (export.hf)
+    (r"token_embedding/embeddings", "model.embed_tokens.weight", None),
+    (r"token_embedding/reverse_embeddings", "lm_head.weight", ((1,), (0,))),
+    (rf"{_T}/self_attention/(query|key|value)/kernel", None, ((1, 2), (0,))),
+    (rf"{_T}/self_attention/query_norm/scale", _L + ".self_attn.q_norm.weight", None),
+    (rf"{_T}/self_attention/key_norm/scale", _L + ".self_attn.k_norm.weight", None),
+    (rf"{_T}/self_attention/attention_output/kernel", _L + ".self_attn.o_proj.weight",
+     ((2,), (0, 1))),
+    (rf"{_T}/linear_attn/(in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)/kernel", None,
+     ((1,), (0,))),
+    (rf"{_T}/linear_attn/conv1d_kernel", _L + ".linear_attn.conv1d.weight", ("axis", 1)),
+    (rf"{_T}/linear_attn/(dt_bias|A_log)", None, None),
+    (rf"{_T}/linear_attn/norm/scale", _L + ".linear_attn.norm.weight", None),
+    (rf"{_T}/input_layernorm/scale", _L + ".input_layernorm.weight", None),
+    (rf"{_T}/post_attention_layernorm/scale", _L + ".post_attention_layernorm.weight", None),
+    (rf"{_T}/feedforward_gate_dense/kernel", _L + ".mlp.gate_proj.weight", ((1,), (0,))),
+    (rf"{_T}/feedforward_intermediate_dense/kernel", _L + ".mlp.up_proj.weight", ((1,), (0,))),
+    (rf"{_T}/feedforward_output_dense/kernel", _L + ".mlp.down_proj.weight", ((1,), (0,))),
+    (r"sequence_output_layernorm/scale", "model.norm.weight", None),
+]
+_NAMED = {"query": "self_attn.q_proj.weight", "key": "self_attn.k_proj.weight",
+          "value": "self_attn.v_proj.weight", "dt_bias": "linear_attn.dt_bias",
+          "A_log": "linear_attn.A_log"}
+
+
+def export_rules(backbone) -> list:
+    """The weight names of transformers' ``Qwen3_5ForCausalLM`` (the text tower): one rule per
+    sublayer where the Keras name is a regex group (q / k / v, the DeltaNet's projections and
+    gates), each group's own HF name."""
+    rules = []
+    for pattern, name, layout in _EXPORT_RULES:
+        if name is not None:
+            rules.append((pattern, name, layout))
+            continue
+        group = pattern.split("(", 2)[2].split(")")[0]
+        for part in group.split("|"):
+            hf = _NAMED.get(part, f"linear_attn.{part}.weight")
+            rules.append((pattern.replace(f"({group})", part), f"{_L}.{hf}", layout))
+    return rules
+
+
+def export_config(b) -> dict:
+    """transformers' ``Qwen3_5TextConfig`` (``qwen3_5_text``: ``Qwen3_5ForCausalLM``)."""
+    refuse("Qwen3_5Backbone", [p for p, bad in (
+        (f"rope_scaling_factor={b.rope_scaling_factor}", b.rope_scaling_factor != 1.0),
+        ("a vision encoder", b.vision_encoder is not None),
+        (f"mrope_section={b.mrope_section}", b.mrope_section is not None)) if bad])
+    return dict(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim,
+        intermediate_size=b.intermediate_dim, num_hidden_layers=b.num_layers,
+        num_attention_heads=b.num_query_heads, num_key_value_heads=b.num_key_value_heads,
+        head_dim=b.head_dim, rms_norm_eps=b.layer_norm_epsilon, hidden_act="silu",
+        attention_bias=False, attention_dropout=0.0, tie_word_embeddings=b.tie_word_embeddings,
+        layer_types=list(b.layer_types), max_position_embeddings=262_144,
+        rope_parameters=dict(rope_type="default", rope_theta=b.rope_max_wavelength,
+                             partial_rotary_factor=b.partial_rotary_factor),
+        linear_num_key_heads=b.linear_num_key_heads,
+        linear_num_value_heads=b.linear_num_value_heads,
+        linear_key_head_dim=b.linear_key_head_dim, linear_value_head_dim=b.linear_value_head_dim,
+        linear_conv_kernel_dim=b.linear_conv_kernel_dim)
+
+
 SHARDING = LLAMA_SHARDING + (
     # the Gated DeltaNet: q / k / v in one projection [hidden, 2 key dim + value dim] (its
     # channels also the depthwise convolution's [channels, kernel]), the output gate z [hidden,
@@ -121,8 +187,9 @@ QWEN3_5 = Family(
                         "out_proj"),
           "mlp": ("feedforward_gate_dense", "feedforward_intermediate_dense",
                   "feedforward_output_dense")},
-    export=Unsupported("this package has no verified Hugging Face export of Qwen 3.5 yet (its "
-                       "Gated DeltaNet layers, the gated attention); use --format keras"),
+    export=Export(export_rules, export_config,
+                  "Qwen 3.5 dense, text tower (`qwen3_5_text`, `Qwen3_5ForCausalLM`)",
+                  tokenizer=chatml_tokenizer),
     decoding=Decoding("self_attention_cache", "self_attention_cache_update_index",
                       state=empty_state, state_step=state_step),
     context_length=262_144,  # Qwen 3.5's max_position_embeddings
