@@ -240,3 +240,14 @@ def test_smollm3_attention_call_is_kerashubs_without_mutating_the_layer():
     assert jnp.allclose(out, reference, atol=1e-5)
     with pytest.raises(flax.errors.TraceContextError, match="Cannot mutate 'SmolLM3Attention'"):
         jax.jit(forward, static_argnums=1)(state, False)
+
+
+def test_qwen3_5_recurrent_blocks_take_no_shared_prompt_rows():
+    """Qwen 3.5's Gated DeltaNet state would carry the chosen completion into the rejected one:
+    no shared-prompt row is built (packed rows are refused: tests/test_attention.py)."""
+    from nnx_posttrain.algorithms import shared_prompt
+
+    backbone = support.TINY_FAMILIES["qwen3_5"]()
+    assert [attention.layer_spec(b) is None for b in model.decoder_blocks(backbone)] == [True, False]
+    assert shared_prompt.longest_row(backbone) == 0
+    assert shared_prompt.longest_row(support.TINY_FAMILIES["qwen3"]()) != 0
