@@ -110,13 +110,15 @@ def tiny_backbone(family: str):
 
 @contextlib.contextmanager
 def kerashub_as_written():
-    """KerasHub's Qwen 2 / 3 layers apply their sliding window only in their einsum branch, which
+    """KerasHub's Qwen 2 / 3 / 3.5 layers apply their sliding window only in their einsum branch, which
     they skip on JAX (``fused_attention_op_available()`` is True there, and the fused branch drops
     the window): the reference is the branch that applies it."""
     from keras_hub.src.models.qwen import qwen_attention
     from keras_hub.src.models.qwen3 import qwen3_attention
+    from keras_hub.src.models.qwen3_5 import qwen3_5_attention
 
-    saved = [(m, m.fused_attention_op_available) for m in (qwen_attention, qwen3_attention)]
+    saved = [(m, m.fused_attention_op_available)
+             for m in (qwen_attention, qwen3_attention, qwen3_5_attention)]
     try:
         for m, _ in saved:
             m.fused_attention_op_available = lambda: False

@@ -28,7 +28,7 @@ PARTS = ("backbone", "classes", "chat_format", "attention", "sharding", "lora", 
 def test_the_families():
     """The list itself: the families this package supports (a new one is a new entry)."""
     assert list(FAMILIES) == ["gemma", "gemma3", "gemma4", "llama2", "llama3", "mistral", "qwen2", "qwen3",
-                              "qwen3_moe", "mixtral", "gpt_oss", "phi3", "smollm3"]
+                              "qwen3_moe", "mixtral", "gpt_oss", "phi3", "smollm3", "qwen3_5"]
     assert len({f.backbone for f in FAMILIES.values()}) == len(FAMILIES)
 
 
@@ -85,6 +85,10 @@ def test_the_attention_reader_reads_every_block(tiny):
     assert families.of(backbone) is family
     for block in model.decoder_blocks(backbone):
         layer = attention.attention_layer(block)
+        if layer is None:  # a recurrent block (Qwen 3.5's Gated DeltaNet): its own code
+            assert type(attention.recurrent_layer(block)).__name__ in family.recurrent
+            assert attention.layer_spec(block) is None
+            continue
         assert type(layer).__name__ in family.attention
         spec = attention.layer_spec(block)
         if isinstance(spec, str):  # a feature no kernel computes: KerasHub's attention, saying so
@@ -159,7 +163,10 @@ def test_decoding_keywords_are_the_blocks_own(tiny):
     layouts = capacity.block_layouts(backbone)
     for i, (block, layout) in enumerate(zip(blocks, layouts)):
         source = decoding.kv_source(block) if decoding.kv_source else None
-        assert (layout is None) == (source is not None), (i, layout, source)
+        recurrent = attention.recurrent_layer(block) is not None  # Qwen 3.5: a state, no keys
+        assert (layout is None) == (source is not None or recurrent), (i, layout, source)
+        if recurrent:
+            assert decoding.state and decoding.state_step, family.name
         if source is not None:
             assert source < i and layouts[source] is not None and decoding.shared_kw in params
     if decoding.layer_inputs:
@@ -233,3 +240,14 @@ def test_smollm3_attention_call_is_kerashubs_without_mutating_the_layer():
     assert jnp.allclose(out, reference, atol=1e-5)
     with pytest.raises(flax.errors.TraceContextError, match="Cannot mutate 'SmolLM3Attention'"):
         jax.jit(forward, static_argnums=1)(state, False)
+
+
+def test_qwen3_5_recurrent_blocks_take_no_shared_prompt_rows():
+    """Qwen 3.5's Gated DeltaNet state would carry the chosen completion into the rejected one:
+    no shared-prompt row is built (packed rows are refused: tests/test_attention.py)."""
+    from nnx_posttrain.algorithms import shared_prompt
+
+    backbone = support.TINY_FAMILIES["qwen3_5"]()
+    assert [attention.layer_spec(b) is None for b in model.decoder_blocks(backbone)] == [True, False]
+    assert shared_prompt.longest_row(backbone) == 0
+    assert shared_prompt.longest_row(support.TINY_FAMILIES["qwen3"]()) != 0

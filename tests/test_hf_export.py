@@ -68,7 +68,11 @@ BACKBONES = {
 NEWER = {"gemma4": "gemma4", "gemma4_kv": "gemma4", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 BACKBONES.update({variant: (lambda f=family, v=variant: getattr(M, families.FAMILIES[f].backbone)(
     **dict(families.FAMILIES[f].tiny[v], vocabulary_size=V))) for variant, family in NEWER.items()})
-MODEL_TYPE = {"gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
+# Qwen 3.5's text tower exports as transformers' Qwen3_5ForCausalLM (``qwen3_5_text``), which
+# KerasHub's converter does not read (it takes ``qwen3_5``, the vision-language config)
+BACKBONES["qwen3_5"] = lambda: M.Qwen3_5Backbone(**dict(families.FAMILIES["qwen3_5"].tiny["qwen3_5"],
+                                                       vocabulary_size=V))
+MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
               "gemma3": "gemma3_text", "llama3": "llama", "llama3.1_tied": "llama",
               "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3",
               "gemma4": "gemma4_text", "gemma4_kv": "gemma4_text", "qwen3_moe": "qwen3_moe",

@@ -25,7 +25,8 @@ STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.
 # the micro preset of each family: a tiny variant (``Family.tiny``), shallower (fewer layers to
 # compile), with the synthetic tokenizer's size
 MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1)), "phi3": ("phi3", {}),
-         "qwen3_moe": ("qwen3_moe", {}), "mixtral": ("mixtral", {}), "smollm3": ("smollm3", {})}
+         "qwen3_moe": ("qwen3_moe", {}), "mixtral": ("mixtral", {}), "smollm3": ("smollm3", {}),
+         "qwen3_5": ("qwen3_5", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(MICRO))
@@ -135,7 +136,7 @@ def _quiet(*_):
 
 
 NEW_LIKES = [like for like, (family, _) in families.presets().items()
-             if family.name in ("gemma4", "qwen3_moe", "mixtral", "phi3", "smollm3")]
+             if family.name in ("gemma4", "qwen3_moe", "mixtral", "phi3", "smollm3", "qwen3_5")]
 
 
 @pytest.mark.parametrize("like", NEW_LIKES)

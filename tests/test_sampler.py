@@ -40,14 +40,29 @@ def _batch(prompts=PROMPTS, bucket=16):
     return sampler.pad_prompts(prompts, 0, bucket=bucket)
 
 
+def _recurrent(module) -> bool:
+    return any(attention.recurrent_layer(b) for b in model.decoder_blocks(module))
+
+
+def _full(module, function):
+    """``function(module, ids, mask)``; compiled for a module with recurrent blocks (Qwen 3.5's
+    Gated DeltaNet runs hundreds of small operations a pass: eager, tens of seconds)."""
+    if not _recurrent(module):
+        return lambda ids, mask: function(module, ids, mask)
+    graphdef, *states = nnx.split(module)
+    jitted = jax.jit(lambda states, ids, mask: function(nnx.merge(graphdef, *states), ids, mask))
+    return lambda ids, mask: jitted(states, ids, mask)
+
+
 def argmax_reference(module, ids, mask, n):
     """Plain decoding without a cache: the whole left-padded buffer through the model per token
-    (eager: cheaper than a compilation for a few tokens of a tiny model)."""
+    (eager: cheaper than a compilation for a few tokens of a tiny model; ``_full``)."""
     batch, width = ids.shape
     tokens = np.concatenate([ids, np.zeros((batch, n), np.int32)], 1)
     masks = np.concatenate([mask, np.zeros((batch, n), np.int32)], 1)
+    full_logits = _full(module, model.full_logits)
     for j in range(n):
-        logits = model.full_logits(module, jnp.asarray(tokens), jnp.asarray(masks))
+        logits = full_logits(jnp.asarray(tokens), jnp.asarray(masks))
         tokens[:, width + j] = np.asarray(jnp.argmax(logits[:, width + j - 1], -1))
         masks[:, width + j] = 1
     return tokens[:, width:]
@@ -109,8 +124,9 @@ def test_every_family_decodes_as_a_full_forward_pass(family):
     and 8 new tokens: the last queries are past the sliding windows (8) of Gemma 2 / 3 / 4, Qwen 2
     and Mistral. Gemma 4's variants: per-layer inputs and KV-shared blocks reading an earlier
     block's cache (gemma4), global blocks with their own head dim and one kv head whose keys are
-    the values (gemma4_kv, gemma4_moe), experts. (A family whose ``decoding`` is ``Unsupported``
-    is refused by the sampler: tests/test_families.py.)"""
+    the values (gemma4_kv, gemma4_moe), experts; Qwen 3.5's Gated DeltaNet block carrying its
+    recurrent state from the left-padded prompt. (A family whose ``decoding`` is
+    ``Unsupported`` is refused by the sampler: tests/test_families.py.)"""
     bb = support.tiny_backbone(family)
     graphdef, *states = nnx.split(bb)
     ids, mask = _batch([p[:18] for p in PROMPTS], 18)
@@ -122,7 +138,7 @@ def test_every_family_decodes_as_a_full_forward_pass(family):
         out = sample(states, ids, mask, jax.random.key(1), sampler.Draw(1.0, 1.0, NO_STOP))
         seq = jnp.concatenate([ids, out["completion_ids"]], 1)
         seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
-        want = model.token_logprobs(bb, seq, seq_mask)[:, ids.shape[1]:]
+        want = _full(bb, model.token_logprobs)(seq, seq_mask)[:, ids.shape[1]:]
     np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want), atol=1e-5)
 
 

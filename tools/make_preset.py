@@ -217,16 +217,19 @@ def smollm3_tokenizer(vocab_size: int = 128_256):
         vocabulary=vocab, merges=merges, unsplittable_tokens=["<|im_start|>", "<|im_end|>"])
 
 
-def qwen_tokenizer(vocab_size: int = 151_665, qwen3: bool = False):
-    """A QwenTokenizer (Qwen3Tokenizer) of ``vocab_size`` tokens: byte-level BPE and Qwen's
-    special tokens at the end (``<|endoftext|>`` first, ``<|im_start|>``, ``<|im_end|>``, ...)."""
+def qwen_tokenizer(vocab_size: int = 151_665, qwen3: bool = False, cls: str | None = None):
+    """A QwenTokenizer (Qwen3Tokenizer; ``cls``: another class of the same layout, Qwen 3.5's)
+    of ``vocab_size`` tokens: byte-level BPE and Qwen's special tokens at the end
+    (``<|endoftext|>`` first, ``<|im_start|>``, ``<|im_end|>``, ..., the vision tokens; Qwen 3's
+    and 3.5's end with the tool-response and think tags)."""
     import keras_hub
 
     names = QWEN3_SPECIAL if qwen3 else QWEN_SPECIAL
     first = vocab_size - len(names)
     vocab, merges = byte_bpe(first - 256, {first + i: n for i, n in enumerate(names)})
-    cls = keras_hub.models.Qwen3Tokenizer if qwen3 else keras_hub.models.QwenTokenizer
-    return cls(vocabulary=vocab, merges=merges, unsplittable_tokens=list(names))
+    cls = cls or ("Qwen3Tokenizer" if qwen3 else "QwenTokenizer")
+    return getattr(keras_hub.models, cls)(vocabulary=vocab, merges=merges,
+                                          unsplittable_tokens=list(names))
 
 
 # ----------------------------------------------------------------------------- the preset
@@ -265,12 +268,14 @@ def scaled(dims: dict, scale: float) -> dict:
         if dims.get(key):
             out[key] = max(16, round(dims[key] * scale))
     for key, low in (("global_head_dim", 8), ("moe_intermediate_dim", 16),
-                     ("expert_intermediate_dim", 16), ("hidden_size_per_layer_input", 8)):
-        if dims.get(key):  # Gemma 4's global layers, the experts, per-layer inputs
+                     ("expert_intermediate_dim", 16), ("hidden_size_per_layer_input", 8),
+                     ("linear_key_head_dim", 8), ("linear_value_head_dim", 8)):
+        if dims.get(key):  # Gemma 4's global layers, the experts, per-layer inputs, Qwen 3.5's
+            # Gated DeltaNet heads
             out[key] = r8(dims[key], low)
-    for key in ("rope_layer_enabled_list", "layer_types"):  # SmolLM3's per-layer lists
+    for key in ("rope_layer_enabled_list", "layer_types"):  # SmolLM3's, Qwen 3.5's per layer
         if key in dims:
-            out[key] = list(dims[key][:out["num_layers"]])
+            out[key] = list(dims[key][-out["num_layers"]:])  # Qwen 3.5's ends in attention
     if dims.get("num_kv_shared_layers"):  # Gemma 4 E2B / E4B: a share of the layers, not all
         share = dims["num_kv_shared_layers"] / dims["num_layers"]
         out["num_kv_shared_layers"] = min(out["num_layers"] - 1,
@@ -374,6 +379,7 @@ TOKENIZERS = {
     "bpe-smollm3": lambda n: smollm3_tokenizer(n),
     "bpe-qwen2": lambda n: qwen_tokenizer(n),
     "bpe-qwen3": lambda n: qwen_tokenizer(n, qwen3=True),
+    "bpe-qwen3_5": lambda n: qwen_tokenizer(n, qwen3=True, cls="Qwen3_5Tokenizer"),
 }
 
 

@@ -34,11 +34,12 @@ def longest_row(module) -> int | None:
     window (a window counts positions in the row, and the rejected completion sits further from
     the prompt there than in its own row: rows within the window are never cut either way), else
     None (any). A vision backbone takes none: its image tokens attend both ways, which the
-    shared row's mask does not keep."""
+    shared row's mask does not keep; nor a backbone with recurrent blocks (Qwen 3.5's Gated
+    DeltaNet): their state would carry the chosen completion into the rejected one."""
     if not model.takes_positions(module) or model.reads_images(module):
         return 0
     specs = [layer_spec(block) for block in model.decoder_blocks(module)]
-    if any(isinstance(spec, str) for spec in specs):
+    if any(spec is None or isinstance(spec, str) for spec in specs):
         return 0
     windows = [spec.window for spec in specs if spec.window]
     return min(windows) if windows else None

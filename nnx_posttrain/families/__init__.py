@@ -14,7 +14,8 @@ lists the families and fails on one missing a part (``Unsupported`` says why a p
 ``prepare(backbone)`` runs the family's repair of a KerasHub backbone (``Family.prepare``);
 ``building(backbone, dtype)`` is the context to build one in (``Family.ignores_dtype``).
 
-Lookups: ``of(backbone)`` (an instance or a class name), ``by_model_type``, ``attention_reader``.
+Lookups: ``of(backbone)`` (an instance or a class name), ``by_model_type``, ``attention_reader``,
+``recurrent_layer`` (a block's recurrent mixer: ``Family.recurrent``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from nnx_posttrain.families.llama import LLAMA2, LLAMA3, MISTRAL
 from nnx_posttrain.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
 from nnx_posttrain.families.phi3 import PHI3
 from nnx_posttrain.families.qwen import QWEN2, QWEN3
+from nnx_posttrain.families.qwen3_5 import QWEN3_5
 from nnx_posttrain.families.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     GEMMA, GEMMA3, GEMMA4, LLAMA2, LLAMA3, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
-    GPT_OSS, PHI3, SMOLLM3,
+    GPT_OSS, PHI3, SMOLLM3, QWEN3_5,
 )}
 _BY_BACKBONE = {f.backbone: f for f in FAMILIES.values()}
 
@@ -70,6 +72,14 @@ def attention_reader(layer) -> Reader | None:
 def attention_classes() -> set[str]:
     """Every attention layer class name some family reads."""
     return {name for f in FAMILIES.values() for name in f.attention}
+
+
+def recurrent_layer(block):
+    """The recurrent token mixer of a KerasHub decoder block that has one instead of attention
+    (a class of some family's ``Family.recurrent``: Qwen 3.5's Gated DeltaNet), else None."""
+    known = {name for f in FAMILIES.values() for name in f.recurrent}
+    return next((layer for layer in block._flatten_layers(include_self=False, recursive=False)
+                 if type(layer).__name__ in known), None)
 
 
 def short_names() -> dict[str, str]:

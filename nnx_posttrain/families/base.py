@@ -88,7 +88,14 @@ class Decoding:
     reads (given to it as keyword ``shared_kw``: that block's cache output), None for a block
     with its own; ``layer_inputs(backbone, token_ids, x, vision_mask=None)``: each block's extra
     keyword arguments (a list of dicts) from the token ids and the scaled embeddings ``x`` (with
-    a prompt's images: its image tokens' ``vision_mask``)."""
+    a prompt's images: its image tokens' ``vision_mask``).
+
+    A family with recurrent blocks (``Family.recurrent``: Qwen 3.5's Gated DeltaNet) carries
+    their state in the sampler's cache instead of keys and values: ``state(block, batch)``, a
+    recurrent block's initial state (a tuple of zero arrays); ``state_step(block, x, state,
+    index, mask)``: the block on ``x`` [B, T, D] at positions ``index ..`` from ``state``,
+    returning (its output, the new state); ``mask``: the prompt's padding mask [B, T] (left
+    pads) in the prompt pass, None for a decoding step."""
 
     cache_kw: str
     index_kw: str
@@ -98,6 +105,8 @@ class Decoding:
     kv_source: Callable[[Any], int | None] | None = None
     shared_kw: str = ""
     layer_inputs: Callable[..., list] | None = None
+    state: Callable[[Any, int], tuple] | None = None
+    state_step: Callable[..., tuple] | None = None
 
 
 # The decoder blocks' cache keywords of KerasHub's Llama-like families (Llama, Mistral, Qwen, the
@@ -166,7 +175,11 @@ class Family:
       forward passes (``model.attention.own_calls``), None: KerasHub's (SmolLM3's mutates the
       layer, which NNX refuses inside a nested trace);
     - ``ignores_dtype``: the backbone builds its layers in Keras' global dtype policy, not its
-      ``dtype`` argument (SmolLM3): ``families.building`` sets the global one while it is built.
+      ``dtype`` argument (SmolLM3): ``families.building`` sets the global one while it is built;
+    - ``recurrent``: the layer classes of decoder blocks that mix tokens with a recurrent state
+      instead of softmax attention (Qwen 3.5's Gated DeltaNet): the attention path leaves those
+      blocks to KerasHub's code, and rows whose examples such a state would cross (packed rows,
+      shared-prompt pairs) are refused or not built.
     """
 
     name: str
@@ -189,6 +202,7 @@ class Family:
     prepare: Callable[[Any], None] | None = None
     attention_call: Callable[..., Any] | None = None
     ignores_dtype: bool = False
+    recurrent: tuple[str, ...] = ()
 
     def format_of(self, backbone) -> str | None:
         """The chat format of ``backbone`` (a model of this family), or None when the family has

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from nnx_posttrain import families
-from nnx_posttrain.families import LayerSpec
+from nnx_posttrain.families import LayerSpec, recurrent_layer  # noqa: F401  (re-exported)
 from nnx_posttrain.model.blocks import decoder_blocks, mask_method, override_blocks
 from nnx_posttrain.model.flash import NEG, Visible, allowed, flash
 
@@ -75,12 +75,16 @@ def attention_layer(block):
                  if type(layer).__name__ in known), None)
 
 
-def layer_spec(block, training: bool = True) -> LayerSpec | str:
+def layer_spec(block, training: bool = True) -> LayerSpec | str | None:
     """The block's attention as a ``LayerSpec`` (its family's reader, by the attention layer's
     class name), or the reason it stays with KerasHub's code (attention dropout only matters in
-    ``training``). An attention class no family reads is never guessed at."""
+    ``training``); None for a block with a known recurrent mixer and no attention (its own code
+    runs, there is no attention to replace). An attention class no family reads is never
+    guessed at."""
     layer = attention_layer(block)
     if layer is None:
+        if recurrent_layer(block) is not None:
+            return None
         return f"{type(block).__name__} has no known attention layer"
     kind = type(layer).__name__
     if training and (getattr(layer, "dropout", 0) or getattr(layer, "_dropout", 0)):
@@ -128,13 +132,15 @@ def resolve(module, implementation: str = "auto", platform: str | None = None,
     if tower:
         return "keras", f"image tokens attend bidirectionally or as a prefix (a {tower})"
     blocks = decoder_blocks(module)
-    specs = [layer_spec(block) for block in blocks]
+    specs = [s for s in map(layer_spec, blocks) if s is not None]  # not a recurrent block's
     unknown = next((s for s in specs if isinstance(s, str)), None)
     if unknown:
         return "keras", unknown
+    if not specs:
+        return "keras", f"{type(module).__name__} has no attention layer"
     if mask_method(blocks[0]) is None:
         return "keras", f"{type(blocks[0]).__name__} has no known mask method"
-    layer = attention_layer(blocks[0])
+    layer = next(filter(None, map(attention_layer, blocks)))
     head_dim = int(getattr(layer, "head_dim", 0) or getattr(layer, "_head_dim", 0))
     dtype = module.dtype_policy.compute_dtype
     problems = {"cudnn": lambda s: _cudnn_problem(s, head_dim, dtype),
@@ -356,7 +362,7 @@ def overridden(module, shape, kernel, training: bool = True):
     index, ``spec`` its ``LayerSpec``, q / k / v as KerasHub passes them (after the projections and
     the rotary embedding; Llama-family keys repeated per group). Raises NotImplementedError naming
     a layer that has no ``LayerSpec`` (``training=False``: inference, where attention dropout is
-    off)."""
+    off). A recurrent block (Qwen 3.5's Gated DeltaNet) keeps its own code."""
     blocks = decoder_blocks(module)
     specs = [layer_spec(block, training) for block in blocks]
     unknown = next((s for s in specs if isinstance(s, str)), None)
@@ -365,7 +371,7 @@ def overridden(module, shape, kernel, training: bool = True):
     masks = mask_method(blocks[0])
     if masks is None:
         raise NotImplementedError(f"{type(blocks[0]).__name__} has no known mask method")
-    index = {id(attention_layer(block)): i for i, block in enumerate(blocks)}
+    index = {id(attention_layer(block)): i for i, block in enumerate(blocks) if specs[i]}
 
     def make_compute(layer, original):
         i = index[id(layer)]

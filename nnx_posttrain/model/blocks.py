@@ -68,9 +68,11 @@ def override_blocks(module, name: str, make: Callable[[Any, Any], Any], *,
     (a bound method). The override is set on the instances and removed on exit, also on error.
     Yields the blocks (``decoder_blocks(module)``). With ``part`` (block -> one of its sublayers,
     e.g. its attention layer), the attribute of ``part(block)`` is overridden instead, and
-    ``make`` receives that sublayer."""
+    ``make`` receives that sublayer; a block without one (``part`` gives None: Qwen 3.5's
+    recurrent blocks have no attention layer) is left as it is."""
     blocks = decoder_blocks(module)
-    with shadowed([part(b) if part is not None else b for b in blocks], name, make):
+    targets = blocks if part is None else [p for p in map(part, blocks) if p is not None]
+    with shadowed(targets, name, make):
         yield blocks
 
 

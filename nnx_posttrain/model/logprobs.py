@@ -34,7 +34,11 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     embeddings, whose attention scores depend only on relative positions within an example.
     ``rope_positions`` [batch, T] are the rotary positions where that does not hold (a shared-prefix
     row, whose second branch continues the prefix: ``algorithms.shared_prompt``). A vision
-    backbone reads the images of ``vision.images``' scope (``vision.backbone_inputs``)."""
+    backbone reads the images of ``vision.images``' scope (``vision.backbone_inputs``). A
+    backbone with recurrent blocks (Qwen 3.5's Gated DeltaNet, whose state runs along the whole
+    row) takes no packed rows: ``ConfigError``."""
+    if segment_ids is not None:
+        _refuse_packing(module)
     rope = (contextlib.nullcontext() if rope_positions is None
             else rope_positions_scope(module, rope_positions))
     branched = rope_positions is not None
@@ -49,6 +53,18 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
             return constrain_batch(module(inputs))
         with _attention_mask_override(module, segment_attention_mask(segment_ids)):
             return constrain_batch(module(inputs))
+
+
+def _refuse_packing(module) -> None:
+    """``ConfigError`` when ``module`` has a recurrent block (``attention.recurrent_layer``):
+    its state would carry one packed example into the next."""
+    from nnx_posttrain import errors
+    from nnx_posttrain.model.blocks import decoder_blocks
+
+    if any(attention.recurrent_layer(block) is not None for block in decoder_blocks(module)):
+        raise errors.ConfigError(
+            f"--batching.packing: {type(module).__name__}'s recurrent blocks (Gated DeltaNet) "
+            "carry their state along the whole row, across packed examples; train it unpacked")
 
 
 # The default (``chunk_size=None``): the logits of the whole batch at once, kept for the backward

@@ -27,7 +27,24 @@ def generation_bytes(module, batch: int, prompt_length: int, max_new_tokens: int
     length = prompt_length + max_new_tokens
     width = sum(heads * head_dim for heads, head_dim in filter(None, block_layouts(module)))
     cache = 2 * batch * length * width
-    return cache * np.dtype(dtype).itemsize + 4 * batch * int(module.vocabulary_size)
+    return (cache * np.dtype(dtype).itemsize + state_bytes(module, batch)
+            + 4 * batch * int(module.vocabulary_size))
+
+
+def state_bytes(module, batch: int) -> int:
+    """The recurrent blocks' states (Qwen 3.5's Gated DeltaNet: ``Decoding.state``) for
+    ``batch`` rows, whatever the length; 0 for a family without recurrent blocks."""
+    import jax
+
+    from nnx_posttrain.model.attention import recurrent_layer
+
+    family = families.of(module)
+    decoding = family.decoding if family is not None and family.decoding else None
+    if decoding is None or decoding.state is None:
+        return 0
+    shapes = [jax.eval_shape(lambda block=block: decoding.state(block, batch))
+              for block in model.decoder_blocks(module) if recurrent_layer(block) is not None]
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
 
 
 def check_generation(module, batch: int, prompt_length: int, max_new_tokens: int,
@@ -67,12 +84,15 @@ def kv_layout(module) -> tuple[int, int, str]:
 
 def block_layouts(module) -> list:
     """Each decoder block's KV cache: (kv heads, head dim), or None for a block that reads an
-    earlier block's (Gemma 4's KV-shared layers); the backbone's ``kv_layout`` for every block
-    unless the family's ``Decoding`` says otherwise (``layout``, ``kv_source``)."""
+    earlier block's (Gemma 4's KV-shared layers) or has a recurrent state instead (Qwen 3.5's
+    Gated DeltaNet: ``state_bytes``); the backbone's ``kv_layout`` for every block unless the
+    family's ``Decoding`` says otherwise (``layout``, ``kv_source``)."""
+    from nnx_posttrain.model.attention import recurrent_layer
+
     heads, head_dim, _ = kv_layout(module)
     family = families.of(module)
     decoding = family.decoding if family is not None and family.decoding else None
     layout = getattr(decoding, "layout", None) or (lambda block: (heads, head_dim))
     source = getattr(decoding, "kv_source", None) or (lambda block: None)
-    return [None if source(block) is not None else layout(block)
-            for block in model.decoder_blocks(module)]
+    return [None if source(block) is not None or recurrent_layer(block) is not None
+            else layout(block) for block in model.decoder_blocks(module)]

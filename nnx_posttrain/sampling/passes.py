@@ -41,12 +41,17 @@ def family(module) -> families.Decoding:
 
 def empty_cache(module, batch: int, length: int):
     """One (keys, values) pair [B * kv heads, L, head dim] per decoder block (``attend_cached``),
-    of the block's own kv heads and head dim (``capacity.block_layouts``); None for a block that
-    reads an earlier block's cache (Gemma 4's KV-shared layers)."""
+    of the block's own kv heads and head dim (``capacity.block_layouts``); a recurrent block's
+    initial state (``Decoding.state``: Qwen 3.5's Gated DeltaNet); None for a block that reads
+    an earlier block's cache (Gemma 4's KV-shared layers)."""
     dtype = _kv_layout(module)[2]
-    return tuple(None if layout is None else tuple(
-        jnp.zeros((batch * layout[0], length, layout[1]), dtype) for _ in range(2))
-        for layout in block_layouts(module))
+    fam = family(module)
+    blocks = model.decoder_blocks(module)
+    return tuple(
+        fam.state(block, batch) if attention.recurrent_layer(block) is not None
+        else None if layout is None
+        else tuple(jnp.zeros((batch * layout[0], length, layout[1]), dtype) for _ in range(2))
+        for block, layout in zip(blocks, block_layouts(module)))
 
 
 def _pass_through_cache(module, fam: families.Decoding, batch: int, length: int):
@@ -113,7 +118,9 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
     per row against the cache (``attend_cached``), its left pads masked by ``key_mask``. A
     KV-shared block (Gemma 4: ``fam.kv_source``) writes nothing and attends over its source
     block's keys (given it as ``fam.shared_kw``, as KerasHub's backbone does); the family's
-    ``layer_inputs`` (Gemma 4's per-layer inputs) go to each block."""
+    ``layer_inputs`` (Gemma 4's per-layer inputs) go to each block. A recurrent block (Qwen
+    3.5's Gated DeltaNet) runs from its state in the cache and leaves its new state there
+    (``Decoding.state_step``; the prompt's left pads zeroed at its input)."""
     batch, t = token_ids.shape
     index, key_mask = cache.index, cache.key_mask
     x = _embedded(module, fam, token_ids)
@@ -139,8 +146,13 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
     outputs = []  # each block's cache output: what a KV-shared block reads
     if fam.cache_kw not in inspect.signature(type(blocks[0]).call).parameters:
         index = jnp.asarray(index, jnp.int32)  # SmolLM3's **kwargs: Keras mixes no int and array
+    recurrent = [attention.recurrent_layer(block) is not None for block in blocks]
     with attention.overridden(module, (batch, t), kernel, training=False):
-        for block, kwargs, source in zip(blocks, extra, sources):
+        for i, (block, kwargs, source) in enumerate(zip(blocks, extra, sources)):
+            if recurrent[i]:  # Qwen 3.5's Gated DeltaNet: its state, not keys and values
+                x, caches[i] = fam.state_step(block, x, caches[i], index, prompt)
+                outputs.append(None)
+                continue
             if source is not None:
                 kwargs = dict(kwargs, **{fam.shared_kw: outputs[source]})
             x, out = block(x, **{fam.cache_kw: through, fam.index_kw: index}, **kwargs)
