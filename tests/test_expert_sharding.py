@@ -206,6 +206,7 @@ def four_devices():
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_the_same_losses_with_the_experts_split(four_devices):
     losses = four_devices["losses"]
     print(json.dumps(losses, indent=1))

@@ -264,13 +264,13 @@ def test_inverse_cdf_draws_across_blocks_of_the_vocabulary():
     probs[[5, 2 * sampler.CDF_BLOCK + 1, 2 * sampler.CDF_BLOCK + 400]] = [0.25, 0.5, 0.25]
     probs[7] = 1e-9  # tiny but drawable: not a masked id
     logits = jnp.log(jnp.asarray(probs, jnp.float32))
-    draws = 20000
-    tokens = np.asarray(sampler._categorical(jax.random.key(1),
-                                             jnp.broadcast_to(logits, (draws, probs.size))))
+    draws = 10000
+    tokens = np.asarray(jax.jit(sampler._categorical)(
+        jax.random.key(1), jnp.broadcast_to(logits, (draws, probs.size))))
     ids, counts = np.unique(tokens, return_counts=True)
     assert set(ids) <= {5, 7, 2 * sampler.CDF_BLOCK + 1, 2 * sampler.CDF_BLOCK + 400}, ids
     np.testing.assert_allclose([np.mean(tokens == i) for i in (5, 2 * sampler.CDF_BLOCK + 1)],
-                               [0.25, 0.5], atol=0.015)
+                               [0.25, 0.5], atol=0.02)  # 4 standard errors
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(jax.random, "uniform", lambda rng, shape, dtype: jnp.ones(shape, dtype))
         assert int(sampler._categorical(jax.random.key(0), logits[None])[0]) == (

@@ -188,6 +188,7 @@ def test_a_precomputed_reference_reads_the_images(files, tmp_path):
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_train_vision_trains_the_tower_against_a_copied_reference(lm, files, tmp_path):
     """``--train-vision``: every weight of the tower trains beside the language model's LoRA;
     DPO's reference is then a frozen copy of the starting weights (LoRA off would keep the

@@ -91,6 +91,7 @@ def keras_hub_inputs(b, tokens_per_image):
             "vision_indices": indices, "vision_mask": b["vision_mask"]}
 
 
+@pytest.mark.slow
 def test_logits_with_images_equal_keras_hubs_gemma4_causal_lm(lm):
     """The training forward (``model.full_logits`` under ``model.images``, eagerly) equals
     KerasHub's ``Gemma4CausalLM`` called on the inputs its preprocessor makes (per-layer inputs,
@@ -140,6 +141,7 @@ def run(algorithm, data_file, run_dir, *extra):
                      LENGTH, *STEPS, "--run-dir", run_dir, *extra, echo=lambda _: None)
 
 
+@pytest.mark.slow
 def test_sft_on_messages_and_images_runs_two_steps(files, tmp_path, capsys):
     """SFT with LoRA on a ``messages`` + ``images`` JSONL: two steps, finite losses; then
     ``nnx-posttrain sample RUN --image FILE`` answers with the sampler's answer to that image
@@ -296,6 +298,7 @@ def prompt_file(tmp_path_factory):
     return root / "prompts.jsonl"
 
 
+@pytest.mark.slow
 def test_grpo_samples_and_trains_on_image_prompts(prompt_file, tmp_path):
     """GRPO on prompt-only records with images, two iterations per rollout and a clip range of
     1e-3: the rollouts are sampled with each prompt's image, and at the first step the
@@ -337,6 +340,7 @@ def test_a_local_preset_directory_of_a_gemma4_vision_model_loads(lm, tmp_path):
         np.asarray(lm.module.vision_encoder.weights[1].value))
 
 
+@pytest.mark.slow
 def test_rows_that_copy_the_examples_read_their_images_encoded_once(lm):
     """A preference pair's rows (the examples twice) read their example's patches, encoded once
     (Gemma 4's encoder takes a dict of patches and positions): the log-probs equal each copy's

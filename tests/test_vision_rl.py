@@ -87,6 +87,7 @@ def _eval_answers(run_dir, step):
             if r["step"] == step and r["split"] == "eval"]
 
 
+@pytest.mark.slow
 def test_exact_match_samples_the_held_out_prompts_with_their_images(files, tmp_path,
                                                                      monkeypatch):
     """SFT with ``--eval-data`` holding images: exact match is evaluated (no longer left out),
@@ -164,6 +165,7 @@ def test_grpo_rollouts_and_training_forward_read_the_prompts_images(files, tmp_p
     assert np.abs(np.asarray(blind["logprobs"])[:, 0] - old[:, 0]).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_rloo_reads_the_images_on_both_sides_of_its_ratio(files, tmp_path):
     """RLOO (one ratio per sequence) on the same prompts: nothing clipped at a rollout's first
     step under a clip range of 1e-3, something at its second."""
@@ -175,6 +177,7 @@ def test_rloo_reads_the_images_on_both_sides_of_its_ratio(files, tmp_path):
     assert rows[1]["clip_ratio/region_mean"] > 0.0
 
 
+@pytest.mark.slow
 def test_grpo_with_images_resumes_exactly(files, tmp_path):
     """Stopped after its first rollout and resumed, a GRPO run on images logs the losses and
     rewards of the uninterrupted run."""
@@ -198,6 +201,7 @@ def _rollout(result, step=7):
     return prompts, result.source.rollout(step, result.state, prompts)[0]
 
 
+@pytest.mark.slow
 def test_ppo_rollout_values_and_ratio_read_the_prompts_images(files, tmp_path):
     """PPO on prompt-only records with images, two epochs per rollout and clip ranges of 1e-3:
     at each rollout's first epoch nothing is clipped, the policy's ratio nor the values (the
@@ -236,6 +240,7 @@ def test_ppo_rollout_values_and_ratio_read_the_prompts_images(files, tmp_path):
     assert np.abs((blind - batch["old_values"]) * mask).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_online_dpo_pairs_read_their_prompts_images(files, tmp_path):
     """Online DPO on prompt-only records with images: a 2-step run trains with a finite loss;
     each pair built from a rollout carries its prompt's pixel values, and the pair log-probs the
