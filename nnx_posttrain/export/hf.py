@@ -50,9 +50,13 @@ def to_matrix(array: np.ndarray, layout) -> np.ndarray:
     """A Keras kernel in HF's layout: (outputs, inputs) flattened to [out, in]. ``("expert", e,
     lo, hi)``: expert ``e`` of stacked experts [E, in, out], its outputs ``lo:hi``, as [out, in]
     (one HF tensor per expert: the per-expert names transformers writes); ``("axis", a)``: the
-    array with a new axis of size 1 at ``a`` (Qwen 3.5's depthwise convolution [C, 1, K])."""
+    array with a new axis of size 1 at ``a`` (Qwen 3.5's depthwise convolution [C, 1, K]);
+    ``("transpose", axes)``: the array's axes permuted (a convolution kernel [H, W, in, out] as
+    PyTorch's [out, in, H, W])."""
     if layout is None:
         return array
+    if isinstance(layout, tuple) and layout[0] == "transpose":
+        return np.ascontiguousarray(np.transpose(array, layout[1]))
     if isinstance(layout, tuple) and layout[0] == "axis":
         return np.expand_dims(array, layout[1])
     if isinstance(layout, tuple) and layout[0] == "expert":
