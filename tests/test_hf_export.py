@@ -360,3 +360,11 @@ def test_gemma3_vision_export_gives_transformers_logits_with_images(gemma3_visio
     text = {k: v[2:] for k, v in batch.items()}
     np.testing.assert_allclose(hf_vision_logits(hf, text)[0][real[2]], ours[2][real[2]],
                                atol=1e-4, rtol=0)
+
+
+def test_gemma4_with_a_vision_encoder_is_refused_naming_it(tmp_path):
+    """Gemma 4's vision tower has no verified export (Gemma 3's has): refused before writing."""
+    lm = support.vision_model("gemma4_vision_micro")
+    with pytest.raises(hf_export.ExportError, match="Gemma4ForConditionalGeneration"):
+        hf_export.export_model(lm.task, tmp_path / "g4", "float32")
+    assert not (tmp_path / "g4").exists()

@@ -134,6 +134,7 @@ def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> 
     with ``chat_format``, its template as the tokenizer's ``chat_template``."""
     backbone = task.backbone
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
+    cfg = hf_config(backbone, tokenizer, dtype)  # an unverified configuration: refused by name
     mapping = weight_map(backbone)
     shapes = {n: to_matrix(np.empty(v.shape, np.int8), layout).shape
               for n, (v, layout) in mapping.items()}
@@ -141,7 +142,6 @@ def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> 
                for n, (v, layout) in mapping.items()}
     to.mkdir(parents=True, exist_ok=True)
     write_safetensors(to / "model.safetensors", tensors, shapes, dtype)
-    cfg = hf_config(backbone, tokenizer, dtype)
     (to / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     (to / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
