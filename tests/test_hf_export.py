@@ -362,6 +362,22 @@ def test_gemma3_vision_export_gives_transformers_logits_with_images(gemma3_visio
                                atol=1e-4, rtol=0)
 
 
+def test_gemma3_vision_tokenizer_files_give_the_configs_image_tokens(gemma3_vision):
+    """transformers' tokenizer of the export reads the image placeholder, start and end of image
+    as the config's ids (the ids where Gemma3ForConditionalGeneration places the images), and
+    the image row's text as our pipeline's ids."""
+    lm, batch, directory = gemma3_vision
+    config = json.loads((directory / "config.json").read_text())
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+    for key in ("image_token", "boi_token", "eoi_token"):  # Gemma3Processor's names for them
+        assert hf_tok.convert_tokens_to_ids(getattr(hf_tok, key)) == config[f"{key}_index"]
+    ids = [config["boi_token_index"], *[config["image_token_index"]] * 4, config["eoi_token_index"]]
+    text = "<start_of_image>" + "<img>" * 4 + "<end_of_image>"
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
+    real = batch["input_ids"][0][batch["attention_mask"][0] > 0].tolist()
+    assert hf_tok(hf_tok.decode(real[1:]), add_special_tokens=True)["input_ids"] == real
+
+
 def test_gemma4_with_a_vision_encoder_is_refused_naming_it(tmp_path):
     """Gemma 4's vision tower has no verified export (Gemma 3's has): refused before writing."""
     lm = support.vision_model("gemma4_vision_micro")

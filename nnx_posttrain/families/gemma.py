@@ -178,6 +178,38 @@ def _gemma3_vision_config(b, cfg: dict) -> dict:
                 tie_word_embeddings=True, initializer_range=0.02, **top)
 
 
+def gemma3_tokenizer(tokenizer, to) -> None:
+    """KerasHub's Gemma 3 tokenizer files, with the image tokens under the tokenizer's own names
+    and ids (KerasHub writes ``<image_soft_token>`` and the released vocabulary's ids, which a
+    tokenizer whose placeholder is ``<img>``, or whose ids differ, does not have): what
+    transformers' tokenizer maps to the config's ``image_token_index``."""
+    import json
+    from pathlib import Path
+
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    hf_exporter.export_tokenizer(tokenizer, str(to))
+    if not getattr(tokenizer, "has_vision_tokens", False):
+        return
+    names = {"image_token": tokenizer.image_placeholder,
+             "boi_token": tokenizer.start_of_image_token, "eoi_token": tokenizer.end_of_image_token}
+    added = {"special": True, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False}
+    path = Path(to) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    kerashub = {"<start_of_image>", "<end_of_image>", "<image_soft_token>"}
+    decoder = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
+               if v["content"] not in kerashub}
+    decoder.update({str(tokenizer.token_to_id(n)): dict(added, content=n) for n in names.values()})
+    config.update(names, extra_special_tokens=names, added_tokens_decoder=decoder)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    path = Path(to) / "special_tokens_map.json"
+    tokens = json.loads(path.read_text())
+    tokens["additional_special_tokens"] = [
+        {k: v for k, v in dict(added, content=n).items() if k != "special"} for n in names.values()]
+    path.write_text(json.dumps(tokens, indent=2) + "\n")
+
+
 # what Gemma 2's published configs share: head size 256 and its scaling, the post norms, the
 # logit soft caps, local attention every other layer over 4,096 tokens
 GEMMA2 = dict(head_dim=256, query_head_dim_normalize=True, use_post_ffw_norm=True,
@@ -241,6 +273,7 @@ GEMMA3 = Family(
                   "text (`gemma3_text`: causal, not an embedding model) and with its vision "
                   "encoder (`gemma3`: `Gemma3ForConditionalGeneration`, SigLIP tower and "
                   "projector; logits with images checked)",
+                  tokenizer=gemma3_tokenizer,
                   image_tokens=("image_token_index", "boi_token_index", "eoi_token_index")),
     decoding=Decoding("cache", "cache_update_index", pair_cache=True, embed_scale=True),
     context_length=131_072,
