@@ -50,9 +50,13 @@ def to_matrix(array: np.ndarray, layout) -> np.ndarray:
     """A Keras kernel in HF's layout: (outputs, inputs) flattened to [out, in]. ``("expert", e,
     lo, hi)``: expert ``e`` of stacked experts [E, in, out], its outputs ``lo:hi``, as [out, in]
     (one HF tensor per expert: the per-expert names transformers writes); ``("axis", a)``: the
-    array with a new axis of size 1 at ``a`` (Qwen 3.5's depthwise convolution [C, 1, K])."""
+    array with a new axis of size 1 at ``a`` (Qwen 3.5's depthwise convolution [C, 1, K]);
+    ``("transpose", axes)``: the array's axes permuted (a convolution kernel [H, W, in, out] as
+    PyTorch's [out, in, H, W])."""
     if layout is None:
         return array
+    if isinstance(layout, tuple) and layout[0] == "transpose":
+        return np.ascontiguousarray(np.transpose(array, layout[1]))
     if isinstance(layout, tuple) and layout[0] == "axis":
         return np.expand_dims(array, layout[1])
     if isinstance(layout, tuple) and layout[0] == "expert":
@@ -130,6 +134,7 @@ def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> 
     with ``chat_format``, its template as the tokenizer's ``chat_template``."""
     backbone = task.backbone
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
+    cfg = hf_config(backbone, tokenizer, dtype)  # an unverified configuration: refused by name
     mapping = weight_map(backbone)
     shapes = {n: to_matrix(np.empty(v.shape, np.int8), layout).shape
               for n, (v, layout) in mapping.items()}
@@ -137,7 +142,6 @@ def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> 
                for n, (v, layout) in mapping.items()}
     to.mkdir(parents=True, exist_ok=True)
     write_safetensors(to / "model.safetensors", tensors, shapes, dtype)
-    cfg = hf_config(backbone, tokenizer, dtype)
     (to / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     (to / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

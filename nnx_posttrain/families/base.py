@@ -67,12 +67,14 @@ class Export:
     None copies the array, "flat" flattens it); ``config(backbone)``: the HF config.json (raising
     ``ExportError`` for a configuration that was not verified); ``tokenizer(tokenizer, dir)``:
     writes the tokenizer files (None: KerasHub's exporter); ``verified``: the configurations, for
-    the docs."""
+    the docs; ``image_tokens``: a vision-language config's keys of the tokenizer's image
+    placeholder, start-of-image and end-of-image ids (``export.hf_config`` writes them)."""
 
     rules: Callable[[Any], list]
     config: Callable[[Any], dict]
     verified: str
     tokenizer: Callable[[Any, Any], None] | None = None
+    image_tokens: tuple[str, str, str] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,12 +62,47 @@ _RULES = [
 ]
 
 
+# Gemma 3's vision tower (KerasHub's ``Gemma3VisionEncoder``: a SigLIP encoder, its pooling, then
+# the projection into the language model) as transformers' ``Gemma3ForConditionalGeneration``
+# names it: ``model.vision_tower`` (SigLIP) and ``model.multi_modal_projector``
+_V, _VT = r"image_encoder/encoder_block_(\d+)", "model.vision_tower.encoder.layers.{}"
+_DENSE = ((1,), (0,))  # a Dense kernel [in, out] as [out, in]
+VISION_RULES = [
+    (r"image_encoder/encoder_embeddings/embedding_conv/kernel",
+     "model.vision_tower.embeddings.patch_embedding.weight", ("transpose", (3, 2, 0, 1))),
+    (r"image_encoder/encoder_embeddings/embedding_conv/bias",
+     "model.vision_tower.embeddings.patch_embedding.bias", None),
+    (r"image_encoder/encoder_embeddings/position_embedding/embeddings",
+     "model.vision_tower.embeddings.position_embedding.weight", None),
+    (rf"{_V}/layer_norm_(1|2)/gamma", _VT + ".layer_norm{}.weight", None),
+    (rf"{_V}/layer_norm_(1|2)/beta", _VT + ".layer_norm{}.bias", None),
+    *[(rf"{_V}/multi_head_attention/{ours}_proj/{part}", f"{_VT}.self_attn.{theirs}_proj.{hf}",
+       _DENSE if part == "kernel" else None)
+      for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v"), ("out", "out"))
+      for part, hf in (("kernel", "weight"), ("bias", "bias"))],
+    *[(rf"{_V}/mlp_dense_{i}/{part}", f"{_VT}.mlp.fc{i}.{hf}", _DENSE if part == "kernel" else None)
+      for i in (1, 2) for part, hf in (("kernel", "weight"), ("bias", "bias"))],
+    (r"image_encoder/encoder_layer_norm/gamma", "model.vision_tower.post_layernorm.weight", None),
+    (r"image_encoder/encoder_layer_norm/beta", "model.vision_tower.post_layernorm.bias", None),
+    (r"vision_output_encoder/vision_soft_embedding_norm/scale",
+     "model.multi_modal_projector.mm_soft_emb_norm.weight", None),
+    (r"vision_output_encoder/vision_input_projection/kernel",
+     "model.multi_modal_projector.mm_input_projection_weight", None),
+]
+
+
 def export_rules(backbone) -> list:
     """Gemma's weight names; the norm before the MLP is Gemma 1's ``post_attention_layernorm``
-    (no post norms), else ``pre_feedforward_layernorm``."""
+    (no post norms), else ``pre_feedforward_layernorm``. Gemma 3 with a vision encoder: the
+    language model under ``model.language_model`` and the vision tower's names."""
     gemma1 = type(backbone).__name__ == "GemmaBackbone" and not backbone.use_post_ffw_norm
     pre_ffw = "post_attention_layernorm" if gemma1 else "pre_feedforward_layernorm"
-    return [(p, name.replace("PRE_FFW", pre_ffw), layout) for p, name, layout in _RULES]
+    rules = [(p, name.replace("PRE_FFW", pre_ffw), layout) for p, name, layout in _RULES]
+    if getattr(backbone, "vision_encoder", None) is None:
+        return rules
+    text = [(p, name.replace("model.", "model.language_model.", 1), layout)
+            for p, name, layout in rules]
+    return text + VISION_RULES
 
 
 def gemma_config(b) -> dict:
@@ -108,7 +143,6 @@ def gemma3_config(b) -> dict:
     from keras_hub.src.utils.transformers.export.gemma3 import get_gemma3_config
 
     refuse("Gemma3Backbone", [p for p, bad in (
-        ("a vision encoder", b.vision_encoder is not None),
         ("an embedding model", getattr(b, "is_embedding_model", False)),
         ("bidirectional attention", getattr(b, "use_bidirectional_attention", False)),
         ("no post-attention / post-feedforward norms (Gemma 3 has both)",
@@ -117,7 +151,63 @@ def gemma3_config(b) -> dict:
     ) if bad])
     cfg = get_gemma3_config(b)
     cfg.pop("torch_dtype", None)
-    return cfg
+    return cfg if b.vision_encoder is None else _gemma3_vision_config(b, cfg)
+
+
+def _gemma3_vision_config(b, cfg: dict) -> dict:
+    """``gemma3`` (``Gemma3ForConditionalGeneration``): KerasHub's config with its image-token
+    keys where transformers reads them (the top level, not ``vision_config``: the image tokens
+    per image, e.g. 4, not the default 256); the token ids themselves are the tokenizer's
+    (``Export.image_tokens``). The SigLIP tower's activation is KerasHub's tanh GELU."""
+    encoder = b.vision_encoder
+    output = encoder.get_layer("vision_output_encoder")
+    vision = dict(cfg["vision_config"], hidden_act="gelu_pytorch_tanh", num_channels=3,
+                  attention_dropout=0.0)
+    refuse("Gemma3Backbone with a vision encoder", [p for p, bad in (
+        (f"the projection's norm epsilon {output.layer_norm_epsilon} differs from the tower's "
+         f"{vision['layer_norm_eps']} (transformers uses one)",
+         output.layer_norm_epsilon != vision["layer_norm_eps"]),
+        ("patches or pooling that do not tile the image",
+         vision["image_size"] % vision["patch_size"]
+         or vision["image_size"] // vision["patch_size"] % encoder.get_layer("pooling").pool_size),
+    ) if bad])
+    top = {key: vision.pop(key) for key in ("boi_token_index", "eoi_token_index",
+                                             "image_token_index", "mm_tokens_per_image")}
+    text = {k: v for k, v in cfg["text_config"].items() if k != "torch_dtype"}
+    return dict(cfg, text_config=dict(text, model_type="gemma3_text"), vision_config=vision,
+                tie_word_embeddings=True, initializer_range=0.02, **top)
+
+
+def gemma3_tokenizer(tokenizer, to) -> None:
+    """KerasHub's Gemma 3 tokenizer files, with the image tokens under the tokenizer's own names
+    and ids (KerasHub writes ``<image_soft_token>`` and the released vocabulary's ids, which a
+    tokenizer whose placeholder is ``<img>``, or whose ids differ, does not have): what
+    transformers' tokenizer maps to the config's ``image_token_index``."""
+    import json
+    from pathlib import Path
+
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    hf_exporter.export_tokenizer(tokenizer, str(to))
+    if not getattr(tokenizer, "has_vision_tokens", False):
+        return
+    names = {"image_token": tokenizer.image_placeholder,
+             "boi_token": tokenizer.start_of_image_token, "eoi_token": tokenizer.end_of_image_token}
+    added = {"special": True, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False}
+    path = Path(to) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    kerashub = {"<start_of_image>", "<end_of_image>", "<image_soft_token>"}
+    decoder = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
+               if v["content"] not in kerashub}
+    decoder.update({str(tokenizer.token_to_id(n)): dict(added, content=n) for n in names.values()})
+    config.update(names, extra_special_tokens=names, added_tokens_decoder=decoder)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    path = Path(to) / "special_tokens_map.json"
+    tokens = json.loads(path.read_text())
+    tokens["additional_special_tokens"] = [
+        {k: v for k, v in dict(added, content=n).items() if k != "special"} for n in names.values()]
+    path.write_text(json.dumps(tokens, indent=2) + "\n")
 
 
 # what Gemma 2's published configs share: head size 256 and its scaling, the post norms, the
@@ -180,7 +270,11 @@ GEMMA3 = Family(
     sharding=SHARDING,
     lora=LORA,
     export=Export(export_rules, gemma3_config,
-                  "text only (`gemma3_text`: no vision encoder, causal, not an embedding model)"),
+                  "text (`gemma3_text`: causal, not an embedding model) and with its vision "
+                  "encoder (`gemma3`: `Gemma3ForConditionalGeneration`, SigLIP tower and "
+                  "projector; logits with images checked)",
+                  tokenizer=gemma3_tokenizer,
+                  image_tokens=("image_token_index", "boi_token_index", "eoi_token_index")),
     decoding=Decoding("cache", "cache_update_index", pair_cache=True, embed_scale=True),
     context_length=131_072,
     hf_model_types=("gemma3_text", "gemma3"),

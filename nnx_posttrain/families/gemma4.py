@@ -125,8 +125,10 @@ def config(b) -> dict:
     from keras_hub.src.utils.transformers.export.gemma4 import get_gemma4_config
 
     refuse("Gemma4Backbone", [p for p, bad in (
-        ("a vision or audio encoder", b.vision_encoder is not None
-         or b.audio_encoder is not None),
+        ("a vision encoder (Gemma4ForConditionalGeneration: its vision tower, patch positions "
+         "and image embeddings are not verified against transformers yet; Gemma 3's are)",
+         b.vision_encoder is not None),
+        ("an audio encoder", b.audio_encoder is not None),
         ("bidirectional attention (an embedding model)", b.use_bidirectional_attention),
         ("a mixture of experts (not verified yet)", b.enable_moe_block),
         (f"rope scaling factors {b.local_rope_scaling_factor} / {b.global_rope_scaling_factor}",
