@@ -28,7 +28,8 @@ PARTS = ("backbone", "classes", "chat_format", "attention", "sharding", "lora", 
 def test_the_families():
     """The list itself: the families this package supports (a new one is a new entry)."""
     assert list(FAMILIES) == ["gemma", "gemma3", "gemma4", "llama2", "llama3", "mistral", "qwen2", "qwen3",
-                              "qwen3_moe", "mixtral", "gpt_oss", "phi3", "smollm3", "qwen3_5"]
+                              "qwen3_moe", "mixtral", "gpt_oss", "phi3", "smollm3", "qwen3_5",
+                              "qwen3_5_moe"]
     assert len({f.backbone for f in FAMILIES.values()}) == len(FAMILIES)
 
 

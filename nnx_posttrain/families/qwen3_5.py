@@ -124,16 +124,15 @@ def export_rules(backbone) -> list:
     return rules
 
 
-def export_config(b) -> dict:
-    """transformers' ``Qwen3_5TextConfig`` (``qwen3_5_text``: ``Qwen3_5ForCausalLM``)."""
-    refuse("Qwen3_5Backbone", [p for p, bad in (
+def text_config(b) -> dict:
+    """The keys transformers' Qwen 3.5 text configs share (``Qwen3_5TextConfig``,
+    ``Qwen3_5MoeTextConfig``: all but the MLP's), refusing what was not verified."""
+    refuse(type(b).__name__, [p for p, bad in (
         (f"rope_scaling_factor={b.rope_scaling_factor}", b.rope_scaling_factor != 1.0),
         ("a vision encoder", b.vision_encoder is not None),
         (f"mrope_section={b.mrope_section}", b.mrope_section is not None)) if bad])
     return dict(
-        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
-        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim,
-        intermediate_size=b.intermediate_dim, num_hidden_layers=b.num_layers,
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim, num_hidden_layers=b.num_layers,
         num_attention_heads=b.num_query_heads, num_key_value_heads=b.num_key_value_heads,
         head_dim=b.head_dim, rms_norm_eps=b.layer_norm_epsilon, hidden_act="silu",
         attention_bias=False, attention_dropout=0.0, tie_word_embeddings=b.tie_word_embeddings,
@@ -144,6 +143,12 @@ def export_config(b) -> dict:
         linear_num_value_heads=b.linear_num_value_heads,
         linear_key_head_dim=b.linear_key_head_dim, linear_value_head_dim=b.linear_value_head_dim,
         linear_conv_kernel_dim=b.linear_conv_kernel_dim)
+
+
+def export_config(b) -> dict:
+    """transformers' ``Qwen3_5TextConfig`` (``qwen3_5_text``: ``Qwen3_5ForCausalLM``)."""
+    return dict(text_config(b), architectures=["Qwen3_5ForCausalLM"],
+                model_type="qwen3_5_text", intermediate_size=b.intermediate_dim)
 
 
 SHARDING = LLAMA_SHARDING + (
