@@ -40,6 +40,16 @@ def qwen3_5_attention(layer, training: bool):
     return llama_like(layer, None)
 
 
+def chat_format(backbone) -> str:
+    """Qwen 3.5's published templates (``chat_templates/qwen3.5*.jinja``): Qwen3.5-0.8B and 2B
+    (hidden size 1,024 and 2,048) ship the one whose generation prompt closes an empty think
+    block (``qwen3.5-nothink``), 4B and larger (2,560 and wider) the one that opens a think
+    block (``qwen3.5``); the rendered conversations are the same. Read from a class name alone
+    (before loading): ``qwen3.5``. ``--chat-format`` chooses the other."""
+    hidden = getattr(backbone, "hidden_dim", None)
+    return "qwen3.5-nothink" if hidden is not None and hidden <= 2048 else "qwen3.5"
+
+
 def empty_state(block, batch: int) -> tuple:
     """A Gated DeltaNet block's initial state, as KerasHub's ``Qwen3_5CausalLM`` builds it: the
     convolution's last inputs [B, channels, kernel - 1] (zeros: the causal padding) and the
@@ -182,10 +192,7 @@ QWEN3_5 = Family(
     name="qwen3_5",
     backbone="Qwen3_5Backbone",
     classes=("Qwen3_5CausalLM", "Qwen3_5CausalLMPreprocessor", "Qwen3_5Tokenizer"),
-    # Qwen 3.5's published template (TRL's qwen3_5_think.jinja: a <think> block opened by the
-    # generation prompt, XML tool calls) is not one this package renders yet; its turns are
-    # ChatML's
-    chat_format="chatml",
+    chat_format=chat_format,
     attention={"Qwen3_5Attention": qwen3_5_attention},
     sharding=SHARDING,
     lora={"attention": ("query", "key", "value", "attention_output", "in_proj_qkv", "in_proj_z",
