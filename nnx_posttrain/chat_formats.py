@@ -11,10 +11,18 @@ assistant segment is what the model writes, its end-of-turn marker included).
   which is trained as the call's end marker;
 - ``phi3`` (microsoft/Phi-3-mini-4k-instruct): ``<|role|>\\n ... <|end|>\\n``, the end-of-text
   token after the last message when no answer is prompted (not trained: the model stops at
-  ``<|end|>``).
+  ``<|end|>``);
+- ``qwen3.5`` (Qwen3.5-4B and larger, 35B-A3B) and ``qwen3.5-nothink`` (Qwen3.5-0.8B, 2B): ChatML
+  turns with every content trimmed, a think block on each answer after the last user query
+  (trained, as Qwen 3's), tools declared in the system turn and calls written as XML
+  (``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n
+  </tool_call>``); the generation prompt opens a think block (``qwen3.5``) or writes an empty
+  one (``-nothink``).
 """
 
 from __future__ import annotations
+
+import json
 
 
 # ----------------------------------------------------------------------------- Gemma 4
@@ -210,4 +218,97 @@ def phi3(messages, add_generation_prompt: bool, eos: str = "<|endoftext|>"):
         else:  # system, user (the template renders no other role)
             out.append((f"<|{m['role']}|>\n{m['content']}<|end|>\n", False))
     out.append(("<|assistant|>\n" if add_generation_prompt else eos, False))
+    return out
+
+
+# ----------------------------------------------------------------------------- Qwen 3.5
+
+QWEN35_TOOLS = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO "
+    "suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
+    "\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second "
+    "parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n"
+    "<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner "
+    "<function=...></function> block must be nested within <tool_call></tool_call> XML tags\n"
+    "- Required parameters MUST be specified\n- You may provide optional reasoning for your "
+    "function call in natural language BEFORE the function call, but NOT after\n- If there is "
+    "no function call available, answer the question like normal with your current knowledge "
+    "and do not tell the user about function calls\n</IMPORTANT>")
+
+
+def _qwen3_5_system(messages, tools, to_json) -> list[tuple[str, bool]]:
+    """The system turn: the tools (their JSON schemas, the XML call format) then the system
+    message, or the system message alone."""
+    system = messages[0]["content"].strip() if messages[0]["role"] == "system" else None
+    if tools:
+        text = ("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n"
+                "<tools>" + "".join("\n" + to_json(t) for t in tools) + QWEN35_TOOLS)
+        return [(text + ("\n\n" + system if system else "") + "<|im_end|>\n", False)]
+    return [] if system is None else [(f"<|im_start|>system\n{system}<|im_end|>\n", False)]
+
+
+def _qwen3_5_calls(content: str, calls, to_json) -> str:
+    """The template's tool calls: XML blocks, one parameter each, a mapping or list argument as
+    JSON and any other as Jinja's ``string`` filter writes it."""
+    out = ""
+    for i, call in enumerate(calls):
+        out += ("\n\n" if content.strip() else "") if i == 0 else "\n"
+        out += f"<tool_call>\n<function={call['name']}>\n"
+        for name, value in call["arguments"].items():
+            text = to_json(value) if isinstance(value, (dict, list, tuple)) else str(value)
+            out += f"<parameter={name}>\n{text}\n</parameter>\n"
+        out += "</function>\n</tool_call>"
+    return out
+
+
+def _qwen3_5_assistant(m: dict, after_last_query: bool, to_json) -> str:
+    """An assistant message's body: its reasoning (``reasoning_content``, else a ``</think>``
+    block of its content) in a think block after the last user query (dropped before it)."""
+    content = m["content"].strip()
+    reasoning = m.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+    head = f"<think>\n{reasoning.strip()}\n</think>\n\n" if after_last_query else ""
+    return head + content + _qwen3_5_calls(content, m.get("tool_calls") or (), to_json) + \
+        "<|im_end|>"
+
+
+def _tojson(value) -> str:
+    """``tojson`` as transformers' chat templates compute it (non-ASCII kept)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def qwen3_5(messages, add_generation_prompt: bool, tools=None,
+            think: bool = True) -> list[tuple[str, bool]]:
+    """Qwen 3.5's template (``think``: Qwen3.5-4B and larger; else 0.8B / 2B, whose generation
+    prompt closes an empty think block). Every content is trimmed; an answer after the last
+    user query has a think block; tool results share one user turn. Where the template raises
+    (a system message after the first, no user query), the turn is rendered (a system turn) or
+    the last message taken as the query, as for the other formats."""
+    to_json = _tojson
+    out = _qwen3_5_system(messages, tools, to_json)
+    last_query = max((i for i, m in enumerate(messages) if m["role"] == "user" and not (
+        m["content"].strip().startswith("<tool_response>")
+        and m["content"].strip().endswith("</tool_response>"))), default=len(messages) - 1)
+    for i, m in enumerate(messages):
+        role, content = m["role"], m["content"].strip()
+        if role == "system" and i == 0:
+            continue
+        if role == "tool":
+            prev = messages[i - 1]["role"] if i else "tool"
+            nxt = messages[i + 1]["role"] if i + 1 < len(messages) else None
+            out.append((("<|im_start|>user" if prev != "tool" else "") + "\n<tool_response>\n"
+                        + content + "\n</tool_response>" + ("<|im_end|>\n" if nxt != "tool"
+                                                             else ""), False))
+        elif role == "assistant":
+            out += [("<|im_start|>assistant\n", False),
+                    (_qwen3_5_assistant(m, i > last_query, to_json), True), ("\n", False)]
+        else:  # user, or a later system message (which the template refuses)
+            out.append((f"<|im_start|>{role}\n{content}<|im_end|>\n", False))
+    if add_generation_prompt:
+        out.append(("<|im_start|>assistant\n" + ("<think>\n" if think else
+                                                 "<think>\n\n</think>\n\n"), False))
     return out

@@ -23,9 +23,10 @@ def assistant_text(segments):
 
 
 def answer(fmt, content, last=True):
-    """An assistant answer as its format trains it: Qwen 3's last answer opens with an empty
-    think block (as its template writes it)."""
-    return ("<think>\n\n</think>\n\n" if fmt == "qwen3" and last else "") + content
+    """An assistant answer as its format trains it: Qwen 3's and 3.5's last answer opens with an
+    empty think block (as their templates write it)."""
+    qwen = fmt in ("qwen3", "qwen3.5", "qwen3.5-nothink")
+    return ("<think>\n\n</think>\n\n" if qwen and last else "") + content
 
 
 # ----------------------------------------------------------------------------- exact strings
@@ -255,12 +256,15 @@ OFFICIAL = {
     "mistral": [("mistral", False)],
     "gemma4": [("gemma4", True)],
     "phi3": [("phi3", True)],
+    "qwen3.5": [("qwen3.5", True)],
+    "qwen3.5-nothink": [("qwen3.5-nothink", True)],
 }
 SPECIAL = {  # bos, eos of the official rendering
     "gemma": ("<bos>", "<eos>"), "llama3": ("<|begin_of_text|>", "<|end_of_text|>"),
     "llama3.1": ("<|begin_of_text|>", "<|end_of_text|>"), "qwen2.5": ("", "<|im_end|>"),
     "qwen3": ("", "<|im_end|>"), "chatml": ("", "<|im_end|>"), "mistral": ("<s>", "</s>"),
     "gemma4": ("<bos>", "<eos>"), "phi3": ("", "<|endoftext|>"),
+    "qwen3.5": ("", "<|im_end|>"), "qwen3.5-nothink": ("", "<|im_end|>"),
 }
 SYS = {"role": "system", "content": "You are terse."}
 U1, A1 = {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}
@@ -334,6 +338,36 @@ def test_qwen25_default_system_prompt_and_qwen3_think_block():
     assert chat.to_text([U1], "qwen3", add_generation_prompt=True).endswith("<|im_start|>assistant\n")
 
 
+def test_qwen35_exact_turns_think_blocks_xml_calls_and_its_two_generation_prompts():
+    """Qwen 3.5's template (nnx_posttrain/chat_templates/qwen3.5.jinja) written out by hand:
+    contents trimmed, reasoning of an answer before the last query dropped and after it kept in
+    a think block, a call as XML after the answer's text, results as one user turn; the prompt
+    opens a think block (4B and larger) or closes an empty one (0.8B, 2B: -nothink)."""
+    think = {"role": "assistant", "content": "<think>\nadd</think>\n\n4 "}
+    assert chat.to_text([SYS, U1, think, U2], "qwen3.5", add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
+        "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n")
+    assert chat.to_text([U1], "qwen3.5-nothink", add_generation_prompt=True).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert chat.render([U1, think], "qwen3.5")[-2:] == [
+        ("<think>\nadd\n</think>\n\n4<|im_end|>", True), ("\n", False)]
+    call = {"role": "assistant", "content": "Let me compute.", "tool_calls": [CALL]}
+    segs = chat.render([ASK, call, {"role": "tool", "content": "444"}], "qwen3.5", tools=[TOOL],
+                       add_generation_prompt=True)
+    text = "".join(t for t, _ in segs)
+    assert text.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following "
+                           "functions:\n\n<tools>\n" + json.dumps(TOOL) + "\n</tools>\n\n")
+    assert text.endswith(
+        "<|im_start|>user\nWhat is 37 x 12?<|im_end|>\n<|im_start|>assistant\n"
+        "<think>\n\n</think>\n\nLet me compute.\n\n<tool_call>\n<function=multiply>\n"
+        "<parameter=a>\n37\n</parameter>\n<parameter=b>\n12\n</parameter>\n</function>\n"
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n444\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert [t for t, f in segs if f] == [
+        text[text.index("<think>"):text.index("</tool_call><|im_end|>") + 22]]
+
+
 # -- token ids: the data pipeline's ids of a conversation = the official string tokenized whole
 
 
@@ -352,7 +386,7 @@ def family_tokenizer(fmt):
         return model.Tokenizer(keras_hub.models.GemmaTokenizer(proto=make_preset.gemma_proto(4096)))
     if fmt.startswith("llama3"):
         return model.Tokenizer(make_preset.llama3_tokenizer(4096))
-    return model.Tokenizer(make_preset.qwen_tokenizer(4096, qwen3=fmt == "qwen3"))
+    return model.Tokenizer(make_preset.qwen_tokenizer(4096, qwen3=fmt.startswith("qwen3")))
 
 
 def official_ids(tok, fmt, text):
@@ -364,7 +398,8 @@ def official_ids(tok, fmt, text):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("fmt", ["gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "gemma4"])
+@pytest.mark.parametrize("fmt", ["gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "gemma4",
+                                 "qwen3.5"])
 def test_pipeline_token_ids_equal_the_official_template_tokenized(fmt, case):
     from nnx_posttrain import data
     from nnx_posttrain.sampling import sampler
@@ -424,7 +459,7 @@ TOOL_CASES = {  # name -> (messages, add_generation_prompt)
          {"role": "assistant", "content": "444."}], False),
 }
 TOOL_OFFICIAL = {"qwen2.5": ["qwen2.5"], "qwen3": ["qwen3"], "llama3.1": ["llama3.1", "llama3.2"],
-                 "gemma4": ["gemma4"]}
+                 "gemma4": ["gemma4"], "qwen3.5": ["qwen3.5"]}
 
 
 def render_with_transformers(name, fmt, messages, prompt, tools):
@@ -456,7 +491,8 @@ def test_tool_conversations_render_as_the_official_templates(fmt, case):
     # the loss: the assistant's text and calls with their end-of-turn marker, never a result
     flagged = [t for t, f in chat.render(messages, fmt, tools=[TOOL]) if f]
     assert flagged and not any("444\n</tool_response>" in t or '"444"' in t for t in flagged)
-    assert any('"multiply"' in t or "call:multiply{" in t for t in flagged)
+    assert any('"multiply"' in t or "call:multiply{" in t or "<function=multiply>" in t
+               for t in flagged)
 
 
 @pytest.mark.parametrize("fmt", sorted(TOOL_OFFICIAL))

@@ -28,7 +28,8 @@ PARTS = ("backbone", "classes", "chat_format", "attention", "sharding", "lora", 
 def test_the_families():
     """The list itself: the families this package supports (a new one is a new entry)."""
     assert list(FAMILIES) == ["gemma", "gemma3", "gemma4", "llama2", "llama3", "mistral", "qwen2", "qwen3",
-                              "qwen3_moe", "mixtral", "gpt_oss", "phi3", "smollm3", "qwen3_5"]
+                              "qwen3_moe", "mixtral", "gpt_oss", "phi3", "smollm3", "qwen3_5",
+                              "qwen3_5_moe"]
     assert len({f.backbone for f in FAMILIES.values()}) == len(FAMILIES)
 
 
@@ -251,3 +252,15 @@ def test_qwen3_5_recurrent_blocks_take_no_shared_prompt_rows():
     assert [attention.layer_spec(b) is None for b in model.decoder_blocks(backbone)] == [True, False]
     assert shared_prompt.longest_row(backbone) == 0
     assert shared_prompt.longest_row(support.TINY_FAMILIES["qwen3"]()) != 0
+
+
+def test_qwen3_5_chat_formats_are_its_published_templates_by_size():
+    """Qwen3.5-0.8B and 2B (hidden 1,024 and 2,048) ship the template whose generation prompt
+    closes an empty think block, 4B and larger and the 35B-A3B MoE the one that opens it."""
+    dense, moe = FAMILIES["qwen3_5"], FAMILIES["qwen3_5_moe"]
+    small = type("B", (), {"hidden_dim": 2048})()
+    assert dense.format_of(small) == "qwen3.5-nothink"
+    assert dense.format_of(type("B", (), {"hidden_dim": 2560})()) == "qwen3.5"
+    assert dense.format_of("Qwen3_5Backbone") == "qwen3.5"  # by class name: the larger sizes'
+    assert moe.format_of(small) == "qwen3.5"
+    assert chat.hf_template("qwen3.5-nothink").splitlines()[0].endswith("-#}")

@@ -72,7 +72,10 @@ BACKBONES.update({variant: (lambda f=family, v=variant: getattr(M, families.FAMI
 # KerasHub's converter does not read (it takes ``qwen3_5``, the vision-language config)
 BACKBONES["qwen3_5"] = lambda: M.Qwen3_5Backbone(**dict(families.FAMILIES["qwen3_5"].tiny["qwen3_5"],
                                                        vocabulary_size=V))
-MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
+# Qwen 3.5 MoE's likewise, as Qwen3_5MoeForCausalLM (``qwen3_5_moe_text``; one tensor per expert)
+BACKBONES["qwen3_5_moe"] = lambda: M.Qwen3_5MoeBackbone(
+    **dict(families.FAMILIES["qwen3_5_moe"].tiny["qwen3_5_moe"], vocabulary_size=V))
+MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
               "gemma3": "gemma3_text", "llama3": "llama", "llama3.1_tied": "llama",
               "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3",
               "gemma4": "gemma4_text", "gemma4_kv": "gemma4_text", "qwen3_moe": "qwen3_moe",

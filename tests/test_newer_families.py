@@ -26,7 +26,7 @@ STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.
 # compile), with the synthetic tokenizer's size
 MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1)), "phi3": ("phi3", {}),
          "qwen3_moe": ("qwen3_moe", {}), "mixtral": ("mixtral", {}), "smollm3": ("smollm3", {}),
-         "qwen3_5": ("qwen3_5", {})}
+         "qwen3_5": ("qwen3_5", {}), "qwen3_5_moe": ("qwen3_5_moe", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(MICRO))
@@ -55,10 +55,12 @@ LORA = ["--lora.rank", "2", "--lora.targets", "all-linear", "--optim.learning-ra
 
 @pytest.mark.slow
 def test_sft_steps(preset, tmp_path):
-    _, path = preset
+    family, path = preset
     train_run("sft", "--model", path, *STEPS, "--run-dir", tmp_path, echo=_quiet)
     sft = losses(tmp_path)
     assert sorted(sft) == [1, 2] and all(np.isfinite(list(sft.values())))
+    if family.moe is not None and family.name != "gemma4":  # the router's load-balancing loss
+        assert all(r["aux_loss"] > 1.0 for r in records(tmp_path))  # top_k 2 when balanced
 
 
 @pytest.mark.slow
@@ -136,7 +138,8 @@ def _quiet(*_):
 
 
 NEW_LIKES = [like for like, (family, _) in families.presets().items()
-             if family.name in ("gemma4", "qwen3_moe", "mixtral", "phi3", "smollm3", "qwen3_5")]
+             if family.name in ("gemma4", "qwen3_moe", "mixtral", "phi3", "smollm3", "qwen3_5",
+                                "qwen3_5_moe")]
 
 
 @pytest.mark.parametrize("like", NEW_LIKES)

@@ -1,6 +1,7 @@
 """Mixture of experts: the router load-balancing loss (``losses.router``) equals transformers
 5.24's ``load_balancing_loss_func`` on the same router logits, and ``model.router`` captures
-every MoE layer's logits of a forward pass (as the router layers compute them), under remat too;
+every MoE layer's logits of a forward pass (as the router layers compute them), under remat too
+(Qwen 3.5 MoE's, with its shared expert: the logits and the aux loss of transformers' model);
 SFT and DPO on a tiny Qwen3-MoE / Mixtral add it (``--algo.router-aux-loss-coef``, default the
 family's) and log ``aux_loss`` and the tokens per expert; so do KTO, reward modelling, RLOO, PPO,
 online DPO and distillation (loss calls)."""
@@ -61,7 +62,9 @@ MOE = [v for f in families.FAMILIES.values() if f.moe for v, kw in f.tiny.items(
        if kw.get("num_experts")]
 
 
-@pytest.fixture(scope="module", params=MOE)
+# Qwen 3.5 MoE's Gated DeltaNet makes its eager reference and compile ~10 s: the full suite's
+@pytest.fixture(scope="module", params=[pytest.param(v, marks=pytest.mark.slow)
+                                        if v == "qwen3_5_moe" else v for v in MOE])
 def moe(request):
     return support.tiny_backbone(request.param)
 
@@ -116,6 +119,44 @@ def test_all_linear_lora_leaves_the_routers(variant):
     if isinstance(family.lora["mlp"], families.Unsupported):  # experts only, no MLP layers
         with pytest.raises(errors.ConfigError, match="stacked weights"):
             model.enable_lora(bb, 2, targets="mlp")
+
+
+@pytest.mark.slow
+def test_qwen3_5_moes_router_logits_and_aux_loss_are_transformers(tmp_path):
+    """Qwen 3.5 MoE (a shared expert beside the routed ones, outside the routing): exported,
+    transformers 5.24's ``Qwen3_5MoeForCausalLM`` computes the same router logits per layer as
+    the captured ones and the same ``aux_loss`` as ``losses.router`` (left padding masked).
+    Slow: compiling the Gated DeltaNet's chunked recurrence (~13 s on a CPU core)."""
+    from transformers import AutoModelForCausalLM
+
+    from nnx_posttrain.export import hf
+
+    bb = support.tiny_backbone("qwen3_5_moe")
+    hf.export_model(type("Task", (), {"backbone": bb, "preprocessor": None})(), tmp_path,
+                    "float32")
+    ids = np.random.default_rng(0).integers(1, 60, (2, 9)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    graphdef, params, rest = model.split(bb)
+
+    def captured(params):
+        m = nnx.merge(graphdef, params, rest)
+        with model.routers_captured(m) as capture:
+            model.hidden_states(m, jnp.asarray(ids), jnp.asarray(mask))
+        routed = capture.routed()
+        return routed.logits, routed.mask, load_balancing(routed.logits, routed.top_k,
+                                                          routed.mask)[0]
+
+    logits, _, ours = jax.jit(captured)(params)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    with torch.no_grad():
+        out = theirs(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                     output_router_logits=True)
+    real = mask.reshape(-1) == 1  # padding rows carry no loss (their logits may differ)
+    for got, want in zip(logits, out.router_logits):
+        np.testing.assert_allclose(np.asarray(got)[real], want.numpy()[real], atol=1e-5)
+    assert float(ours) == pytest.approx(float(out.aux_loss), rel=1e-5)
+    assert families.of(bb).moe.aux_coef(bb) == theirs.config.router_aux_loss_coef == 0.001
 
 
 def test_a_dense_model_captures_nothing(micro):

@@ -258,7 +258,8 @@ def scaled(dims: dict, scale: float) -> dict:
     head_dim = dims.get("head_dim") or dims["hidden_dim"] // heads
     new_head = r8(head_dim, 8)
     out["num_layers"] = max(2, round(dims["num_layers"] * scale))
-    out["intermediate_dim"] = r8(dims["intermediate_dim"], 16)
+    if "intermediate_dim" in dims:  # (Qwen 3.5 MoE has experts and a shared expert only)
+        out["intermediate_dim"] = r8(dims["intermediate_dim"], 16)
     if "head_dim" in dims:
         out["head_dim"] = new_head
         out["hidden_dim"] = r8(dims["hidden_dim"], 16)
@@ -269,9 +270,10 @@ def scaled(dims: dict, scale: float) -> dict:
             out[key] = max(16, round(dims[key] * scale))
     for key, low in (("global_head_dim", 8), ("moe_intermediate_dim", 16),
                      ("expert_intermediate_dim", 16), ("hidden_size_per_layer_input", 8),
-                     ("linear_key_head_dim", 8), ("linear_value_head_dim", 8)):
+                     ("linear_key_head_dim", 8), ("linear_value_head_dim", 8),
+                     ("shared_expert_intermediate_size", 16)):
         if dims.get(key):  # Gemma 4's global layers, the experts, per-layer inputs, Qwen 3.5's
-            # Gated DeltaNet heads
+            # Gated DeltaNet heads, Qwen 3.5 MoE's shared expert
             out[key] = r8(dims[key], low)
     for key in ("rope_layer_enabled_list", "layer_types"):  # SmolLM3's, Qwen 3.5's per layer
         if key in dims:
@@ -380,6 +382,7 @@ TOKENIZERS = {
     "bpe-qwen2": lambda n: qwen_tokenizer(n),
     "bpe-qwen3": lambda n: qwen_tokenizer(n, qwen3=True),
     "bpe-qwen3_5": lambda n: qwen_tokenizer(n, qwen3=True, cls="Qwen3_5Tokenizer"),
+    "bpe-qwen3_5_moe": lambda n: qwen_tokenizer(n, qwen3=True, cls="Qwen3_5MoeTokenizer"),
 }
 
 

@@ -41,11 +41,12 @@ from nnx_posttrain.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
 from nnx_posttrain.families.phi3 import PHI3
 from nnx_posttrain.families.qwen import QWEN2, QWEN3
 from nnx_posttrain.families.qwen3_5 import QWEN3_5
+from nnx_posttrain.families.qwen3_5_moe import QWEN3_5_MOE
 from nnx_posttrain.families.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     GEMMA, GEMMA3, GEMMA4, LLAMA2, LLAMA3, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
-    GPT_OSS, PHI3, SMOLLM3, QWEN3_5,
+    GPT_OSS, PHI3, SMOLLM3, QWEN3_5, QWEN3_5_MOE,
 )}
 _BY_BACKBONE = {f.backbone: f for f in FAMILIES.values()}
 

@@ -49,12 +49,13 @@ SHARDING_MOE = SHARDING + (
 _BLOCK = r"transformer_layer_(\d+)/\w+_sparse_moe_block(?:_\d+)?"
 
 
-def _expert_rules(b, prefix: str, parts: dict) -> list:
-    """Per expert and part: (regex of the stacked variable, HF name, ("expert", e, lo, hi))."""
+def expert_rules(b, prefix: str, parts: dict, block: str = _BLOCK) -> list:
+    """Per expert and part: (regex of the stacked variable, HF name, ("expert", e, lo, hi));
+    ``block``: the regex of the MoE block's path (its layer index the one group)."""
     out = []
     for variable, pieces in parts.items():
         for e in range(b.num_experts):
-            out += [(rf"{_BLOCK}/experts/{variable}", f"model.layers.{{}}.{prefix}.{e}.{name}.weight",
+            out += [(rf"{block}/experts/{variable}", f"model.layers.{{}}.{prefix}.{e}.{name}.weight",
                      ("expert", e, lo, hi)) for name, lo, hi in pieces]
     return out
 
@@ -64,7 +65,7 @@ def qwen3_moe_rules(b) -> list:
     return LLAMA_RULES + [
         (rf"{_BLOCK}/sparse_feedforward_gate_dense/kernel", "model.layers.{}.mlp.gate.weight",
          ((1,), (0,))),
-    ] + _expert_rules(b, "mlp.experts", {  # gate | up halves of one stacked kernel
+    ] + expert_rules(b, "mlp.experts", {  # gate | up halves of one stacked kernel
         "expert_feedforward_gate_dense": [("gate_proj", 0, i), ("up_proj", i, 2 * i)],
         "expert_feedforward_output_dense": [("down_proj", 0, b.hidden_dim)]})
 
@@ -74,7 +75,7 @@ def mixtral_rules(b) -> list:
     return LLAMA_RULES + [
         (rf"{_BLOCK}/sparse_feedforward_gate_dense/kernel",
          "model.layers.{}.block_sparse_moe.gate.weight", ((1,), (0,))),
-    ] + _expert_rules(b, "block_sparse_moe.experts", {
+    ] + expert_rules(b, "block_sparse_moe.experts", {
         "expert_feedforward_gate_dense": [("w1", 0, i)],
         "expert_feedforward_intermediate_dense": [("w3", 0, i)],
         "expert_feedforward_output_dense": [("w2", 0, b.hidden_dim)]})
@@ -121,7 +122,8 @@ _EXPERT_LORA = Unsupported("the experts are stacked weights, not layers: --lora.
                            "(per-expert adapters) is not implemented; use attention")
 
 
-def _router_layer(*attributes: str):
+def router_layer(*attributes: str):
+    """``MoE.router``: the layer at ``block.<attributes...>`` (None where one is missing)."""
     def router(block):
         layer = block
         for name in attributes:
@@ -242,6 +244,6 @@ GPT_OSS = Family(
     # top-k of the router's logits, softmax over the k; gpt-oss-20b's config.json:
     # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
     quantize_skip=("router_dense",),
-    moe=MoE(_router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
+    moe=MoE(router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
             lambda b: 0.9),
 )

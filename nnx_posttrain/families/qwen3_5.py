@@ -40,6 +40,16 @@ def qwen3_5_attention(layer, training: bool):
     return llama_like(layer, None)
 
 
+def chat_format(backbone) -> str:
+    """Qwen 3.5's published templates (``chat_templates/qwen3.5*.jinja``): Qwen3.5-0.8B and 2B
+    (hidden size 1,024 and 2,048) ship the one whose generation prompt closes an empty think
+    block (``qwen3.5-nothink``), 4B and larger (2,560 and wider) the one that opens a think
+    block (``qwen3.5``); the rendered conversations are the same. Read from a class name alone
+    (before loading): ``qwen3.5``. ``--chat-format`` chooses the other."""
+    hidden = getattr(backbone, "hidden_dim", None)
+    return "qwen3.5-nothink" if hidden is not None and hidden <= 2048 else "qwen3.5"
+
+
 def empty_state(block, batch: int) -> tuple:
     """A Gated DeltaNet block's initial state, as KerasHub's ``Qwen3_5CausalLM`` builds it: the
     convolution's last inputs [B, channels, kernel - 1] (zeros: the causal padding) and the
@@ -124,16 +134,15 @@ def export_rules(backbone) -> list:
     return rules
 
 
-def export_config(b) -> dict:
-    """transformers' ``Qwen3_5TextConfig`` (``qwen3_5_text``: ``Qwen3_5ForCausalLM``)."""
-    refuse("Qwen3_5Backbone", [p for p, bad in (
+def text_config(b) -> dict:
+    """The keys transformers' Qwen 3.5 text configs share (``Qwen3_5TextConfig``,
+    ``Qwen3_5MoeTextConfig``: all but the MLP's), refusing what was not verified."""
+    refuse(type(b).__name__, [p for p, bad in (
         (f"rope_scaling_factor={b.rope_scaling_factor}", b.rope_scaling_factor != 1.0),
         ("a vision encoder", b.vision_encoder is not None),
         (f"mrope_section={b.mrope_section}", b.mrope_section is not None)) if bad])
     return dict(
-        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
-        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim,
-        intermediate_size=b.intermediate_dim, num_hidden_layers=b.num_layers,
+        vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim, num_hidden_layers=b.num_layers,
         num_attention_heads=b.num_query_heads, num_key_value_heads=b.num_key_value_heads,
         head_dim=b.head_dim, rms_norm_eps=b.layer_norm_epsilon, hidden_act="silu",
         attention_bias=False, attention_dropout=0.0, tie_word_embeddings=b.tie_word_embeddings,
@@ -144,6 +153,12 @@ def export_config(b) -> dict:
         linear_num_value_heads=b.linear_num_value_heads,
         linear_key_head_dim=b.linear_key_head_dim, linear_value_head_dim=b.linear_value_head_dim,
         linear_conv_kernel_dim=b.linear_conv_kernel_dim)
+
+
+def export_config(b) -> dict:
+    """transformers' ``Qwen3_5TextConfig`` (``qwen3_5_text``: ``Qwen3_5ForCausalLM``)."""
+    return dict(text_config(b), architectures=["Qwen3_5ForCausalLM"],
+                model_type="qwen3_5_text", intermediate_size=b.intermediate_dim)
 
 
 SHARDING = LLAMA_SHARDING + (
@@ -177,10 +192,7 @@ QWEN3_5 = Family(
     name="qwen3_5",
     backbone="Qwen3_5Backbone",
     classes=("Qwen3_5CausalLM", "Qwen3_5CausalLMPreprocessor", "Qwen3_5Tokenizer"),
-    # Qwen 3.5's published template (TRL's qwen3_5_think.jinja: a <think> block opened by the
-    # generation prompt, XML tool calls) is not one this package renders yet; its turns are
-    # ChatML's
-    chat_format="chatml",
+    chat_format=chat_format,
     attention={"Qwen3_5Attention": qwen3_5_attention},
     sharding=SHARDING,
     lora={"attention": ("query", "key", "value", "attention_output", "in_proj_qkv", "in_proj_z",

@@ -165,7 +165,7 @@ def _chat_format(name: str, family: str, backbone, chosen: str | None) -> str:
 def chat_format_of(name: str, chosen: str | None = None) -> str | None:
     """The chat format ``load(name, chat_format=chosen)`` will give, read before it loads (a
     built-in model, a local directory's config); None where only loading tells (a preset name,
-    a Llama 3 whose version its weights' config decides)."""
+    a Llama 3 whose version its weights' config decides, a Qwen 3.5 whose size does)."""
     if chosen:
         return chosen
     if name in TINY:
@@ -174,7 +174,8 @@ def chat_format_of(name: str, chosen: str | None = None) -> str | None:
     handle = PRESETS.get(name, name)
     family = _preset_backbone_class(str(Path(handle).expanduser())) if is_local_model(handle) \
         else None
-    return None if family in (None, "Llama3Backbone") else chat_format_for(family)
+    return None if family in (None, "Llama3Backbone", "Qwen3_5Backbone") else \
+        chat_format_for(family)
 
 
 def _preset_backbone_class(handle: str) -> str | None:
