@@ -15,6 +15,8 @@ experts in float.
 
 from __future__ import annotations
 
+import dataclasses
+
 from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export, Family, MoE,
                                          Preset, Unsupported, refuse)
 from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
@@ -200,11 +202,14 @@ MIXTRAL = Family(
 
 
 def gpt_oss_attention(layer, training: bool):
-    """``GptOssAttention``: its learned attention sinks (a per-head logit in every softmax) are in
-    no kernel here: the model keeps KerasHub's attention. (KerasHub's windows also differ from
-    transformers' and OpenAI's: odd layers and W + 1 keys against even layers and W keys,
-    research P2; beyond 128 positions the two models differ.)"""
-    return "GptOssAttention has learned attention sinks, which no kernel here computes"
+    """``GptOssAttention``: the Llama layout's scaled scores and repeated keys / values, its
+    learned attention sinks (the ``sinks`` variable: one logit per query head, appended to the
+    scores of every softmax and its probability dropped), and on odd layers a sliding window:
+    KerasHub's mask keeps keys ``kv_pos >= q_pos - sliding_window``, W + 1 keys (even layers
+    have none). (Transformers' and OpenAI's windows are W keys: beyond 128 positions the two
+    models differ, research P2.)"""
+    window = layer.sliding_window + 1 if layer.sliding_window else None
+    return dataclasses.replace(llama_like(layer, window), sinks=layer.sinks)
 
 
 SHARDING_GPT_OSS = SHARDING + (
