@@ -21,7 +21,7 @@ Tool calling (``TOOL_FORMATS``: Qwen 2.5, Qwen 3, Llama 3.1+, Gemma): ``tools`` 
 assistant ``tool_calls`` and ``tool`` results are rendered as the Qwen and Llama templates' tool
 branches, and for Gemma (whose templates have none) as this package's convention (``_gemma``);
 the other formats refuse them by name. The newer families' formats (Gemma 4 with its tool
-branch, Phi-3) are rendered in ``chat_formats``.
+branch, Phi-3, GPT-OSS's harmony with its tool branch) are rendered in ``chat_formats``.
 
 An assistant segment is the message content (trimmed where the template trims it; with its tool
 calls as the template writes them) plus the
@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import json
 
-from nnx_posttrain import chat_formats, errors
+from nnx_posttrain import chat_formats
+from nnx_posttrain.chat_formats import ChatFormatError  # noqa: F401  (chat's error)
 
 FORMATS = ("gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "chatml", "mistral", "gemma4",
-           "phi3")
+           "phi3", "harmony")
 
 # Marker that ends an assistant turn, per format (generation stops there).
 END_OF_TURN = {
@@ -50,12 +51,13 @@ END_OF_TURN = {
     "mistral": "</s>",
     "gemma4": "<turn|>",
     "phi3": "<|end|>",
+    "harmony": "<|return|>",  # a training conversation's last answer (earlier ones: <|end|>)
 }
 
 ROLES = ("system", "user", "assistant", "tool")
 # Formats that render tool calling (tools, assistant tool calls, tool results): the official
 # templates' tool branches, and gemma's convention (``_gemma``); the others refuse them.
-TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma", "gemma4")
+TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma", "gemma4", "harmony")
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 LLAMA31_DATE = "26 Jul 2024"
@@ -65,11 +67,7 @@ LLAMA31_DATE = "26 Jul 2024"
 # does (tests/test_chat.py): what an exported model's tokenizer_config.json carries.
 HF_TEMPLATES = {"gemma": "gemma3", "llama3": "llama3", "llama3.1": "llama3.1",
                 "qwen2.5": "qwen2.5", "qwen3": "qwen3", "chatml": "chatml", "mistral": "mistral",
-                "gemma4": "gemma4", "phi3": "phi3"}
-
-
-class ChatFormatError(errors.DataError):
-    """A conversation or a chat format that cannot be rendered; the message says why."""
+                "gemma4": "gemma4", "phi3": "phi3", "harmony": "gpt_oss"}
 
 
 def hf_template(fmt: str) -> str:
@@ -388,6 +386,8 @@ def render(messages, fmt: str, add_generation_prompt: bool = False,
         out = chat_formats.gemma4(messages, add_generation_prompt, tools)
     elif fmt == "phi3":
         out = chat_formats.phi3(messages, add_generation_prompt)
+    elif fmt == "harmony":
+        out = chat_formats.harmony(messages, add_generation_prompt, tools)
     else:
         out = _mistral(messages, add_generation_prompt)
     return _merge(out)
