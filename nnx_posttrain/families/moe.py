@@ -231,7 +231,7 @@ GPT_OSS = Family(
     lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
     export=Unsupported("GPT-OSS has no verified Hugging Face export (KerasHub's windows differ "
                        "from transformers', research P2); use --format keras"),
-    decoding=Unsupported("GPT-OSS's attention sinks are not in the KV-cache sampler's kernel"),
+    decoding=SELF_ATTENTION_CACHE,
     context_length=131_072,
     hf_model_types=("gpt_oss",),  # KerasHub reads the published MXFP4 checkpoints only
     short_names={"gpt_oss_20b": "gpt_oss_20b_en"},

@@ -348,7 +348,10 @@ def attend_cached(q, k_cache, v_cache, key_mask, index, spec: LayerSpec):
                  jnp.arange(length), spec.window)  # [B, T, L]
     bias = jnp.broadcast_to(jnp.where(ok, 0.0, NEG)[:, None, :, None, :], (b, kv, t, g, length))
     s = jnp.einsum("bqh,bsh->bqs", q, k_cache)
-    p = _probabilities(s, bias.reshape(b * kv, t * g, length), spec, v_cache.dtype)
+    spec, sink = _with_sink_logits(spec, kv), None
+    if spec.sinks is not None:  # [K, G] -> [B * K, T * G, 1], the rows' layout
+        sink = jnp.broadcast_to(spec.sinks[None, :, None], (b, kv, t, g)).reshape(b * kv, t * g, 1)
+    p = _probabilities(s, bias.reshape(b * kv, t * g, length), spec, v_cache.dtype, sink)
     out = jnp.einsum("bqs,bsh->bqh", p, v_cache).reshape(b, kv, t, g, h)
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h).astype(q.dtype)
 
