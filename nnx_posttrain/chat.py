@@ -21,42 +21,43 @@ Tool calling (``TOOL_FORMATS``: Qwen 2.5, Qwen 3, Llama 3.1+, Gemma): ``tools`` 
 assistant ``tool_calls`` and ``tool`` results are rendered as the Qwen and Llama templates' tool
 branches, and for Gemma (whose templates have none) as this package's convention (``_gemma``);
 the other formats refuse them by name. The newer families' formats (Gemma 4 with its tool
-branch, Phi-3, Qwen 3.5 with its XML tool calls) are rendered in ``chat_formats``.
+branch, Phi-3, Qwen 3.5 with its XML tool calls) are rendered in ``chat_formats``, GPT-OSS's
+harmony with its tool branch in ``chat_harmony``.
 
 An assistant segment is the message content (trimmed where the template trims it; with its tool
-calls as the template writes them) plus the
-end-of-turn marker, which the model must learn to produce to stop; Qwen 3's empty think block
-(``<think>\\n\\n</think>\\n\\n``, which its template puts before the last assistant answer) is
-part of the assistant segment.
+calls as the template writes them) plus the end-of-turn marker, which the model must learn to
+produce to stop; Qwen 3's empty think block (``<think>\\n\\n</think>\\n\\n``, which its template
+puts before the last assistant answer) is part of the assistant segment.
 """
 
 from __future__ import annotations
 
 import json
 
-from nnx_posttrain import chat_formats, errors
+from nnx_posttrain import chat_formats, chat_harmony
+from nnx_posttrain.chat_formats import ChatFormatError  # noqa: F401  (chat's error)
 
 FORMATS = ("gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "chatml", "mistral", "gemma4",
-           "phi3", "qwen3.5", "qwen3.5-nothink")
+           "phi3", "qwen3.5", "qwen3.5-nothink", "harmony")
 
 # Marker that ends an assistant turn, per format (generation stops there).
 END_OF_TURN = {
     "gemma": "<end_of_turn>",
     "llama3": "<|eot_id|>",
     "llama3.1": "<|eot_id|>",
-    "qwen2.5": "<|im_end|>",
-    "qwen3": "<|im_end|>",
-    "chatml": "<|im_end|>",
+    "qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "chatml": "<|im_end|>",
     "mistral": "</s>",
     "gemma4": "<turn|>",
     "phi3": "<|end|>",
     "qwen3.5": "<|im_end|>", "qwen3.5-nothink": "<|im_end|>",
+    "harmony": "<|return|>",  # a training conversation's last answer (earlier ones: <|end|>)
 }
 
 ROLES = ("system", "user", "assistant", "tool")
 # Formats that render tool calling (tools, assistant tool calls, tool results): the official
 # templates' tool branches, and gemma's convention (``_gemma``); the others refuse them.
-TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma", "gemma4", "qwen3.5", "qwen3.5-nothink")
+TOOL_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma", "gemma4", "qwen3.5", "qwen3.5-nothink",
+                "harmony")
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 LLAMA31_DATE = "26 Jul 2024"
@@ -67,11 +68,7 @@ LLAMA31_DATE = "26 Jul 2024"
 HF_TEMPLATES = {"gemma": "gemma3", "llama3": "llama3", "llama3.1": "llama3.1",
                 "qwen2.5": "qwen2.5", "qwen3": "qwen3", "chatml": "chatml", "mistral": "mistral",
                 "gemma4": "gemma4", "phi3": "phi3", "qwen3.5": "qwen3.5",
-                "qwen3.5-nothink": "qwen3.5-nothink"}
-
-
-class ChatFormatError(errors.DataError):
-    """A conversation or a chat format that cannot be rendered; the message says why."""
+                "qwen3.5-nothink": "qwen3.5-nothink", "harmony": "gpt_oss"}
 
 
 def hf_template(fmt: str) -> str:
@@ -392,6 +389,8 @@ def render(messages, fmt: str, add_generation_prompt: bool = False,
         out = chat_formats.phi3(messages, add_generation_prompt)
     elif fmt in ("qwen3.5", "qwen3.5-nothink"):
         out = chat_formats.qwen3_5(messages, add_generation_prompt, tools, think=fmt == "qwen3.5")
+    elif fmt == "harmony":
+        out = chat_harmony.harmony(messages, add_generation_prompt, tools)
     else:
         out = _mistral(messages, add_generation_prompt)
     return _merge(out)

@@ -24,6 +24,12 @@ from __future__ import annotations
 
 import json
 
+from nnx_posttrain import errors
+
+
+class ChatFormatError(errors.DataError):
+    """A conversation or a chat format that cannot be rendered; the message says why."""
+
 
 # ----------------------------------------------------------------------------- Gemma 4
 

@@ -387,6 +387,10 @@ def test_rloo_runs_tools_and_the_other_online_methods_refuse_them(tmp_path, prom
                       "--algo.tools", "agent_tools:multiply", "--algo.rewards", "exact_match",
                       "--steps", "1", "--run-dir", tmp_path / "llama3", recipe=False)
     assert "chat format 'llama3' has no tool-calling format" in message
+    message = refusal("grpo", "--model", "gemma_micro", "--chat-format", "harmony",
+                      "--algo.tools", "agent_tools:multiply", "--algo.rewards", "exact_match",
+                      "--steps", "1", "--run-dir", tmp_path / "harmony", recipe=False)
+    assert "chat format 'harmony' renders tool calls for training, but the agent loop" in message
     assert "needs --algo.rewards" in refusal("grpo", "--algo.environment", "agent_tools:Quiet",
                                               recipe=False)
     text = tmp_path / "text.jsonl"

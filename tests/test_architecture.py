@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nnx_posttrain"
 # (the built-in tasks) and runs sit above algorithms, below train; plan (a run's step compiled ahead of time) above train; the Python API and the command line are the library's users, on top.
 LAYERS = [
     {"errors"},
-    {"config", "config_files", "chat", "metrics_log", "progress", "user_code", "cpu_host", "families", "chat_formats"},
+    {"config", "config_files", "chat", "metrics_log", "progress", "user_code", "cpu_host", "families", "chat_formats",
+     "chat_harmony"},
     {"sharding"},
     {"model"},
     {"checkpoint"},

@@ -1,5 +1,7 @@
 """The attention paths (model/attention.py) equal KerasHub's attention, per family, packed and not."""
 
+import functools
+
 import keras_hub
 import numpy as np
 import pytest
@@ -146,6 +148,57 @@ def test_chunked_queries_equal_one_chunk():
             np.testing.assert_allclose(many, one, atol=1e-6)
 
 
+def _naive_sink_attention(q, k, v, seg, sinks, window):
+    """softmax over [scores, the head's sink logit], the sink's probability dropped (KerasHub's
+    ``GptOssAttention``), scores scaled by 1 / sqrt(H); keys repeated per group."""
+    b, t, n, h = q.shape
+    k, v = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqnh,bsnh->bnqs", q, k) / np.sqrt(h)
+    pos = jnp.arange(t)
+    ok = attention.allowed(seg, seg, pos, pos, window)[:, None]
+    s = jnp.where(ok, s, -1e9)
+    full = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:-1] + (1,))], -1)
+    p = jax.nn.softmax(full, axis=-1)[..., :-1]
+    return jnp.einsum("bnqs,bsnh->bqnh", p, v)
+
+
+def test_attention_sinks_in_one_chunk_and_blocked_equal_a_softmax_with_one_more_key():
+    """GPT-OSS's sinks: the ``xla`` formulation (one chunk) and the blocked path (tiles of 8)
+    on packed rows with a window equal the naive softmax over the scores and the sink logit, values
+    and gradients (w.r.t. q, k, v and the sinks)."""
+    rng = np.random.default_rng(0)
+    b, t, kv, g, h = 2, 24, 2, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, kv * g, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kv, h)), jnp.float32) for _ in range(2))
+    sinks = jnp.asarray(rng.normal(size=(kv * g,)) * 2, jnp.float32)
+    seg = jnp.asarray(np.repeat([[1, 1, 2, 0], [1, 1, 1, 1]], 6, axis=1))
+    real = np.asarray(seg) != 0
+
+    def loss(fn, q, k, v, sinks):
+        out = fn(q, k, v, sinks)
+        return jnp.sum(jnp.where(seg[..., None, None] != 0, out, 0.0) ** 2), out
+
+    def naive(q, k, v, sinks):
+        return _naive_sink_attention(q, k, v, seg, sinks, window=5)
+
+    def grads(fn):
+        (_, out), grad = jax.jit(jax.value_and_grad(functools.partial(loss, fn), (0, 1, 2, 3),
+                                                    has_aux=True))(q, k, v, sinks)
+        return np.asarray(out)[real], grad
+
+    want_out, want = grads(naive)
+    for chunk in (64, 8):
+        def ours(q, k, v, sinks, chunk=chunk):
+            spec = attention.LayerSpec(1 / np.sqrt(h), window=5, scale_scores=True, sinks=sinks)
+            return attention.attend(q, k, v, seg, spec, attention.Choice("xla", chunk=chunk))
+
+        out, got = grads(ours)
+        np.testing.assert_allclose(out, want_out, atol=2e-5)
+        for a, w in zip(got, want):
+            np.testing.assert_allclose(a, w, atol=2e-4, rtol=2e-4)
+        assert float(jnp.abs(got[3]).max()) > 1e-3  # the sinks do get a gradient
+
+
 def test_auto_resolves_per_platform_and_falls_back_by_rule():
     gemma2 = FAMILIES["gemma2"]()
     gemma = FAMILIES["gemma"]()
@@ -166,6 +219,14 @@ def test_auto_resolves_per_platform_and_falls_back_by_rule():
     assert "attention: xla (auto on cpu)" == model.set_attention(gemma, "auto", platform="cpu")
     with pytest.raises(ValueError, match="--attention must be one of"):
         attention.resolve(gemma, "flash", "cpu")
+    # GPT-OSS's attention sinks: the xla formulation, never splash or cuDNN
+    gpt_oss = FAMILIES["gpt_oss"]()
+    assert attention.resolve(gpt_oss, "auto", "cpu") == ("xla", "auto on cpu")
+    assert attention.resolve(gpt_oss, "auto", "tpu", interpret=True) == (
+        "xla", "auto on tpu; splash not used: splash attention has no attention sinks")
+    assert attention.resolve(gpt_oss, "splash", "tpu", interpret=True) == (
+        "keras", "splash not used: splash attention has no attention sinks")
+    assert attention.resolve(gpt_oss, "cudnn", "gpu")[1].endswith("cuDNN has no attention sinks")
 
 
 def test_unknown_families_and_image_towers_keep_kerashub():

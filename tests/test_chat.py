@@ -5,7 +5,7 @@ import json
 import pytest
 
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before anything imports keras)
-from nnx_posttrain import chat
+from nnx_posttrain import chat, chat_formats, chat_harmony
 from nnx_posttrain.chat import ChatFormatError
 
 HI = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
@@ -24,9 +24,17 @@ def assistant_text(segments):
 
 def answer(fmt, content, last=True):
     """An assistant answer as its format trains it: Qwen 3's and 3.5's last answer opens with an
-    empty think block (as their templates write it)."""
+    empty think block (as their templates write it), harmony's answers are in the final
+    channel."""
+    if fmt == "harmony":
+        return "<|channel|>final<|message|>" + content
     qwen = fmt in ("qwen3", "qwen3.5", "qwen3.5-nothink")
     return ("<think>\n\n</think>\n\n" if qwen and last else "") + content
+
+
+def end_of_turn(fmt, last=True):
+    """The marker after an answer: harmony ends the last one with <|return|>, the others <|end|>."""
+    return "<|end|>" if fmt == "harmony" and not last else chat.END_OF_TURN[fmt]
 
 
 # ----------------------------------------------------------------------------- exact strings
@@ -102,11 +110,11 @@ def test_no_bos_in_text():
 @pytest.mark.parametrize("fmt", chat.FORMATS)
 def test_only_assistant_content_and_end_marker_are_flagged(fmt):
     segs = chat.render(TWO_TURNS, fmt)
-    eot = chat.END_OF_TURN[fmt]
-    first, last = answer(fmt, "Hello", last=False), answer(fmt, "Sure")
-    assert assistant_text(segs) == f"{first}{eot}{last}{eot}"
+    first = answer(fmt, "Hello", last=False) + end_of_turn(fmt, last=False)
+    last = answer(fmt, "Sure") + end_of_turn(fmt)
+    assert assistant_text(segs) == f"{first}{last}"
     # every flagged segment is exactly one assistant answer plus its end-of-turn marker
-    assert [t for t, f in segs if f] == [f"{first}{eot}", f"{last}{eot}"]
+    assert [t for t, f in segs if f] == [first, last]
     # concatenation is the template text; adjacent segments never share a flag (merged)
     assert "".join(t for t, _ in segs) == chat.to_text(TWO_TURNS, fmt)
     assert all(a[1] != b[1] for a, b in zip(segs, segs[1:]))
@@ -258,6 +266,7 @@ OFFICIAL = {
     "phi3": [("phi3", True)],
     "qwen3.5": [("qwen3.5", True)],
     "qwen3.5-nothink": [("qwen3.5-nothink", True)],
+    "harmony": [("gpt_oss", True)],
 }
 SPECIAL = {  # bos, eos of the official rendering
     "gemma": ("<bos>", "<eos>"), "llama3": ("<|begin_of_text|>", "<|end_of_text|>"),
@@ -265,6 +274,7 @@ SPECIAL = {  # bos, eos of the official rendering
     "qwen3": ("", "<|im_end|>"), "chatml": ("", "<|im_end|>"), "mistral": ("<s>", "</s>"),
     "gemma4": ("<bos>", "<eos>"), "phi3": ("", "<|endoftext|>"),
     "qwen3.5": ("", "<|im_end|>"), "qwen3.5-nothink": ("", "<|im_end|>"),
+    "harmony": ("", "<|endoftext|>"),
 }
 SYS = {"role": "system", "content": "You are terse."}
 U1, A1 = {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}
@@ -293,10 +303,18 @@ def official_template(name):
     return env.from_string((TEMPLATES / f"{name}.jinja").read_text())
 
 
+def harmony_date(pattern):
+    """``strftime_now`` of the day ``chat`` writes in harmony's system message."""
+    import datetime
+
+    return datetime.date.fromisoformat(chat_harmony.HARMONY_DATE).strftime(pattern)
+
+
 def render_official(name, fmt, messages, add_generation_prompt):
     bos, eos = SPECIAL[fmt]
+    today = {"strftime_now": harmony_date} if fmt == "harmony" else {}
     return official_template(name).render(messages=messages, bos_token=bos, eos_token=eos,
-                                          add_generation_prompt=add_generation_prompt)
+                                          add_generation_prompt=add_generation_prompt, **today)
 
 
 # Not yet replaced by a published copy (issue: agents / templates): rendered as remembered.
@@ -382,6 +400,8 @@ def family_tokenizer(fmt):
 
     if fmt == "gemma4":
         return model.Tokenizer(make_preset.TOKENIZERS["sentencepiece-gemma4"](4096))
+    if fmt == "harmony":
+        return model.Tokenizer(make_preset.gpt_oss_tokenizer(4096))
     if fmt in ("gemma", "mistral", "chatml", "phi3"):
         return model.Tokenizer(keras_hub.models.GemmaTokenizer(proto=make_preset.gemma_proto(4096)))
     if fmt.startswith("llama3"):
@@ -399,7 +419,7 @@ def official_ids(tok, fmt, text):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("fmt", ["gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "gemma4",
-                                 "qwen3.5"])
+                                 "qwen3.5", "harmony"])
 def test_pipeline_token_ids_equal_the_official_template_tokenized(fmt, case):
     from nnx_posttrain import data
     from nnx_posttrain.sampling import sampler
@@ -459,18 +479,22 @@ TOOL_CASES = {  # name -> (messages, add_generation_prompt)
          {"role": "assistant", "content": "444."}], False),
 }
 TOOL_OFFICIAL = {"qwen2.5": ["qwen2.5"], "qwen3": ["qwen3"], "llama3.1": ["llama3.1", "llama3.2"],
-                 "gemma4": ["gemma4"], "qwen3.5": ["qwen3.5"]}
+                 "gemma4": ["gemma4"], "qwen3.5": ["qwen3.5"], "harmony": ["gpt_oss"]}
 
 
 def render_with_transformers(name, fmt, messages, prompt, tools):
-    """The official template rendered by transformers' own chat-template code (its ``tojson``)."""
+    """The official template rendered by transformers' own chat-template code (its ``tojson``;
+    harmony's system message with today's date, which ``chat`` writes as ``HARMONY_DATE``)."""
+    import datetime
+
     from transformers.utils.chat_template_utils import render_jinja_template
 
     bos, eos = SPECIAL[fmt]
     rendered, _ = render_jinja_template(
         conversations=[messages], tools=tools, chat_template=official_template_text(name),
         add_generation_prompt=prompt, bos_token=bos, eos_token=eos, date_string=chat.LLAMA31_DATE)
-    return rendered[0]
+    today = f"Current date: {datetime.date.today().isoformat()}\n"
+    return rendered[0].replace(today, f"Current date: {chat_harmony.HARMONY_DATE}\n", 1)
 
 
 def official_template_text(name):
@@ -481,7 +505,7 @@ def official_template_text(name):
 @pytest.mark.parametrize("fmt", sorted(TOOL_OFFICIAL))
 def test_tool_conversations_render_as_the_official_templates(fmt, case):
     messages, prompt = TOOL_CASES[case]
-    if fmt == "llama3.1" and case.startswith("text_and_two_calls"):
+    if fmt in ("llama3.1", "harmony") and case.startswith("text_and_two_calls"):
         with pytest.raises(ChatFormatError, match="one tool call per assistant message"):
             chat.render(messages, fmt, tools=[TOOL])
         return
@@ -492,6 +516,7 @@ def test_tool_conversations_render_as_the_official_templates(fmt, case):
     flagged = [t for t, f in chat.render(messages, fmt, tools=[TOOL]) if f]
     assert flagged and not any("444\n</tool_response>" in t or '"444"' in t for t in flagged)
     assert any('"multiply"' in t or "call:multiply{" in t or "<function=multiply>" in t
+               or "functions.multiply<" in t
                for t in flagged)
 
 
@@ -589,3 +614,63 @@ def test_gemma_tool_convention_renders_schemas_call_and_results():
     assert [t for t, f in segments if f] == [
         'Let me compute.\n{"name": "multiply", "parameters": {"a": 37, "b": 12}}<end_of_turn>',
         "444.<end_of_turn>"]
+
+
+# -- GPT-OSS's harmony format
+
+HARMONY_SYSTEM = ("<|start|>system<|message|>You are ChatGPT, a large language model trained by "
+                  "OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: 2025-08-05\n\nReasoning: "
+                  "medium\n\n# Valid channels: analysis, commentary, final. Channel must be "
+                  "included for every message.")
+
+
+def test_harmony_exact_segments_with_reasoning_in_the_analysis_channel():
+    """The loss covers what the model writes after ``<|start|>assistant``: the final channel's
+    answer and its end marker (and, for the last answer, the analysis message before it)."""
+    thought = {"role": "assistant", "content": "Hello", "thinking": "Greet back."}
+    assert chat.render([SYS, {"role": "user", "content": "Hi"}, thought], "harmony") == [
+        (HARMONY_SYSTEM + "<|end|><|start|>developer<|message|># Instructions\n\nYou are terse."
+         "\n\n<|end|><|start|>user<|message|>Hi<|end|><|start|>assistant", False),
+        ("<|channel|>analysis<|message|>Greet back.<|end|><|start|>assistant<|channel|>final"
+         "<|message|>Hello<|return|>", True)]
+    # an earlier answer's reasoning is dropped, as the template drops it
+    text = chat.to_text([U1, thought, U2, A2], "harmony")
+    assert "Greet back." not in text and "<|message|>Hello<|end|><|start|>user" in text
+    assert render_official("gpt_oss", "harmony", [U1, thought], False) == chat.to_text(
+        [U1, thought], "harmony")
+
+
+def test_harmony_tool_schemas_render_as_the_template_writes_typescript():
+    """Optional and required parameters, descriptions, defaults, enums, nullable, type lists,
+    arrays of objects and nested objects (with the template's own indentation inside them)."""
+    tool = {"type": "function", "function": {
+        "name": "find", "description": "Find things.", "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "what"},
+            "limit": {"type": "integer", "default": 10},
+            "sort": {"type": "string", "enum": ["new", "old"], "default": "new"},
+            "tags": {"type": "array", "items": {"type": "string"}, "nullable": True},
+            "boxes": {"type": "array", "items": {"type": "object", "properties": {"w": {"type": "number"}}}},
+            "where": {"type": "object", "properties": {"city": {"type": "string"},
+                                                       "zip": {"type": ["string", "null"]}},
+                      "required": ["city"]},
+            "note": {"type": "string", "nullable": True}, "any": {}}, "required": ["query"]}}}
+    messages = [ASK, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "444"}]
+    ours = chat.to_text(messages, "harmony", add_generation_prompt=True, tools=[tool, TOOL])
+    assert render_with_transformers("gpt_oss", "harmony", messages, True, [tool, TOOL]) == ours
+    assert 'sort?: "new" | "old", // default: new,\n' in ours
+
+
+@pytest.mark.parametrize("messages, tools, match", [
+    ([ASK, {"role": "assistant", "content": "<|channel|>final<|message|>4"}], None, "without <|channel|>"),
+    ([ASK, {"role": "tool", "content": "444"}], None, "needs an earlier assistant tool call"),
+    ([ASK, A1], [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"oneOf": [{"type": "string"}]}}}}}], "'oneOf'"),
+])
+def test_harmony_refuses_what_its_template_refuses_or_we_do_not_render(messages, tools, match):
+    with pytest.raises(ChatFormatError, match=match):
+        chat.render(messages, "harmony", tools=tools)
+
+
+def test_harmony_later_system_message_becomes_a_developer_message():
+    text = chat.to_text([U1, {"role": "system", "content": "LATE"}, A1], "harmony")
+    assert "<|start|>developer<|message|># Instructions\n\nLATE\n\n<|end|><|start|>assistant" in text

@@ -10,10 +10,10 @@
 - ``loop``: the tool-calling loop of a rollout on the KV-cache sampler (``ToolLoop``).
 """
 
-from nnx_posttrain.agents.calls import Malformed, continuation, parse
+from nnx_posttrain.agents.calls import PARSED_FORMATS, Malformed, continuation, parse
 from nnx_posttrain.agents.loop import Exchange, ToolLoop
 from nnx_posttrain.agents.schema import SchemaError, function_schema
 from nnx_posttrain.agents.toolset import EnvironmentFailed, Episode, Toolset
 
-__all__ = ["EnvironmentFailed", "Episode", "Exchange", "Malformed", "SchemaError", "ToolLoop", "Toolset",
-           "continuation", "function_schema", "parse"]
+__all__ = ["EnvironmentFailed", "Episode", "Exchange", "Malformed", "PARSED_FORMATS", "SchemaError",
+           "ToolLoop", "Toolset", "continuation", "function_schema", "parse"]

@@ -64,6 +64,11 @@ def _json_object(text: str) -> list[dict]:
     return [_call(obj, "parameters")]
 
 
+# The chat formats whose tool calls ``parse`` reads (a subset of ``chat.TOOL_FORMATS``: the
+# others render tool conversations for training, the agent loop cannot run them yet)
+PARSED_FORMATS = ("qwen2.5", "qwen3", "llama3.1", "gemma")
+
+
 def parse(text: str, fmt: str) -> list[dict]:
     """The tool calls ({'name', 'arguments'}) of one assistant turn in chat format ``fmt`` ([]
     for an answer that calls nothing); ``Malformed`` for a call that cannot be read."""

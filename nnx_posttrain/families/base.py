@@ -30,14 +30,18 @@ class Unsupported:
 class LayerSpec:
     """What the attention kernels (``model.attention.attend``) need to know of one KerasHub
     attention layer: the scale of the scores, the soft cap, the sliding window, how many times
-    the layer repeated each key / value head, and whether the scale multiplies the scores (Llama
-    family) or the queries (Gemma)."""
+    the layer repeated each key / value head, whether the scale multiplies the scores (Llama
+    family) or the queries (Gemma), and its attention sinks (GPT-OSS): the layer's variable of
+    one learned logit per query head that joins every softmax's denominator (a key no value
+    belongs to), read when the kernel runs (its value inside a trace, for its gradient); None
+    for none. ``sinks`` is not part of the spec's equality or hash."""
 
     scale: float
     soft_cap: float | None = None
     window: int | None = None  # a query sees keys at most window - 1 positions earlier
     repeated: int = 1  # keys / values arrive repeated this many times per kv head (Llama family)
     scale_scores: bool = False  # scale the scores (Llama family) rather than the queries (Gemma)
+    sinks: Any = dataclasses.field(default=None, compare=False)  # [query heads] sink logits
 
 
 # An attention reader: (KerasHub attention layer, training) -> its LayerSpec, or the reason the

@@ -15,6 +15,8 @@ experts in float.
 
 from __future__ import annotations
 
+import dataclasses
+
 from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export, Family, MoE,
                                          Preset, Unsupported, refuse)
 from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
@@ -202,11 +204,14 @@ MIXTRAL = Family(
 
 
 def gpt_oss_attention(layer, training: bool):
-    """``GptOssAttention``: its learned attention sinks (a per-head logit in every softmax) are in
-    no kernel here: the model keeps KerasHub's attention. (KerasHub's windows also differ from
-    transformers' and OpenAI's: odd layers and W + 1 keys against even layers and W keys,
-    research P2; beyond 128 positions the two models differ.)"""
-    return "GptOssAttention has learned attention sinks, which no kernel here computes"
+    """``GptOssAttention``: the Llama layout's scaled scores and repeated keys / values, its
+    learned attention sinks (the ``sinks`` variable: one logit per query head, appended to the
+    scores of every softmax and its probability dropped), and on odd layers a sliding window:
+    KerasHub's mask keeps keys ``kv_pos >= q_pos - sliding_window``, W + 1 keys (even layers
+    have none). (Transformers' and OpenAI's windows are W keys: beyond 128 positions the two
+    models differ, research P2.)"""
+    window = layer.sliding_window + 1 if layer.sliding_window else None
+    return dataclasses.replace(llama_like(layer, window), sinks=layer.sinks)
 
 
 SHARDING_GPT_OSS = SHARDING + (
@@ -222,14 +227,13 @@ GPT_OSS = Family(
     name="gpt_oss",
     backbone="GptOssBackbone",
     classes=("GptOssCausalLM", "GptOssCausalLMPreprocessor", "GptOssTokenizer"),
-    chat_format=Unsupported("the harmony format (TRL 1.16's gptoss.jinja: developer message, "
-                            "channels, to=functions.x calls) is not rendered yet"),
+    chat_format="harmony",
     attention={"GptOssAttention": gpt_oss_attention},
     sharding=SHARDING_GPT_OSS,
     lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
     export=Unsupported("GPT-OSS has no verified Hugging Face export (KerasHub's windows differ "
                        "from transformers', research P2); use --format keras"),
-    decoding=Unsupported("GPT-OSS's attention sinks are not in the KV-cache sampler's kernel"),
+    decoding=SELF_ATTENTION_CACHE,
     context_length=131_072,
     hf_model_types=("gpt_oss",),  # KerasHub reads the published MXFP4 checkpoints only
     short_names={"gpt_oss_20b": "gpt_oss_20b_en"},

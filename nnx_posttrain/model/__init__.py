@@ -15,7 +15,8 @@ its chat template. Around it:
   packed-row attention mask, remat;
 - ``attention``: one attention path for every family and accelerator (``set_attention``:
   ``keras``, ``xla``, ``cudnn``, ``splash``, ``auto``), segment ids compared inside the kernel,
-  and the sampler's decoding step against its KV cache (``attend_cached``);
+  and the sampler's decoding step against its KV cache (``attend_cached``); its blocked path
+  (``flash``) and TPU kernel (``splash``) are modules of their own;
 - ``router``: the router logits of a mixture-of-experts forward pass (``routers_captured``),
   for the load-balancing loss;
 - ``dense``: the decoder blocks' projections with their kernel gradient as one 2-D matmul;

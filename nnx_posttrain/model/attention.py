@@ -20,15 +20,16 @@ took, with the reason of any fallback):
 - ``xla``: exact attention as plain XLA operations, the formulation measured fastest on CPU:
   ``[batch, T, kv heads, groups, S]`` scores without head transposes (with one kv head, every
   query head is a row of one batched matmul; keys that KerasHub's Llama / Qwen / Mistral layers
-  repeated per group are un-repeated), soft cap, float32 softmax. Sequences
+  repeated per group are un-repeated), soft cap, float32 softmax (with GPT-OSS's attention
+  sinks: a learned logit per head in each softmax's denominator). Sequences
   longer than ``chunk`` take blocked attention with an online softmax (``model/flash.py``): tiles
   of ``min(chunk, 128)`` squared scores, only those a query block can see (causal, window, same
   segment), the backward pass recomputing them, so memory is O(T) plus one tile, never ``T x T``;
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN flash attention, GPU,
-  bfloat16 / float16, head dim a multiple of 8 up to 128, 256 on Hopper; no soft cap), the mask of
+  bfloat16 / float16, head dim a multiple of 8 up to 128, 256 on Hopper; no soft cap, no sinks), the mask of
   one query chunk at a time built from segment ids;
-- ``splash``: Pallas splash attention (TPU; ``jax.experimental.pallas.ops.tpu.splash_attention``):
-  causal or local mask, segment ids and the soft cap inside the kernel; head dim a multiple of 128
+- ``splash``: Pallas splash attention (TPU; ``model/splash.py``):
+  causal or local mask, segment ids and the soft cap inside the kernel (no sinks); head dim a multiple of 128
   (any in interpret mode, which the tests use on CPU); a sequence that is not a multiple of 128
   takes the ``xla`` formulation;
 - ``auto``: ``splash`` on TPU, ``cudnn`` on GPU, where the layer and dtype allow; else ``xla``.
@@ -53,6 +54,7 @@ from nnx_posttrain import families
 from nnx_posttrain.families import LayerSpec, recurrent_layer  # noqa: F401  (re-exported)
 from nnx_posttrain.model.blocks import decoder_blocks, mask_method, override_blocks
 from nnx_posttrain.model.flash import NEG, Visible, allowed, flash
+from nnx_posttrain.model.splash import splash
 
 IMPLEMENTATIONS = ("auto", "keras", "xla", "cudnn", "splash")
 _ATTRIBUTE = "_nnx_posttrain_attention"
@@ -102,6 +104,8 @@ VISION_TOWERS = ("vision_encoder", "vit_encoder")
 def _cudnn_problem(spec: LayerSpec, head_dim: int, dtype) -> str | None:
     if spec.soft_cap is not None:
         return "cuDNN has no logit soft cap"
+    if spec.sinks is not None:
+        return "cuDNN has no attention sinks"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"cuDNN flash attention needs bfloat16 / float16, not {jnp.dtype(dtype).name}"
     cap = getattr(jax.devices()[0], "compute_capability", "0")
@@ -112,6 +116,8 @@ def _cudnn_problem(spec: LayerSpec, head_dim: int, dtype) -> str | None:
 
 
 def _splash_problem(spec: LayerSpec, head_dim: int, interpret: bool) -> str | None:
+    if spec.sinks is not None:
+        return "splash attention has no attention sinks"
     if not interpret and head_dim % 128:
         return f"splash attention needs a head dim that is a multiple of 128, not {head_dim}"
     return None
@@ -192,19 +198,26 @@ def _xla_chunk(q, k, v, visible: Visible, spec: LayerSpec):
     else:
         s = jnp.einsum("bckgh,bskh->bckgs", q, k)
         bias = bias[:, :, None, None, :]
-    p = _probabilities(s, bias, spec, v.dtype)
+    sink = None
+    if spec.sinks is not None:  # [K, G] -> each score row's sink logit
+        sink = spec.sinks[0][:, None] if kv == 1 else spec.sinks[:, :, None]
+        sink = jnp.broadcast_to(sink, s.shape[:-1] + (1,))
+    p = _probabilities(s, bias, spec, v.dtype, sink)
     if kv == 1:
         return jnp.einsum("bqs,bsh->bqh", p.reshape(b, c * g, -1), v[:, :, 0]).reshape(q.shape)
     return jnp.einsum("bckgs,bskh->bckgh", p, v)
 
 
-def _probabilities(s, bias, spec: LayerSpec, dtype):
+def _probabilities(s, bias, spec: LayerSpec, dtype, sink=None):
     """Attention weights of raw scores ``s``: scaled (Llama family), soft-capped, masked by the
-    additive ``bias``, float32 softmax over keys, in ``dtype``."""
+    additive ``bias``, float32 softmax over keys (with ``sink``, float32 logits of s's shape but
+    one key: a sink in the denominator), in ``dtype``."""
     if spec.scale_scores:
         s = s * jnp.asarray(spec.scale, s.dtype)
     if spec.soft_cap is not None:
         s = jnp.tanh(s / spec.soft_cap) * spec.soft_cap
+    if sink is not None:
+        return _sink_softmax(s.astype(jnp.float32) + bias, sink).astype(dtype)
     return _softmax(s.astype(jnp.float32) + bias).astype(dtype)
 
 
@@ -228,6 +241,38 @@ def _softmax_bwd(p, g):
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def _sink_softmax_fwd(x, sink):
+    """Probabilities of ``x``'s keys in a softmax over them and the ``sink`` logit (shape of x
+    with one key), and the sink's own: GPT-OSS's attention sinks (KerasHub appends the sink to
+    the scores and drops its probability after the softmax)."""
+    m = jax.lax.stop_gradient(jnp.maximum(jnp.max(x, axis=-1, keepdims=True), sink))
+    e, e_sink = jnp.exp(x - m), jnp.exp(sink - m)
+    total = jnp.sum(e, axis=-1, keepdims=True) + e_sink
+    p = e / total
+    return p, (p, e_sink / total)
+
+
+def _sink_softmax_bwd(residuals, g):
+    """The keys' as ``_softmax``'s; the sink's ``-p_sink * sum(g * p)`` (its probability has no
+    cotangent of its own)."""
+    p, p_sink = residuals
+    gp = jnp.sum(g * p, axis=-1, keepdims=True)
+    return p * (g - gp), -p_sink * gp
+
+
+_sink_softmax = jax.custom_vjp(lambda x, sink: _sink_softmax_fwd(x, sink)[0])
+_sink_softmax.defvjp(_sink_softmax_fwd, _sink_softmax_bwd)
+
+
+def _with_sink_logits(spec: LayerSpec, kv: int) -> LayerSpec:
+    """``spec`` with its sinks (a layer's variable, read now: inside a trace, its traced value)
+    as float32 logits [K, G] (query head n = k * G + g, as the queries are grouped)."""
+    if spec.sinks is None:
+        return spec
+    sinks = jnp.asarray(getattr(spec.sinks, "value", spec.sinks), jnp.float32)
+    return dataclasses.replace(spec, sinks=sinks.reshape(kv, -1))
 
 
 def _cudnn_chunk(q, k, v, visible: Visible, spec: LayerSpec):
@@ -257,53 +302,6 @@ def _chunked(kernel, qkv: tuple, segment_ids, spec: LayerSpec, chunk: int):
     return jnp.concatenate(outs, axis=1)
 
 
-def _splash(q, k, v, segment_ids, spec: LayerSpec, interpret: bool):
-    """q [B, T, K, G, H], k / v [B, T, K, H] through splash attention's MQA kernel per batch row
-    and kv head. XLA cannot partition a Pallas kernel over a mesh: under a mesh of several
-    devices (``jax.set_mesh``: the run's) it runs per device (``jax.shard_map``), on the batch
-    rows of the mesh's batch axes and, where the kv heads divide by it, the heads of the
-    ``tensor`` axis (else each tensor-parallel device computes every head of its rows)."""
-    from jax.sharding import PartitionSpec as P
-
-    from nnx_posttrain.sharding import context_row_axes
-
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return _splash_local(q, k, v, segment_ids, spec, interpret)
-    rows = context_row_axes(q.shape[0])
-    tensor = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
-    heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 else None
-    qs, kvs, seg = P(rows, None, heads, None, None), P(rows, None, heads, None), P(rows, None)
-    local = functools.partial(_splash_local, spec=spec, interpret=interpret)
-    return jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, seg), out_specs=qs,
-                         check_vma=False)(q, k, v, segment_ids)
-
-
-def _splash_local(q, k, v, segment_ids, spec: LayerSpec, interpret: bool):
-    """``_splash`` on one device's arrays."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-    b, t, kv, g, h = q.shape
-    if spec.window:
-        one = sm.LocalMask((t, t), window_size=(spec.window - 1, 0), offset=0)
-    else:
-        one = sm.CausalMask((t, t))
-    block = min(512, t)
-    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                          block_q_dq=block, block_kv_dq=block)
-    kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * g), block_sizes=sizes,
-                                              attn_logits_soft_cap=spec.soft_cap,
-                                              interpret=interpret)
-    qh = jnp.transpose(q * jnp.asarray(spec.scale, q.dtype), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
-    kh, vh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))  # [B, K, T, H]
-    seg = sk.SegmentIds(q=segment_ids, kv=segment_ids)
-    per_head = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), in_axes=(0, 0, 0, None))
-    out = jax.vmap(per_head)(qh, kh, vh, seg)  # [B, K, G, T, H]
-    return jnp.transpose(out, (0, 3, 1, 2, 4))
-
-
 def attend(q, k, v, segment_ids, spec: LayerSpec, choice: Choice):
     """Attention output [B, T, N, H] of rotated queries q [B, T, N, H] and keys / values
     [B, S, K * spec.repeated, H] (S = T), with ``segment_ids`` [B, T] (0: padding)."""
@@ -313,10 +311,11 @@ def attend(q, k, v, segment_ids, spec: LayerSpec, choice: Choice):
     kv = k.shape[2]
     q5 = q.reshape(b, t, kv, n // kv, h)
     segment_ids = segment_ids.astype(jnp.int32)
+    spec = _with_sink_logits(spec, kv)
     impl = choice.implementation
-    if impl == "splash" and t % 128 == 0 and k.shape[1] == t:
-        out = _splash(q5, k, v, segment_ids, spec, choice.interpret)
-    elif impl == "cudnn":
+    if impl == "splash" and t % 128 == 0 and k.shape[1] == t and spec.sinks is None:
+        out = splash(q5, k, v, segment_ids, spec, choice.interpret)
+    elif impl == "cudnn" and spec.sinks is None:
         out = _chunked(_cudnn_chunk, (q5, k, v), segment_ids, spec, choice.chunk)
     elif t > choice.chunk:  # xla past one chunk (and splash at a length it cannot tile)
         out = flash(q5, k, v, segment_ids, spec, min(choice.chunk, FLASH_BLOCK))
@@ -349,7 +348,10 @@ def attend_cached(q, k_cache, v_cache, key_mask, index, spec: LayerSpec):
                  jnp.arange(length), spec.window)  # [B, T, L]
     bias = jnp.broadcast_to(jnp.where(ok, 0.0, NEG)[:, None, :, None, :], (b, kv, t, g, length))
     s = jnp.einsum("bqh,bsh->bqs", q, k_cache)
-    p = _probabilities(s, bias.reshape(b * kv, t * g, length), spec, v_cache.dtype)
+    spec, sink = _with_sink_logits(spec, kv), None
+    if spec.sinks is not None:  # [K, G] -> [B * K, T * G, 1], the rows' layout
+        sink = jnp.broadcast_to(spec.sinks[None, :, None], (b, kv, t, g)).reshape(b * kv, t * g, 1)
+    p = _probabilities(s, bias.reshape(b * kv, t * g, length), spec, v_cache.dtype, sink)
     out = jnp.einsum("bqs,bsh->bqh", p, v_cache).reshape(b, kv, t, g, h)
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h).astype(q.dtype)
 

@@ -8,7 +8,10 @@ pass walks the key blocks a query block can see (causal and window skipping: a `
 over ``[first visible block, diagonal block]``, skipping tiles where no query and key share a
 segment: packed rows cost what their examples cost) with a running max and sum, and keeps only the
 output and the row log-sum-exp; the backward pass (a ``custom_vjp``) recomputes each tile's
-probabilities from that log-sum-exp and accumulates dq, dk, dv. Memory is O(T) in the sequence
+probabilities from that log-sum-exp and accumulates dq, dk, dv. Attention sinks (GPT-OSS:
+``spec.sinks``, one logit per query head in every softmax's denominator) start each query's
+running max and sum (max = the sink, sum = 1); their gradient is ``-sum(p_sink * delta)``.
+Memory is O(T) in the sequence
 length, plus one tile: the FlashAttention algorithm (Dao et al., 2022), written in plain JAX so
 that XLA:CPU runs it and any backend can.
 
@@ -18,6 +21,7 @@ Layout: q [B, T, K, G, H] (K kv heads, G query heads per kv head), k / v [B, T, 
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import NamedTuple
 
@@ -110,8 +114,17 @@ def _slice(x, index, block):
     return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=1)
 
 
-def _forward(q, k, v, seg, spec, block):
-    """(out [B, T, K, G, H] in q's dtype, lse [B, T, K, G] float32); q already scaled."""
+def _start(sinks, shape):
+    """The running max and sum before any key: (NEG, 0), or with sink logits [K, G] (sink, 1)."""
+    if sinks is None:
+        return jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32)
+    return jnp.broadcast_to(sinks, shape), jnp.ones(shape, jnp.float32)
+
+
+def _forward(qkv, sinks, seg, spec, block):
+    """(out [B, T, K, G, H] in q's dtype, lse [B, T, K, G] float32) of ``qkv`` = (q, k, v), q
+    already scaled; ``sinks``: sink logits [K, G] or None."""
+    q, k, v = qkv
     b, t, kv, g, h = q.shape
     blocks = t // block
     needed = _needed(seg, block)
@@ -129,9 +142,7 @@ def _forward(q, k, v, seg, spec, block):
             pv = jnp.einsum("bqkgs,bskh->bqkgh", p.astype(v.dtype), _slice(v, j, block))
             return m_new, l, acc * correction[..., None] + pv.astype(jnp.float32)
 
-        init = (jnp.full((b, block, kv, g), NEG, jnp.float32),
-                jnp.zeros((b, block, kv, g), jnp.float32),
-                jnp.zeros((b, block, kv, g, h), jnp.float32))
+        init = _start(sinks, (b, block, kv, g)) + (jnp.zeros((b, block, kv, g, h), jnp.float32),)
         m, l, acc = _over_keys(i, needed, block, spec.window, tile, init)
         return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
@@ -182,20 +193,25 @@ def _backward(residuals, dout, spec, block):
     return jax.lax.fori_loop(0, blocks, query_block, (zeros_q, zeros_k, zeros_k))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, seg, spec, block):
-    return _forward(q, k, v, seg, spec, block)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _flash(qkv, sinks, seg, spec, block):
+    return _forward(qkv, sinks, seg, spec, block)[0]
 
 
-def _flash_fwd(q, k, v, seg, spec, block):
-    out, lse = _forward(q, k, v, seg, spec, block)
-    return out, (q, k, v, seg, out, lse)
+def _flash_fwd(qkv, sinks, seg, spec, block):
+    out, lse = _forward(qkv, sinks, seg, spec, block)
+    return out, (*qkv, seg, out, lse, sinks)
 
 
 def _flash_bwd(spec, block, residuals, dout):
     q, k, v = residuals[:3]
-    dq, dk, dv = _backward(residuals, dout, spec, block)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    dq, dk, dv = _backward(residuals[:6], dout, spec, block)
+    sinks, dsinks = residuals[6], None
+    if sinks is not None:  # d sink = -sum over rows and queries of p_sink * delta
+        lse, out = residuals[5], residuals[4]
+        delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+        dsinks = -jnp.sum(jnp.exp(sinks - lse) * delta, axis=(0, 1))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), dsinks, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -203,13 +219,14 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash(q, k, v, segment_ids, spec, block: int):
     """q [B, T, K, G, H], k / v [B, T, K, H], segment_ids [B, T] -> [B, T, K, G, H]; ``spec`` an
-    ``attention.LayerSpec``. T is padded to a multiple of ``block`` (padding: segment -1, seen by
-    no real query) and cut back."""
+    ``attention.LayerSpec`` (its ``sinks``, if any, as float32 logits [K, G]). T is padded to a
+    multiple of ``block`` (padding: segment -1, seen by no real query) and cut back."""
     t = q.shape[1]
     block = min(block, t)
     length = -(-t // block) * block
     if not spec.scale_scores:
         q = q * jnp.asarray(spec.scale, q.dtype)
     seg = jnp.pad(segment_ids, [(0, 0), (0, length - t)], constant_values=-1)
-    out = _flash(_pad(q, length), _pad(k, length), _pad(v, length), seg, spec, block)
+    sinks, spec = spec.sinks, dataclasses.replace(spec, sinks=None)  # an array: differentiated
+    out = _flash((_pad(q, length), _pad(k, length), _pad(v, length)), sinks, seg, spec, block)
     return out[:, :t]

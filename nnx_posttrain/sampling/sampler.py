@@ -15,7 +15,7 @@ rotary embedding, norms, feed-forward, LoRA: as in training) with this package's
 attention kernel behind the attention layers' ``_compute_attention`` seam, the one the training
 forward replaces (``model.attention``): the prompt pass takes the training path over the prompt's
 own keys; each decoding step writes one key and value per row into the cache in place and attends
-one query against it (``attention.attend_cached``: causal, sliding window, soft cap, left pads
+one query against it (``attention.attend_cached``: causal, sliding window, soft cap, sinks, left pads
 masked). KerasHub's own cached attention slices, updates and re-stacks its whole cache in every
 layer and step; this cache is updated in place (`tools.bench.sampler` measures both).
 

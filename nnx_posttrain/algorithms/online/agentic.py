@@ -47,6 +47,11 @@ class ToolRollouts:
                 f"--algo.tools / --algo.environment: chat format {lm.chat_format!r} has no "
                 f"tool-calling format; formats that render one: {', '.join(chat.TOOL_FORMATS)} "
                 "(--chat-format)")
+        if lm.chat_format not in agents.PARSED_FORMATS:
+            raise errors.ConfigError(
+                f"--algo.tools / --algo.environment: chat format {lm.chat_format!r} renders tool "
+                "calls for training, but the agent loop cannot read them from generated text yet; "
+                f"formats it reads: {', '.join(agents.PARSED_FORMATS)} (--chat-format)")
         self.loop = agents.ToolLoop(lm, cfg.max_completion_length,
                                     cfg.max_tool_calling_iterations)
         self.episodes: list = []  # of the latest rollout: the environments' rewards read them
