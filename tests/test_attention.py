@@ -17,7 +17,7 @@ from nnx_posttrain.model import attention
 SEQ = 24  # long enough for the sliding windows below (8) to cut
 
 
-FAMILIES = support.TINY_FAMILIES
+FAMILIES = support.KERNEL_FAMILIES
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -13,7 +13,7 @@ from nnx_posttrain.model import dense
 from nnx_posttrain.model.blocks import backbone_inputs
 
 
-@pytest.fixture(scope="module", params=list(support.TINY_FAMILIES))
+@pytest.fixture(scope="module", params=list(support.KERNEL_FAMILIES))
 def backbone(request):
     return support.tiny_backbone(request.param)
 
