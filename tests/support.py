@@ -53,6 +53,35 @@ def experiment_command(algorithm: str, run_dir, *extra) -> list[str]:
             *extra]
 
 
+def on_cpu_devices(script: str, devices: int, *args: str, timeout: int = 600) -> dict:
+    """Run ``script`` (Python source that ends by printing ``RESULT <json>``) in a process of its
+    own that sees ``devices`` CPU devices (LLVM optimisation off: it compiles several meshes'
+    steps, ~3x faster), and return that JSON; the process's stderr on failure."""
+    import json
+    import os
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+               "--xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def sft_command(run_dir, *args: str) -> subprocess.CompletedProcess:
+    """``python -m experiments.sft ARGS --run-dir RUN_DIR`` as a user runs it, its output
+    captured: without the suite's forced CPU device count, so that ``--mesh.cpu-devices`` splits
+    the CPU as the command does itself."""
+    import os
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    return subprocess.run([sys.executable, "-m", "experiments.sft", *map(str, args),
+                           "--run-dir", str(run_dir)], cwd=ROOT,
+                          env=dict(os.environ, XLA_FLAGS=" ".join(flags)), capture_output=True,
+                          text=True, timeout=600)
+
+
 def run_command(cmd: list[str], check: bool = True, timeout: int = 600):
     """Run a command from the repository root; with ``check``, fail with its output's tail."""
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

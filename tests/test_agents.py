@@ -105,6 +105,13 @@ def test_a_malformed_call_is_named(fmt, text, error):
         calls.parse(text, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["harmony", "qwen3.5", "llama3"])
+def test_parse_refuses_a_format_whose_calls_it_does_not_read(fmt):
+    with pytest.raises(chat.ChatFormatError, match=f"chat format '{fmt}': its tool calls are not "
+                       "read from generated text; formats whose calls are: qwen2.5, qwen3"):
+        calls.parse("<tool_call>", fmt)
+
+
 def test_several_qwen_calls_and_a_call_after_text():
     text = ('Let me see.\n<tool_call>\n{"name": "a", "arguments": "{\\"x\\": 1}"}\n</tool_call>\n'
             '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>')

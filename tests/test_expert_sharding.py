@@ -7,10 +7,6 @@ set before JAX starts), with their experts' arrays really split over the axis. A
 experts, or an expert count the axis does not divide, is refused by name."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,7 +18,6 @@ import support
 from nnx_posttrain import config, errors, families, sharding, train
 from nnx_posttrain.cli.train_command import parse
 
-ROOT = Path(__file__).resolve().parents[1]
 # the tiny configurations with experts (Gemma 4's dense ones have none)
 MOE = [v for f in families.FAMILIES.values() if f.moe for v, kw in f.tiny.items()
        if kw.get("num_experts")]
@@ -128,13 +123,8 @@ def test_the_memory_estimate_counts_a_devices_share_of_the_experts():
 
 
 def test_the_command_refuses_the_expert_axis_on_a_dense_model(tmp_path):
-    run_dir = tmp_path / "dense"
-    cmd = [sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--steps", "1",
-           "--mesh.cpu-devices", "2", "--mesh.data", "1", "--mesh.expert", "2",
-           "--run-dir", str(run_dir)]
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, XLA_FLAGS=" ".join(flags)),
-                          capture_output=True, text=True, timeout=600)
+    proc = support.sft_command(tmp_path / "dense", "--model", "gemma_micro", "--steps", "1",
+                               "--mesh.cpu-devices", "2", "--mesh.data", "1", "--mesh.expert", "2")
     assert proc.returncode != 0
     assert ("error: --mesh.expert 2: model gemma_micro (GemmaBackbone) has no experts"
             in proc.stderr), proc.stderr[-3000:]
@@ -199,13 +189,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def four_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 "
-               "--xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "qwen3_moe,mixtral"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return support.on_cpu_devices(SCRIPT, 4, "qwen3_moe,mixtral", timeout=900)
 
 
 @pytest.mark.slow
@@ -284,14 +268,11 @@ def test_the_command_trains_with_the_experts_split_and_the_losses_of_one_device(
         qwen3_moe_preset, tmp_path):
     """The run's own path (mesh, placement, batches, checkpoints) with --mesh.expert 2."""
     def run(name, *mesh):
-        cmd = [sys.executable, "-m", "experiments.sft", "--model", str(qwen3_moe_preset),
-               "--init-from", "", "--steps", "3", "--log-every", "1", "--eval.every", "0",
-               "--eval.exact-match", "0", "--eval.batches", "1", "--checkpoint.every", "0",
-               "--batching.batch-size", "4", "--batching.grad-accum", "1",
-               "--batching.max-length", "96", "--run-dir", str(tmp_path / name), *mesh]
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, XLA_FLAGS=" ".join(flags)),
-                              capture_output=True, text=True, timeout=600)
+        proc = support.sft_command(
+            tmp_path / name, "--model", qwen3_moe_preset, "--init-from", "", "--steps", "3",
+            "--log-every", "1", "--eval.every", "0", "--eval.exact-match", "0", "--eval.batches",
+            "1", "--checkpoint.every", "0", "--batching.batch-size", "4", "--batching.grad-accum",
+            "1", "--batching.max-length", "96", *mesh)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout, [r["loss"] for r in support.records(tmp_path / name)]
 

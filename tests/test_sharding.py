@@ -6,7 +6,6 @@ JAX starts; this pytest process has one device)."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import nnx_posttrain  # noqa: F401
@@ -17,11 +16,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import support
 from nnx_posttrain import config, errors, model, sharding, train
 from nnx_posttrain.algorithms import SFT
 from nnx_posttrain.cli.train_command import parse
 
-ROOT = Path(__file__).resolve().parents[1]
 MESH = {"data": 1, "fsdp": 4, "tensor": 2}
 
 
@@ -254,14 +253,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def eight_devices():
-    # O0: LLVM optimisation off, compiling ~3x faster; every mesh is compared within this process
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return support.on_cpu_devices(SCRIPT, 8)  # every mesh compared within that one process
 
 
 @pytest.mark.slow
@@ -290,12 +282,8 @@ def test_per_device_parameter_bytes_shrink_as_fsdp_grows(eight_devices):
 
 
 def _sft_command(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "experiments.sft", "--model", "gemma_micro", "--steps", "3",
-           "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "0",
-           "--run-dir", str(run_dir), *extra]
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags))  # the command splits the CPU itself
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return support.sft_command(run_dir, "--model", "gemma_micro", "--steps", "3", "--log-every",
+                               "1", "--eval.every", "0", "--checkpoint.every", "0", *extra)
 
 
 def _train_losses(run_dir: Path) -> list[float]:

@@ -76,8 +76,8 @@ def parse(text: str, fmt: str) -> list[dict]:
         return _qwen(text)
     if fmt in ("llama3.1", "gemma"):
         return _json_object(text)
-    raise chat.ChatFormatError(f"chat format {fmt!r} has no tool-calling format; formats that "
-                               f"render one: {', '.join(chat.TOOL_FORMATS)}")
+    raise chat.ChatFormatError(f"chat format {fmt!r}: its tool calls are not read from generated "
+                               f"text; formats whose calls are: {', '.join(PARSED_FORMATS)}")
 
 
 def continuation(fmt: str, results: list[tuple[str, str]]) -> str:
