@@ -2,6 +2,7 @@
 
 import logging
 import json
+import re
 
 import nnx_posttrain  # noqa: F401
 import jax
@@ -309,6 +310,9 @@ def test_a_rerun_of_the_same_shapes_reads_its_compiled_step_from_the_cache(tmp_p
         said = []
         train_run("sft", *args, "--run-dir", tmp_path / "first", echo=said.append)
         assert any(f"compilation cache: {cache}" in line for line in said)
+        # the last line says the most memory the run held (here the host's peak RSS)
+        done = re.fullmatch(r"done: .*; peak memory ([\d.]+) GiB \(host RSS\)", said[-1])
+        assert done and 0.1 < float(done.group(1)) < 64, said[-1]
         written = sorted(p.name for p in cache.iterdir())
         assert written
         train_run("sft", *args, "--run-dir", tmp_path / "second", echo=lambda _: None)

@@ -49,6 +49,24 @@ def in_use_bytes() -> int | None:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_bytes() -> tuple[int, str] | None:
+    """The most memory this process has held, and where: the first local accelerator's
+    high-water mark (``memory_stats()["peak_bytes_in_use"]``, "device"), or on CPU the process's
+    peak resident memory (``VmHWM``, "host RSS"); None where neither can be told."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "device"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "host RSS"
+    except OSError:
+        pass
+    return None
+
+
 def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:

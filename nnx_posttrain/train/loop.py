@@ -19,6 +19,7 @@ import jax
 
 from nnx_posttrain import config as config_lib, errors, metrics_log, model, progress, sharding
 from nnx_posttrain.metrics_log import MetricsLog, SecondaryLog
+from nnx_posttrain.model import device_memory
 from nnx_posttrain.progress import console
 from nnx_posttrain.train import memory, rundir, storage
 from nnx_posttrain.train import step as step_lib
@@ -160,6 +161,12 @@ def compile_step(run: Run):
         run.cfg, console(run.echo))
 
 
+def _peak_memory() -> str:
+    """"; peak memory X GiB (device)" for the run's last line, or "" where it cannot be told."""
+    peak = device_memory.peak_bytes()
+    return f"; peak memory {peak[0] / 2**30:.2f} GiB ({peak[1]})" if peak else ""
+
+
 def _host(steps: list[dict]) -> list[dict]:
     """Steps' device metrics as host floats (one transfer for all)."""
     return [{k: float(v) for k, v in m.items()} for m in jax.device_get(steps)]
@@ -207,7 +214,7 @@ class Steps:
             raise self.stopped_on(exc) from None
         finally:
             self.bar.close()
-        run.echo(f"done: {cfg.steps} steps; run directory {run.run_dir}"
+        run.echo(f"done: {cfg.steps} steps; run directory {run.run_dir}{_peak_memory()}"
                  + (f"; {run.skipped} bad records were skipped (--batching.skip-bad)"
                     if run.skipped else "")
                  + (f"; {self.guard.skipped} non-finite steps were skipped"

@@ -7,7 +7,9 @@ table: ms/step, MFU, HBM peak, compile), from every ``bench_*.json`` in DIR (and
 cut short before its JSON: its ms/step lines, MFU computed from them, the rest n/a); and
 ``results/bench_sampler_tpu.json``: decoding, from every ``sampler_*.json``;
 ``results/bench_compile_tpu.json``: each step's compile cold and warm (JAX's persistent cache),
-from the ``compile_SIZE--CASE_{cold,warm}.json`` pairs. Then
+from the ``compile_SIZE--CASE_{cold,warm}.json`` pairs; ``results/bench_headline_tpu.json``: the
+README's SimPO command as a user runs it (``tpu.sh headline``), from every
+``headline_LIKE[--CODE].json`` (CODE: which code it ran, when not this commit's). Then
 ``python -m tools.results`` renders them into docs/benchmarks.md.
 """
 
@@ -151,6 +153,38 @@ def compiling(files: list[Path]) -> Path:
                          where(kinds - {""}))
 
 
+HEADLINE_COLUMNS = ["preset", "code", "run", "load s", "first step s", "median step s",
+                    "steps after a save (x median)", "HBM peak GiB"]
+
+
+def headline(files: list[Path]) -> Path:
+    """results/bench_headline_tpu.json from ``tpu.sh headline``'s JSON files."""
+    from tools import results as readme
+
+    rows, data = [], {}
+    for p in files:
+        like, _, code = p.stem.removeprefix("headline_").partition("--")
+        saved = data[p.stem] = json.loads(p.read_text())
+        for when in ("cold", "warm"):
+            r = saved.get(when)
+            if r:
+                ratios = ", ".join(f"{x:.2f}" for x in r["after_save_ratio"].values())
+                rows.append([like, code or "this commit", when, f"{r['load_s']:.1f}",
+                             f"{r['first_step_s']:.1f}", f"{r['median_s']:.3f}", ratios or "n/a",
+                             f"{r['peak_gib']:.2f}" if r["peak_where"] == "device" else "n/a"])
+    first = next(iter(data.values()))
+    notes = [f"`{first['command']}` (the user-data defaults: 16 pairs in 4 micro-batches; these "
+             f"pairs are ~{first['cold']['tokens_per_step'] or 0:,.0f} tokens a step) run twice "
+             "in fresh processes over one new compile cache: cold (empty), then warm (a second "
+             "run directory beside the first reads its step back). First step: tracing, "
+             "compiling (or reading back) and running it. Steps after a save: each step right "
+             f"after a checkpoint (every {first['save_every']} steps) over the median of the "
+             "others. HBM peak: what the run's last line reports (memory_stats()' high-water "
+             "mark)."]
+    return readme.record("bench_headline_tpu", "bash tools/bench/tpu.sh headline",
+                         HEADLINE_COLUMNS, rows, notes, data, where(set()))
+
+
 @command
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
@@ -172,7 +206,8 @@ def main(argv=None):
                 if args.keep_earlier and previous_path.exists() else None)
     for name, files, fn in (("training", runs + cut, lambda f: training(f, previous)),
                             ("sampling", sorted(root.glob("sampler_*.json")), sampling),
-                            ("compiling", sorted(root.glob("compile_*.json")), compiling)):
+                            ("compiling", sorted(root.glob("compile_*.json")), compiling),
+                            ("headline", sorted(root.glob("headline_*.json")), headline)):
         if files:
             print(f"recorded {fn(files)} ({name}, {len(files)} files)")
 

@@ -10,6 +10,8 @@
 #   bash tools/bench/tpu.sh sampler    # decoding at gemma_2b's size, batch 16 / 64, 256 new tokens
 #   bash tools/bench/tpu.sh profile    # where the ~1 B SFT step's time goes, and variants of it
 #   bash tools/bench/tpu.sh compile    # the steps' compile time cold, then warm from JAX's cache
+#   bash tools/bench/tpu.sh headline   # the README's SimPO command on a LIKE-shaped preset (default
+#                                      # gemma_2b): start-up cold / warm, steps after saves, HBM
 #
 # Then, here: python -m tools.bench.record_tpu $OUT (results/bench_tpu*.json, the docs' tables).
 set -uo pipefail
@@ -53,13 +55,21 @@ for part in "$@"; do
       for c in ${COMPILE_CASES:-gemma_1b:sft gemma_2b:dpo_lora}; do
         spec=$(python -c "import json, sys; from tools.bench.run import spec_of; print(json.dumps(spec_of(sys.argv[1])))" "${c%%:*}")
         for t in cold warm; do
-          JAX_COMPILATION_CACHE_DIR=$cache python -m tools.bench.ours --spec "$spec" \
-            --case "${c#*:}" --device tpu --dtype bfloat16-params --steps 2 --warmup 1 \
-            2>&1 | grep "^BENCH_RESULT" | sed "s/^BENCH_RESULT //" \
+          log="$OUT/compile_${c%%:*}--${c#*:}_$t.log"  # JAX_LOG_COMPILES: cache hits named
+          JAX_LOG_COMPILES=1 JAX_COMPILATION_CACHE_DIR=$cache python -m tools.bench.ours \
+            --spec "$spec" --case "${c#*:}" --device tpu --dtype bfloat16-params --steps 2 \
+            --warmup 1 > "$log" 2>&1
+          grep "^BENCH_RESULT" "$log" | sed "s/^BENCH_RESULT //" \
             > "$OUT/compile_${c%%:*}--${c#*:}_$t.json"
         done
       done ;;
-    *) echo "unknown part $part (tests, small, large, sampler, profile, compile)"; exit 2 ;;
+    headline)
+      for like in ${LIKE:-gemma_2b}; do
+        python -m tools.bench.headline --like "$like" --out "$OUT" \
+          --work "${TMPDIR:-/tmp}/headline" ${HEADLINE_ARGS:-} 2>&1 \
+          | tee "$OUT/headline_$like.out"
+      done ;;
+    *) echo "unknown part $part (tests, small, large, sampler, profile, compile, headline)"; exit 2 ;;
   esac
   echo "tpu.sh: $part took $(( $(date +%s) - start )) s" | tee -a "$OUT/parts.log"
 done
