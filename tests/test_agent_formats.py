@@ -211,3 +211,80 @@ def test_generation_stops_where_a_calling_turn_ends(fmt):
     tok = family_tokenizer(fmt)
     stops = sampler.stop_ids(types.SimpleNamespace(tokenizer=tok, chat_format=fmt))
     assert {tok.token_id(chat.CALL_END[fmt]), tok.token_id(chat.END_OF_TURN[fmt])} <= set(stops)
+
+
+# -- a short tool rollout on each family's micro preset: the first turn scripted (the template's
+# call, which a random model would not write), the answer sampled by the model from the whole
+# context (prompt, call, results) through the KV-cache sampler
+
+MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1)),
+         "qwen3.5": ("qwen3_5", {}), "qwen3.5-nothink": ("qwen3_5", {}), "harmony": ("gpt_oss", {})}
+
+
+@pytest.fixture(scope="module")
+def micro_lm(tmp_path_factory):
+    """The micro preset of a family (its tiny variant, a synthetic tokenizer of 1,024 ids), as
+    tests/test_newer_families.py makes them, loaded once."""
+    import keras
+
+    from nnx_posttrain import families, model
+    from tools import make_preset
+
+    loaded = {}
+
+    def load(name):
+        if name not in loaded:
+            family = families.FAMILIES[name]
+            dims = dict(family.tiny[name], **dict(MICRO.values())[name], vocabulary_size=1024)
+            out = tmp_path_factory.mktemp(name)
+            keras.utils.set_random_seed(0)
+            make_preset._task(name, dims, 1024, "float32").save_to_preset(str(out))
+            loaded[name] = model.load(str(out))
+        return loaded[name]
+    return load
+
+
+@pytest.mark.parametrize("fmt", NEW)
+def test_a_tool_rollout_on_the_familys_micro_preset(fmt, micro_lm):
+    import jax
+    from flax import nnx
+
+    from nnx_posttrain.sampling import sampler
+
+    loaded = micro_lm(MICRO[fmt][0])
+    lm = types.SimpleNamespace(tokenizer=loaded.tokenizer, chat_format=fmt)
+    tok, n = lm.tokenizer, 160
+    graphdef, *states = nnx.split(loaded.module)
+    policy = sampler.make_sampler(graphdef, n, pad_id=tok.pad_id)
+    loop = agents.ToolLoop(lm, n, 1)
+    call = [ASK, called({"a": 37, "b": 12})]
+    prompt_text = chat.to_text([ASK], fmt, add_generation_prompt=True, tools=TOOLS)
+    written = tok.encode(chat.to_text(call, fmt, tools=TOOLS)[len(prompt_text):])
+    written = written[:next(j for j, t in enumerate(written) if t in loop.stops) + 1]
+    contexts = []
+
+    def sample(ids, mask, budget, turn):
+        contexts.append(ids[0][mask[0] == 1].tolist())
+        if turn == 0:  # the call, as the template writes it
+            out = {"completion_ids": np.zeros((1, n), np.int32), "finished": np.ones(1, bool)}
+            out["completion_mask"] = np.zeros((1, n), np.int32)
+            out["completion_ids"][0, :len(written)] = written
+            out["completion_mask"][0, :len(written)] = 1
+            return out
+        return jax.device_get(policy(states, ids, mask, jax.random.key(turn), sampler.Draw(
+            1.0, 1.0, np.asarray(sorted(loop.stops), np.int32), tok.vocab_size, budget)))
+
+    prompt = sampler.encode_prompt(lm, chat.render([ASK], fmt, add_generation_prompt=True,
+                                                   tools=TOOLS))
+    ex = loop(sample, [prompt], Toolset("agent_tools:multiply").open([{}]))
+    assert (ex.calls, ex.failures) == (1, 0)
+    assert ex.messages[0][1] == {"role": "tool", "name": "multiply", "content": "444"}
+    suffix = tok.encode(calls.continuation(fmt, [("multiply", "444")]))
+    assert contexts[1] == prompt + written + suffix  # the model answers from the whole context
+    assert tok.decode(contexts[1]).endswith(chat.to_text(
+        [*call, result(0, "444")], fmt, add_generation_prompt=True, tools=TOOLS))
+    row = ex.completion_ids[0][ex.completion_mask[0] == 1].tolist()
+    answered = len(row) - len(written) - len(suffix)
+    assert row[:len(written) + len(suffix)] == written + suffix and answered > 0
+    assert ex.tool_mask[0, :len(row)].tolist() == [1] * len(written) + [0] * len(suffix) + [
+        1] * answered
