@@ -14,6 +14,7 @@ from nnx_posttrain.agents import Toolset, calls, function_schema
 from test_chat import SPECIAL, family_tokenizer, official_ids, render_with_transformers
 
 import agent_tools
+from test_agents import calling, prompts_file  # noqa: F401  (fixtures)
 
 NEW = ("gemma4", "qwen3.5", "qwen3.5-nothink", "harmony")
 TEMPLATE = {"qwen2.5": "qwen2.5", "qwen3": "qwen3", "llama3.1": "llama3.1", "gemma4": "gemma4",
@@ -140,6 +141,11 @@ CASES["qwen3.5"]["reasoning"] = [
 THOUGHT = [ASK, called({"a": 37, "b": 12}, thinking=("thinking", "A tool multiplies.")),
            result(0, "444"), {"role": "assistant", "content": "444.", "thinking": "It is 444."}]
 CASES["harmony"]["thinking"] = THOUGHT
+for fmt, cases in CASES.items():  # a call, its result, another call (its own turn), its result
+    first = cases["one"][1]
+    cases["chain"] = [ASK, first, result(0, "444"), dict(first, tool_calls=[dict(
+        first["tool_calls"][0], function={"name": "multiply", "arguments": {"a": 444, "b": 2}})]),
+        result(0, "888"), {"role": "assistant", "content": "888."}]
 SCRIPTS = [(fmt, name) for fmt, cases in CASES.items() for name in cases]
 
 
@@ -183,8 +189,9 @@ def test_the_loops_tokens_are_the_templates_rendering_tokenized(fmt, case):
     conversation = CASES[fmt][case]
     tok, official, prompt, ex = run_loop(fmt, conversation)
     row = ex.completion_ids[0][ex.completion_mask[0] == 1].tolist()
-    assert ex.finished[0] and ex.calls == len(conversation[1]["tool_calls"][:1 if fmt in calls.ONE_CALL else None])
-    assert ex.failures == 0
+    made = [m["tool_calls"][:1 if fmt in calls.ONE_CALL else None] for m in conversation
+            if m.get("tool_calls")]
+    assert ex.finished[0] and (ex.calls, ex.failures) == (sum(map(len, made)), 0)
     whole = official(conversation, False)
     if (fmt, case) == ("harmony", "thinking"):
         # the template drops a call's analysis once a final answer follows; the loop keeps what
@@ -198,8 +205,13 @@ def test_the_loops_tokens_are_the_templates_rendering_tokenized(fmt, case):
     assert tok.decode(whole[len(prompt) + len(row):]) in ("", "\n", SPECIAL[fmt][1])
     # the results and the template's text around them carry no loss
     tool_ids = [t for t, m, k in zip(row, ex.completion_mask[0], ex.tool_mask[0]) if m and not k]
-    results = [(m["name"], m["content"]) for m in conversation if m["role"] == "tool"]
-    assert tok.decode(tool_ids) == calls.continuation(fmt, results)
+    runs = [[]]  # each calling turn's results
+    for m in conversation[1:]:
+        if m["role"] == "tool":
+            runs[-1].append((m["name"], m["content"]))
+        elif runs[-1]:
+            runs.append([])
+    assert tok.decode(tool_ids) == "".join(calls.continuation(fmt, r) for r in runs if r)
 
 
 @pytest.mark.parametrize("fmt", ["gemma4", "harmony"])
@@ -288,3 +300,16 @@ def test_a_tool_rollout_on_the_familys_micro_preset(fmt, micro_lm):
     assert row[:len(written) + len(suffix)] == written + suffix and answered > 0
     assert ex.tool_mask[0, :len(row)].tolist() == [1] * len(written) + [0] * len(suffix) + [
         1] * answered
+
+
+@pytest.mark.slow
+def test_grpo_with_tools_runs_in_a_format_it_refused_before(tmp_path, prompts_file, calling):
+    """Harmony (the formats the loop did not read were refused before the first step); every
+    turn one token, each a call (test_agents' ``calling``)."""
+    from test_agents import agent_run
+
+    result = agent_run("grpo", tmp_path, prompts_file, "--chat-format", "harmony", "--steps", "1",
+                       "--eval.every", "0", "--algo.tools", "agent_tools:multiply",
+                       "--algo.rewards", "exact_match", "--algo.max-tool-calling-iterations", "1")
+    assert result.train[0]["tools/call_frequency"] == 1.0  # of a tool it does not have: failed
+    assert result.train[0]["tools/failure_frequency"] == 1.0
