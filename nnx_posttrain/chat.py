@@ -49,7 +49,7 @@ END_OF_TURN = {
     "harmony": "<|return|>",  # a training conversation's last answer (earlier ones: <|end|>)
 }
 # Marker that ends an assistant turn that calls tools, where it is not END_OF_TURN: generation
-# stops there too (as in the published generation configs), and the results follow it
+# stops there too (GPT-OSS's generation config lists <|call|>), and the results follow it
 CALL_END = {"gemma4": "<|tool_response>", "harmony": "<|call|>"}
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -3,6 +3,7 @@ read back as the published templates write them (and the malformed ones named), 
 the loop builds over a tool-calling exchange equal the template's rendering tokenized, turn by
 turn (every format the loop reads)."""
 
+import ast
 import types
 
 import nnx_posttrain  # noqa: F401
@@ -216,8 +217,8 @@ def test_the_loops_tokens_are_the_templates_rendering_tokenized(fmt, case):
 
 @pytest.mark.parametrize("fmt", ["gemma4", "harmony"])
 def test_generation_stops_where_a_calling_turn_ends(fmt):
-    """Gemma 4's <|tool_response>, harmony's <|call|>: stop ids beside the end of turn (as in
-    the published generation configs)."""
+    """Gemma 4's <|tool_response>, harmony's <|call|>: stop ids beside the end of turn (where
+    their templates end a calling turn)."""
     from nnx_posttrain.sampling import sampler
 
     tok = family_tokenizer(fmt)
@@ -313,3 +314,35 @@ def test_grpo_with_tools_runs_in_a_format_it_refused_before(tmp_path, prompts_fi
                        "--algo.rewards", "exact_match", "--algo.max-tool-calling-iterations", "1")
     assert result.train[0]["tools/call_frequency"] == 1.0  # of a tool it does not have: failed
     assert result.train[0]["tools/failure_frequency"] == 1.0
+
+
+MALFORMED = {"gemma4": G4_CALL.format("a:Paris"),
+             "qwen3.5": "\n</think>\n\n" + Q35_CALL.format("<parameter=a>\nseven\n</parameter>\n"),
+             "qwen3.5-nothink": Q35_CALL.format("<parameter=a>\nseven\n</parameter>\n"),
+             "harmony": HARMONY_CALL.format("{a: 1}")}
+
+
+@pytest.mark.parametrize("fmt", NEW)
+def test_a_malformed_call_is_a_failed_call_whose_error_the_model_reads(fmt):
+    tok = family_tokenizer(fmt)
+    lm = types.SimpleNamespace(tokenizer=tok, chat_format=fmt)
+    loop = agents.ToolLoop(lm, 400, 2)
+    end = [] if fmt in chat.CALL_END else tok.encode(chat.END_OF_TURN[fmt])
+    turns = [tok.encode(MALFORMED[fmt]) + end, tok.encode("No.") + tok.encode(
+        chat.END_OF_TURN[fmt])]
+    contexts = []
+
+    def sample(ids, mask, budget, turn):
+        contexts.append(ids[0][mask[0] == 1].tolist())
+        out = {"completion_ids": np.zeros((1, 400), np.int32), "finished": np.ones(1, bool)}
+        out["completion_mask"] = np.zeros((1, 400), np.int32)
+        out["completion_ids"][0, :len(turns[turn])], out["completion_mask"][0, :len(turns[turn])] = \
+            turns[turn], 1
+        return out
+
+    ex = loop(sample, [[5]], Toolset("agent_tools:multiply").open([{}]))
+    error = ex.messages[0][1]["content"]
+    assert (ex.calls, ex.failures) == (1, 1)
+    assert ast.literal_eval(error)["error"].startswith("malformed tool call: tool call 'multiply'")
+    assert contexts[1] == [5] + turns[0] + tok.encode(calls.continuation(fmt, [("unknown", error)]))
+    assert ex.messages[0][-1]["content"].endswith("No.")
