@@ -43,6 +43,8 @@ def test_gemma4_reads_every_value_of_its_call_syntax_and_only_a_turn_that_awaits
         {"name": "f", "arguments": {"l": [1, 2.5, -3e-05, True, None, "x"], "o": {"k": {}},
                                     "s": "a, b:c"}},
         {"name": "g", "arguments": {}}]
+    assert calls.parse(G4_CALL.format(' a: 37 , b :[ 1 ] '), "gemma4") == [
+        {"name": "multiply", "arguments": {"a": 37, "b": [1]}}]  # whitespace read past
     # a turn that ended at <turn|> answered: what it wrote calls nothing (the template writes
     # every call followed by <|tool_response>)
     assert calls.parse("<|tool_call>call:f{a:1}<tool_call|>", "gemma4") == []

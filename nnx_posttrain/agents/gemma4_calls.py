@@ -2,10 +2,10 @@
 
 A call is ``<|tool_call>call:NAME{key:value,...}<tool_call|>`` (the template's
 ``format_argument``: keys bare, strings between ``<|"|>`` quotes, numbers, ``true`` / ``false`` /
-``null``, lists ``[...]``, objects ``{...}``); a turn writes one or more, then
-``<|tool_response>``, where the model stops for the results (``chat.CALL_END``). The template
-writes every call so: a turn that stops anywhere else (``<turn|>``) has answered, and whatever it
-wrote calls nothing.
+``null``, lists ``[...]``, objects ``{...}``; whitespace between them, which the template never
+writes, is read past); a turn writes one or more, then ``<|tool_response>``, where the model
+stops for the results (``chat.CALL_END``). The template writes every call so: a turn that stops
+anywhere else (``<turn|>``) has answered, and whatever it wrote calls nothing.
 """
 
 from __future__ import annotations
@@ -68,7 +68,13 @@ class _Reader:
             self.fail(f"unexpected {self.text[self.at:self.at + 20]!r} after the arguments")
         return value
 
+    def skip(self) -> None:
+        """Past whitespace (the template writes none; a model may)."""
+        while self.at < len(self.text) and self.text[self.at].isspace():
+            self.at += 1
+
     def value(self):
+        self.skip()
         text, at = self.text, self.at
         if text.startswith(_Q, at):
             end = text.find(_Q, at + len(_Q))
@@ -82,11 +88,12 @@ class _Reader:
             return self.items("]", keyed=False)
         bare = _BARE.match(text, at).group()
         self.at = at + len(bare)
-        return _scalar(bare, self.fail)
+        return _scalar(bare.rstrip(), self.fail)
 
     def key(self) -> str:
+        self.skip()
         colon = self.text.find(":", self.at)
-        key = self.text[self.at:colon] if colon >= 0 else ""
+        key = self.text[self.at:colon].rstrip() if colon >= 0 else ""
         if not key or any(c in key for c in ",{}[]"):
             self.fail(f"expected 'key:' at {self.text[self.at:self.at + 20]!r}")
         self.at = colon + 1
@@ -96,6 +103,7 @@ class _Reader:
         """An object (``keyed``) or a list, from its opening bracket to ``close``."""
         self.at += 1
         out = {} if keyed else []
+        self.skip()
         if self.text.startswith(close, self.at):
             self.at += 1
             return out
@@ -105,6 +113,7 @@ class _Reader:
                 out[key] = self.value()
             else:
                 out.append(self.value())
+            self.skip()
             if self.text.startswith(close, self.at):
                 self.at += 1
                 return out
