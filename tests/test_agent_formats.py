@@ -4,6 +4,7 @@ the loop builds over a tool-calling exchange equal the template's rendering toke
 turn (every format the loop reads)."""
 
 import ast
+import re
 import types
 
 import nnx_posttrain  # noqa: F401
@@ -77,11 +78,11 @@ HARMONY_CALL = " to=functions.multiply<|channel|>commentary json<|message|>{}<|c
 
 @pytest.mark.parametrize("fmt,text,error", [
     ("gemma4", "<|tool_call>call:multiply{a:1}<|tool_response>", "not closed by <tool_call|>"),
-    ("gemma4", G4_CALL.format("a:Paris"), r"'Paris' is not a value \(a string is written between"),
+    ("gemma4", G4_CALL.format("a:Paris"), "'Paris' is not a value (a string is written between"),
     ("gemma4", G4_CALL.format('a:<|"|>x'), 'a string is not closed by <|"|>'),
     ("gemma4", G4_CALL.format("a:[1,2"), "expected ',' or ']'"),
     ("gemma4", G4_CALL.format("a 1"), "expected 'key:'"),
-    ("gemma4", "<|tool_call>multiply(a=1)<tool_call|><|tool_response>", r"call:NAME\{arguments\}"),
+    ("gemma4", "<|tool_call>multiply(a=1)<tool_call|><|tool_response>", "call:NAME{arguments}"),
     ("gemma4", "444<|tool_response>", "has no <|tool_call> block"),
     ("qwen3.5", "<tool_call>\n<function=multiply>\n<parameter=a>\n1\n</parameter>\n", "not closed"),
     ("qwen3.5", Q35_CALL.format("<parameter=a>\n1\n<parameter=b>\n2\n</parameter>\n"),
@@ -98,8 +99,7 @@ HARMONY_CALL = " to=functions.multiply<|channel|>commentary json<|message|>{}<|c
     ("harmony", " to=functions.multiply<|channel|>commentary json<|call|>", "not followed by <|message|>"),
 ])
 def test_a_malformed_call_is_named(fmt, text, error):
-    with pytest.raises(agents.Malformed, match=error.replace("|", r"\|") if "\\" not in error
-                       else error):
+    with pytest.raises(agents.Malformed, match=re.escape(error)):
         calls.parse(text, fmt, TOOLS)
 
 
@@ -108,15 +108,13 @@ def test_a_malformed_call_is_named(fmt, text, error):
 ASK = {"role": "user", "content": "What is 37 x 12?"}
 
 
-def called(*arguments, content="", thinking=None):
+def called(*arguments, content="", **reasoning):
     """An assistant turn that calls multiply with each of ``arguments`` (ids, as Gemma 4's
-    template resolves a result's name by them)."""
-    message = {"role": "assistant", "content": content, "tool_calls": [
+    template resolves a result's name by them); ``reasoning``: Qwen 3.5's ``reasoning_content``
+    or harmony's ``thinking``."""
+    return {"role": "assistant", "content": content, **reasoning, "tool_calls": [
         {"type": "function", "id": f"call{k}", "function": {"name": "multiply", "arguments": a}}
         for k, a in enumerate(arguments)]}
-    if thinking is not None:
-        message["thinking" if thinking[0] == "thinking" else "reasoning_content"] = thinking[1]
-    return message
 
 
 def result(k, value):
@@ -139,9 +137,9 @@ THINK = "<think>\nA tool multiplies.\n</think>\n\n"
 CASES["qwen3"] = {"one": [ASK, dict(ONE[1], content=THINK), *ONE[2:]],
                   "two": [ASK, dict(TWO[1], content=THINK + "Two products."), *TWO[2:]]}
 CASES["qwen3.5"]["reasoning"] = [
-    ASK, called({"a": 37, "b": 12}, thinking=("reasoning", "A tool multiplies.")), result(0, "444"),
+    ASK, called({"a": 37, "b": 12}, reasoning_content="A tool multiplies."), result(0, "444"),
     {"role": "assistant", "content": "444.", "reasoning_content": "It returned 444."}]
-THOUGHT = [ASK, called({"a": 37, "b": 12}, thinking=("thinking", "A tool multiplies.")),
+THOUGHT = [ASK, called({"a": 37, "b": 12}, thinking="A tool multiplies."),
            result(0, "444"), {"role": "assistant", "content": "444.", "thinking": "It is 444."}]
 CASES["harmony"]["thinking"] = THOUGHT
 for fmt, cases in CASES.items():  # a call, its result, another call (its own turn), its result
