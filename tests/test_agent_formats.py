@@ -52,10 +52,13 @@ def test_gemma4_reads_every_value_of_its_call_syntax_and_only_a_turn_that_awaits
 
 
 def test_qwen35_reads_arguments_by_their_schemas_types_and_skips_the_reasoning():
-    schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer"}, "s": {"type": "string"}, "m": {"type": ["integer", "null"]},
-        "o": {"type": "object"}, "b": {"type": "boolean"}}}}}
-    params = {"n": "37", "s": "12", "m": "None", "o": '{"x": [1]}', "b": "True", "free": "two\nlines"}
+    properties = {"n": {"type": "integer"}, "s": {"type": "string"},
+                  "m": {"type": ["integer", "null"]}, "o": {"type": "object"},
+                  "b": {"type": "boolean"}}
+    schema = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": properties}}}
+    params = {"n": "37", "s": "12", "m": "None", "o": '{"x": [1]}', "b": "True",
+              "free": "two\nlines"}
     text = ("I should call <tool_call>.\n</think>\n\nLet me.\n\n<tool_call>\n<function=f>\n"
             + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
             + "</function>\n</tool_call>")
@@ -96,7 +99,8 @@ HARMONY_CALL = " to=functions.multiply<|channel|>commentary json<|message|>{}<|c
      "goes to functions.NAME, not to 'browser.search'"),
     ("harmony", HARMONY_CALL.format("{a: 1}"), "'multiply': its arguments are not JSON"),
     ("harmony", HARMONY_CALL.format("[1]"), "must be a JSON object"),
-    ("harmony", " to=functions.multiply<|channel|>commentary json<|call|>", "not followed by <|message|>"),
+    ("harmony", " to=functions.multiply<|channel|>commentary json<|call|>",
+     "not followed by <|message|>"),
 ])
 def test_a_malformed_call_is_named(fmt, text, error):
     with pytest.raises(agents.Malformed, match=re.escape(error)):
@@ -150,6 +154,14 @@ for fmt, cases in CASES.items():  # a call, its result, another call (its own tu
 SCRIPTS = [(fmt, name) for fmt, cases in CASES.items() for name in cases]
 
 
+def one_row(written, n=400):
+    """A sampler's output of one row that wrote ``written`` (ids, its stop last)."""
+    out = {"completion_ids": np.zeros((1, n), np.int32), "finished": np.ones(1, bool),
+           "completion_mask": np.zeros((1, n), np.int32)}
+    out["completion_ids"][0, :len(written)], out["completion_mask"][0, :len(written)] = written, 1
+    return out
+
+
 def run_loop(fmt, conversation):
     """The loop over ``conversation`` with a model that writes the template's tokens of each
     assistant message (rendered after the question, to a stop); each turn's context must be the
@@ -175,10 +187,7 @@ def run_loop(fmt, conversation):
         assert context == official(conversation[:k], True), f"turn {turn}"
         after = official([ASK, conversation[k]], False)[len(official([ASK], True)):]
         written = after[:next(j for j, t in enumerate(after) if t in loop.stops) + 1]
-        out = {"completion_ids": np.zeros((1, 400), np.int32), "finished": np.ones(1, bool)}
-        out["completion_mask"] = np.zeros((1, 400), np.int32)
-        out["completion_ids"][0, :len(written)], out["completion_mask"][0, :len(written)] = written, 1
-        return out
+        return one_row(written)
 
     prompt = official(conversation[:turns[0]], True)
     exchange = loop(sample, [prompt], Toolset("agent_tools:multiply").open([{}]))
@@ -279,11 +288,7 @@ def test_a_tool_rollout_on_the_familys_micro_preset(fmt, micro_lm):
     def sample(ids, mask, budget, turn):
         contexts.append(ids[0][mask[0] == 1].tolist())
         if turn == 0:  # the call, as the template writes it
-            out = {"completion_ids": np.zeros((1, n), np.int32), "finished": np.ones(1, bool)}
-            out["completion_mask"] = np.zeros((1, n), np.int32)
-            out["completion_ids"][0, :len(written)] = written
-            out["completion_mask"][0, :len(written)] = 1
-            return out
+            return one_row(written, n)
         return jax.device_get(policy(states, ids, mask, jax.random.key(turn), sampler.Draw(
             1.0, 1.0, np.asarray(sorted(loop.stops), np.int32), tok.vocab_size, budget)))
 
@@ -334,11 +339,7 @@ def test_a_malformed_call_is_a_failed_call_whose_error_the_model_reads(fmt):
 
     def sample(ids, mask, budget, turn):
         contexts.append(ids[0][mask[0] == 1].tolist())
-        out = {"completion_ids": np.zeros((1, 400), np.int32), "finished": np.ones(1, bool)}
-        out["completion_mask"] = np.zeros((1, 400), np.int32)
-        out["completion_ids"][0, :len(turns[turn])], out["completion_mask"][0, :len(turns[turn])] = \
-            turns[turn], 1
-        return out
+        return one_row(turns[turn])
 
     ex = loop(sample, [[5]], Toolset("agent_tools:multiply").open([{}]))
     error = ex.messages[0][1]["content"]
