@@ -27,6 +27,10 @@ TOOLS = [function_schema(agent_tools.multiply)]
 
 # -- calls in generated text
 
+def test_the_loop_reads_the_calls_of_every_format_that_renders_them():
+    assert set(calls.PARSED_FORMATS) == set(chat.TOOL_FORMATS)
+
+
 @pytest.mark.parametrize("fmt", NEW)
 def test_a_call_rendered_by_the_format_parses_back(fmt):
     turn = [{"role": "user", "content": "q"},
