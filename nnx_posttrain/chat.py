@@ -42,16 +42,15 @@ FORMATS = ("gemma", "llama3", "llama3.1", "qwen2.5", "qwen3", "chatml", "mistral
 
 # Marker that ends an assistant turn, per format (generation stops there).
 END_OF_TURN = {
-    "gemma": "<end_of_turn>",
-    "llama3": "<|eot_id|>",
-    "llama3.1": "<|eot_id|>",
+    "gemma": "<end_of_turn>", "llama3": "<|eot_id|>", "llama3.1": "<|eot_id|>",
     "qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "chatml": "<|im_end|>",
-    "mistral": "</s>",
-    "gemma4": "<turn|>",
-    "phi3": "<|end|>",
+    "mistral": "</s>", "gemma4": "<turn|>", "phi3": "<|end|>",
     "qwen3.5": "<|im_end|>", "qwen3.5-nothink": "<|im_end|>",
     "harmony": "<|return|>",  # a training conversation's last answer (earlier ones: <|end|>)
 }
+# Marker that ends an assistant turn that calls tools, where it is not END_OF_TURN: generation
+# stops there too (GPT-OSS's generation config lists <|call|>), and the results follow it
+CALL_END = {"gemma4": "<|tool_response>", "harmony": "<|call|>"}
 
 ROLES = ("system", "user", "assistant", "tool")
 # Formats that render tool calling (tools, assistant tool calls, tool results): the official

@@ -5,8 +5,9 @@
   (``function_schema``, as ``transformers.utils.get_json_schema``);
 - ``toolset``: the run's functions and environment classes, one ``Episode`` (environment
   instance, tools, schemas) per rollout, calls with a time limit;
-- ``calls``: tool calls read from generated text per chat format, and the tokens that hand the
-  results back;
+- ``calls``: tool calls read from generated text per chat format (Gemma 4's, Qwen 3.5's and
+  harmony's in ``gemma4_calls``, ``qwen35_calls``, ``harmony_calls``), and the tokens that hand
+  the results back;
 - ``loop``: the tool-calling loop of a rollout on the KV-cache sampler (``ToolLoop``).
 """
 

@@ -1,8 +1,9 @@
 """The tool-calling loop of a rollout (TRL 1.16's ``_tool_call_loop``), on this package's sampler.
 
 Every row is sampled once from its prompt. Then, up to ``max_iterations`` times: each row whose
-last turn ended (a stop token) with a tool call has its calls run (``toolset.Episode.call``; a call
-that cannot be read is a failed call whose error the model reads), the results' tokens
+last turn ended (a stop token: in Gemma 4 and harmony the calling turn's own, ``chat.CALL_END``)
+with a tool call has its calls run (``toolset.Episode.call``; a call that cannot be read is a
+failed call whose error the model reads), the results' tokens
 (``calls.continuation``: tool messages and the next generation prompt) are appended, and the rows
 with results continue from their whole context, prompt + everything so far, in one sampler call
 (the prefix is recomputed: the KV cache is not kept between turns). Tool-result tokens carry no
@@ -17,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from nnx_posttrain import chat
 from nnx_posttrain.agents import calls as calls_lib
 from nnx_posttrain.sampling import sampler
 
@@ -38,10 +40,11 @@ class Exchange:
     failures: int
 
 
-def _turn(out: dict, row: int, stops: set) -> tuple[list[int], str | None, bool]:
-    """(generated ids, stop removed for decoding, finished) of one row of a sampler output."""
+def _turn(out: dict, row: int, stops: set, kept: int | None) -> tuple[list[int], list, bool]:
+    """(generated ids, ids to decode: the stop removed unless it is ``kept``, finished) of one
+    row of a sampler output."""
     ids = [int(t) for t, m in zip(out["completion_ids"][row], out["completion_mask"][row]) if m]
-    return ids, [t for t in ids if t not in stops], bool(out["finished"][row])
+    return ids, [t for t in ids if t not in stops or t == kept], bool(out["finished"][row])
 
 
 @dataclasses.dataclass
@@ -67,6 +70,8 @@ class ToolLoop:
         self.lm, self.n = lm, max_new_tokens
         self.max_iterations = max_new_tokens if max_iterations is None else max_iterations
         self.stops = set(sampler.stop_ids(lm))
+        self.call_end = chat.CALL_END.get(lm.chat_format)  # kept in the text that parse reads
+        self.call_end_id = lm.tokenizer.token_id(self.call_end) if self.call_end else None
 
     def __call__(self, sample, prompts: list[list[int]], episodes) -> Exchange:
         tok, n, rows = self.lm.tokenizer, self.n, len(prompts)
@@ -79,7 +84,7 @@ class ToolLoop:
         for turn in range(self.max_iterations + 1):
             calling = []
             for i in pending:
-                generated, kept, finished[i] = _turn(out, i, self.stops)
+                generated, kept, finished[i] = _turn(out, i, self.stops, self.call_end_id)
                 seqs[i] += generated
                 state.tool_mask[i] += [1] * len(generated)
                 text = tok.decode(kept)
@@ -105,9 +110,11 @@ class ToolLoop:
         fmt, counts = self.lm.chat_format, state.counts
         seqs, messages = state.seqs, state.messages
         try:
-            found, error = calls_lib.parse(text, fmt), None
+            found, error = calls_lib.parse(text, fmt, episode.schemas), None
         except calls_lib.Malformed as exc:
             found, error = [], str(exc)
+        if self.call_end:
+            text = text.removesuffix(self.call_end)
         messages[i].append({"role": "assistant", "content": text,
                             **({"tool_calls": [{"type": "function", "function": c}
                                                for c in found]} if found else {})})
@@ -118,7 +125,7 @@ class ToolLoop:
             results.append(("unknown", str({"error": f"malformed tool call: {error}"})))
             counts["calls"] += 1
             counts["failures"] += 1
-        for call in found[:1] if fmt in ("llama3.1", "gemma") else found:
+        for call in found[:1] if fmt in calls_lib.ONE_CALL else found:
             content, failed = episode.call(call["name"], call["arguments"])
             results.append((call["name"], content))
             counts["calls"] += 1

@@ -255,11 +255,12 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, bucket: int = 16) -> tupl
 
 
 def stop_ids(lm) -> list[int]:
-    """End-of-sequence id and the chat format's end-of-turn marker (when it is one token)."""
+    """End-of-sequence id and the chat format's end-of-turn markers (when each is one token):
+    ``chat.END_OF_TURN``, and ``chat.CALL_END`` where a calling turn ends with its own."""
     ids = {lm.tokenizer.eos_id}
-    marker = lm.tokenizer.token_id(chat.END_OF_TURN[lm.chat_format])
-    if marker is not None:
-        ids.add(marker)
+    for markers in (chat.END_OF_TURN, chat.CALL_END):
+        if lm.chat_format in markers:  # None: not one token
+            ids.add(lm.tokenizer.token_id(markers[lm.chat_format]))
     return sorted(i for i in ids if i is not None)
 
 
