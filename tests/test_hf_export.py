@@ -380,10 +380,3 @@ def test_gemma3_vision_tokenizer_files_give_the_configs_image_tokens(gemma3_visi
     real = batch["input_ids"][0][batch["attention_mask"][0] > 0].tolist()
     assert hf_tok(hf_tok.decode(real[1:]), add_special_tokens=True)["input_ids"] == real
 
-
-def test_gemma4_with_a_vision_encoder_is_refused_naming_it(tmp_path):
-    """Gemma 4's vision tower has no verified export (Gemma 3's has): refused before writing."""
-    lm = support.vision_model("gemma4_vision_micro")
-    with pytest.raises(hf_export.ExportError, match="Gemma4ForConditionalGeneration"):
-        hf_export.export_model(lm.task, tmp_path / "g4", "float32")
-    assert not (tmp_path / "g4").exists()

@@ -122,7 +122,8 @@ def write_safetensors(path: Path, tensors: dict[str, callable], shapes: dict[str
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, produce in tensors.items():
-            array = np.ascontiguousarray(produce())
+            produced = np.asarray(produce())
+            array = np.ascontiguousarray(produced).reshape(produced.shape)  # 0-d stays 0-d
             if tuple(array.shape) != tuple(shapes[name]):
                 raise ExportError(f"{name}: shape {array.shape}, expected {shapes[name]}")
             f.write(memoryview(array.reshape(-1).view(np.uint8)))
