@@ -1,13 +1,14 @@
 """Gemma 4 with its vision encoder exported to Hugging Face (``families.gemma4_vision``): the
 export loads as transformers 5.24's ``Gemma4ForConditionalGeneration`` with every tensor read and
 gives our logits on the same token ids and pixel values (one image, two images, text only); a
-deliberately mis-mapped tensor of the tower fails that comparison.
+deliberately mis-mapped tensor of the tower fails that comparison. Its image processor files
+(``families.image_processors``) load with ``AutoImageProcessor`` (``AutoProcessor`` where
+torchvision is installed) and read a picture as our pipeline does.
 
-The two sides are compared from the same pixel values (our pipeline's patches and positions):
-KerasHub's converter and transformers' image processor resize with different bicubic kernels
-(``test_hf_processor``). The pictures are square, so each one's pooled grid fills the image's
-soft tokens (transformers gives an image only its real cells; KerasHub pads every image to
-``max_soft_tokens``)."""
+The logits are compared from the same pixel values (our pipeline's patches and positions):
+KerasHub's converter and transformers' image processor resize with different bicubic kernels.
+The pictures are square, so each one's pooled grid fills the image's soft tokens (transformers
+gives an image only its real cells; KerasHub pads every image to ``max_soft_tokens``)."""
 
 import json
 
@@ -138,3 +139,74 @@ def test_a_mis_mapped_vision_tensor_changes_the_logits(exported, monkeypatch, tm
     theirs = hf_logits(tmp_path / "wrong", batch)
     real = batch["attention_mask"].astype(bool)
     assert np.abs(theirs[:2] - ours[:2])[real[:2]].max() > 100 * TOLERANCE
+
+
+def test_gemma4_micro_export_says_why_it_has_no_image_processor(tmp_path):
+    """The micro's 4 soft tokens an image are none of those transformers' Gemma4ImageProcessor
+    takes: its export writes no image processor files and says so."""
+    lm = support.vision_model(NAME)
+    said = []
+    files = hf_export.export_model(lm.task, tmp_path, "float32", echo=said.append)
+    assert not {"preprocessor_config.json", "processor_config.json"} & {p.name for p in files}
+    assert any("4 soft tokens an image" in line for line in said)
+
+
+@pytest.fixture(scope="module")
+def processor_dir(tmp_path_factory):
+    """(the image spec, the export's processor and tokenizer files) of the micro's tokenizer with
+    a converter of 70 soft tokens an image (transformers' smallest), 4-pixel patches pooled 2 x 2:
+    a picture of 56 x 80 pixels is its grid exactly."""
+    import keras_hub
+
+    from nnx_posttrain import data
+    from nnx_posttrain.model import vision
+
+    lm = support.vision_model(NAME)
+    converter = keras_hub.layers.Gemma4ImageConverter(patch_size=4, max_soft_tokens=70,
+                                                      pooling_kernel_size=2, scale=1 / 255)
+    with vision.preprocessor_without_tensorflow():
+        pre = keras_hub.models.Gemma4CausalLMPreprocessor(
+            lm.task.preprocessor.tokenizer, converter, num_vision_tokens_per_image=70,
+            max_images_per_prompt=1)
+    directory = tmp_path_factory.mktemp("gemma4_processor")
+    task = type("Task", (), {"backbone": lm.module, "preprocessor": pre})()
+    hf_export.export_processor(task, directory)
+    hf_export.export_tokenizer(pre.tokenizer, directory)
+    return data.ImageSpec.from_preprocessor(pre), directory
+
+
+def test_gemma4_image_processor_reads_images_as_ours(processor_dir, monkeypatch):
+    """transformers' ``AutoImageProcessor`` loads the export's ``preprocessor_config.json``
+    offline as ``Gemma4ImageProcessor``: a picture of its grid's size gives our pipeline's
+    patches (rescaled to [0, 1]) and positions; a picture it resizes gives our positions and soft
+    tokens (KerasHub's bicubic differs from transformers': docs/vision.md); the tokenizer files
+    name the image tokens as ``Gemma4Processor`` reads them."""
+    spec, directory = processor_dir
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    image_processor = transformers.AutoImageProcessor.from_pretrained(str(directory))
+    assert type(image_processor).__name__.startswith("Gemma4ImageProcessor")
+    for shape, tokens in (((56, 80), 70), ((30, 41), 63)):
+        image = np.random.default_rng(0).integers(0, 256, shape + (3,), dtype=np.uint8)
+        theirs = image_processor(images=[image], return_tensors="np")
+        ours = spec.pixels([image])[0]
+        assert theirs["num_soft_tokens_per_image"] == [tokens]
+        np.testing.assert_array_equal(theirs["image_position_ids"][0], ours[:, -2:])
+        if shape == (56, 80):  # not resized
+            np.testing.assert_allclose(theirs["pixel_values"][0], ours[:, :-2], atol=1e-6, rtol=0)
+    tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert (tok.image_token, tok.boi_token, tok.eoi_token) == (spec.placeholder, spec.start,
+                                                               spec.end)
+
+
+def test_gemma4_auto_processor_loads_the_export(processor_dir, monkeypatch):
+    """``AutoProcessor`` builds ``Gemma4Processor`` from the export (its video processor needs
+    torchvision): 70 placeholders an image, between the image's start and end tokens."""
+    pytest.importorskip("torchvision")
+    spec, directory = processor_dir
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    processor = transformers.AutoProcessor.from_pretrained(str(directory))
+    image = np.random.default_rng(0).integers(0, 256, (56, 80, 3), dtype=np.uint8)
+    out = processor(text=[spec.placeholder], images=[[image]], return_tensors="np")
+    np.testing.assert_allclose(out["pixel_values"][0], spec.pixels([image])[0][:, :-2],
+                               atol=1e-6, rtol=0)
+    assert (out["input_ids"][0] == processor.image_token_id).sum() == 70

@@ -130,7 +130,7 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None,
             _cast_task(task, dtype).save_to_preset(str(to))
             files = sorted(p for p in to.rglob("*") if p.is_file())
         else:
-            files = hf_export.export_model(task, to, dtype, loaded.lm.chat_format)
+            files = hf_export.export_model(task, to, dtype, loaded.lm.chat_format, echo=echo)
         what = f"step {loaded.step} of {run_dir} ({saved['model']}, {family}, {dtype}"
         what += f", {len(merged)} LoRA layers merged)" if merged else ")"
         kind = "a KerasHub preset" if fmt == "keras" else "Hugging Face safetensors"

@@ -22,8 +22,9 @@ from nnx_posttrain.families.base import (
     Preset,
     refuse,
 )
-from nnx_posttrain.families import gemma4_vision
+from nnx_posttrain.families import gemma4_vision, image_processors
 from nnx_posttrain.families.gemma import SHARDING as GEMMA_SHARDING
+from nnx_posttrain.families.gemma import vision_tokenizer
 
 F, T, E = "fsdp", "tensor", "expert"
 
@@ -192,7 +193,9 @@ GEMMA4 = Family(
                   "their own head dim and kv heads (keys = values); not the 26B-A4B experts yet; "
                   "with its vision encoder (`gemma4`: `Gemma4ForConditionalGeneration`, vision "
                   "tower and `embed_vision`; logits with images checked)",
-                  image_tokens=("image_token_id", "boi_token_id", "eoi_token_id")),
+                  tokenizer=vision_tokenizer,
+                  image_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
+                  processor=image_processors.gemma4),
     decoding=DECODING,
     context_length=262_144,  # 26B / 31B (E2B / E4B: 131,072)
     hf_model_types=("gemma4_text", "gemma4"),

@@ -4,7 +4,7 @@
 ``model.vision_tower`` and its projection into the language model as ``model.embed_vision``.
 
 What transformers computes differently from KerasHub, and so what the export refuses or what its
-users must know (``tests/test_hf_export_gemma4_vision.py`` checks the logits):
+users must know (``tests/test_hf_export_vision.py`` checks the logits):
 
 - transformers' image processor gives an image as many soft tokens as its pooled grid has real
   cells (``num_soft_tokens_per_image``) and its processor writes that many placeholders; KerasHub's
