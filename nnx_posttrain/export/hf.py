@@ -229,6 +229,12 @@ def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Pat
               if getattr(l, "lora_enabled", False)]
     if not layers:
         raise ExportError("--adapters-only: the run has no LoRA adapters (it trained every weight)")
+    tower = getattr(backbone, "vision_encoder", None)
+    inside = {id(t) for t in tower._flatten_layers()} if tower is not None else set()
+    if any(id(l) in inside for l in layers):
+        raise ExportError("--adapters-only: LoRA on the vision encoder (--lora.targets projector / "
+                          "vision-attention) has no verified PEFT form; export the merged model "
+                          "(--format hf without --adapters-only)")
     rank, alpha = layers[0].lora_rank, layers[0].lora_alpha
     tensors, shapes, ranks, targets = {}, {}, {}, set()
     for layer in layers:
