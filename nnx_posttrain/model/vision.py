@@ -16,7 +16,8 @@ The batch's ``pixel_values`` column is one array per family: Gemma 3's images; G
 with each patch's (x, y) position (-1 for a padding patch) as two last channels, which
 ``VisionInputs.split`` gives the backbone as its two inputs (small integers, exact in float32).
 
-The vision tower is frozen (``freeze_tower``): LoRA or full fine-tuning trains the language model.
+The vision tower is frozen (``freeze_tower``): LoRA or full fine-tuning trains the language model;
+LoRA on the tower's projection or attention is opt-in (``VISION_LORA``, ``lora_layers``).
 KerasHub's ``Gemma3CausalLMPreprocessor`` (and Gemma 4's) asserts TensorFlow when it is built,
 though this project only reads its attributes (the tokenizer, the image converter, the image
 token counts): ``preprocessor_without_tensorflow`` builds or loads one where TensorFlow is absent.
