@@ -114,6 +114,32 @@ def test_gemma4_vision_export_gives_transformers_logits_with_images(exported):
                                atol=TOLERANCE, rtol=0)
 
 
+def test_a_standardizing_tower_exports_with_its_logits(tmp_path):
+    """A tower that standardizes its pooled output (KerasHub's ``standardize``, transformers'
+    ``std_bias`` / ``std_scale``, as the larger Gemma 4 checkpoints have) exports with our logits
+    on a one-image row."""
+    from nnx_posttrain import tasks
+    from nnx_posttrain.tasks import tokenizer
+
+    name = "gemma4_vision_standardize_micro"
+    if name not in model.TINY:
+        dims = dict(tasks.VISION_MODELS[NAME])
+        model.register_builtin(name, dict(dims, vision=dict(dims["vision"], standardize=True)),
+                               tokenizer.gemma4_vision_proto)
+    lm = support.vision_model(name)
+    randomized(lm.module, seed=1)
+    assert any(v.path.endswith("std_scale") for v in lm.module.weights)
+    batch = support.tokenized_batch(
+        lm, [{"messages": ask("How many shapes?", "3"), "images": [picture(0)]}], LENGTH)
+    hf_export.export_model(lm.task, tmp_path, "float32", echo=lambda _: None)
+    assert json.loads((tmp_path / "config.json").read_text())["vision_config"]["standardize"]
+    with model.images(batch["pixel_values"]):
+        ours = np.asarray(model.full_logits(lm.module, batch["input_ids"], batch["attention_mask"]))
+    real = batch["attention_mask"].astype(bool)
+    np.testing.assert_allclose(hf_logits(tmp_path, batch)[real], ours[real], atol=TOLERANCE,
+                               rtol=0)
+
+
 @pytest.mark.parametrize("first, second", [
     ("self_attn.q_proj.linear.weight", "self_attn.k_proj.linear.weight"),
     ("mlp.up_proj.input_max", "mlp.up_proj.output_max"),
