@@ -136,13 +136,15 @@ def test_vision_targets_are_refused_where_they_cannot_work(micro):
         model.freeze_tower(lm.module, train=True)
 
 
-def test_a_dpo_run_with_lora_on_the_projector_alone(tmp_path):
-    """``dpo --lora.targets projector``: the reference is the model with LoRA off (the first loss
-    is log 2), two steps train the projector's factors only, and the run loads back with them."""
+def test_a_dpo_run_with_lora_on_the_projector_alone_trains_loads_and_exports(tmp_path):
+    """``dpo --lora.targets projector`` on Gemma 4: the reference is the model with LoRA off (the
+    first loss is log 2), two steps train the projector's factors only, the run loads back with
+    them, and ``export --format hf`` merges them into transformers' layout."""
     import json
 
     from PIL import Image
 
+    from nnx_posttrain import export
     from nnx_posttrain.tasks import shapes
     from support import records, train_run
 
@@ -151,7 +153,7 @@ def test_a_dpo_run_with_lora_on_the_projector_alone(tmp_path):
         Image.fromarray(picture(i)).save(tmp_path / f"{i}.png")
         rows.append(dict(shapes.preference_record(i), images=[f"{i}.png"]))
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train_run("dpo", "--model", "gemma3_vision_micro", "--data", tmp_path / "pairs.jsonl",
+    train_run("dpo", "--model", "gemma4_vision_micro", "--data", tmp_path / "pairs.jsonl",
               "--batching.max-length", 40, "--steps", 2, "--log-every", 1, "--eval.every", 0,
               "--eval.exact-match", 0, "--batching.batch-size", 2, "--batching.grad-accum", 1,
               "--checkpoint.every", 2, "--optim.schedule", "constant", "--optim.warmup-steps", 0,
@@ -164,3 +166,9 @@ def test_a_dpo_run_with_lora_on_the_projector_alone(tmp_path):
     factors = {v.path: np.asarray(v.value) for v in loaded.module.weights if "lora" in v.path}
     assert sorted(factors) == [f"{PROJECTOR}/lora_kernel_a", f"{PROJECTOR}/lora_kernel_b"]
     assert np.abs(factors[f"{PROJECTOR}/lora_kernel_b"]).max() > 0  # trained from zero
+    said = []
+    files = export.export(tmp_path / "run", tmp_path / "hf", target=export.Target("hf"),
+                          echo=said.append)
+    assert "model.safetensors" in {p.name for p in files}
+    assert any("1 LoRA layers merged" in line for line in said)
+    assert any("no image processor files" in line for line in said)  # the micro's 4 soft tokens
