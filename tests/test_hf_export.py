@@ -381,9 +381,23 @@ def test_gemma3_vision_tokenizer_files_give_the_configs_image_tokens(gemma3_visi
     assert hf_tok(hf_tok.decode(real[1:]), add_special_tokens=True)["input_ids"] == real
 
 
-def test_gemma4_with_a_vision_encoder_is_refused_naming_it(tmp_path):
-    """Gemma 4's vision tower has no verified export (Gemma 3's has): refused before writing."""
-    lm = support.vision_model("gemma4_vision_micro")
-    with pytest.raises(hf_export.ExportError, match="Gemma4ForConditionalGeneration"):
-        hf_export.export_model(lm.task, tmp_path / "g4", "float32")
-    assert not (tmp_path / "g4").exists()
+
+def test_gemma3_vision_export_has_an_image_processor_reading_images_as_ours(gemma3_vision,
+                                                                           monkeypatch):
+    """The export's ``preprocessor_config.json`` / ``processor_config.json``: transformers'
+    ``AutoProcessor`` loads them offline as a ``Gemma3Processor`` whose image processor gives a
+    picture of the model's size our pipeline's pixel values (the converter's rescale and
+    offset as rescale + normalize), and whose text expansion of ``<start_of_image>`` gives our
+    pipeline's token ids (4 placeholders between the image's start and end)."""
+    lm, batch, directory = gemma3_vision
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    processor = transformers.AutoProcessor.from_pretrained(str(directory))
+    assert type(processor).__name__ == "Gemma3Processor" and processor.image_seq_length == 4
+    image = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    theirs = processor(text=["<start_of_image>"], images=[[image]], return_tensors="np")
+    np.testing.assert_allclose(theirs["pixel_values"][0].transpose(1, 2, 0),
+                               lm.images.pixels([image])[0], atol=1e-6, rtol=0)
+    block = theirs["input_ids"][0].tolist()[1:]  # after BOS: "\n\n", the image's tokens, "\n\n"
+    ours = batch["input_ids"][0].tolist()
+    assert any(ours[i:i + len(block)] == block for i in range(len(ours)))
+    assert (theirs["token_type_ids"][0] == 1).sum() == 4

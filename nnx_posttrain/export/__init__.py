@@ -10,7 +10,7 @@ reference state is built) and writes to DIR (which must be new or empty):
   ``keras_hub.models.CausalLM.from_preset(DIR)``, ``--model DIR`` or ``nnx_posttrain.model.load(DIR)``;
 - ``hf``: Hugging Face Transformers safetensors + config + tokenizer, LoRA merged, for the families
   and configurations verified by a logits round trip against ``transformers`` (``export.hf``:
-  Gemma, Gemma 2, Gemma 3 text and with its vision tower, Llama 3 / 3.1+, Mistral, Qwen 2 / 2.5,
+  Gemma, Gemma 2, Gemma 3 and Gemma 4 (text, and with their vision towers), Llama 3 / 3.1+, Mistral, Qwen 2 / 2.5,
   Qwen 3); others refused;
 - ``hf --adapters-only``: ``adapter_model.safetensors`` + ``adapter_config.json`` that PEFT loads
   on top of the base model (``PeftModel.from_pretrained(base, DIR)``).
@@ -130,7 +130,7 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None,
             _cast_task(task, dtype).save_to_preset(str(to))
             files = sorted(p for p in to.rglob("*") if p.is_file())
         else:
-            files = hf_export.export_model(task, to, dtype, loaded.lm.chat_format)
+            files = hf_export.export_model(task, to, dtype, loaded.lm.chat_format, echo=echo)
         what = f"step {loaded.step} of {run_dir} ({saved['model']}, {family}, {dtype}"
         what += f", {len(merged)} LoRA layers merged)" if merged else ")"
         kind = "a KerasHub preset" if fmt == "keras" else "Hugging Face safetensors"

@@ -122,16 +122,19 @@ def write_safetensors(path: Path, tensors: dict[str, callable], shapes: dict[str
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, produce in tensors.items():
-            array = np.ascontiguousarray(produce())
+            produced = np.asarray(produce())
+            array = np.ascontiguousarray(produced).reshape(produced.shape)  # 0-d stays 0-d
             if tuple(array.shape) != tuple(shapes[name]):
                 raise ExportError(f"{name}: shape {array.shape}, expected {shapes[name]}")
             f.write(memoryview(array.reshape(-1).view(np.uint8)))
     return path.stat().st_size
 
 
-def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> list[Path]:
+def export_model(task, to: Path, dtype: str, chat_format: str | None = None,
+                 echo=print) -> list[Path]:
     """Full weights: model.safetensors, config.json, generation_config.json, tokenizer files;
-    with ``chat_format``, its template as the tokenizer's ``chat_template``."""
+    with ``chat_format``, its template as the tokenizer's ``chat_template``; a vision-language
+    model's image processor files (``export_processor``)."""
     backbone = task.backbone
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
     cfg = hf_config(backbone, tokenizer, dtype)  # an unverified configuration: refused by name
@@ -154,7 +157,28 @@ def export_model(task, to: Path, dtype: str, chat_format: str | None = None) -> 
             config = json.loads(path.read_text())
             config["chat_template"] = chat.hf_template(chat_format)
             path.write_text(json.dumps(config, indent=2) + "\n")
+    if "vision_config" in cfg:
+        export_processor(task, to, echo)
     return sorted(p for p in to.rglob("*") if p.is_file())
+
+
+def export_processor(task, to: Path, echo=print) -> None:
+    """The image processor files of a vision-language model (its family's
+    ``Export.processor``: ``preprocessor_config.json``, ``processor_config.json``) from its
+    KerasHub preprocessor's image converter; none, said through ``echo``, where transformers
+    has no form of that converter."""
+    make = families.of(task.backbone).export.processor
+    preprocessor = getattr(task, "preprocessor", None)
+    if make is None or getattr(preprocessor, "image_converter", None) is None:
+        echo("no image processor files: the model has no image converter to describe")
+        return
+    try:
+        files = make(preprocessor)
+    except ExportError as exc:
+        echo(f"no image processor files: {exc}")
+        return
+    for name, content in files.items():
+        (to / name).write_text(json.dumps(content, indent=2) + "\n")
 
 
 def export_tokenizer(tokenizer, to: Path) -> None:
@@ -205,6 +229,12 @@ def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Pat
               if getattr(l, "lora_enabled", False)]
     if not layers:
         raise ExportError("--adapters-only: the run has no LoRA adapters (it trained every weight)")
+    tower = getattr(backbone, "vision_encoder", None)
+    inside = {id(t) for t in tower._flatten_layers()} if tower is not None else set()
+    if any(id(l) in inside for l in layers):
+        raise ExportError("--adapters-only: LoRA on the vision encoder (--lora.targets projector / "
+                          "vision-attention) has no verified PEFT form; export the merged model "
+                          "(--format hf without --adapters-only)")
     rank, alpha = layers[0].lora_rank, layers[0].lora_alpha
     tensors, shapes, ranks, targets = {}, {}, {}, set()
     for layer in layers:

@@ -72,13 +72,16 @@ class Export:
     ``ExportError`` for a configuration that was not verified); ``tokenizer(tokenizer, dir)``:
     writes the tokenizer files (None: KerasHub's exporter); ``verified``: the configurations, for
     the docs; ``image_tokens``: a vision-language config's keys of the tokenizer's image
-    placeholder, start-of-image and end-of-image ids (``export.hf_config`` writes them)."""
+    placeholder, start-of-image and end-of-image ids (``export.hf_config`` writes them);
+    ``processor(preprocessor)``: a vision-language export's image processor files, {file name:
+    JSON} (``families.image_processors``; ``ExportError`` where transformers has no form of them)."""
 
     rules: Callable[[Any], list]
     config: Callable[[Any], dict]
     verified: str
     tokenizer: Callable[[Any, Any], None] | None = None
     image_tokens: tuple[str, str, str] = ()
+    processor: Callable[[Any], dict] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

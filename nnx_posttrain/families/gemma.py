@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from nnx_posttrain.families import image_processors
 from nnx_posttrain.families.base import (
     TINY_DIMS,
     Decoding,
@@ -178,11 +179,12 @@ def _gemma3_vision_config(b, cfg: dict) -> dict:
                 tie_word_embeddings=True, initializer_range=0.02, **top)
 
 
-def gemma3_tokenizer(tokenizer, to) -> None:
-    """KerasHub's Gemma 3 tokenizer files, with the image tokens under the tokenizer's own names
-    and ids (KerasHub writes ``<image_soft_token>`` and the released vocabulary's ids, which a
-    tokenizer whose placeholder is ``<img>``, or whose ids differ, does not have): what
-    transformers' tokenizer maps to the config's ``image_token_index``."""
+def vision_tokenizer(tokenizer, to) -> None:
+    """KerasHub's Gemma 3 / Gemma 4 tokenizer files, with the image tokens under the tokenizer's
+    own names and ids as transformers' processors read them (``image_token``, ``boi_token``,
+    ``eoi_token``; KerasHub writes Gemma 3's as ``<image_soft_token>`` and the released
+    vocabulary's ids, which a tokenizer whose placeholder is ``<img>``, or whose ids differ, does
+    not have): what transformers' tokenizer maps to the config's image token ids."""
     import json
     from pathlib import Path
 
@@ -203,8 +205,8 @@ def gemma3_tokenizer(tokenizer, to) -> None:
     decoder.update({str(tokenizer.token_to_id(n)): dict(added, content=n) for n in names.values()})
     config.update(names, extra_special_tokens=names, added_tokens_decoder=decoder)
     path.write_text(json.dumps(config, indent=2) + "\n")
-    path = Path(to) / "special_tokens_map.json"
-    tokens = json.loads(path.read_text())
+    path = Path(to) / "special_tokens_map.json"  # KerasHub writes none for Gemma 4
+    tokens = json.loads(path.read_text()) if path.is_file() else {}
     tokens["additional_special_tokens"] = [
         {k: v for k, v in dict(added, content=n).items() if k != "special"} for n in names.values()]
     path.write_text(json.dumps(tokens, indent=2) + "\n")
@@ -273,8 +275,9 @@ GEMMA3 = Family(
                   "text (`gemma3_text`: causal, not an embedding model) and with its vision "
                   "encoder (`gemma3`: `Gemma3ForConditionalGeneration`, SigLIP tower and "
                   "projector; logits with images checked)",
-                  tokenizer=gemma3_tokenizer,
-                  image_tokens=("image_token_index", "boi_token_index", "eoi_token_index")),
+                  tokenizer=vision_tokenizer,
+                  image_tokens=("image_token_index", "boi_token_index", "eoi_token_index"),
+                  processor=image_processors.gemma3),
     decoding=Decoding("cache", "cache_update_index", pair_cache=True, embed_scale=True),
     context_length=131_072,
     hf_model_types=("gemma3_text", "gemma3"),

@@ -22,7 +22,9 @@ from nnx_posttrain.families.base import (
     Preset,
     refuse,
 )
+from nnx_posttrain.families import gemma4_vision, image_processors
 from nnx_posttrain.families.gemma import SHARDING as GEMMA_SHARDING
+from nnx_posttrain.families.gemma import vision_tokenizer
 
 F, T, E = "fsdp", "tensor", "expert"
 
@@ -114,7 +116,10 @@ _RULES = [
 
 
 def export_rules(backbone) -> list:
-    return list(_RULES)
+    """The text model's names; with a vision encoder, ``gemma4_vision``'s."""
+    if backbone.vision_encoder is None:
+        return list(_RULES)
+    return gemma4_vision.rules(_RULES)
 
 
 def config(b) -> dict:
@@ -125,9 +130,6 @@ def config(b) -> dict:
     from keras_hub.src.utils.transformers.export.gemma4 import get_gemma4_config
 
     refuse("Gemma4Backbone", [p for p, bad in (
-        ("a vision encoder (Gemma4ForConditionalGeneration: its vision tower, patch positions "
-         "and image embeddings are not verified against transformers yet; Gemma 3's are)",
-         b.vision_encoder is not None),
         ("an audio encoder", b.audio_encoder is not None),
         ("bidirectional attention (an embedding model)", b.use_bidirectional_attention),
         ("a mixture of experts (not verified yet)", b.enable_moe_block),
@@ -137,6 +139,7 @@ def config(b) -> dict:
          b.num_kv_shared_layers and not b.hidden_size_per_layer_input),
     ) if bad])
     cfg = get_gemma4_config(b, include_lm_head=True)
+    cfg = dict(cfg.get("text_config", cfg))  # a vision model's: its text part
     cfg.pop("torch_dtype", None)
     cfg["architectures"] = ["Gemma4ForCausalLM"]
     cfg["rope_parameters"]["full_attention"]["rope_type"] = "proportional"
@@ -146,7 +149,7 @@ def config(b) -> dict:
     cfg["num_global_key_value_heads"] = b.num_global_key_value_heads
     cfg["max_position_embeddings"] = 262_144
     cfg["tie_word_embeddings"] = True
-    return cfg
+    return cfg if b.vision_encoder is None else gemma4_vision.config(b, cfg)
 
 
 # The text part of Gemma 4 E2B / E4B (google/gemma-4-E2B / E4B config.json, as KerasHub's
@@ -187,7 +190,12 @@ GEMMA4 = Family(
           "mlp": ("ffw_gating", "ffw_gating_2", "ffw_linear")},
     export=Export(export_rules, config,
                   "text (`gemma4_text`): per-layer inputs, KV-shared layers, global layers with "
-                  "their own head dim and kv heads (keys = values); not the 26B-A4B experts yet"),
+                  "their own head dim and kv heads (keys = values); not the 26B-A4B experts yet; "
+                  "with its vision encoder (`gemma4`: `Gemma4ForConditionalGeneration`, vision "
+                  "tower and `embed_vision`; logits with images checked)",
+                  tokenizer=vision_tokenizer,
+                  image_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
+                  processor=image_processors.gemma4),
     decoding=DECODING,
     context_length=262_144,  # 26B / 31B (E2B / E4B: 131,072)
     hf_model_types=("gemma4_text", "gemma4"),

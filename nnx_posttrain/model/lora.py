@@ -84,50 +84,69 @@ def count_params(state) -> int:
 # ----------------------------------------------------------------------------- LoRA
 
 
+def split_targets(targets: str) -> tuple[str, tuple[str, ...]]:
+    """(the language model's targets, the vision groups) of ``--lora.targets``: the items of a
+    comma-separated list that name ``vision.VISION_LORA`` groups ('projector',
+    'vision-attention'), and the rest (``target_names``; '' when only vision groups are given)."""
+    from nnx_posttrain.model.vision import VISION_LORA
+
+    items = [t.strip() for t in targets.split(",") if t.strip()]
+    return (",".join(t for t in items if t not in VISION_LORA),
+            tuple(t for t in items if t in VISION_LORA))
+
+
+def _language_layers(module, names) -> list:
+    """The language model's Dense / EinsumDense layers that ``names`` select (None: every one but
+    the routers); a vision tower's never (``--lora.targets projector`` etc. name those)."""
+    routers = _routers(module) if names is None else set()
+    tower = getattr(module, "vision_encoder", None)
+    skip = {id(t) for t in tower._flatten_layers()} if tower is not None else set()
+    return [layer for layer in module._flatten_layers(include_self=False)
+            if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+            and id(layer) not in skip and id(layer) not in routers
+            and (names is None or layer.name in names)]
+
+
 def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "attention",
                 seed: int = 0, factor_dtype: str | None = None) -> list[str]:
     """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
 
     ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'mlp' (the MLP's
     projections), 'all-linear' (every Dense or EinsumDense of the decoder blocks), or
-    comma-separated layer names (``target_names``); never a layer of a vision encoder
-    (``vision.freeze_tower``). The A factors are
-    He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from Python's
-    global random state), the B factors zero. ``factor_dtype`` 'float32' on a layer with 16-bit
-    weights gives its factors float32 master weights (the layer's policy becomes mixed: the
-    frozen kernel keeps its dtype, compute stays in 16 bits). Returns the paths of the adapted
-    layers; raises if none matched.
+    comma-separated layer names (``target_names``); none of these names a layer of a vision
+    encoder (``vision.freeze_tower``). A vision model's encoder is adapted only where the
+    comma-separated list names its groups (``vision.VISION_LORA``): 'projector' (its projection
+    into the language model), 'vision-attention' (the tower's attention projections), with the
+    language model's targets or alone (e.g. 'attention,projector', 'projector'). The A factors
+    are He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from
+    Python's global random state), the B factors zero. ``factor_dtype`` 'float32' on a layer with
+    16-bit weights gives its factors float32 master weights (the layer's policy becomes mixed:
+    the frozen kernel keeps its dtype, compute stays in 16 bits). Returns the paths of the
+    adapted layers; raises if none matched.
     """
+    from nnx_posttrain.model import vision
+
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
-    names = target_names(module, targets)
-    routers = _routers(module) if names is None else set()
-    layers = [layer for layer in module._flatten_layers(include_self=False)]
-    for layer in layers:
+    language, groups = split_targets(targets)
+    chosen = _language_layers(module, target_names(module, language)) if language else []
+    chosen += vision.lora_layers(module, groups) if groups else []
+    for layer in module._flatten_layers(include_self=False):
         layer.trainable = False
-    tower = getattr(module, "vision_encoder", None)  # a vision tower stays frozen, unadapted
-    skip = {id(t) for t in tower._flatten_layers()} if tower is not None else set()
-    adapted = []
-    for layer in layers:
-        if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) \
-                or id(layer) in skip:
-            continue
-        if (names is not None and layer.name not in names) or id(layer) in routers:
-            continue
+    for index, layer in enumerate(chosen):
         layer.trainable = True
         if factor_dtype == "float32" and layer.variable_dtype != "float32":
             mixed, mode = f"mixed_{layer.compute_dtype}", layer.dtype_policy.quantization_mode
             layer.dtype_policy = (keras.dtype_policies.QuantizedDTypePolicy(mode, mixed) if mode
                                   else keras.DTypePolicy(mixed))
-        layer_seed = int(np.random.SeedSequence([seed, len(adapted)]).generate_state(1)[0] >> 1)
+        layer_seed = int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
         layer.enable_lora(rank, lora_alpha=alpha,
                           a_initializer=keras.initializers.HeUniform(seed=layer_seed))
-        adapted.append(layer.path)
-    if not adapted:
+    if not chosen:
         raise ValueError(
             f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
         )
-    return adapted
+    return [layer.path for layer in chosen]
 
 
 def _routers(module) -> set[int]:
