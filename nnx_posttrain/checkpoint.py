@@ -17,6 +17,7 @@ that name) and the next older one is used.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import inspect
@@ -32,6 +33,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 from nnx_posttrain import config as config_lib, errors
 from nnx_posttrain import model
+from nnx_posttrain.model import device_memory
 
 
 class CheckpointMismatchError(errors.CheckpointError):
@@ -119,7 +121,22 @@ class Checkpointer:
             best_mode=cfg.best_mode,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # an asynchronous save of a state whose copy fits on the device is handed to this thread
+        # (Orbax's save call blocks while it moves the arrays to the host: ~0.5 s even for a
+        # LoRA state's 430 small arrays on a TPU v5e, twice the headline's step)
+        self._writer = (concurrent.futures.ThreadPoolExecutor(1, "checkpoint-save")
+                        if cfg.async_save else None)
+        self._pending: concurrent.futures.Future | None = None
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """Orbax's manager, once a save handed to the writer thread has started (its error, if
+        any, raised here): every use of it comes after the saves asked for before."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        return self._manager
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -191,13 +208,24 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state, data_state: dict | None, record: dict, metrics=None) -> None:
-        """Start saving (asynchronously unless disabled); training continues meanwhile."""
+        """Start saving (asynchronously unless disabled); training continues meanwhile. With
+        ``async_save``, a state whose copy takes at most a quarter of the device's free memory
+        is copied on the device (the step that follows donates the original) and handed to
+        Orbax from the writer thread: this call returns without waiting for the transfer to the
+        host. A larger state is handed to Orbax here (its call blocks until the arrays are on
+        the host)."""
+        manager = self.manager  # the previous save started, in order
+        copy = _device_copy(state) if self._writer is not None else None
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.StandardSave(state if copy is None else copy),
             data=ocp.args.JsonSave(data_state or {}),
             record=ocp.args.JsonSave(record),
         )
-        self.manager.save(step, args=args, metrics=metrics, force=True)
+        if copy is None:
+            manager.save(step, args=args, metrics=metrics, force=True)
+        else:
+            self._pending = self._writer.submit(manager.save, step, args=args, metrics=metrics,
+                                                force=True)
 
     def read_record(self, step: int) -> dict:
         out = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))
@@ -230,8 +258,26 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.manager.wait_until_finished()
+            self.manager.close()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+
+
+def _device_copy(state):
+    """A copy of ``state`` on its devices, or None when it would take more than a quarter of
+    the first device's free memory (or that cannot be told)."""
+    leaves = jax.tree.leaves(state)
+    first = jax.local_devices()[0]
+    held = sum(shard.data.nbytes for leaf in leaves if isinstance(leaf, jax.Array)
+               for shard in leaf.addressable_shards if shard.device == first)
+    free = device_memory.available_bytes()
+    if free is None or 4 * held > free:
+        return None
+    # a buffer copy on each device (no program compiled for it, whatever the arrays' shapes)
+    return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state), may_alias=False)
 
 
 def _late_io_noise(record: logging.LogRecord) -> bool:

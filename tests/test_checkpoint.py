@@ -233,3 +233,76 @@ def test_lora_checkpoints_hold_only_the_adapters(tmp_path):
     ckpt.close()
     assert saved["model"] == "gemma_micro" and saved["lora"]["rank"] == 2  # the base to rebuild
     assert sorted(saved["variables"]) == names
+
+
+def _small_state():
+    import jax.numpy as jnp
+
+    return {"params": {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones((4,), jnp.bfloat16)},
+            "step": jnp.asarray(7, jnp.int32)}
+
+
+def test_an_async_save_hands_a_copy_to_a_writer_thread_and_returns(tmp_path, monkeypatch):
+    """A small state's save returns before Orbax's save call has run (it runs on the writer
+    thread, in order), and writes the values the state had when saved, though the step that
+    followed donated (here: deleted) the original arrays."""
+    import threading
+
+    from nnx_posttrain import config as config_lib
+
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
+    release, threads = threading.Event(), []
+    orbax_save = ckpt._manager.save
+
+    def slow_save(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return orbax_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt._manager, "save", slow_save)
+    state = _small_state()
+    expected = {k: np.asarray(v) for k, v in state["params"].items()}
+    ckpt.save(3, state, {"pos": 1}, {"step": 3})
+    assert ckpt._pending is not None and not ckpt._pending.done()  # returned, Orbax waiting
+    for leaf in (state["params"]["w"], state["params"]["b"], state["step"]):
+        leaf.delete()  # what the next step's donation does to the original buffers
+    release.set()
+    ckpt.wait()
+    assert threads == ["checkpoint-save_0"] and ckpt.all_steps() == [3]
+    restored = ckpt.manager.restore(3)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(restored.state["params"][name]), value)
+    assert int(restored.state["step"]) == 7 and restored.data == {"pos": 1}
+    ckpt.close()
+
+
+def test_a_failed_background_save_is_raised_at_the_next_use(tmp_path, monkeypatch):
+    """An error of the save handed to the writer thread is not lost: the next use of the
+    checkpointer (here the wait at the end) raises it."""
+    from nnx_posttrain import config as config_lib
+
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
+
+    def failing_save(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt._manager, "save", failing_save)
+    ckpt.save(1, _small_state(), {}, {"step": 1})
+    with pytest.raises(OSError, match="No space left on device"):
+        ckpt.wait()
+    ckpt.close()
+
+
+def test_a_state_whose_copy_does_not_fit_is_saved_in_the_call(tmp_path, monkeypatch):
+    """Where a copy would take over a quarter of the free memory, Orbax's save runs in the
+    call itself (nothing handed to the writer thread)."""
+    from nnx_posttrain import config as config_lib
+    from nnx_posttrain.model import device_memory
+
+    monkeypatch.setattr(device_memory, "available_bytes", lambda: 100)  # 100 bytes free
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
+    ckpt.save(2, _small_state(), {}, {"step": 2})
+    assert ckpt._pending is None
+    ckpt.wait()
+    assert ckpt.all_steps() == [2]
+    ckpt.close()
