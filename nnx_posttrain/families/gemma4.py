@@ -111,10 +111,28 @@ _RULES = [
     (rf"{_B}/post_per_layer_input_norm/scale", "model.layers.{}.post_per_layer_input_norm.weight", None),
     (r"final_normalization/scale", "model.norm.weight", None),
 ]
+# 26B-A4B's MoE path (transformers' ``Gemma4TextDecoderLayer`` with ``enable_moe_block``): its
+# norms, the router (its per-dimension ``scale``, ``proj``, and the per-expert output scale,
+# which KerasHub's expert bank applies to each expert's output and transformers' router to its
+# weight: the same product), the experts fused as transformers holds them: gate | up
+# [E, 2 x I, hidden] (KerasHub's gate and up [E, hidden, I], each transposed, concatenated),
+# down [E, hidden, I] (KerasHub's [E, I, hidden], transposed)
+_T = ("transpose", (0, 2, 1))
+_MOE_RULES = [
+    (rf"{_B}/post_ffw_norm_dense/scale", "model.layers.{}.post_feedforward_layernorm_1.weight", None),
+    (rf"{_B}/pre_ffw_norm_moe/scale", "model.layers.{}.pre_feedforward_layernorm_2.weight", None),
+    (rf"{_B}/post_ffw_norm_moe_path/scale", "model.layers.{}.post_feedforward_layernorm_2.weight", None),
+    (rf"{_B}/moe_router/per_dim_scale", "model.layers.{}.router.scale", None),
+    (rf"{_B}/moe_router/proj/kernel", "model.layers.{}.router.proj.weight", ((1,), (0,))),
+    (rf"{_B}/moe_expert_bank/per_expert_scale", "model.layers.{}.router.per_expert_scale", None),
+    (rf"{_B}/moe_expert_bank/gate_proj", "model.layers.{}.experts.gate_up_proj", ("part", 0, 1, _T)),
+    (rf"{_B}/moe_expert_bank/up_proj", "model.layers.{}.experts.gate_up_proj", ("part", 1, 1, _T)),
+    (rf"{_B}/moe_expert_bank/down_proj", "model.layers.{}.experts.down_proj", _T),
+]
 
 
 def export_rules(backbone) -> list:
-    return list(_RULES)
+    return _RULES + (_MOE_RULES if backbone.enable_moe_block else [])
 
 
 def config(b) -> dict:
@@ -130,7 +148,6 @@ def config(b) -> dict:
          b.vision_encoder is not None),
         ("an audio encoder", b.audio_encoder is not None),
         ("bidirectional attention (an embedding model)", b.use_bidirectional_attention),
-        ("a mixture of experts (not verified yet)", b.enable_moe_block),
         (f"rope scaling factors {b.local_rope_scaling_factor} / {b.global_rope_scaling_factor}",
          (b.local_rope_scaling_factor, b.global_rope_scaling_factor) != (1.0, 1.0)),
         ("KV-shared layers without per-layer inputs (transformers 5.24 cannot build it)",
@@ -187,7 +204,7 @@ GEMMA4 = Family(
           "mlp": ("ffw_gating", "ffw_gating_2", "ffw_linear")},
     export=Export(export_rules, config,
                   "text (`gemma4_text`): per-layer inputs, KV-shared layers, global layers with "
-                  "their own head dim and kv heads (keys = values); not the 26B-A4B experts yet"),
+                  "their own head dim and kv heads (keys = values), 26B-A4B's experts (fused gate | up)"),
     decoding=DECODING,
     context_length=262_144,  # 26B / 31B (E2B / E4B: 131,072)
     hf_model_types=("gemma4_text", "gemma4"),

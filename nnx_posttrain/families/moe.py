@@ -1,5 +1,5 @@
 """The Llama-layout mixtures of experts: Qwen3-MoE (``Qwen3MoeBackbone``, 30B-A3B, 235B-A22B),
-Mixtral (``MixtralBackbone``, 8x7B) and GPT-OSS (``GptOssBackbone``, 20b / 120b).
+Mixtral (``MixtralBackbone``, 8x7B); GPT-OSS (``families.gpt_oss``) reuses their routing helpers.
 
 Attention and norms are the Llama layout (``llama.SHARDING``; Qwen 3's q / k norms); each block's
 MLP is a sparse MoE block (``transformer_layer_i/<name>_sparse_moe_block_j/``): a router Dense
@@ -200,54 +200,4 @@ MIXTRAL = Family(
     quantize_skip=_ROUTER_SKIP,
     moe=MoE(_router("_sparse_moe_block"), lambda b: int(b.top_k),
             lambda b: float(b.router_aux_loss_coef)),  # 0.02 (8x7B's config)
-)
-
-
-def gpt_oss_attention(layer, training: bool):
-    """``GptOssAttention``: the Llama layout's scaled scores and repeated keys / values, its
-    learned attention sinks (the ``sinks`` variable: one logit per query head, appended to the
-    scores of every softmax and its probability dropped), and on odd layers a sliding window:
-    KerasHub's mask keeps keys ``kv_pos >= q_pos - sliding_window``, W + 1 keys (even layers
-    have none). (Transformers' and OpenAI's windows are W keys: beyond 128 positions the two
-    models differ, research P2.)"""
-    window = layer.sliding_window + 1 if layer.sliding_window else None
-    return dataclasses.replace(llama_like(layer, window), sinks=layer.sinks)
-
-
-SHARDING_GPT_OSS = SHARDING + (
-    (r"transformer_layer_\d+/sparse_moe_block/router/router_dense/kernel$", (F, None)),
-    # experts: gate / up interleaved [E, hidden, 2 x I] (+ bias [E, 2 x I]), down [E, I, hidden]
-    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj$", (E, F, T)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj_bias$", (E, T)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj$", (E, T, F)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj_bias$", (E, None)),
-)
-
-GPT_OSS = Family(
-    name="gpt_oss",
-    backbone="GptOssBackbone",
-    classes=("GptOssCausalLM", "GptOssCausalLMPreprocessor", "GptOssTokenizer"),
-    chat_format="harmony",
-    attention={"GptOssAttention": gpt_oss_attention},
-    sharding=SHARDING_GPT_OSS,
-    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
-    export=Unsupported("GPT-OSS has no verified Hugging Face export (KerasHub's windows differ "
-                       "from transformers', research P2); use --format keras"),
-    decoding=SELF_ATTENTION_CACHE,
-    context_length=131_072,
-    hf_model_types=("gpt_oss",),  # KerasHub reads the published MXFP4 checkpoints only
-    short_names={"gpt_oss_20b": "gpt_oss_20b_en"},
-    tokenizer="bpe-gpt_oss",
-    presets={"gpt_oss_20b": Preset(dict(
-        vocabulary_size=201_088, num_layers=24, num_query_heads=64, num_key_value_heads=8,
-        hidden_dim=2880, intermediate_dim=2880, num_experts=32, top_k=4, head_dim=64,
-        sliding_window=128, rope_max_wavelength=150_000,
-        rope_scaling_factor=32.0,  # YaRN: the published config's rope_scaling (research P2c)
-        layer_norm_epsilon=1e-5), 200_019)},
-    tiny={"gpt_oss": dict(_TINY, intermediate_dim=16, head_dim=8, sliding_window=4)},
-    # top-k of the router's logits, softmax over the k; gpt-oss-20b's config.json:
-    # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
-    quantize_skip=("router_dense",),
-    moe=MoE(router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
-            lambda b: 0.9),
 )
