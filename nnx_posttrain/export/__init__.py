@@ -11,7 +11,8 @@ reference state is built) and writes to DIR (which must be new or empty):
 - ``hf``: Hugging Face Transformers safetensors + config + tokenizer, LoRA merged, for the families
   and configurations verified by a logits round trip against ``transformers`` (``export.hf``:
   Gemma, Gemma 2, Gemma 3 text and with its vision tower, Llama 3 / 3.1+, Mistral, Qwen 2 / 2.5,
-  Qwen 3); others refused;
+  Qwen 3, and the newer families the models page lists: Gemma 4 with 26B-A4B's experts,
+  Qwen3-MoE, Mixtral, GPT-OSS, Qwen 3.5 and its MoE); others refused;
 - ``hf --adapters-only``: ``adapter_model.safetensors`` + ``adapter_config.json`` that PEFT loads
   on top of the base model (``PeftModel.from_pretrained(base, DIR)``).
 

@@ -233,6 +233,9 @@ def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Pat
     rank, alpha = layers[0].lora_rank, layers[0].lora_alpha
     tensors, shapes, ranks, targets = {}, {}, {}, set()
     for layer in layers:
+        if getattr(layer, "lora_kernels", None):
+            raise ExportError(f"--adapters-only: LoRA on the stacked experts of {layer.path} has "
+                              "no verified PEFT form; export the merged model (--format hf)")
         if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
             raise ExportError(f"--adapters-only: LoRA on {layer.path} ({type(layer).__name__})")
         if (layer.lora_rank, layer.lora_alpha) != (rank, alpha):

@@ -26,6 +26,7 @@ from nnx_posttrain.families.base import (  # noqa: F401  (the records, re-export
     Decoding,
     Export,
     ExportError,
+    ExpertLayer,
     Family,
     LayerSpec,
     MoE,

@@ -1,6 +1,7 @@
 """Gemma 4 (``Gemma4Backbone``, text): E2B / E4B (per-layer inputs, KV-shared trailing layers),
 31B, and the 26B-A4B mixture of experts (a dense MLP and 128 experts side by side: its
-router logits for the load-balancing loss, coefficient 0 as TRL reads its config; not exported).
+router logits for the load-balancing loss, coefficient 0 as TRL reads its config; its experts
+exported fused as transformers holds them, and adaptable by LoRA: ``EXPERTS``).
 
 Gemma's layout (``decoder_block_i/attention/...``: q / k / v [heads, hidden, head_dim]) with
 scale 1.0 (q / k norms instead), a scale-free value norm, local layers over a sliding window and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from nnx_posttrain.families.base import (
     Decoding,
+    ExpertLayer,
     Export,
     Family,
     LayerSpec,
@@ -131,6 +133,27 @@ _MOE_RULES = [
 ]
 
 
+def experts_call(layer, project, x, dispatch_weights):
+    """``Gemma4MoEBlock.call`` (``ExpertLayer.call``): every expert's gate and up products, the
+    tanh GELU of the gate in float32, down, each expert's output scale, combined by the router's
+    dispatch weights [tokens, E]; [tokens, hidden]."""
+    import keras
+    from keras import ops
+
+    dtype = x.dtype
+    gate = project("gate_proj", "th,ehi->eti", x)
+    up = project("up_proj", "th,ehi->eti", x)
+    gate = ops.cast(keras.activations.gelu(ops.cast(gate, "float32"), approximate=True), dtype)
+    out = project("down_proj", "eti,eih->eth", gate * up)
+    out = out * ops.reshape(ops.cast(layer.per_expert_scale, dtype), (layer.num_experts, 1, 1))
+    weights = ops.transpose(ops.cast(dispatch_weights, dtype), (1, 0))
+    return ops.sum(out * weights[:, :, None], axis=0)
+
+
+EXPERTS = ExpertLayer("Gemma4MoEBlock", {k: k for k in ("gate_proj", "up_proj", "down_proj")},
+                      experts_call)
+
+
 def export_rules(backbone) -> list:
     return _RULES + (_MOE_RULES if backbone.enable_moe_block else [])
 
@@ -201,7 +224,7 @@ GEMMA4 = Family(
     attention={"Gemma4TextAttention": attention},
     sharding=SHARDING,
     lora={"attention": ("query", "key", "value", "attention_output"),
-          "mlp": ("ffw_gating", "ffw_gating_2", "ffw_linear")},
+          "mlp": ("ffw_gating", "ffw_gating_2", "ffw_linear", *EXPERTS.kernels)},
     export=Export(export_rules, config,
                   "text (`gemma4_text`): per-layer inputs, KV-shared layers, global layers with "
                   "their own head dim and kv heads (keys = values), 26B-A4B's experts (fused gate | up)"),
@@ -232,7 +255,7 @@ GEMMA4 = Family(
     # leaves the loss off: coefficient 0, aux_loss and tokens per expert still logged
     moe=MoE(lambda block: getattr(getattr(block, "moe_router", None), "proj", None),
             lambda b: int(b.num_experts_per_token), lambda b: 0.0,
-            lambda b: int(b.num_experts) if b.enable_moe_block else 0),
+            lambda b: int(b.num_experts) if b.enable_moe_block else 0, expert_layer=EXPERTS),
     # the MLP the blocks read as arrays; 26B-A4B's router (``moe_router/proj``): int8 would flip
     # which experts a token goes to
     quantize_skip=("ffw_gating", "ffw_gating_2", "ffw_linear", "proj"),

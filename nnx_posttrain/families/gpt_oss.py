@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, Export, Family, MoE, Preset,
-                                         refuse)
+from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, Export, ExpertLayer, Family, MoE,
+                                         Preset, refuse)
 from nnx_posttrain.families.llama import LORA, SHARDING, llama_like
-from nnx_posttrain.families.moe import _EXPERT_LORA, _TINY, router_layer
+from nnx_posttrain.families.moe import _TINY, router_layer
 
 F, T, E = "fsdp", "tensor", "expert"
 
@@ -38,6 +38,23 @@ def gpt_oss_attention(layer, training: bool):
     window = layer.sliding_window + 1 if layer.sliding_window else None
     return dataclasses.replace(llama_like(layer, window), sinks=layer.sinks)
 
+
+def experts_call(layer, project, hidden_states):
+    """``GptOssExperts.call`` (``ExpertLayer.call``): gate / up interleaved in one product (plus
+    its bias), the gate clamped above and up on both sides at ``limit``, ``(up + 1) * gate *
+    sigmoid(alpha * gate)``, then down (plus its bias); [E, tokens, hidden]."""
+    from keras import ops
+
+    gate_up = project("gate_up_proj", "th,ehm->etm", hidden_states)
+    gate_up = gate_up + layer.gate_up_proj_bias[:, None, :]
+    gate = ops.clip(gate_up[..., ::2], -1e9, layer.limit)
+    up = ops.clip(gate_up[..., 1::2], -layer.limit, layer.limit)
+    hidden = (up + 1) * (gate * ops.sigmoid(gate * layer.alpha))
+    return project("down_proj", "etm,emh->eth", hidden) + layer.down_proj_bias[:, None, :]
+
+
+EXPERTS = ExpertLayer("GptOssExperts", {"gate_up_proj": "gate_up_proj",
+                                        "down_proj": "down_proj"}, experts_call)
 
 _L = r"transformer_layer_\d+/sparse_moe_block"
 SHARDING_GPT_OSS = SHARDING + (
@@ -118,7 +135,7 @@ GPT_OSS = Family(
     chat_format="harmony",
     attention={"GptOssAttention": gpt_oss_attention},
     sharding=SHARDING_GPT_OSS,
-    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    lora={"attention": LORA["attention"], "mlp": tuple(EXPERTS.kernels)},
     export=Export(export_rules, export_config,
                   "`gpt_oss` (`GptOssForCausalLM`) as KerasHub computes it: attention sinks, "
                   "stacked experts with biases, its window layers and W + 1 keys, YaRN"),
@@ -138,5 +155,5 @@ GPT_OSS = Family(
     # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
     quantize_skip=("router_dense",),
     moe=MoE(router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
-            lambda b: 0.9),
+            lambda b: 0.9, expert_layer=EXPERTS),
 )

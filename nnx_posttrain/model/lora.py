@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import errors, families
+from nnx_posttrain.model import expert_lora
 
 # Layer names most KerasHub decoder families give their attention projections; a family's own
 # (``families``: ``lora["attention"]``, ``lora["mlp"]``) name ``attention`` and ``mlp``.
@@ -22,23 +23,33 @@ ATTENTION_LAYERS = ("query", "key", "value", "attention_output")
 LORA_TARGETS = {
     "qv": ("query", "value"),  # KerasHub's own default
     "attention": ATTENTION_LAYERS,  # the family's attention projections
-    "mlp": (),  # the family's MLP projections
-    "all-linear": None,  # every Dense / EinsumDense of the decoder blocks
+    "mlp": (),  # the family's MLP projections (a mixture of experts': its expert kernels too)
+    "experts": (),  # a mixture of experts' stacked expert kernels (``model.expert_lora``)
+    "all-linear": None,  # every Dense / EinsumDense of the decoder blocks (not the experts)
 }
 
 
 def target_names(module, targets: str) -> tuple[str, ...] | None:
     """The layer names ``targets`` selects in ``module`` (None: every linear layer): 'qv',
     'attention' and 'mlp' as the module's family names its projections (``families``),
-    'all-linear', or comma-separated names."""
+    'experts' (a mixture of experts' stacked kernels), 'all-linear', or comma-separated names
+    (layers' or expert kernels')."""
     family = families.of(module)
+    if targets == "experts":
+        names = expert_lora.kernel_names(module)
+        if not names:
+            raise errors.ConfigError(f"--lora.targets experts: {type(module).__name__} has no "
+                                     "stacked experts LoRA can adapt")
+        return names
     if targets in ("attention", "mlp") and family is not None:
         if isinstance(family.lora[targets], families.Unsupported):
             raise errors.ConfigError(f"--lora.targets {targets}: {family.lora[targets].reason}")
         return family.lora[targets]
     if targets in LORA_TARGETS:
         return LORA_TARGETS[targets]
-    return tuple(t.strip() for t in targets.split(",") if t.strip())
+    names = [t.strip() for t in targets.split(",") if t.strip()]  # 'experts' among names: theirs
+    return tuple(n for t in names for n in (expert_lora.kernel_names(module) if t == "experts"
+                                            else (t,)))
 
 
 def trainable_filter(path, value) -> bool:
@@ -89,9 +100,10 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
 
     ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'mlp' (the MLP's
-    projections), 'all-linear' (every Dense or EinsumDense of the decoder blocks), or
-    comma-separated layer names (``target_names``); never a layer of a vision encoder
-    (``vision.freeze_tower``). The A factors are
+    projections; a mixture of experts': its stacked expert kernels too), 'experts' (those
+    alone: per-expert factors, ``model.expert_lora``), 'all-linear' (every Dense or EinsumDense
+    of the decoder blocks), or comma-separated layer or expert kernel names (``target_names``);
+    never a layer of a vision encoder (``vision.freeze_tower``). The A factors are
     He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from Python's
     global random state), the B factors zero. ``factor_dtype`` 'float32' on a layer with 16-bit
     weights gives its factors float32 master weights (the layer's policy becomes mixed: the
@@ -123,6 +135,9 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
         layer.enable_lora(rank, lora_alpha=alpha,
                           a_initializer=keras.initializers.HeUniform(seed=layer_seed))
         adapted.append(layer.path)
+    for layer in expert_lora.expert_layers(module) if names is not None else ():
+        stream = int(np.random.SeedSequence([seed, len(adapted)]).generate_state(1)[0] >> 1)
+        adapted += expert_lora.enable(layer, names, rank, alpha, stream, factor_dtype)
     if not adapted:
         raise ValueError(
             f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
