@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from nnx_posttrain import errors, inspection, model, sharding
 from nnx_posttrain.model import expert_lora
@@ -44,12 +45,12 @@ def test_expert_factors_compute_kerashubs_experts_with_the_merged_kernels(varian
     layers = expert_lora.expert_layers(backbone)
     spec = expert_lora.spec_of(layers[0])
     assert len(adapted) == len(layers) * len(spec.kernels)
-    np.testing.assert_allclose(_logits(backbone), base, atol=1e-6, rtol=0)  # B = 0
+    np.testing.assert_array_equal(_logits(backbone), base)  # B = 0: KerasHub's computation
     _random_factors(backbone)
     ours = _logits(backbone)
     assert np.abs(ours - base).max() > 1e-2  # the factors change the model
     with model.lora_disabled(backbone):  # the reference model of DPO / GRPO
-        np.testing.assert_allclose(_logits(backbone), base, atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(_logits(backbone), base)
     norms = inspection.lora_delta_norms(backbone)
     assert sorted(norms) == sorted(adapted) and min(norms.values()) > 0
     merged = inspection.merge_lora(backbone)  # KerasHub's own layer, the kernels + A B
@@ -69,19 +70,13 @@ def test_gradients_reach_the_expert_factors_alone(variant):
     assert names and all("/lora_" in p and p.endswith(("_a", "_b")) for p in names)
 
     def loss(p):
-        module = nnx_merge(graphdef, p, frozen)
+        module = nnx.merge(graphdef, p, frozen)
         return jnp.mean(model.token_logprobs(module, IDS, MASK))
 
     grads = model.named_variables(jax.grad(loss)(params))
     assert sorted(grads) == sorted(names)
     for path, g in grads.items():
         assert bool(jnp.isfinite(g).all()) and float(jnp.abs(g).max()) > 0, path
-
-
-def nnx_merge(graphdef, params, frozen):
-    from flax import nnx
-
-    return nnx.merge(graphdef, params, frozen)
 
 
 def test_expert_targets_by_name_and_mlp_and_their_refusals():
@@ -173,3 +168,32 @@ class _Factory:
         path = self.root / name
         path.mkdir()
         return path
+
+
+@pytest.mark.slow
+def test_dpo_and_grpo_with_expert_lora(tmp_path):
+    """Mixtral's micro preset with the experts' factors alone: DPO's reference is the model with
+    them off (its first loss is log 2: policy = reference), GRPO's rollouts run the sampler
+    through the adapted experts."""
+    import json
+
+    from test_newer_families import STEPS, _micro_preset, _quiet
+
+    from nnx_posttrain import data
+
+    _, path = _micro_preset("mixtral", _Factory(tmp_path))
+    lora = ["--lora.rank", "2", "--lora.targets", "experts", "--optim.learning-rate", "1e-2",
+            "--init-from", ""]
+    support.train_run("dpo", "--model", path, *STEPS, *lora, "--run-dir", tmp_path / "dpo",
+                      echo=_quiet)
+    assert support.records(tmp_path / "dpo")[0]["loss"] == pytest.approx(np.log(2), abs=1e-3)
+    src = data.source("builtin", "train", builtin="prompt_only")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({k: v for k, v in src[i].items()
+                                           if not k.startswith("_")}) + "\n" for i in range(8)))
+    support.train_run("grpo", "--model", path, *STEPS, *lora, "--data", prompts,
+                      "--batching.batch-size", "4", "--algo.num-generations", "2",
+                      "--algo.max-completion-length", "4", "--algo.rewards", "exact_match",
+                      "--run-dir", tmp_path / "grpo", echo=_quiet)
+    rows = support.records(tmp_path / "grpo")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
