@@ -57,7 +57,7 @@ def test_expert_factors_compute_kerashubs_experts_with_the_merged_kernels(varian
     assert len(merged) == len(layers)
     assert all(type(layer).__name__ == spec.cls for layer in expert_lora.expert_layers(backbone))
     assert not [v.path for v in backbone.weights if "/lora_" in v.path]
-    np.testing.assert_allclose(_logits(backbone), ours, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_logits(backbone), ours, atol=2e-5, rtol=0)  # measured <= 7e-6
 
 
 @pytest.mark.parametrize("variant", ["gpt_oss", "gemma4_moe"])
