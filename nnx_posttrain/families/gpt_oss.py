@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, Export, ExpertLayer, Family, MoE,
-                                         Preset, refuse)
+from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export, ExpertLayer,
+                                         Family, MoE, Preset, refuse)
 from nnx_posttrain.families.llama import LORA, SHARDING, llama_like
-from nnx_posttrain.families.moe import _TINY, router_layer
+from nnx_posttrain.families.moe import router_layer
 
 F, T, E = "fsdp", "tensor", "expert"
 
@@ -150,7 +150,8 @@ GPT_OSS = Family(
         sliding_window=128, rope_max_wavelength=150_000,
         rope_scaling_factor=32.0,  # YaRN: the published config's rope_scaling (research P2c)
         layer_norm_epsilon=1e-5), 200_019)},
-    tiny={"gpt_oss": dict(_TINY, intermediate_dim=16, head_dim=8, sliding_window=4)},
+    tiny={"gpt_oss": dict(TINY_DIMS, num_key_value_heads=2, num_experts=4, top_k=2,
+                          intermediate_dim=16, head_dim=8, sliding_window=4)},
     # top-k of the router's logits, softmax over the k; gpt-oss-20b's config.json:
     # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
     quantize_skip=("router_dense",),
