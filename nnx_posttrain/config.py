@@ -33,7 +33,7 @@ class LoraConfig:
     alpha: float | None = None
     """LoRA alpha (update scale alpha/rank); default: equal to the rank."""
     targets: str = "attention"
-    """Layers to adapt: 'qv', 'attention' (q, k, v, o), 'mlp' (gate, up, down), 'all-linear', or comma-separated layer names; a vision model's encoder only where the list names 'projector' (its projection into the language model) or 'vision-attention' (the tower's q, k, v, o), beside those or alone (e.g. 'attention,projector')."""
+    """Layers to adapt: 'qv', 'attention' (q, k, v, o), 'mlp' (gate, up, down; a mixture of experts': its experts too), 'experts' (a mixture of experts' stacked expert kernels: per-expert factors), 'all-linear' (every Dense layer, not the experts), or comma-separated layer or expert kernel names; a vision model's encoder only where the list names 'projector' (its projection into the language model) or 'vision-attention' (the tower's q, k, v, o), beside those or alone (e.g. 'attention,projector')."""
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import model
+from nnx_posttrain.model import expert_lora
 
 
 def _keras(module):
@@ -47,8 +48,18 @@ def param_counts(module) -> dict[str, int]:
 
 def lora_delta_norms(module) -> dict[str, float]:
     """{layer path: Frobenius norm of (alpha / rank) * A @ B} for every layer with LoRA enabled
-    (empty for a model without LoRA)."""
-    return {layer.path: float(jnp.linalg.norm(model.lora_delta(layer).ravel())) for layer in _lora_layers(module)}
+    (a mixture of experts' stacked kernels: {kernel path: the norm over its experts}; empty for
+    a model without LoRA)."""
+    out = {}
+    for layer in _lora_layers(module):
+        if expert_lora.spec_of(layer) is not None:
+            spec = expert_lora.spec_of(layer)
+            for name in layer.lora_kernels:
+                path = getattr(layer, spec.kernels[name]).path
+                out[path] = float(jnp.linalg.norm(expert_lora.delta(layer, name).ravel()))
+        else:
+            out[layer.path] = float(jnp.linalg.norm(model.lora_delta(layer).ravel()))
+    return out
 
 
 def merge_lora(module) -> list[str]:
@@ -57,6 +68,10 @@ def merge_lora(module) -> list[str]:
     and saved weights have no trace of LoRA. Returns the merged layers' paths."""
     merged = []
     for layer in _lora_layers(module):
+        if expert_lora.spec_of(layer) is not None:  # stacked experts' factors
+            expert_lora.merge(layer)
+            merged.append(layer.path)
+            continue
         kernel = layer._kernel
         kernel.assign((jnp.asarray(kernel.value, jnp.float32) + model.lora_delta(layer)).astype(kernel.dtype))
         adapters = {id(layer.lora_kernel_a), id(layer.lora_kernel_b)}

@@ -77,10 +77,21 @@ def logical_axes(path: str, ndim: int) -> tuple:
         if which == "lora_kernel_a":  # the kernel's input dimensions, then the rank
             return (*kernel[: ndim - 1], None) if len(kernel) == ndim else _generic(ndim)
         return (None, kernel[-1]) if ndim == 2 else _generic(ndim)  # rank, then the output dim
+    expert = _EXPERT_FACTOR.search(path)
+    if expert is not None and ndim == 3:  # per-expert LoRA factors of a stacked kernel
+        kernel = _match(path[:expert.start()] + "/" + expert.group(1))
+        if kernel is None or len(kernel) != 3:
+            return _generic(ndim)
+        # A [E, in, rank]: the kernel's expert and input axes; B [E, rank, out]: expert, output
+        return (kernel[0], kernel[1], None) if expert.group(2) == "a" else \
+            (kernel[0], None, kernel[2])
     axes = _match(path)
     if axes is None or len(axes) != ndim:
         return _generic(ndim)
     return axes
+
+
+_EXPERT_FACTOR = re.compile(r"/lora_(\w+)_(a|b)$")
 
 
 def _match(path):

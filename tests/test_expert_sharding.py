@@ -152,6 +152,8 @@ MESHES = {"1": None, "expert=2": dict(data=2, expert=2), "fsdp=2,expert=2": dict
 out = {"losses": {}, "expert_specs": {}, "expert_shard_rows": {}, "drift": {}}
 for variant in sys.argv[1].split(","):
     bb = support.tiny_backbone(variant)
+    if len(sys.argv) > 2:  # LoRA on these targets: the trained variables are its factors
+        model.enable_lora(bb, 2, targets=sys.argv[2])
     graphdef, params0, frozen0 = model.split(bb)
     tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, schedule="constant", warmup_ratio=0.0), 10)
     algo = SFT(SFT.Config(), logprob_chunk=8)
@@ -217,6 +219,23 @@ def test_the_experts_arrays_are_split_over_the_expert_axis(four_devices):
         for name in ("expert=2", "fsdp=2,expert=2", "expert=2,tensor=2"):
             assert rows[f"{variant} {name}"] == [2], (variant, name)  # 2 of the 4 experts each
     assert all(n == 0 for n in four_devices["drift"].values()), four_devices["drift"]
+
+
+@pytest.mark.slow
+def test_expert_lora_factors_split_over_the_expert_axis_with_the_losses_of_one_device():
+    """GPT-OSS with LoRA on its experts alone (``model.expert_lora``): the factors A [E, in, r]
+    and B [E, r, out] lie on the expert axis as their kernels do (2 of the 4 experts a device),
+    and the losses are one device's."""
+    result = support.on_cpu_devices(SCRIPT, 4, "gpt_oss", "experts", timeout=900)
+    losses, specs, rows = result["losses"], result["expert_specs"], result["expert_shard_rows"]
+    reference = losses["gpt_oss 1"]
+    assert len(reference) == 3 and reference[0] != reference[-1]  # the factors train
+    for name, values in losses.items():
+        np.testing.assert_allclose(values, reference, rtol=2e-5, err_msg=name)
+        if name != "gpt_oss 1":
+            assert all(spec.startswith("P('expert'") for spec in specs[name]), (name, specs)
+            assert rows[name] == [2], (name, rows)
+    assert all(n == 0 for n in result["drift"].values()), result["drift"]
 
 
 # ----------------------------------------------------------------------------- plans

@@ -65,7 +65,8 @@ BACKBONES = {
                                      intermediate_dim=64, tie_word_embeddings=False),
 }
 # the newer families: their tests' tiny configurations (``families``), with this vocabulary
-NEWER = {"gemma4": "gemma4", "gemma4_kv": "gemma4", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+NEWER = {"gemma4": "gemma4", "gemma4_kv": "gemma4", "gemma4_moe": "gemma4", "qwen3_moe": "qwen3_moe",
+         "mixtral": "mixtral"}
 BACKBONES.update({variant: (lambda f=family, v=variant: getattr(M, families.FAMILIES[f].backbone)(
     **dict(families.FAMILIES[f].tiny[v], vocabulary_size=V))) for variant, family in NEWER.items()})
 # Qwen 3.5's text tower exports as transformers' Qwen3_5ForCausalLM (``qwen3_5_text``), which
@@ -75,7 +76,16 @@ BACKBONES["qwen3_5"] = lambda: M.Qwen3_5Backbone(**dict(families.FAMILIES["qwen3
 # Qwen 3.5 MoE's likewise, as Qwen3_5MoeForCausalLM (``qwen3_5_moe_text``; one tensor per expert)
 BACKBONES["qwen3_5_moe"] = lambda: M.Qwen3_5MoeBackbone(
     **dict(families.FAMILIES["qwen3_5_moe"].tiny["qwen3_5_moe"], vocabulary_size=V))
-MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
+# GPT-OSS as transformers' GptOssForCausalLM (KerasHub's converter reads only the published MXFP4
+# experts): its tiny configuration (window 4 on the odd layers, past which the 48 positions go),
+# and with YaRN (factor 4, as 20b's 32: frequencies and the attention scale change)
+BACKBONES["gpt_oss"] = lambda: M.GptOssBackbone(**dict(families.FAMILIES["gpt_oss"].tiny["gpt_oss"],
+                                                      vocabulary_size=V))
+BACKBONES["gpt_oss_yarn"] = lambda: M.GptOssBackbone(**dict(
+    families.FAMILIES["gpt_oss"].tiny["gpt_oss"], vocabulary_size=V, rope_scaling_factor=4.0,
+    rope_max_wavelength=500))
+MODEL_TYPE = {"gpt_oss": "gpt_oss", "gpt_oss_yarn": "gpt_oss", "gemma4_moe": "gemma4_text",
+              "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
               "gemma3": "gemma3_text", "llama3": "llama", "llama3.1_tied": "llama",
               "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3",
               "gemma4": "gemma4_text", "gemma4_kv": "gemma4_text", "qwen3_moe": "qwen3_moe",

@@ -116,9 +116,12 @@ def test_all_linear_lora_leaves_the_routers(variant):
     routers = [r.path for r in map(family.moe.router, model.decoder_blocks(bb)) if r is not None]
     adapted = model.enable_lora(bb, 2, targets="all-linear")
     assert routers and adapted and not set(routers) & set(adapted)
-    if isinstance(family.lora["mlp"], families.Unsupported):  # experts only, no MLP layers
-        with pytest.raises(errors.ConfigError, match="stacked weights"):
-            model.enable_lora(bb, 2, targets="mlp")
+    assert not [v.path for v in bb.weights if "/lora_" in v.path  # PEFT's: no stacked experts
+                and "/lora_kernel_" not in v.path]
+    other = support.TINY_FAMILIES[variant]()  # mlp: the experts (per-expert factors) too
+    adapted = model.enable_lora(other, 2, targets="mlp")
+    kernels = tuple(f"/{k}" for k in family.moe.expert_layer.kernels)
+    assert not set(routers) & set(adapted) and any(p.endswith(kernels) for p in adapted)
 
 
 @pytest.mark.slow

@@ -10,8 +10,9 @@ reference state is built) and writes to DIR (which must be new or empty):
   ``keras_hub.models.CausalLM.from_preset(DIR)``, ``--model DIR`` or ``nnx_posttrain.model.load(DIR)``;
 - ``hf``: Hugging Face Transformers safetensors + config + tokenizer, LoRA merged, for the families
   and configurations verified by a logits round trip against ``transformers`` (``export.hf``:
-  Gemma, Gemma 2, Gemma 3 and Gemma 4 (text, and with their vision towers), Llama 3 / 3.1+, Mistral, Qwen 2 / 2.5,
-  Qwen 3); others refused;
+  Gemma, Gemma 2, Gemma 3 and Gemma 4 (text, and with their vision towers), Llama 3 / 3.1+, Mistral,
+  Qwen 2 / 2.5, Qwen 3, and the newer families the models page lists: Gemma 4's 26B-A4B experts,
+  Qwen3-MoE, Mixtral, GPT-OSS, Qwen 3.5 and its MoE); others refused;
 - ``hf --adapters-only``: ``adapter_model.safetensors`` + ``adapter_config.json`` that PEFT loads
   on top of the base model (``PeftModel.from_pretrained(base, DIR)``).
 

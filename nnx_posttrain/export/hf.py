@@ -80,22 +80,46 @@ def _expert_hits(rules, path: str) -> list:
 
 
 def weight_map(backbone) -> dict[str, tuple]:
-    """{HF tensor name: (Keras variable, layout)} of every variable; an unmatched variable (a
-    LoRA factor not merged, an unknown layer) stops the export by name."""
-    rules, out, unmatched = _rules(backbone), {}, []
+    """{HF tensor name: (Keras variable, layout)} of every variable; a tensor of several variables
+    (rules with a ``("part", index, axis, layout)`` layout: Gemma 4's fused expert gate | up)
+    maps to (their tuple, ``("concat", axis, their layouts)``). An unmatched variable (a LoRA
+    factor not merged, an unknown layer) stops the export by name."""
+    rules, out, parts, unmatched = _rules(backbone), {}, {}, []
     for v in backbone.weights:
         hits = _expert_hits(rules, v.path) or [_match(rules, v.path)]
         if hits == [None]:
             unmatched.append(v.path)
             continue
         for name, layout in hits:
+            if isinstance(layout, tuple) and layout[0] == "part":
+                parts.setdefault(name, {})[layout[1]] = (v, layout[2], layout[3])
+                continue
             if name in out:
                 raise ExportError(f"--format hf: two variables map to {name}")
             out[name] = (v, layout)
     if unmatched:
         raise ExportError(f"--format hf: {len(unmatched)} variable(s) of {type(backbone).__name__} "
                           f"have no verified Hugging Face name, e.g. {unmatched[:3]}")
+    for name, pieces in parts.items():
+        if sorted(pieces) != list(range(len(pieces))) or len({p[1] for p in pieces.values()}) != 1:
+            raise ExportError(f"--format hf: the parts of {name} are not one concatenation")
+        ordered = [pieces[i] for i in range(len(pieces))]
+        out[name] = (tuple(p[0] for p in ordered), ("concat", ordered[0][1],
+                                                    tuple(p[2] for p in ordered)))
     return out
+
+
+def tensor_of(arrays, layout) -> np.ndarray:
+    """The HF tensor of a ``weight_map`` entry from its variable's array (``to_matrix``), or from
+    its variables' arrays for a ``("concat", axis, layouts)`` entry."""
+    if isinstance(layout, tuple) and layout[0] == "concat":
+        _, axis, layouts = layout
+        return np.concatenate([to_matrix(a, l) for a, l in zip(arrays, layouts)], axis=axis)
+    return to_matrix(arrays, layout)
+
+
+def _values(variables, fn):
+    return tuple(fn(v) for v in variables) if isinstance(variables, tuple) else fn(variables)
 
 
 def _as_numpy(value, dtype: str) -> np.ndarray:
@@ -139,10 +163,11 @@ def export_model(task, to: Path, dtype: str, chat_format: str | None = None,
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
     cfg = hf_config(backbone, tokenizer, dtype)  # an unverified configuration: refused by name
     mapping = weight_map(backbone)
-    shapes = {n: to_matrix(np.empty(v.shape, np.int8), layout).shape
+    shapes = {n: tensor_of(_values(v, lambda x: np.empty(x.shape, np.int8)), layout).shape
               for n, (v, layout) in mapping.items()}
-    tensors = {n: (lambda v=v, layout=layout: to_matrix(_as_numpy(v.value, dtype), layout))
-               for n, (v, layout) in mapping.items()}
+    tensors = {n: (lambda v=v, layout=layout: tensor_of(
+        _values(v, lambda x: _as_numpy(x.value, dtype)), layout))
+        for n, (v, layout) in mapping.items()}
     to.mkdir(parents=True, exist_ok=True)
     write_safetensors(to / "model.safetensors", tensors, shapes, dtype)
     (to / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -238,6 +263,9 @@ def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Pat
     rank, alpha = layers[0].lora_rank, layers[0].lora_alpha
     tensors, shapes, ranks, targets = {}, {}, {}, set()
     for layer in layers:
+        if getattr(layer, "lora_kernels", None):
+            raise ExportError(f"--adapters-only: LoRA on the stacked experts of {layer.path} has "
+                              "no verified PEFT form; export the merged model (--format hf)")
         if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
             raise ExportError(f"--adapters-only: LoRA on {layer.path} ({type(layer).__name__})")
         if (layer.lora_rank, layer.lora_alpha) != (rank, alpha):

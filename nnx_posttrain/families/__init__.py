@@ -26,6 +26,7 @@ from nnx_posttrain.families.base import (  # noqa: F401  (the records, re-export
     Decoding,
     Export,
     ExportError,
+    ExpertLayer,
     Family,
     LayerSpec,
     MoE,
@@ -37,7 +38,8 @@ from nnx_posttrain.families.base import (  # noqa: F401  (the records, re-export
 from nnx_posttrain.families.gemma import GEMMA, GEMMA3
 from nnx_posttrain.families.gemma4 import GEMMA4
 from nnx_posttrain.families.llama import LLAMA2, LLAMA3, MISTRAL
-from nnx_posttrain.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
+from nnx_posttrain.families.gpt_oss import GPT_OSS
+from nnx_posttrain.families.moe import MIXTRAL, QWEN3_MOE
 from nnx_posttrain.families.phi3 import PHI3
 from nnx_posttrain.families.qwen import QWEN2, QWEN3
 from nnx_posttrain.families.qwen3_5 import QWEN3_5

@@ -128,6 +128,21 @@ TINY_DIMS = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, hidden_dim
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertLayer:
+    """The layer of a MoE block that holds its stacked experts, for LoRA on them
+    (``model.expert_lora``): ``cls``: its KerasHub class name; ``kernels``: {kernel name (the
+    variable's, a ``--lora.targets`` name): the layer's attribute holding it, [E, in, out]};
+    ``call(layer, project, *args, **kwargs)``: the layer's ``call`` with each kernel product
+    written ``project(name, equation, x)`` (the einsum of ``x`` and that kernel in ``x``'s dtype,
+    plus its adapters' term where LoRA is on): KerasHub's computation, which LoRA at zero
+    reproduces exactly (tests/test_expert_lora.py)."""
+
+    cls: str
+    kernels: dict[str, str]
+    call: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class MoE:
     """A mixture-of-experts family's routing (``model.router``, ``losses.router``):
     ``router(block)``: the layer whose output is the block's router logits [rows, experts]
@@ -135,13 +150,16 @@ class MoE:
     ``aux_coef(backbone)``: the load-balancing loss coefficient of the family's released config
     (transformers' ``router_aux_loss_coef``; 0 where its config has none, as TRL reads it);
     ``experts(backbone)``: the experts of each MoE layer (0: a model of the family without any),
-    which ``--mesh.expert`` must divide (``sharding.check_experts``). A family's sharding rules
-    map its stacked experts' leading dimension to the logical axis ``expert``."""
+    which ``--mesh.expert`` must divide (``sharding.check_experts``); ``expert_layer``: the
+    layer holding the stacked experts, for LoRA on them (``ExpertLayer``; None: not adaptable).
+    A family's sharding rules map its stacked experts' leading dimension to the logical axis
+    ``expert``."""
 
     router: Callable[[Any], Any]
     top_k: Callable[[Any], int]
     aux_coef: Callable[[Any], float]
     experts: Callable[[Any], int] = lambda backbone: int(backbone.num_experts)
+    expert_layer: ExpertLayer | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +182,8 @@ class Family:
     - ``attention``: {attention layer class name: reader} (``LayerSpec`` or a reason);
     - ``sharding``: ``(regex on the variable path, logical axis per dimension)`` rules, anchored
       on the family's own path names (``sharding.RULES`` holds every family's);
-    - ``lora``: the layer names of ``--lora.targets attention`` and ``mlp`` (``Unsupported``:
-      a family whose MLP is stacked experts, not layers);
+    - ``lora``: the layer names of ``--lora.targets attention`` and ``mlp`` (a mixture of
+      experts': its stacked expert kernels' names too, ``MoE.expert_layer``);
     - ``export``: ``Export``; ``decoding``: ``Decoding``; ``context_length``: the longest context
       of the released checkpoints (rotary positions beyond it are untrained);
     - ``hf_model_types``: the Hugging Face ``model_type`` values KerasHub converts to this

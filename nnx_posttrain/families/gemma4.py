@@ -1,6 +1,7 @@
 """Gemma 4 (``Gemma4Backbone``, text): E2B / E4B (per-layer inputs, KV-shared trailing layers),
 31B, and the 26B-A4B mixture of experts (a dense MLP and 128 experts side by side: its
-router logits for the load-balancing loss, coefficient 0 as TRL reads its config; not exported).
+router logits for the load-balancing loss, coefficient 0 as TRL reads its config; its experts
+exported fused as transformers holds them, and adaptable by LoRA: ``EXPERTS``).
 
 Gemma's layout (``decoder_block_i/attention/...``: q / k / v [heads, hidden, head_dim]) with
 scale 1.0 (q / k norms instead), a scale-free value norm, local layers over a sliding window and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from nnx_posttrain.families.base import (
     Decoding,
+    ExpertLayer,
     Export,
     Family,
     LayerSpec,
@@ -113,13 +115,53 @@ _RULES = [
     (rf"{_B}/post_per_layer_input_norm/scale", "model.layers.{}.post_per_layer_input_norm.weight", None),
     (r"final_normalization/scale", "model.norm.weight", None),
 ]
+# 26B-A4B's MoE path (transformers' ``Gemma4TextDecoderLayer`` with ``enable_moe_block``): its
+# norms, the router (its per-dimension ``scale``, ``proj``, and the per-expert output scale,
+# which KerasHub's expert bank applies to each expert's output and transformers' router to its
+# weight: the same product), the experts fused as transformers holds them: gate | up
+# [E, 2 x I, hidden] (KerasHub's gate and up [E, hidden, I], each transposed, concatenated),
+# down [E, hidden, I] (KerasHub's [E, I, hidden], transposed)
+_T = ("transpose", (0, 2, 1))
+_MOE_RULES = [
+    (rf"{_B}/post_ffw_norm_dense/scale", "model.layers.{}.post_feedforward_layernorm_1.weight", None),
+    (rf"{_B}/pre_ffw_norm_moe/scale", "model.layers.{}.pre_feedforward_layernorm_2.weight", None),
+    (rf"{_B}/post_ffw_norm_moe_path/scale", "model.layers.{}.post_feedforward_layernorm_2.weight", None),
+    (rf"{_B}/moe_router/per_dim_scale", "model.layers.{}.router.scale", None),
+    (rf"{_B}/moe_router/proj/kernel", "model.layers.{}.router.proj.weight", ((1,), (0,))),
+    (rf"{_B}/moe_expert_bank/per_expert_scale", "model.layers.{}.router.per_expert_scale", None),
+    (rf"{_B}/moe_expert_bank/gate_proj", "model.layers.{}.experts.gate_up_proj", ("part", 0, 1, _T)),
+    (rf"{_B}/moe_expert_bank/up_proj", "model.layers.{}.experts.gate_up_proj", ("part", 1, 1, _T)),
+    (rf"{_B}/moe_expert_bank/down_proj", "model.layers.{}.experts.down_proj", _T),
+]
+
+
+def experts_call(layer, project, x, dispatch_weights):
+    """``Gemma4MoEBlock.call`` (``ExpertLayer.call``): every expert's gate and up products, the
+    tanh GELU of the gate in float32, down, each expert's output scale, combined by the router's
+    dispatch weights [tokens, E]; [tokens, hidden]."""
+    import keras
+    from keras import ops
+
+    dtype = x.dtype
+    gate = project("gate_proj", "th,ehi->eti", x)
+    up = project("up_proj", "th,ehi->eti", x)
+    gate = ops.cast(keras.activations.gelu(ops.cast(gate, "float32"), approximate=True), dtype)
+    out = project("down_proj", "eti,eih->eth", gate * up)
+    out = out * ops.reshape(ops.cast(layer.per_expert_scale, dtype), (layer.num_experts, 1, 1))
+    weights = ops.transpose(ops.cast(dispatch_weights, dtype), (1, 0))
+    return ops.sum(out * weights[:, :, None], axis=0)
+
+
+EXPERTS = ExpertLayer("Gemma4MoEBlock", {k: k for k in ("gate_proj", "up_proj", "down_proj")},
+                      experts_call)
 
 
 def export_rules(backbone) -> list:
-    """The text model's names; with a vision encoder, ``gemma4_vision``'s."""
+    """The text model's names (26B-A4B's experts too); with a vision encoder, ``gemma4_vision``'s."""
+    rules = list(_RULES) + (list(_MOE_RULES) if backbone.enable_moe_block else [])
     if backbone.vision_encoder is None:
-        return list(_RULES)
-    return gemma4_vision.rules(_RULES)
+        return rules
+    return gemma4_vision.rules(rules)
 
 
 def config(b) -> dict:
@@ -132,7 +174,6 @@ def config(b) -> dict:
     refuse("Gemma4Backbone", [p for p, bad in (
         ("an audio encoder", b.audio_encoder is not None),
         ("bidirectional attention (an embedding model)", b.use_bidirectional_attention),
-        ("a mixture of experts (not verified yet)", b.enable_moe_block),
         (f"rope scaling factors {b.local_rope_scaling_factor} / {b.global_rope_scaling_factor}",
          (b.local_rope_scaling_factor, b.global_rope_scaling_factor) != (1.0, 1.0)),
         ("KV-shared layers without per-layer inputs (transformers 5.24 cannot build it)",
@@ -187,12 +228,12 @@ GEMMA4 = Family(
     attention={"Gemma4TextAttention": attention},
     sharding=SHARDING,
     lora={"attention": ("query", "key", "value", "attention_output"),
-          "mlp": ("ffw_gating", "ffw_gating_2", "ffw_linear")},
+          "mlp": ("ffw_gating", "ffw_gating_2", "ffw_linear", *EXPERTS.kernels)},
     export=Export(export_rules, config,
                   "text (`gemma4_text`): per-layer inputs, KV-shared layers, global layers with "
-                  "their own head dim and kv heads (keys = values); not the 26B-A4B experts yet; "
-                  "with its vision encoder (`gemma4`: `Gemma4ForConditionalGeneration`, vision "
-                  "tower and `embed_vision`; logits with images checked)",
+                  "their own head dim and kv heads (keys = values), 26B-A4B's experts (fused "
+                  "gate | up); with its vision encoder (`gemma4`: `Gemma4ForConditionalGeneration`, "
+                  "vision tower and `embed_vision`; logits with images checked)",
                   tokenizer=vision_tokenizer,
                   image_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
                   processor=image_processors.gemma4),
@@ -223,7 +264,7 @@ GEMMA4 = Family(
     # leaves the loss off: coefficient 0, aux_loss and tokens per expert still logged
     moe=MoE(lambda block: getattr(getattr(block, "moe_router", None), "proj", None),
             lambda b: int(b.num_experts_per_token), lambda b: 0.0,
-            lambda b: int(b.num_experts) if b.enable_moe_block else 0),
+            lambda b: int(b.num_experts) if b.enable_moe_block else 0, expert_layer=EXPERTS),
     # the MLP the blocks read as arrays; 26B-A4B's router (``moe_router/proj``): int8 would flip
     # which experts a token goes to
     quantize_skip=("ffw_gating", "ffw_gating_2", "ffw_linear", "proj"),

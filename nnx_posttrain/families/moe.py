@@ -1,5 +1,5 @@
 """The Llama-layout mixtures of experts: Qwen3-MoE (``Qwen3MoeBackbone``, 30B-A3B, 235B-A22B),
-Mixtral (``MixtralBackbone``, 8x7B) and GPT-OSS (``GptOssBackbone``, 20b / 120b).
+Mixtral (``MixtralBackbone``, 8x7B); GPT-OSS (``families.gpt_oss``) reuses their routing helpers.
 
 Attention and norms are the Llama layout (``llama.SHARDING``; Qwen 3's q / k norms); each block's
 MLP is a sparse MoE block (``transformer_layer_i/<name>_sparse_moe_block_j/``): a router Dense
@@ -9,16 +9,16 @@ Mixtral: gate, up [E, hidden, I], down [E, I, hidden]). KerasHub computes every 
 token and drops the router logits (research P6, P7): ``model.router`` captures them for the
 load-balancing loss (``losses.router``). The experts' leading dimension is sharded over the
 ``expert`` mesh axis (``--mesh.expert``, ``sharding``). The stacked experts are not layers: LoRA
-targets their attention (and Qwen3-MoE's dense MLP layers, ``mlp_only_layers``), int8 leaves the
-experts in float.
+on them is per-expert factors in their einsum (``model.expert_lora``, ``ExpertLayer``: each
+family's experts computation), int8 leaves the experts in float.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import re
 
-from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export, Family, MoE,
-                                         Preset, Unsupported, refuse)
+from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, ExpertLayer, Export,
+                                         Family, MoE, Preset, refuse)
 from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
 from nnx_posttrain.families.qwen import chatml_tokenizer
 
@@ -120,8 +120,37 @@ def mixtral_config(b) -> dict:
                 tie_word_embeddings=False)
 
 
-_EXPERT_LORA = Unsupported("the experts are stacked weights, not layers: --lora.targets mlp "
-                           "(per-expert adapters) is not implemented; use attention")
+def gate_up_experts_call(layer, project, hidden_states):
+    """``Qwen3MoeExperts.call`` (``ExpertLayer.call``): gate | up in one product,
+    ``up * act(gate)``, then down."""
+    from keras import ops
+
+    gate, up = ops.split(project("expert_feedforward_gate_dense", "th,ehm->etm", hidden_states),
+                         2, axis=-1)
+    return project("expert_feedforward_output_dense", "eti,eih->eth", up * layer.activation(gate))
+
+
+def mixtral_experts_call(layer, project, hidden_states):
+    """``MixtralMoeExperts.call`` (``ExpertLayer.call``): ``intermediate * act(gate)`` (the
+    activation in float32), then down."""
+    from keras import ops
+
+    gate = project("expert_feedforward_gate_dense", "th,ehm->etm", hidden_states)
+    gate = ops.cast(layer.activation(ops.cast(gate, "float32")), layer.compute_dtype)
+    up = project("expert_feedforward_intermediate_dense", "th,ehm->etm", hidden_states)
+    return project("expert_feedforward_output_dense", "eti,eih->eth", up * gate)
+
+
+def expert_kernels(*names: str) -> dict[str, str]:
+    """{kernel name: the experts layer's attribute} of KerasHub's ``_<name>`` weights."""
+    return {f"expert_feedforward_{n}_dense": f"_expert_feedforward_{n}_dense" for n in names}
+
+
+QWEN3_MOE_EXPERTS = ExpertLayer("Qwen3MoeExperts", expert_kernels("gate", "output"),
+                                gate_up_experts_call)
+MIXTRAL_EXPERTS = ExpertLayer("MixtralMoeExperts",
+                              expert_kernels("gate", "intermediate", "output"),
+                              mixtral_experts_call)
 
 
 def router_layer(*attributes: str):
@@ -141,6 +170,21 @@ def _router(attribute: str):
     return router
 
 
+_COUNTED = re.compile(r"_sparse_moe_block_\d+/")
+
+
+def prepare(backbone) -> None:
+    """``Family.prepare``: KerasHub names Qwen3-MoE's and Mixtral's MoE blocks by a process-wide
+    counter (``qwen3_sparse_moe_block_5``: the number of such blocks built before), so their
+    variables' paths (the checkpoint's keys of full fine-tuning and of expert LoRA) would differ
+    between the process that trains and one that loads the checkpoint after building other
+    models; each becomes its block's ``..._sparse_moe_block``. Idempotent."""
+    for v in backbone.weights:
+        fixed = _COUNTED.sub("_sparse_moe_block/", v.path)
+        if fixed != v.path:
+            v._path = fixed  # Keras mirrors it into the NNX metadata that split / merge keep
+
+
 # int8 leaves the routers (a [hidden, experts] matrix each): rounding them flips which experts a
 # token goes to (bitsandbytes users skip the "gate" likewise)
 _ROUTER_SKIP = ("sparse_feedforward_gate_dense",)
@@ -154,7 +198,8 @@ QWEN3_MOE = Family(
     chat_format="qwen3",
     attention={"Qwen3MoeAttention": qwen3_moe_attention},
     sharding=SHARDING_MOE,
-    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    lora={"attention": LORA["attention"],  # mlp: its dense layers (mlp_only_layers), experts
+          "mlp": (*LORA["mlp"], *QWEN3_MOE_EXPERTS.kernels)},
     export=Export(qwen3_moe_rules, qwen3_moe_config,
                   "`qwen3_moe` (every layer sparse, no window), one tensor per expert",
                   tokenizer=chatml_tokenizer),
@@ -171,9 +216,11 @@ QWEN3_MOE = Family(
         tie_word_embeddings=False), 151_669)},
     tiny={"qwen3_moe": dict(_TINY, intermediate_dim=64, moe_intermediate_dim=16, head_dim=8,
                             norm_top_k_prob=True)},
+    prepare=prepare,
     quantize_skip=_ROUTER_SKIP,
     moe=MoE(_router("mlp"), lambda b: int(b.top_k),
-            lambda b: float(b.router_aux_loss_coefficient)),  # 0.001 (30B-A3B's config)
+            lambda b: float(b.router_aux_loss_coefficient),  # 0.001 (30B-A3B's config)
+            expert_layer=QWEN3_MOE_EXPERTS),
 )
 
 MIXTRAL = Family(
@@ -183,7 +230,7 @@ MIXTRAL = Family(
     chat_format="mistral",
     attention={"CachedMixtralAttention": mixtral_attention},
     sharding=SHARDING_MOE,
-    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
+    lora={"attention": LORA["attention"], "mlp": tuple(MIXTRAL_EXPERTS.kernels)},
     export=Export(mixtral_rules, mixtral_config,
                   "`mixtral` (its sliding window too), one tensor per expert (w1 / w3 / w2)"),
     decoding=SELF_ATTENTION_CACHE,
@@ -197,57 +244,9 @@ MIXTRAL = Family(
         rope_max_wavelength=1e6, layer_norm_epsilon=1e-5,
         sliding_window=None), 32_000)},  # KerasHub's default window is 512: 8x7B has none
     tiny={"mixtral": dict(_TINY, intermediate_dim=16, sliding_window=8)},
+    prepare=prepare,
     quantize_skip=_ROUTER_SKIP,
     moe=MoE(_router("_sparse_moe_block"), lambda b: int(b.top_k),
-            lambda b: float(b.router_aux_loss_coef)),  # 0.02 (8x7B's config)
-)
-
-
-def gpt_oss_attention(layer, training: bool):
-    """``GptOssAttention``: the Llama layout's scaled scores and repeated keys / values, its
-    learned attention sinks (the ``sinks`` variable: one logit per query head, appended to the
-    scores of every softmax and its probability dropped), and on odd layers a sliding window:
-    KerasHub's mask keeps keys ``kv_pos >= q_pos - sliding_window``, W + 1 keys (even layers
-    have none). (Transformers' and OpenAI's windows are W keys: beyond 128 positions the two
-    models differ, research P2.)"""
-    window = layer.sliding_window + 1 if layer.sliding_window else None
-    return dataclasses.replace(llama_like(layer, window), sinks=layer.sinks)
-
-
-SHARDING_GPT_OSS = SHARDING + (
-    (r"transformer_layer_\d+/sparse_moe_block/router/router_dense/kernel$", (F, None)),
-    # experts: gate / up interleaved [E, hidden, 2 x I] (+ bias [E, 2 x I]), down [E, I, hidden]
-    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj$", (E, F, T)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/gate_up_proj_bias$", (E, T)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj$", (E, T, F)),
-    (r"transformer_layer_\d+/sparse_moe_block/experts/down_proj_bias$", (E, None)),
-)
-
-GPT_OSS = Family(
-    name="gpt_oss",
-    backbone="GptOssBackbone",
-    classes=("GptOssCausalLM", "GptOssCausalLMPreprocessor", "GptOssTokenizer"),
-    chat_format="harmony",
-    attention={"GptOssAttention": gpt_oss_attention},
-    sharding=SHARDING_GPT_OSS,
-    lora={"attention": LORA["attention"], "mlp": _EXPERT_LORA},
-    export=Unsupported("GPT-OSS has no verified Hugging Face export (KerasHub's windows differ "
-                       "from transformers', research P2); use --format keras"),
-    decoding=SELF_ATTENTION_CACHE,
-    context_length=131_072,
-    hf_model_types=("gpt_oss",),  # KerasHub reads the published MXFP4 checkpoints only
-    short_names={"gpt_oss_20b": "gpt_oss_20b_en"},
-    tokenizer="bpe-gpt_oss",
-    presets={"gpt_oss_20b": Preset(dict(
-        vocabulary_size=201_088, num_layers=24, num_query_heads=64, num_key_value_heads=8,
-        hidden_dim=2880, intermediate_dim=2880, num_experts=32, top_k=4, head_dim=64,
-        sliding_window=128, rope_max_wavelength=150_000,
-        rope_scaling_factor=32.0,  # YaRN: the published config's rope_scaling (research P2c)
-        layer_norm_epsilon=1e-5), 200_019)},
-    tiny={"gpt_oss": dict(_TINY, intermediate_dim=16, head_dim=8, sliding_window=4)},
-    # top-k of the router's logits, softmax over the k; gpt-oss-20b's config.json:
-    # router_aux_loss_coef 0.9 (KerasHub's backbone keeps none)
-    quantize_skip=("router_dense",),
-    moe=MoE(router_layer("sparse_moe_block", "router", "router_dense"), lambda b: int(b.top_k),
-            lambda b: 0.9),
+            lambda b: float(b.router_aux_loss_coef),  # 0.02 (8x7B's config)
+            expert_layer=MIXTRAL_EXPERTS),
 )

@@ -17,8 +17,8 @@ leading dimension is on the ``expert`` mesh axis (``--mesh.expert``).
 from __future__ import annotations
 
 from nnx_posttrain.families import qwen3_5
-from nnx_posttrain.families.base import Export, Family, MoE, Preset, Unsupported
-from nnx_posttrain.families.moe import expert_rules, router_layer
+from nnx_posttrain.families.base import ExpertLayer, Export, Family, MoE, Preset
+from nnx_posttrain.families.moe import expert_kernels, expert_rules, router_layer
 from nnx_posttrain.families.qwen import chatml_tokenizer
 
 F, T, E = "fsdp", "tensor", "expert"
@@ -67,11 +67,21 @@ def export_config(b) -> dict:
                 router_aux_loss_coef=b.router_aux_loss_coefficient, output_router_logits=False)
 
 
-_LORA_MLP = Unsupported(
-    "the routed experts are stacked weights, not layers: --lora.targets mlp (per-expert "
-    "adapters) is not implemented; use attention, or name the shared expert's layers "
-    "(--lora.targets feedforward_gate_dense,feedforward_intermediate_dense,"
-    "feedforward_output_dense)")
+def experts_call(layer, project, hidden_states):
+    """``Qwen3_5MoeExperts.call`` (``ExpertLayer.call``): gate | up in one product,
+    ``up * silu(gate)`` (SiLU in float32), then down."""
+    from keras import ops
+
+    gate, up = ops.split(project("expert_feedforward_gate_dense", "th,ehm->etm", hidden_states),
+                         2, axis=-1)
+    gate = ops.cast(ops.silu(ops.cast(gate, "float32")), hidden_states.dtype)
+    return project("expert_feedforward_output_dense", "eti,eih->eth", up * gate)
+
+
+EXPERTS = ExpertLayer("Qwen3_5MoeExperts", expert_kernels("gate", "output"), experts_call)
+# --lora.targets mlp: the shared expert's layers and the routed experts' kernels
+_LORA_MLP = ("feedforward_gate_dense", "feedforward_intermediate_dense",
+             "feedforward_output_dense", *EXPERTS.kernels)
 
 # The tiny configuration: the dense family's (a Gated DeltaNet block, then a full-attention
 # block), each with 4 experts (top 2) and a shared expert
@@ -115,6 +125,7 @@ QWEN3_5_MOE = Family(
     # int8 leaves the routers in float (rounding them flips which experts a token goes to)
     quantize_skip=("router_gate",),
     moe=MoE(router_layer("mlp", "_router_gate"), lambda b: int(b.top_k),
-            lambda b: float(b.router_aux_loss_coefficient)),  # 0.001 (35B-A3B's config)
+            lambda b: float(b.router_aux_loss_coefficient),  # 0.001 (35B-A3B's config)
+            expert_layer=EXPERTS),
     recurrent=qwen3_5.QWEN3_5.recurrent,
 )

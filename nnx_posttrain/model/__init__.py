@@ -10,6 +10,8 @@ its chat template. Around it:
 - ``names``: what ``--model`` names (preset short names, built-in configurations, directories);
 - ``dtypes``: ``--dtype``'s names, a checkpoint's stored dtype, ``--dtype auto``, weight bytes;
 - ``lora``: the trainable-variable filter, ``split``, LoRA and its off switch (the reference model);
+- ``expert_lora``: LoRA on a mixture of experts' stacked kernels (per-expert factors in the
+  experts' einsum), its merge;
 - ``quantize``: a weight-only int8 frozen base under LoRA (QLoRA-style), and its inverse for export;
 - ``blocks``: overriding a method of every decoder block for one call (``override_blocks``): the
   packed-row attention mask, remat;

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_posttrain import errors, families
+from nnx_posttrain.model import expert_lora
 
 # Layer names most KerasHub decoder families give their attention projections; a family's own
 # (``families``: ``lora["attention"]``, ``lora["mlp"]``) name ``attention`` and ``mlp``.
@@ -22,23 +23,33 @@ ATTENTION_LAYERS = ("query", "key", "value", "attention_output")
 LORA_TARGETS = {
     "qv": ("query", "value"),  # KerasHub's own default
     "attention": ATTENTION_LAYERS,  # the family's attention projections
-    "mlp": (),  # the family's MLP projections
-    "all-linear": None,  # every Dense / EinsumDense of the decoder blocks
+    "mlp": (),  # the family's MLP projections (a mixture of experts': its expert kernels too)
+    "experts": (),  # a mixture of experts' stacked expert kernels (``model.expert_lora``)
+    "all-linear": None,  # every Dense / EinsumDense of the decoder blocks (not the experts)
 }
 
 
 def target_names(module, targets: str) -> tuple[str, ...] | None:
     """The layer names ``targets`` selects in ``module`` (None: every linear layer): 'qv',
     'attention' and 'mlp' as the module's family names its projections (``families``),
-    'all-linear', or comma-separated names."""
+    'experts' (a mixture of experts' stacked kernels), 'all-linear', or comma-separated names
+    (layers' or expert kernels')."""
     family = families.of(module)
+    if targets == "experts":
+        names = expert_lora.kernel_names(module)
+        if not names:
+            raise errors.ConfigError(f"--lora.targets experts: {type(module).__name__} has no "
+                                     "stacked experts LoRA can adapt")
+        return names
     if targets in ("attention", "mlp") and family is not None:
         if isinstance(family.lora[targets], families.Unsupported):
             raise errors.ConfigError(f"--lora.targets {targets}: {family.lora[targets].reason}")
         return family.lora[targets]
     if targets in LORA_TARGETS:
         return LORA_TARGETS[targets]
-    return tuple(t.strip() for t in targets.split(",") if t.strip())
+    names = [t.strip() for t in targets.split(",") if t.strip()]  # 'experts' among names: theirs
+    return tuple(n for t in names for n in (expert_lora.kernel_names(module) if t == "experts"
+                                            else (t,)))
 
 
 def trainable_filter(path, value) -> bool:
@@ -112,9 +123,10 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     """Freeze every weight and add LoRA factors (scale alpha / rank) to the target layers.
 
     ``targets``: 'qv' (KerasHub's default), 'attention' (q, k, v, o), 'mlp' (the MLP's
-    projections), 'all-linear' (every Dense or EinsumDense of the decoder blocks), or
-    comma-separated layer names (``target_names``); none of these names a layer of a vision
-    encoder (``vision.freeze_tower``). A vision model's encoder is adapted only where the
+    projections; a mixture of experts': its stacked expert kernels too), 'experts' (those
+    alone: per-expert factors, ``model.expert_lora``), 'all-linear' (every Dense or EinsumDense
+    of the decoder blocks), or comma-separated layer or expert kernel names (``target_names``);
+    none of these names a layer of a vision encoder (``vision.freeze_tower``). A vision model's encoder is adapted only where the
     comma-separated list names its groups (``vision.VISION_LORA``): 'projector' (its projection
     into the language model), 'vision-attention' (the tower's attention projections), with the
     language model's targets or alone (e.g. 'attention,projector', 'projector'). The A factors
@@ -129,7 +141,8 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
     language, groups = split_targets(targets)
-    chosen = _language_layers(module, target_names(module, language)) if language else []
+    names = target_names(module, language) if language else ()
+    chosen = _language_layers(module, names) if language else []
     chosen += vision.lora_layers(module, groups) if groups else []
     for layer in module._flatten_layers(include_self=False):
         layer.trainable = False
@@ -142,11 +155,15 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
         layer_seed = int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
         layer.enable_lora(rank, lora_alpha=alpha,
                           a_initializer=keras.initializers.HeUniform(seed=layer_seed))
-    if not chosen:
+    adapted = [layer.path for layer in chosen]
+    for layer in expert_lora.expert_layers(module) if names else ():
+        stream = int(np.random.SeedSequence([seed, len(adapted)]).generate_state(1)[0] >> 1)
+        adapted += expert_lora.enable(layer, names, rank, alpha, stream, factor_dtype)
+    if not adapted:
         raise ValueError(
             f"LoRA targets {targets!r} matched no Dense/EinsumDense layer of {type(module).__name__}"
         )
-    return [layer.path for layer in chosen]
+    return adapted
 
 
 def _routers(module) -> set[int]:

@@ -31,6 +31,7 @@ import keras
 import numpy as np
 
 from nnx_posttrain import families
+from nnx_posttrain.model import expert_lora
 from nnx_posttrain.model.lora import lora_delta
 
 MODES = ("none", "int8")
@@ -185,13 +186,21 @@ def dequantized_into(source, target) -> list[str]:
     """Write ``source``'s effective weights into ``target``, an unquantized model of the same
     architecture (int8 layers dequantized, LoRA deltas added; every other variable copied);
     returns the paths of the layers whose LoRA delta was merged."""
-    targets = {layer.path: layer for layer in target._flatten_layers(include_self=False)}
+    sources = source._flatten_layers(include_self=False)
+    targets = target._flatten_layers(include_self=False)  # the same order (not by path: KerasHub
+    # names some layers by a process-wide counter, Qwen3-MoE's and Mixtral's MoE blocks)
+    if [expert_lora.base_class(l).__name__ for l in sources] != [type(l).__name__ for l in targets]:
+        raise ValueError("dequantized_into: the two models' layers differ")
     merged = []
-    for layer in source._flatten_layers(include_self=False):
-        into = targets[layer.path]
+    for layer, into in zip(sources, targets):
         weights = float_weights(layer) if getattr(layer, "quantization_mode", None) else {}
         if weights and getattr(layer, "lora_enabled", False):
             weights["kernel"] = weights["kernel"] + lora_delta(layer)
+            merged.append(layer.path)
+        elif getattr(layer, "lora_enabled", False) and expert_lora.spec_of(layer) is not None:
+            weights = {expert_lora.spec_of(layer).kernels[name]: expert_lora.delta(layer, name)
+                       + _f32(getattr(layer, expert_lora.spec_of(layer).kernels[name]))
+                       for name in layer.lora_kernels}  # stacked experts: kernel + delta
             merged.append(layer.path)
         own = {v.name: v for v in [*layer._trainable_variables, *layer._non_trainable_variables]}
         for variable in [*into._trainable_variables, *into._non_trainable_variables]:
