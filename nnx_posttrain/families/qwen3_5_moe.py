@@ -117,4 +117,5 @@ QWEN3_5_MOE = Family(
     moe=MoE(router_layer("mlp", "_router_gate"), lambda b: int(b.top_k),
             lambda b: float(b.router_aux_loss_coefficient)),  # 0.001 (35B-A3B's config)
     recurrent=qwen3_5.QWEN3_5.recurrent,
+    recurrent_call=qwen3_5.QWEN3_5.recurrent_call,
 )
