@@ -82,7 +82,9 @@ def _router_outputs(bb, x):
         return call
 
     routers = [family.moe.router(b) for b in model.decoder_blocks(bb)]
-    with model.blocks.shadowed(routers, "call", keep):
+    # eager; Qwen 3.5 MoE's Gated DeltaNet as the package's forward runs it (KerasHub's delta
+    # rule, eager, compiles hundreds of operations one shape at a time: tens of seconds)
+    with model.blocks.shadowed(routers, "call", keep), model.blocks.recurrent_calls(bb):
         bb(backbone_inputs(bb, x, jnp.ones_like(x)))
     return outs
 
@@ -125,8 +127,7 @@ def test_all_linear_lora_leaves_the_routers(variant):
 def test_qwen3_5_moes_router_logits_and_aux_loss_are_transformers(tmp_path):
     """Qwen 3.5 MoE (a shared expert beside the routed ones, outside the routing): exported,
     transformers 5.24's ``Qwen3_5MoeForCausalLM`` computes the same router logits per layer as
-    the captured ones and the same ``aux_loss`` as ``losses.router`` (left padding masked).
-    Slow: compiling the Gated DeltaNet's chunked recurrence (~13 s on a CPU core)."""
+    the captured ones and the same ``aux_loss`` as ``losses.router`` (left padding masked)."""
     from transformers import AutoModelForCausalLM
 
     from nnx_posttrain.export import hf
