@@ -34,7 +34,7 @@ def _kerashub_rule(chunk_size, query, key, value, g, beta, initial_state):
 
 
 def _own_rule(chunk_size, query, key, value, g, beta, initial_state):
-    return gated_delta_net.chunked_delta_rule(query, key, value, g, beta, chunk_size,
+    return gated_delta_net.chunked_delta_rule((query, key, value), g, beta, chunk_size,
                                               initial_state)
 
 

@@ -62,7 +62,7 @@ MOE = [v for f in families.FAMILIES.values() if f.moe for v, kw in f.tiny.items(
        if kw.get("num_experts")]
 
 
-# Qwen 3.5 MoE's Gated DeltaNet makes its eager reference and compile ~10 s: the full suite's
+# Qwen 3.5 MoE's (a shared expert beside the routed ones): the full suite's
 @pytest.fixture(scope="module", params=[pytest.param(v, marks=pytest.mark.slow)
                                         if v == "qwen3_5_moe" else v for v in MOE])
 def moe(request):

@@ -186,8 +186,9 @@ class Family:
       instead of softmax attention (Qwen 3.5's Gated DeltaNet): the attention path leaves those
       blocks to KerasHub's code, and rows whose examples such a state would cross (packed rows,
       shared-prompt pairs) are refused or not built; ``recurrent_call(layer, original, *args,
-      **kwargs)``: such a layer's ``call`` in the package's forward passes (``original``: KerasHub's,
-      bound), None: KerasHub's (Qwen 3.5's: its delta rule as a scan, ``gated_delta_net``).
+      **kwargs)``: such a layer's ``call`` in the package's forward passes (``original``:
+      KerasHub's, bound), None: KerasHub's (Qwen 3.5's: its delta rule as a scan,
+      ``gated_delta_net``).
     """
 
     name: str

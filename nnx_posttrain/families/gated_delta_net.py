@@ -35,10 +35,12 @@ def _chunks(x, chunk: int):
     return jnp.moveaxis(x, 2, 0)
 
 
-def chunked_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None):
-    """The gated delta rule of KerasHub's ``_chunk_gated_delta_rule``: query / key [B, T, H, dk],
-    value [B, T, H, dv], the log decay ``g`` and the write strength ``beta`` [B, T, H]; returns
-    (output [B, T, H, dv] in the query's dtype, final state [B, H, dk, dv] float32)."""
+def chunked_delta_rule(qkv: tuple, g, beta, chunk_size: int = 64, initial_state=None):
+    """The gated delta rule of KerasHub's ``_chunk_gated_delta_rule``: ``qkv`` = (query, key,
+    value), query / key [B, T, H, dk], value [B, T, H, dv]; the log decay ``g`` and the write
+    strength ``beta`` [B, T, H]; the state to start from (None: zeros). Returns (output
+    [B, T, H, dv] in the query's dtype, final state [B, H, dk, dv] float32)."""
+    query, key, value = qkv
     t, dtype = query.shape[1], query.dtype
     heads = lambda x: jnp.swapaxes(x, 1, 2).astype(jnp.float32)  # noqa: E731  [B, H, T, ...]
     q = heads(_l2norm(query)) * query.shape[-1] ** -0.5
@@ -74,15 +76,15 @@ def chunked_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial
     return jnp.swapaxes(out, 1, 2).astype(dtype), state
 
 
-def delta_net_call(layer, original, hidden_states, attention_mask=None, cache=None,
-                   cache_update_index=None, training=None):
+def delta_net_call(layer, original, hidden_states, attention_mask=None, cache=None, **kwargs):
     """``Qwen3_5GatedDeltaNet.call`` (``layer``) without a cache: KerasHub 0.32's code with the
-    delta rule of ``chunked_delta_rule``; with a cache (decoding), KerasHub's own (``original``)."""
+    delta rule of ``chunked_delta_rule``; with a cache (decoding), KerasHub's own (``original``).
+    ``kwargs``: ``cache_update_index`` and ``training``, which the call without a cache ignores
+    as KerasHub's does."""
     from keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net import _causal_conv1d
 
     if cache is not None:
-        return original(hidden_states, attention_mask=attention_mask, cache=cache,
-                        cache_update_index=cache_update_index, training=training)
+        return original(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)
     if attention_mask is not None and attention_mask.ndim == 2:
         hidden_states = hidden_states * ops.cast(attention_mask[..., None], hidden_states.dtype)
     batch, length = hidden_states.shape[:2]
@@ -100,7 +102,7 @@ def delta_net_call(layer, original, hidden_states, attention_mask=None, cache=No
     if layer.num_v_heads // layer.num_k_heads > 1:
         query, key = (ops.repeat(x, layer.num_v_heads // layer.num_k_heads, axis=2)
                       for x in (query, key))
-    core, _ = chunked_delta_rule(query, key, value, g, beta)
+    core, _ = chunked_delta_rule((query, key, value), g, beta)
     z = ops.reshape(layer.in_proj_z(hidden_states), (-1, layer.head_v_dim))
     core = layer.norm(ops.reshape(core, (-1, layer.head_v_dim))) * activations.silu(z)
     return layer.out_proj(ops.reshape(core, (batch, length, -1)))

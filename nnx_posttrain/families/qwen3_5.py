@@ -17,8 +17,8 @@ two kinds, by ``layer_types``:
   (``Family.recurrent``), but for the delta rule of the training forward, computed as a scan
   over chunks (``gated_delta_net``, ``Family.recurrent_call``). Its state runs along the whole
   row: packed rows and shared-prompt pairs, whose examples it would cross, are refused
-  (``model.hidden_states``) or not built (``algorithms.shared_prompt``). A padding position's input is zeroed by the layer itself,
-  which leaves a zero state zero: left padding is exact.
+  (``model.hidden_states``) or not built (``algorithms.shared_prompt``). A padding position's
+  input is zeroed by the layer itself, which leaves a zero state zero: left padding is exact.
 
 The released 0.8B to 27B checkpoints are vision-language models; the text tower is what this
 family trains (a vision tower stays with KerasHub's attention, ``model.attention``).
