@@ -64,8 +64,10 @@ def _refused_packed(bb, implementation, **kwargs) -> bool:
 
 
 def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
-    """The hidden states at the real positions, compiled (eager, each of the forward's
-    operations compiles for its own shape: seconds per family on a cold compilation cache)."""
+    """The hidden states at the real positions; compiled for a backbone with recurrent blocks
+    (eager, each operation of Qwen 3.5's forward compiles for its own shape: ~50 s on a cold
+    compilation cache, 5 s compiled), eager for the others (compiling the interpreted splash
+    kernel costs more than running it: 73 s eager, 164 s compiled for the fast tier's cases)."""
     ids, mask, seg = _inputs(packed, length)
     graphdef, state = nnx.split(bb)
 
@@ -77,7 +79,7 @@ def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
         return model.hidden_states(module, jnp.asarray(ids), jnp.asarray(mask),
                                    None if seg is None else jnp.asarray(seg))
 
-    h = jax.jit(forward)(state)
+    h = (forward if _packs(bb) else jax.jit(forward))(state)
     real = (seg if seg is not None else mask) != 0
     return np.asarray(h)[real]  # padding positions carry no loss and may differ
 
