@@ -123,8 +123,7 @@ def _families():
 TINY_FAMILIES = _families()
 # The variants the per-kernel tests (attention paths, dense projections) parametrise over: every
 # one but those whose blocks repeat another's layers exactly (Qwen 3.5 MoE: Qwen 3.5's attention
-# and Gated DeltaNet layers, whose unrolled KerasHub recurrence makes each of these tests cost
-# 30-50 s; its MoE block is covered by the router and newer-family tests)
+# and Gated DeltaNet layers; its MoE block is covered by the router and newer-family tests)
 KERNEL_FAMILIES = {k: v for k, v in TINY_FAMILIES.items() if k != "qwen3_5_moe"}
 
 

@@ -64,16 +64,22 @@ def _refused_packed(bb, implementation, **kwargs) -> bool:
 
 
 def _hidden(bb, implementation, packed, interpret=False, length=SEQ):
+    """The hidden states at the real positions; compiled for a backbone with recurrent blocks
+    (eager, each operation of Qwen 3.5's forward compiles for its own shape: ~50 s on a cold
+    compilation cache, 5 s compiled), eager for the others (compiling the interpreted splash
+    kernel costs more than running it: 73 s eager, 164 s compiled for the fast tier's cases)."""
     ids, mask, seg = _inputs(packed, length)
-    model.set_attention(bb, implementation, platform="cpu", interpret=interpret)
-    try:
+    graphdef, state = nnx.split(bb)
+
+    def forward(state):
+        module = nnx.merge(graphdef, state)
+        model.set_attention(module, implementation, platform="cpu", interpret=interpret)
         if implementation == "keras":
-            h = _kerashub_hidden(bb, ids, mask, seg)
-        else:
-            h = model.hidden_states(bb, jnp.asarray(ids), jnp.asarray(mask),
-                                    None if seg is None else jnp.asarray(seg))
-    finally:
-        model.set_attention(bb, "keras")
+            return _kerashub_hidden(module, ids, mask, seg)
+        return model.hidden_states(module, jnp.asarray(ids), jnp.asarray(mask),
+                                   None if seg is None else jnp.asarray(seg))
+
+    h = (forward if _packs(bb) else jax.jit(forward))(state)
     real = (seg if seg is not None else mask) != 0
     return np.asarray(h)[real]  # padding positions carry no loss and may differ
 

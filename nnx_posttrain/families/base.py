@@ -206,7 +206,10 @@ class Family:
     - ``recurrent``: the layer classes of decoder blocks that mix tokens with a recurrent state
       instead of softmax attention (Qwen 3.5's Gated DeltaNet): the attention path leaves those
       blocks to KerasHub's code, and rows whose examples such a state would cross (packed rows,
-      shared-prompt pairs) are refused or not built.
+      shared-prompt pairs) are refused or not built; ``recurrent_call(layer, original, *args,
+      **kwargs)``: such a layer's ``call`` in the package's forward passes (``original``:
+      KerasHub's, bound), None: KerasHub's (Qwen 3.5's: its delta rule as a scan,
+      ``gated_delta_net``).
     """
 
     name: str
@@ -230,6 +233,7 @@ class Family:
     attention_call: Callable[..., Any] | None = None
     ignores_dtype: bool = False
     recurrent: tuple[str, ...] = ()
+    recurrent_call: Callable[..., Any] | None = None
 
     def format_of(self, backbone) -> str | None:
         """The chat format of ``backbone`` (a model of this family), or None when the family has

@@ -14,10 +14,11 @@ two kinds, by ``layer_types``:
   from one projection through a causal depthwise convolution, a gated delta-rule recurrence
   over a state [value heads, key dim, value dim] per row, a gated RMS norm and ``out_proj``.
   It has no attention to replace: these blocks stay with KerasHub's code
-  (``Family.recurrent``). Its state runs along the whole row: packed rows and shared-prompt
-  pairs, whose examples it would cross, are refused (``model.hidden_states``) or not built
-  (``algorithms.shared_prompt``). A padding position's input is zeroed by the layer itself,
-  which leaves a zero state zero: left padding is exact.
+  (``Family.recurrent``), but for the delta rule of the training forward, computed as a scan
+  over chunks (``gated_delta_net``, ``Family.recurrent_call``). Its state runs along the whole
+  row: packed rows and shared-prompt pairs, whose examples it would cross, are refused
+  (``model.hidden_states``) or not built (``algorithms.shared_prompt``). A padding position's
+  input is zeroed by the layer itself, which leaves a zero state zero: left padding is exact.
 
 The released 0.8B to 27B checkpoints are vision-language models; the text tower is what this
 family trains (a vision tower stays with KerasHub's attention, ``model.attention``).
@@ -26,6 +27,7 @@ family trains (a vision tower stays with KerasHub's attention, ``model.attention
 from __future__ import annotations
 
 from nnx_posttrain.families.base import Decoding, Export, Family, Preset, refuse
+from nnx_posttrain.families.gated_delta_net import delta_net_call
 from nnx_posttrain.families.llama import SHARDING as LLAMA_SHARDING
 from nnx_posttrain.families.llama import llama_like
 from nnx_posttrain.families.qwen import chatml_tokenizer
@@ -211,4 +213,5 @@ QWEN3_5 = Family(
     presets={"qwen3_5_0.8b": Preset(_0_8B, 248_070)},  # tokenizer.json's 248,070 tokens
     tiny={"qwen3_5": _TINY},
     recurrent=("Qwen3_5GatedDeltaNet",),
+    recurrent_call=delta_net_call,
 )

@@ -128,4 +128,5 @@ QWEN3_5_MOE = Family(
             lambda b: float(b.router_aux_loss_coefficient),  # 0.001 (35B-A3B's config)
             expert_layer=EXPERTS),
     recurrent=qwen3_5.QWEN3_5.recurrent,
+    recurrent_call=qwen3_5.QWEN3_5.recurrent_call,
 )

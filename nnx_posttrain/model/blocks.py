@@ -5,13 +5,15 @@ shadow a method of each decoder block *instance* (``object.__setattr__``, bypass
 attribute tracking) and remove the shadow afterwards; the class is never touched. One helper,
 ``shadowed``, does the patching for its users, through ``override_blocks`` for the blocks: the
 packed-row attention mask (``hidden_states``), remat (``set_remat``), the attention path
-(``attention.overridden``: the training forward's kernels and the sampler's KV-cache decoding);
-directly for the blocks' projections (``dense.overridden``).
+(``attention.overridden``: the training forward's kernels and the sampler's KV-cache decoding),
+the recurrent layers' delta rule (``recurrent_calls``); directly for the blocks' projections
+(``dense.overridden``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import jax
@@ -74,6 +76,20 @@ def override_blocks(module, name: str, make: Callable[[Any, Any], Any], *,
     targets = blocks if part is None else [p for p in map(part, blocks) if p is not None]
     with shadowed(targets, name, make):
         yield blocks
+
+
+def recurrent_calls(module):
+    """While active, every recurrent layer of ``module``'s blocks (Qwen 3.5's Gated DeltaNet)
+    whose family has its own ``recurrent_call`` is called through it (``Family.recurrent_call``:
+    KerasHub's code with its delta rule as a scan)."""
+    from nnx_posttrain import families
+
+    family = families.of(module)
+    own = family.recurrent_call if family is not None else None
+    if own is None:
+        return contextlib.nullcontext()
+    return override_blocks(module, "call", lambda layer, original: functools.partial(
+        own, layer, original), part=families.recurrent_layer)
 
 
 # ----------------------------------------------------------------------------- packed rows

@@ -1,0 +1,108 @@
+"""Qwen 3.5's Gated DeltaNet in the package's forward passes (``Family.recurrent_call``): KerasHub's
+``Qwen3_5GatedDeltaNet.call`` with its chunked gated delta rule computed as a triangular solve per
+chunk and one ``lax.scan`` over the chunks, the same values and gradients up to float rounding
+(tests/test_gated_delta_net.py).
+
+KerasHub's ``_chunk_gated_delta_rule`` (Hugging Face's ``torch_chunk_gated_delta_rule``) unrolls
+two Python loops: 63 steps per chunk that invert ``I + L`` (``L``: the chunk's strictly lower
+``beta k k^T`` scaled by the decay) one row at a time, and one step per chunk. Traced, that is
+thousands of small operations: the gradient of one tiny layer took ~20 s to compile on a CPU (one
+chunk of 64 positions; a real-length sequence repeats the chunk step per 64 positions); eager, each
+operation compiles for its own shape (minutes). Here the rows are one ``solve_triangular``
+(``(I + L)^-1``, the matrix the loop builds), the chunks' independent parts are computed for all
+chunks at once, and the state runs through a scan: a program of fixed size, whatever the length.
+
+The decoding paths (a cache: the sampler's prompt pass and its steps) stay KerasHub's own call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from keras import activations, ops
+
+
+def _l2norm(x, eps=1e-6):
+    """KerasHub's ``_l2norm`` (in the input's dtype)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _chunks(x, chunk: int):
+    """[B, H, T, ...] float32 -> [N, B, H, chunk, ...] (zero padded to whole chunks)."""
+    pad = (-x.shape[2]) % chunk
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
+    x = x.reshape(x.shape[:2] + (x.shape[2] // chunk, chunk) + x.shape[3:])
+    return jnp.moveaxis(x, 2, 0)
+
+
+def chunked_delta_rule(qkv: tuple, g, beta, chunk_size: int = 64, initial_state=None):
+    """The gated delta rule of KerasHub's ``_chunk_gated_delta_rule``: ``qkv`` = (query, key,
+    value), query / key [B, T, H, dk], value [B, T, H, dv]; the log decay ``g`` and the write
+    strength ``beta`` [B, T, H]; the state to start from (None: zeros). Returns (output
+    [B, T, H, dv] in the query's dtype, final state [B, H, dk, dv] float32)."""
+    query, key, value = qkv
+    t, dtype = query.shape[1], query.dtype
+    heads = lambda x: jnp.swapaxes(x, 1, 2).astype(jnp.float32)  # noqa: E731  [B, H, T, ...]
+    q = heads(_l2norm(query)) * query.shape[-1] ** -0.5
+    k, v, beta = heads(_l2norm(key)), heads(value), heads(beta)
+    q, k, k_beta, v_beta = (_chunks(x, chunk_size) for x in (q, k, k * beta[..., None],
+                                                                v * beta[..., None]))
+    g = jnp.cumsum(_chunks(heads(g), chunk_size), axis=-1)  # [N, B, H, C]: within each chunk
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), jnp.float32))
+    decay = jnp.exp((g[..., :, None] - g[..., None, :]) * lower) * lower
+    strict = jnp.einsum("...id,...jd->...ij", k_beta, k) * decay * (1.0 - jnp.eye(chunk_size))
+    eye = jnp.broadcast_to(jnp.eye(chunk_size, dtype=jnp.float32), strict.shape)
+    inverse = jax.scipy.linalg.solve_triangular(eye + strict, eye, lower=True,
+                                                unit_diagonal=True)
+    v_fixed = inverse @ v_beta
+    k_cumdecay = inverse @ (k_beta * jnp.exp(g)[..., None])
+    intra = jnp.einsum("...id,...jd->...ij", q, k) * decay
+    q_decayed = q * jnp.exp(g)[..., None]
+    k_decayed = k * jnp.exp(g[..., -1:] - g)[..., None]
+
+    def step(state, chunk):
+        v_c, kc_c, intra_c, q_c, k_c, g_last = chunk
+        v_new = v_c - kc_c @ state
+        out = q_c @ state + intra_c @ v_new
+        state = state * jnp.exp(g_last)[..., None, None] + jnp.swapaxes(k_c, -1, -2) @ v_new
+        return state, out
+
+    b, h, dk, dv = k.shape[1], k.shape[2], k.shape[-1], v.shape[-1]
+    state = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    state, out = jax.lax.scan(step, state, (v_fixed, k_cumdecay, intra, q_decayed, k_decayed,
+                                            g[..., -1]))
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, -1, dv)[:, :, :t]
+    return jnp.swapaxes(out, 1, 2).astype(dtype), state
+
+
+def delta_net_call(layer, original, hidden_states, attention_mask=None, cache=None, **kwargs):
+    """``Qwen3_5GatedDeltaNet.call`` (``layer``) without a cache: KerasHub 0.32's code with the
+    delta rule of ``chunked_delta_rule``; with a cache (decoding), KerasHub's own (``original``).
+    ``kwargs``: ``cache_update_index`` and ``training``, which the call without a cache ignores
+    as KerasHub's does."""
+    from keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net import _causal_conv1d
+
+    if cache is not None:
+        return original(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)
+    if attention_mask is not None and attention_mask.ndim == 2:
+        hidden_states = hidden_states * ops.cast(attention_mask[..., None], hidden_states.dtype)
+    batch, length = hidden_states.shape[:2]
+    mixed = _causal_conv1d(ops.transpose(layer.in_proj_qkv(hidden_states), (0, 2, 1)),
+                           layer.conv1d_weight)
+    mixed = ops.transpose(mixed * ops.sigmoid(mixed), (0, 2, 1))
+    kd = layer.key_dim
+    query, key = (ops.reshape(mixed[..., i * kd:(i + 1) * kd],
+                              (batch, length, layer.num_k_heads, layer.head_k_dim))
+                  for i in (0, 1))
+    value = ops.reshape(mixed[..., 2 * kd:], (batch, length, layer.num_v_heads, layer.head_v_dim))
+    beta = ops.sigmoid(layer.in_proj_b(hidden_states))
+    g = -ops.exp(ops.cast(layer.A_log, "float32")) * activations.softplus(
+        ops.cast(layer.in_proj_a(hidden_states), "float32") + ops.cast(layer.dt_bias, "float32"))
+    if layer.num_v_heads // layer.num_k_heads > 1:
+        query, key = (ops.repeat(x, layer.num_v_heads // layer.num_k_heads, axis=2)
+                      for x in (query, key))
+    core, _ = chunked_delta_rule((query, key, value), g, beta)
+    z = ops.reshape(layer.in_proj_z(hidden_states), (-1, layer.head_v_dim))
+    core = layer.norm(ops.reshape(core, (-1, layer.head_v_dim))) * activations.silu(z)
+    return layer.out_proj(ops.reshape(core, (batch, length, -1)))
