@@ -262,6 +262,7 @@ def _plan_cfg(preset, *extra):
 def test_a_plan_lays_the_experts_on_the_expert_axis_of_the_topology(qwen3_moe_preset):
     from nnx_posttrain import api, plan
     from nnx_posttrain.plan import build as build_lib
+    from nnx_posttrain.train.mesh import abstract_mesh
 
     v5e_8 = plan.resolve("v5e-8")
     cfg = _plan_cfg(qwen3_moe_preset, "--mesh.expert", "2")
@@ -273,8 +274,8 @@ def test_a_plan_lays_the_experts_on_the_expert_axis_of_the_topology(qwen3_moe_pr
     planned = plan.plan(cfg, api.build(cfg), v5e_8, echo=lambda s: None)  # compiled for it
     assert planned.mesh == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1} and planned.fits
     # over two slices the data axis spans them, the expert axis stays within a slice
-    mesh = build_lib.abstract_mesh(config.MeshConfig(data=2, fsdp=-1, expert=4),
-                                   plan.resolve("v5e-16", slices=2).devices, slices=2)
+    mesh = abstract_mesh(config.MeshConfig(data=2, fsdp=-1, expert=4),
+                         plan.resolve("v5e-16", slices=2).devices, slices=2)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 4, "tensor": 1}
     bad = _plan_cfg(qwen3_moe_preset, "--mesh.expert", "8")
     with pytest.raises(errors.ConfigError, match="--mesh.expert 8: model .* has 4 experts per "

@@ -82,6 +82,28 @@ def test_a_batch_of_millions_is_planned_from_the_shapes_of_a_small_one(v5e_8):
     assert run.batch["input_ids"].shape == (1, 2_000_000, 24)
 
 
+def test_an_abstract_prepare_is_the_runs_own_sequence_as_shapes_and_leaves_nothing(tmp_path,
+                                                                                  v5e_8):
+    """``train.prepare(..., abstract=devices)``, what a plan builds on: the run's mesh over the
+    devices, its state and frozen weights as laid-out shapes, no run directory, checkpoint,
+    batch source or evaluator, and nothing left open (the mesh in context ends)."""
+    import jax
+
+    from nnx_posttrain import train
+
+    cfg = _cfg("sft", *MICRO, "--run-dir", tmp_path / "run", "--mesh.fsdp", "2")
+    run = train.prepare(cfg, api.build(cfg), echo=lambda s: None, abstract=v5e_8.devices)
+    assert run.abstract and not (tmp_path / "run").exists()
+    assert dict(run.mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+    leaves = jax.tree.leaves((run.state, run.frozen))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding.mesh == run.mesh
+                          for x in leaves)
+    assert (run.checkpointer, run.record, run.source, run.evaluator) == (None,) * 4
+    assert run.context.load_run is None and not run.cfg.memory_check
+    assert jax.sharding.get_abstract_mesh().empty
+    run.close()  # nothing to close
+
+
 @pytest.mark.parametrize("algorithm", ["sft", pytest.param("grpo", marks=pytest.mark.slow)])
 def test_sft_and_grpo_steps_compile_for_a_tpu_topology_and_the_report_is_xlas(algorithm, v5e_8):
     args = [*MICRO, "--batching.batch-size", "16", "--batching.grad-accum", "2", "--mesh.data",

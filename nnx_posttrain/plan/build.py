@@ -1,9 +1,8 @@
-"""A run's training step built abstractly: the model, mesh, shardings, training state, first
-batch and jitted step that ``train.prepare`` and the loop build, with every array a
-``jax.ShapeDtypeStruct`` laid out on the topology's devices (no weight read, nothing allocated).
-It builds through the functions ``train.prepare`` and the loop call (``train.setup.build_model``
-and ``datasets``, ``train.step.optimizer``, ``init_state`` and ``jit_train_step``); what it does
-not share is what a plan has no use for (a run directory, checkpoints, the evaluator).
+"""A run's training step built abstractly: ``train.prepare(cfg, algorithm, abstract=topology)``
+builds the run as it would for training (the model, mesh, shardings, training state and frozen
+weights) with every array a ``jax.ShapeDtypeStruct`` laid out on the topology's devices (no weight
+read, nothing allocated, no run directory or checkpoint); this adds the first batch and the
+loop's own jitted step (``train.loop.compile_step``).
 
 The batch is the run's first one, made by the algorithm's own batch source from the run's data
 (offline algorithms), or (online ones) a rollout of the same shapes: prompts from the data and
@@ -15,18 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from nnx_posttrain import errors, model, sharding, tasks
+from nnx_posttrain import errors, model, sharding
 from nnx_posttrain.algorithms.base import RunContext
 from nnx_posttrain.algorithms.online.rollout import OnlineAlgorithm, Rollouts, rollout_rows
-from nnx_posttrain.train import setup
-from nnx_posttrain.train import step as step_lib
-from nnx_posttrain.train.mesh import check_batch_rows, check_micro_batch
+from nnx_posttrain.train import loop, run as run_lib
+from nnx_posttrain.train.mesh import check_batch_rows
 
 
 @dataclasses.dataclass
@@ -43,34 +40,21 @@ class AbstractRun:
     attention: str  # the attention path the step takes (model.set_attention)
 
 
-def abstract_mesh(mesh_cfg, devices: list, slices: int = 1) -> jax.sharding.Mesh:
-    """The run's (data, fsdp[, expert], tensor) mesh over ``devices``; over several slices, the
-    data axis spans them (a slice's devices share fast links, the slices the data-centre
-    network)."""
-    if slices == 1:
-        return sharding.make_mesh(mesh_cfg, devices)
-    from jax.experimental import mesh_utils
-
-    sizes = sharding.mesh_shape(mesh_cfg, len(devices))
-    if sizes["data"] % slices:
-        raise errors.ConfigError(
-            f"--slices {slices}: the mesh's data axis ({sizes['data']}) must divide by the "
-            "slices (it spans them); set --mesh.data to a multiple of the slice count")
-    ici = (sizes["data"] // slices, *list(sizes.values())[1:])
-    dcn = (slices, *[1] * (len(sizes) - 1))
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-    return jax.sharding.Mesh(grid, tuple(sizes))
-
-
-def _placed(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tree, shardings)
-
-
 def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
     """The abstract step of the run ``cfg`` of ``algorithm`` on ``topology``
-    (``plan.topology.Topology``); the built-in task's data and models are registered first."""
-    tasks.register()
+    (``plan.topology.Topology``), refused first where a plan cannot build it."""
+    refuse_unplannable(cfg, algorithm)
+    run = run_lib.prepare(cfg, algorithm, echo, abstract=topology)
+    sample_cfg, scale = _sample_batch(run.cfg, algorithm)
+    host = first_batch(algorithm, dataclasses.replace(run.context, cfg=sample_cfg), run.state)
+    return AbstractRun(run.cfg, run.lm, run.mesh, run.state, run.frozen,
+                       _batch(host, run.mesh, run.cfg.batching.grad_accum, scale),
+                       loop.compile_step(run).jitted,
+                       model.attention_of(run.lm.module).implementation)
+
+
+def refuse_unplannable(cfg, algorithm) -> None:
+    """``ConfigError`` for what a plan cannot build yet, before anything loads."""
     if not algorithm.plannable:
         raise errors.ConfigError(f"plan: {algorithm.name} cannot be planned yet "
                                  f"({algorithm.plannable_not})")
@@ -80,33 +64,12 @@ def build(cfg, algorithm, topology, echo=print) -> AbstractRun:
             "weights on the host, which a model built without weights cannot give it); plan "
             "without it: its frozen weights take 1 byte each instead of 2 (bfloat16), which the "
             "plan's estimate of the change counts")
-    # the plan checks the step against the topology's memory, not this host's
-    cfg = dataclasses.replace(setup.settings_for_data(cfg, algorithm, echo), memory_check=False)
-    mesh = abstract_mesh(cfg.mesh, topology.devices, topology.slices)
-    check_micro_batch(cfg, mesh)
-    sources = algorithm.open_sources(cfg)
-    lm, module = setup.build_model(cfg, algorithm, echo, abstract=True,
-                                   platform=topology.platform)
-    graphdef, params, frozen_model = model.split(module)
-    if algorithm.reference_mode == "precompute":
+    if getattr(algorithm.cfg, "reference", None) == "precompute":  # never chosen by auto
         raise errors.ConfigError(
             "plan: --algo.reference precompute computes the reference log-probs with the "
             "weights before training; plan the step with --algo.reference copy or lora_base")
-    ds = setup.datasets(cfg, lm, algorithm, echo, *sources)
-    tx, lr = step_lib.optimizer(cfg.optim, cfg.steps)
-    state = jax.eval_shape(lambda p: step_lib.init_state(p, tx, cfg.seed), params)
-    frozen = {"model": frozen_model,
-              "reference": params if algorithm.reference_mode == "copy" else None}
-    sample_cfg, scale = _sample_batch(cfg, algorithm)
-    ctx = RunContext(sample_cfg, lm, graphdef, frozen, ds.train, ds.eval, ds.transform, Path("."),
-                     echo)
-    host = first_batch(algorithm, ctx, state)
-    state_shardings = sharding.tree_shardings(state, mesh)
-    jitted = step_lib.jit_train_step(graphdef, algorithm.loss, (tx, lr), state_shardings, mesh)
-    return AbstractRun(cfg, lm, mesh, _placed(state, state_shardings),
-                       _placed(frozen, sharding.tree_shardings(frozen, mesh)),
-                       _batch(host, mesh, cfg.batching.grad_accum, scale), jitted,
-                       model.attention_of(lm.module).implementation)
+    if cfg.eval_only:
+        raise errors.ConfigError("plan: --eval-only runs no training step; plan without it")
 
 
 def _sample_batch(cfg, algorithm) -> tuple[object, int]:

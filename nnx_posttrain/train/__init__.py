@@ -4,6 +4,8 @@
     result = train(run)                # train.loop: the steps, logs, evaluations, checkpoints
     metrics = evaluate_only(run)       # or: score the weights on the eval data
     run.close()                        # (or `with prepare(...) as run:`)
+    prepare(cfg, algorithm, abstract=devices)   # the same run built for devices it will not
+                                       # run on: shapes only (what nnx_posttrain.plan compiles)
 
 Parts: the jitted step and optimizer (``step``), the device mesh (``mesh``), evaluation
 (``evaluation``), what runs between steps (``hooks``), the model and data a run builds

@@ -153,7 +153,8 @@ def _record_start(run: Run) -> None:
 
 def compile_step(run: Run):
     """The jitted training step of ``run``: state donated, its shardings pinned (without that
-    they drift after an update)."""
+    they drift after an update); its ``jitted`` function is what ``nnx_posttrain.plan`` compiles
+    for an abstract run (``prepare(..., abstract=)``)."""
     shardings = sharding.tree_shardings(run.state, run.mesh)
     return memory.CheckedStep(
         step_lib.jit_train_step(run.graphdef, run.algorithm.loss, run.optimizer, shardings,

@@ -1,4 +1,5 @@
-"""The device mesh, multi-process start-up, and batches laid out on the mesh."""
+"""The device mesh, multi-process start-up, and batches laid out on the mesh; the same mesh
+over devices a run compiles for without running (``abstract_mesh``, ``place_abstract``)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,29 @@ def shard_batch(batch: dict, mesh: Mesh, accum: int) -> dict:
 def place(tree, mesh: Mesh):
     """A state tree onto the mesh, each variable sharded by its rule (nnx_posttrain.sharding)."""
     return sharding.put(tree, sharding.tree_shardings(tree, mesh))
+
+
+def abstract_mesh(mesh_cfg: config_lib.MeshConfig, devices: list, slices: int = 1) -> Mesh:
+    """The run's (data, fsdp[, expert], tensor) mesh over ``devices`` (a topology's, compiled for
+    and never run on: ``nnx_posttrain.plan``); over several slices, the data axis spans them (a
+    slice's devices share fast links, the slices the data-centre network)."""
+    if slices == 1:
+        return sharding.make_mesh(mesh_cfg, devices)
+    from jax.experimental import mesh_utils
+
+    sizes = sharding.mesh_shape(mesh_cfg, len(devices))
+    if sizes["data"] % slices:
+        raise errors.ConfigError(
+            f"--slices {slices}: the mesh's data axis ({sizes['data']}) must divide by the "
+            "slices (it spans them); set --mesh.data to a multiple of the slice count")
+    ici = (sizes["data"] // slices, *list(sizes.values())[1:])
+    dcn = (slices, *[1] * (len(sizes) - 1))
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    return Mesh(grid, tuple(sizes))
+
+
+def place_abstract(tree, mesh: Mesh):
+    """``tree``'s arrays (or their shapes) as ``jax.ShapeDtypeStruct``s laid out as ``place``
+    lays them out: nothing allocated."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, sharding.tree_shardings(tree, mesh))

@@ -8,6 +8,11 @@
 ``Run`` holds all of it by name and owns what must be closed (the batch source, the
 checkpointer, the lock, the signal handlers): use it as a context manager, or call ``close()``.
 ``train.train(run)`` and ``train.evaluate_only(run)`` take it from there.
+
+``prepare(cfg, algorithm, abstract=devices)`` is the same sequence for devices the run will not
+run on (a TPU topology's, ``nnx_posttrain.plan``), minus what only a running run needs: the mesh
+over those devices, no run directory, checkpoint, batch source or evaluator, the model built
+without weights and the state as shapes laid out on the mesh.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from nnx_posttrain.train import compile_cache, host_memory, memory, resume, rund
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.evaluation import Evaluator
 from nnx_posttrain.train.hooks import Interruptible, StopSignals
-from nnx_posttrain.train.mesh import (check_micro_batch, cpu_devices_for, initialize_distributed,
-                                      make_mesh, place, split_host_cpu)
+from nnx_posttrain.train.mesh import (abstract_mesh, check_micro_batch, cpu_devices_for,
+                                      initialize_distributed, make_mesh, place, place_abstract,
+                                      split_host_cpu)
 
 
 @dataclasses.dataclass
@@ -68,6 +74,14 @@ class Run:
     restored: Restored | None = None
     start_step: int = 0  # the step training starts after (a restored checkpoint's)
     evaluator: Evaluator | None = None
+    context: RunContext | None = None  # what the algorithm is handed (builds its inputs on)
+    abstract: bool = False  # built for devices it will not run on (``prepare``'s ``abstract``)
+
+    @property
+    def load_run(self):
+        """What reads another run's weights (a reward model, a teacher): ``runs.load``; None when
+        abstract (no weights are read: a reward-model run is only checked)."""
+        return None if self.abstract else runs.load
 
     def close(self) -> None:
         """Waits for a checkpoint being written (a Ctrl-C meanwhile says so and waits), closes
@@ -93,12 +107,21 @@ class Run:
             # else: the error already on its way (the same fault, reported) is what is said
 
 
-def prepare(cfg, algorithm, echo=print) -> Run:
+def prepare(cfg, algorithm, echo=print, abstract=None) -> Run:
     """Build a run of ``algorithm`` (an instance) with settings ``cfg``; raises a ``UserError``
     naming the problem, leaving no new run directory behind, when it cannot run. The built-in
-    task's data and models are registered first (``tasks.register``)."""
+    task's data and models are registered first (``tasks.register``).
+
+    ``abstract``: the devices to build the run for without running it (a list of devices, or an
+    object with ``devices`` and ``slices``: ``plan.Topology``): the same sequence on a mesh over
+    them, the data read and validated, the model built without weights, the state and frozen
+    weights ``jax.ShapeDtypeStruct``s laid out on the mesh; no run directory created or locked,
+    no checkpoint opened, no weights read, no memory check against this host's memory, no batch
+    source or evaluator, nothing allocated, nothing left open. Its ``context`` is what the
+    algorithm would build its batch source on; ``train.loop.compile_step`` gives its step."""
     tasks.register()
-    run = Run(cfg, algorithm, Path(cfg.run_dir or f"runs/{algorithm.name}"), echo)
+    run = Run(cfg, algorithm, Path(cfg.run_dir or f"runs/{algorithm.name}"), echo,
+              abstract=abstract is not None)
     created = not run.run_dir.exists()
     try:
         run.interrupted = run.guards.enter_context(Interruptible()).check
@@ -106,20 +129,18 @@ def prepare(cfg, algorithm, echo=print) -> Run:
         run.guards.enter_context(storage.quiet_logs(run.run_dir))
         run.interrupted()
         run.cfg = setup.settings_for_data(cfg, algorithm, echo)
-        compile_cache.use(run.cfg.compile_cache, run.run_dir, echo)  # before anything compiles
-        run.mesh = _devices(run.cfg, echo)
+        run.mesh = _devices(run, abstract)
         # the run's mesh in context (kernels XLA cannot partition run per device: model.attention)
         run.guards.enter_context(jax.set_mesh(run.mesh))
-        _lock(run)
-        latest, allowed = _open_checkpoints(run)
+        latest, allowed = (None, set()) if run.abstract else _open_run_dir(run)
         sources = algorithm.open_sources(run.cfg)  # a missing file: before the model loads
         params, reference_copy = _build_model(run, latest)
         run.interrupted()  # a Ctrl-C Python swallowed while the model loaded
-        ctx = _build_state(run, params, reference_copy, sources)
-        run.restored = _restore(run, latest, allowed)
-        run.start_step = int(run.state["step"])
-        run.evaluator = Evaluator(ctx, algorithm, run.inputs, run.mesh, run.state["params"])
-        setup.check_evaluation(run.cfg, algorithm, run.evaluator, run.state["params"], run.frozen)
+        run.context = _build_state(run, params, reference_copy, sources)
+        if run.abstract:  # nothing to hold open: the mesh in context and Ctrl-C's handler end
+            run.guards.close()
+        else:
+            _start(run, latest, allowed)
         return run
     except BaseException:
         try:
@@ -131,8 +152,23 @@ def prepare(cfg, algorithm, echo=print) -> Run:
         raise
 
 
-def _devices(cfg, echo) -> jax.sharding.Mesh:
-    """The CPU split, multi-process start-up and the mesh, before anything else touches JAX."""
+def _devices(run: Run, abstract) -> jax.sharding.Mesh:
+    """The run's mesh: over ``abstract``'s devices (``prepare``), or over this process's after
+    the compilation cache, the CPU split and multi-process start-up, before anything else touches
+    JAX; its batch split checked before the run directory exists (a refused run leaves none)."""
+    if abstract is None:
+        compile_cache.use(run.cfg.compile_cache, run.run_dir, run.echo)  # before any compile
+        mesh = _host_mesh(run.cfg, run.echo)
+    else:  # the memory the step may use is the devices', not this host's (plan checks it)
+        run.cfg = dataclasses.replace(run.cfg, memory_check=False)
+        mesh = abstract_mesh(run.cfg.mesh, list(getattr(abstract, "devices", abstract)),
+                             getattr(abstract, "slices", 1))
+    check_micro_batch(run.cfg, mesh)
+    return mesh
+
+
+def _host_mesh(cfg, echo) -> jax.sharding.Mesh:
+    """The CPU split, multi-process start-up and the mesh over this process's devices."""
     cpu_host.prefer_cpu()
     cpu_devices, why = cpu_devices_for(cfg)
     got = split_host_cpu(cpu_devices, cfg.mesh.cpu_devices)
@@ -145,22 +181,17 @@ def _devices(cfg, echo) -> jax.sharding.Mesh:
     if mesh.size > 1:
         echo(f"mesh: {' x '.join(f'{k} {v}' for k, v in mesh.shape.items())} "
              f"({mesh.size} {mesh.devices.flat[0].platform} devices)")
-    check_micro_batch(cfg, mesh)  # before the run directory exists: a refused run leaves none
     return mesh
 
 
-def _lock(run: Run) -> None:
-    """The run directory created and locked; SIGTERM before training ends the run cleanly."""
-    rundir.prepare(run.run_dir)
-    lock = rundir.RunLock(run.run_dir, run.echo, jax.process_index() == 0)
-    run.guards.enter_context(lock)
-    run.guards.enter_context(rundir.sigterm_exits())
-
-
-def _open_checkpoints(run: Run) -> tuple[int | None, set]:
-    """The checkpointer, the run's record, and (the latest intact checkpoint or None, the
-    settings a resume may change); another setting is refused here, before the model loads."""
+def _open_run_dir(run: Run) -> tuple[int | None, set]:
+    """The run directory created and locked (SIGTERM before training ends the run cleanly), the
+    checkpointer, the run's record; returns (the latest intact checkpoint or None, the settings a
+    resume may change): another setting is refused here, before the model loads."""
     cfg = run.cfg
+    rundir.prepare(run.run_dir)
+    run.guards.enter_context(rundir.RunLock(run.run_dir, run.echo, jax.process_index() == 0))
+    run.guards.enter_context(rundir.sigterm_exits())
     allowed = resume.allowed_keys(cfg.resume_changed)
     run.checkpointer = checkpoint.Checkpointer(run.run_dir / "checkpoints", cfg.checkpoint)
     run.resources.callback(run.checkpointer.close)
@@ -172,11 +203,14 @@ def _open_checkpoints(run: Run) -> tuple[int | None, set]:
 
 
 def _build_model(run: Run, latest: int | None):
-    """The model (``run.lm``, ``run.module``, ``run.graphdef``), the host allocator, the memory
-    check; returns (the trainable weights, whether the reference is a copy of them)."""
+    """The model (``run.lm``, ``run.module``, ``run.graphdef``) for the mesh's platform, the host
+    allocator, the memory check; returns (the trainable weights, whether the reference is a copy
+    of them). Abstract: no weights, nor ``--init-from``'s (its latest checkpoint checked)."""
     cfg, algorithm, echo = run.cfg, run.algorithm, run.echo
-    run.lm, run.module = setup.build_model(cfg, algorithm, echo, run.record["init_from_step"])
-    if jax.default_backend() == "cpu":
+    run.lm, run.module = setup.build_model(
+        cfg, algorithm, echo, None if run.abstract else run.record["init_from_step"],
+        run.abstract, platform=run.mesh.devices.flat[0].platform)
+    if jax.default_backend() == "cpu" and not run.abstract:  # what runs here allocates
         echo(host_memory.set_allocator(host_memory.choose(
             cfg.host_allocator, run.lm.tokenizer.vocab_size, int(run.lm.module.hidden_dim))))
     run.graphdef, params, frozen_model = model.split(run.module)
@@ -188,29 +222,55 @@ def _build_model(run: Run, latest: int | None):
 
 
 def _build_state(run: Run, params, reference_copy: bool, sources) -> RunContext:
-    """The validated data, the state and frozen variables on the mesh, the algorithm's inputs
-    (``run.source``, ``run.inputs``); returns the context the algorithm was handed."""
+    """The validated data, the state and frozen variables on the mesh; returns the context the
+    algorithm is handed."""
     cfg, algorithm = run.cfg, run.algorithm
     ds = setup.datasets(cfg, run.lm, algorithm, run.echo, *sources)
     run.skipped = ds.skipped
     run.optimizer = None if cfg.eval_only else step_lib.optimizer(cfg.optim, cfg.steps)
-    run.state = place(_initial_state(params, run.optimizer, cfg.seed), run.mesh)
-    run.frozen = place(run.frozen, run.mesh)
+    run.state = _on_mesh(run, lambda p: _initial_state(p, run.optimizer, cfg.seed), params)
+    run.frozen = _on_mesh(run, _same, run.frozen)
     memory.check_weights(cfg, f"the {algorithm.name} partner model", algorithm.partner_bytes())
-    partner = algorithm.partner(run.lm, run.echo, runs.load)
+    partner = algorithm.partner(run.lm, run.echo, run.load_run)
     if partner is not None:  # another frozen model the loss reads (its state; no optimizer)
-        run.frozen["partner"] = place(partner, run.mesh)
+        run.frozen["partner"] = _on_mesh(run, _same, partner)
     if reference_copy:  # the starting weights, frozen (not donated)
-        run.frozen["reference"] = place(jax.tree.map(jnp.copy, run.state["params"]), run.mesh)
+        run.frozen["reference"] = _on_mesh(run, _copy, run.state["params"])
     elif algorithm.reference_mode == "copy":  # scoring the starting weights: the reference
         run.frozen["reference"] = run.state["params"]
-    run.record["model_record"] = checkpoint.model_record(cfg, run.state)
-    ctx = RunContext(cfg, run.lm, run.graphdef, run.frozen, ds.train, ds.eval, ds.transform,
-                     run.run_dir, run.echo, load_run=runs.load)
-    run.inputs = algorithm.inputs(ctx, run.state["params"])
+    return RunContext(cfg, run.lm, run.graphdef, run.frozen, ds.train, ds.eval, ds.transform,
+                      run.run_dir, run.echo, load_run=run.load_run)
+
+
+def _on_mesh(run: Run, make, tree):
+    """``make(tree)`` laid out on the run's mesh; abstract: its shapes laid out (nothing
+    computed)."""
+    if run.abstract:
+        return place_abstract(jax.eval_shape(make, tree), run.mesh)
+    return place(make(tree), run.mesh)
+
+
+def _same(tree):
+    return tree
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _start(run: Run, latest: int | None, allowed) -> None:
+    """What only a run that runs builds: the algorithm's batch source (``run.inputs``,
+    ``run.source``), the latest checkpoint restored, the evaluator."""
+    algorithm, params = run.algorithm, run.state["params"]
+    run.record["model_record"] = checkpoint.model_record(run.cfg, run.state)
+    run.inputs = algorithm.inputs(run.context, params)
     run.source = run.inputs.train
     run.resources.callback(run.source.close)
-    return ctx
+    run.restored = _restore(run, latest, allowed)
+    run.start_step = int(run.state["step"])
+    params = run.state["params"]  # restored
+    run.evaluator = Evaluator(run.context, algorithm, run.inputs, run.mesh, params)
+    setup.check_evaluation(run.cfg, algorithm, run.evaluator, params, run.frozen)
 
 
 def _initial_state(params, optimizer, seed: int) -> dict:

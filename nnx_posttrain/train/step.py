@@ -167,10 +167,11 @@ def _summed(grad_fn, like_params, params, frozen, batch):
 
 
 def jit_train_step(graphdef, loss_fn, optimizer, state_shardings, mesh):
-    """The jitted training step, as the loop and ``nnx_posttrain.plan`` build it: the state
-    donated, its output shardings pinned to ``state_shardings`` (``sharding.tree_shardings`` of
-    the state; without that they drift after an update), the metrics replicated. ``optimizer``:
-    ``(tx, lr_schedule)`` as ``optimizer`` returns them."""
+    """The jitted training step as the loop builds it (``loop.compile_step``, which
+    ``nnx_posttrain.plan`` compiles for a topology): the state donated, its output shardings
+    pinned to ``state_shardings`` (``sharding.tree_shardings`` of the state; without that they
+    drift after an update), the metrics replicated. ``optimizer``: ``(tx, lr_schedule)`` as
+    ``optimizer`` returns them."""
     tx, lr = optimizer
     step = make_train_step(graphdef, loss_fn, tx, lr, state_shardings["params"])
     return jax.jit(step, donate_argnums=(0,),
