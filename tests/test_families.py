@@ -213,6 +213,35 @@ def test_smollm3_no_rope_layers_and_repair():
     assert [v.path for v in families.prepare(backbone).weights] == before
 
 
+def test_smollm3_repaired_paths_survive_a_jitted_step():
+    """The paths ``prepare`` gives are the variables' NNX metadata, not an attribute a pass
+    through JAX drops: after a jitted gradient step (the training loop's split / merge form)
+    the state's paths, which key checkpoints and ``--init-from``, are still one per variable,
+    and so are the merged module's."""
+    from flax import nnx
+
+    backbone = support.TINY_FAMILIES["smollm3"]()
+    before = [v.path for v in backbone.weights]
+    graphdef, params, frozen = model.split(backbone)
+    ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 64
+
+    @jax.jit
+    def step(params, frozen):
+        def loss(p):
+            return model.full_logits(nnx.merge(graphdef, p, frozen), ids, jnp.ones_like(ids)).sum()
+
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), frozen
+
+    params, frozen = step(params, frozen)
+    paths = [*model.named_variables(params), *model.named_variables(frozen)]
+    assert len(paths) == len(nnx.to_flat_state(params)) + len(nnx.to_flat_state(frozen))
+    assert sorted(paths) == sorted(before)
+    merged = nnx.merge(graphdef, params, frozen)
+    assert sorted(v.path for v in merged.weights) == sorted(before)
+    assert "transformer_layer_1/self_attn/o_proj/kernel" in paths
+
+
 def test_smollm3_is_built_in_the_dtype_it_is_given(tmp_path):
     """SmolLM3's backbone builds its layers in Keras' global policy, not its ``dtype``: the
     package builds it with the global one set (``families.building``), when it loads a preset

@@ -11,7 +11,9 @@ KerasHub 0.32's quirks, and what the package does about them:
   ``__init__``, outside its block's name scope: every layer's variable is ``o_proj/kernel`` /
   ``rotary_emb/inv_freq``. Paths key the sharding rules, ``--init-from`` and the exports, so
   ``prepare`` (run on every backbone the package builds or loads) renames them under their
-  block (``transformer_layer_i/self_attn/o_proj/kernel``);
+  block (``transformer_layer_i/self_attn/o_proj/kernel``), through the variable's own
+  ``__setattr__``, which Keras mirrors into its NNX metadata (a path set around it reads the
+  bare name again after one pass through JAX: a jitted step, a split / merge);
 - its rotary layers are built lazily, at their first call, which NNX refuses inside a traced
   step: ``prepare`` builds them;
 - ``SmolLM3Attention.call`` assigns ``self.training``, which NNX refuses inside a nested trace
@@ -82,7 +84,9 @@ def prepare(backbone) -> None:
         for layer in (attn.o_proj, attn.rotary_embedding):
             for v in layer.weights:
                 if not v.path.startswith(scope):
-                    object.__setattr__(v, "_path", scope + v.path)
+                    # not object.__setattr__: Keras' own setter keeps it in the NNX metadata,
+                    # so the path survives flattening (a jitted step)
+                    v._path = scope + v.path
 
 
 SHARDING = (
