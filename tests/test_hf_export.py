@@ -93,9 +93,16 @@ MODEL_TYPE = {"gpt_oss": "gpt_oss", "gpt_oss_yarn": "gpt_oss", "gemma4_moe": "ge
 
 
 def randomized(backbone, seed=0):
-    """Weights of a visible scale (norm scales and biases too), so every mapping matters."""
+    """Weights of a visible scale (norm scales and biases too), so every mapping matters; not
+    those transformers derives from the config (``hf_export.DERIVED``: SmolLM3's rotary
+    frequencies)."""
     rng = np.random.default_rng(seed)
+    family = families.of(backbone)
+    derived = {id(v) for v in hf_export.derived_variables(backbone)} if family and family.export \
+        else set()
     for v in backbone.weights:
+        if id(v) in derived:
+            continue
         std = 0.3 if len(v.shape) > 1 else 0.2
         v.assign(rng.normal(0.0, std, v.shape).astype("float32"))
     return backbone
