@@ -81,13 +81,16 @@ def attention_call(layer, hidden_states, training=False, attention_mask=None, **
 
 def prepare(backbone) -> None:
     """Give the variables each attention layer creates outside its block's scope (its output
-    projection, its rotary frequencies) their block's path, and build the rotary layers (NNX
-    refuses their lazy build inside a traced step). Idempotent."""
+    projection, its rotary frequencies) their block's path, and those layers their block's
+    scope (where ``enable_lora`` adds their factors), and build the rotary layers (NNX refuses
+    their lazy build inside a traced step). Idempotent."""
     for block in backbone.transformer_layers:
         attn = block.self_attn
         attn.rotary_embedding.build(None)
         scope = f"{block.name}/{attn.name}/"
         for layer in (attn.o_proj, attn.rotary_embedding):
+            # the scope of the variables the layer adds later (its LoRA factors)
+            layer._parent_path, layer._path = scope[:-1], scope + layer.name
             for v in layer.weights:
                 if not v.path.startswith(scope):
                     # not object.__setattr__: Keras' own setter keeps it in the NNX metadata,
