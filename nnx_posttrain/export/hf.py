@@ -35,8 +35,11 @@ DERIVED = "derived"
 
 
 def _rules(backbone):
-    """The family's weight rules (``families``: ``Export.rules``), compiled."""
+    """The family's weight rules (``families``: ``Export.rules``), compiled; the backbone
+    repaired first where its family has a repair (``families.prepare``, idempotent: SmolLM3's
+    paths, which the rules read, on a backbone built outside the package)."""
     family(backbone)
+    families.prepare(backbone)
     return [(re.compile(p + "$"), name, layout)
             for p, name, layout in families.of(backbone).export.rules(backbone)]
 
