@@ -201,3 +201,65 @@ def test_adapters_in_peft_layout_give_the_lora_models_logits(micro, tmp_path):
     assert len(tensors) == 2 * len(adapted)
     _, hf = hf_logits(tmp_path / "base")
     np.testing.assert_allclose(with_adapters(hf, tensors, config), ours, atol=TOLERANCE, rtol=0)
+
+
+# ----------------------------------------------------------------------------- from a run
+
+STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "2",
+         "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0",
+         "--eval.batches", "0", "--optim.learning-rate", "1e-2"]
+LORA = ["--lora.rank", "2", "--lora.targets", "all-linear"]
+
+
+@pytest.fixture(scope="module")
+def sft_runs(micro, tmp_path_factory):
+    """{"full": a full fine-tuning SFT run of the micro preset, "lora": one with LoRA on every
+    linear layer}: two steps each, checkpointed."""
+    from support import train_run
+
+    runs = {}
+    for name, extra in (("full", ["--lora.rank", "0"]), ("lora", LORA)):
+        runs[name] = tmp_path_factory.mktemp(f"smollm3_{name}")
+        train_run("sft", "--model", micro, *STEPS, *extra, "--run-dir", runs[name],
+                  echo=lambda _: None)
+    return runs
+
+
+@pytest.mark.slow
+def test_init_from_a_run_copies_each_layers_own_weights(micro, sft_runs):
+    """``--init-from`` matches variables by path: each layer's output projection and rotary
+    frequencies (the paths the family repairs) come from its own layer of the checkpoint."""
+    from nnx_posttrain import runs
+
+    trained = {v.path: np.asarray(v.value) for v in runs.load(sft_runs["full"]).module.weights}
+    fresh = model.load(str(micro)).module
+    o_proj = "transformer_layer_{}/self_attn/o_proj/kernel"
+    before = {v.path: np.asarray(v.value) for v in fresh.weights}
+    assert not np.array_equal(before[o_proj.format(1)], trained[o_proj.format(1)])  # it trained
+    runs.init_weights(fresh, sft_runs["full"])
+    copied = {v.path: np.asarray(v.value) for v in fresh.weights}
+    assert copied.keys() == trained.keys() and len(copied) == len(fresh.weights)
+    for path, value in copied.items():
+        np.testing.assert_array_equal(value, trained[path], err_msg=path)
+    assert not np.array_equal(copied[o_proj.format(0)], copied[o_proj.format(1)])
+
+
+@pytest.mark.slow
+def test_runs_export_as_nnx_posttrain_export_writes_them(micro, sft_runs, tmp_path):
+    """``nnx-posttrain export --format hf`` of the full run and of the LoRA run (merged), and
+    ``--adapters-only`` on the micro preset's own export: transformers' logits are the runs'."""
+    from nnx_posttrain import export, runs
+
+    for name in ("full", "lora"):
+        ours = np.asarray(model.full_logits(runs.load(sft_runs[name]).module, IDS, MASK))
+        export.export(sft_runs[name], tmp_path / name, target=export.Target("hf"),
+                      echo=lambda _: None)
+        theirs, _ = hf_logits(tmp_path / name)
+        np.testing.assert_allclose(theirs, ours, atol=TOLERANCE, rtol=0, err_msg=name)
+    hf_export.export_model(model.load(str(micro)).task, tmp_path / "base", "float32")
+    export.export(sft_runs["lora"], tmp_path / "adapters",
+                  target=export.Target("hf", adapters_only=True), echo=lambda _: None)
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    tensors = safetensors.load_file(tmp_path / "adapters" / "adapter_model.safetensors")
+    _, hf = hf_logits(tmp_path / "base")
+    np.testing.assert_allclose(with_adapters(hf, tensors, config), ours, atol=TOLERANCE, rtol=0)
