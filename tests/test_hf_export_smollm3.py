@@ -150,6 +150,18 @@ def test_every_fourth_layer_nope_with_mlp_biases(tmp_path):
     np.testing.assert_allclose(theirs, ours, atol=TOLERANCE, rtol=0)
 
 
+def test_rotary_frequencies_other_than_rope_thetas_are_refused(tmp_path):
+    """transformers computes the frequencies from ``rope_theta`` (it reads none): a backbone
+    whose frequencies are not those (changed by 0.1%) is refused by name, nothing written."""
+    backbone = families.prepare(keras_hub.models.SmolLM3Backbone(**TINY))
+    rotary = backbone.transformer_layers[0].self_attn.rotary_embedding
+    rotary.inv_freq.assign(np.asarray(rotary.inv_freq.value) * 1.001)
+    task = type("Task", (), {"backbone": backbone, "preprocessor": None})()
+    with pytest.raises(hf_export.ExportError, match="rotary frequencies other than rope_theta"):
+        hf_export.export_model(task, tmp_path / "out", "float32")
+    assert not (tmp_path / "out").exists()
+
+
 def test_tokenizer_files_give_our_ids(exported):
     """transformers' tokenizer of the export (``PreTrainedTokenizerFast``) reads a ChatML
     conversation as our tokenizer does, its turn tokens whole, and ends where the config does."""
