@@ -146,9 +146,12 @@ def test_export_names_cover_every_variable(tiny):
         return
     mapping = hf.weight_map(backbone)
     # every variable has its tensors (stacked experts: one per expert and part; Gemma 4's fused
-    # gate | up: one tensor of two variables)
+    # gate | up: one tensor of two variables), or transformers derives it from the config
+    # (SmolLM3's rotary frequencies)
     mapped = {id(x) for v, _ in mapping.values() for x in (v if isinstance(v, tuple) else (v,))}
-    assert mapped == {id(v) for v in backbone.weights}
+    derived = {id(v) for v in hf.derived_variables(backbone)}
+    assert not mapped & derived and mapped | derived == {id(v) for v in backbone.weights}
+    assert all(v.path.endswith("rotary_emb/inv_freq") for v in hf.derived_variables(backbone))
 
 
 def test_decoding_keywords_are_the_blocks_own(tiny):
@@ -211,6 +214,41 @@ def test_smollm3_no_rope_layers_and_repair():
     before = [v.path for v in backbone.weights]
     assert "transformer_layer_1/self_attn/o_proj/kernel" in before
     assert [v.path for v in families.prepare(backbone).weights] == before
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_smollm3_repaired_paths_survive_a_jitted_step(lora):
+    """The paths ``prepare`` gives are the variables' NNX metadata, not an attribute a pass
+    through JAX drops: after a jitted gradient step (the training loop's split / merge form)
+    the state's paths, which key checkpoints and ``--init-from``, are still one per variable,
+    and so are the merged module's; LoRA factors of the output projections (added after the
+    repair) are under their block too."""
+    from flax import nnx
+
+    backbone = support.TINY_FAMILIES["smollm3"]()
+    if lora:
+        model.enable_lora(backbone, 2, targets="all-linear")
+    before = [v.path for v in backbone.weights]
+    assert len(set(before)) == len(before)
+    graphdef, params, frozen = model.split(backbone)
+    ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 64
+
+    @jax.jit
+    def step(params, frozen):
+        def loss(p):
+            return model.full_logits(nnx.merge(graphdef, p, frozen), ids, jnp.ones_like(ids)).sum()
+
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), frozen
+
+    params, frozen = step(params, frozen)
+    paths = [*model.named_variables(params), *model.named_variables(frozen)]
+    assert len(paths) == len(nnx.to_flat_state(params)) + len(nnx.to_flat_state(frozen))
+    assert sorted(paths) == sorted(before)
+    merged = nnx.merge(graphdef, params, frozen)
+    assert sorted(v.path for v in merged.weights) == sorted(before)
+    o_proj = "transformer_layer_1/self_attn/o_proj/" + ("lora_kernel_a" if lora else "kernel")
+    assert o_proj in paths
 
 
 def test_smollm3_is_built_in_the_dtype_it_is_given(tmp_path):

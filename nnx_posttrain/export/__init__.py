@@ -12,7 +12,8 @@ reference state is built) and writes to DIR (which must be new or empty):
   and configurations verified by a logits round trip against ``transformers`` (``export.hf``:
   Gemma, Gemma 2, Gemma 3 and Gemma 4 (text, and with their vision towers), Llama 3 / 3.1+, Mistral,
   Qwen 2 / 2.5, Qwen 3, and the newer families the models page lists: Gemma 4's 26B-A4B experts,
-  Qwen3-MoE, Mixtral, GPT-OSS, Qwen 3.5 and its MoE); others refused;
+  Qwen3-MoE, Mixtral, GPT-OSS, Qwen 3.5 and its MoE, SmolLM3 with its NoPE layers); others
+  refused;
 - ``hf --adapters-only``: ``adapter_model.safetensors`` + ``adapter_config.json`` that PEFT loads
   on top of the base model (``PeftModel.from_pretrained(base, DIR)``).
 

@@ -25,14 +25,21 @@ from nnx_posttrain import families
 from nnx_posttrain.export.hf_config import VERIFIED, ExportError, family, hf_config  # noqa: F401
 
 DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", None), "float16": ("F16", np.float16)}
+# The layout of a rule whose variable transformers derives from the config instead of reading it
+# (a non-persistent buffer: SmolLM3's rotary frequencies); the family's config writer checks
+# that its value is the one the config gives. Nothing is written for it.
+DERIVED = "derived"
 
 
 # ----------------------------------------------------------------------------- weights
 
 
 def _rules(backbone):
-    """The family's weight rules (``families``: ``Export.rules``), compiled."""
+    """The family's weight rules (``families``: ``Export.rules``), compiled; the backbone
+    repaired first where its family has a repair (``families.prepare``, idempotent: SmolLM3's
+    paths, which the rules read, on a backbone built outside the package)."""
     family(backbone)
+    families.prepare(backbone)
     return [(re.compile(p + "$"), name, layout)
             for p, name, layout in families.of(backbone).export.rules(backbone)]
 
@@ -43,7 +50,7 @@ def _match(rules, path: str):
     if len(hits) != 1:
         return None
     m, name, layout = hits[0]
-    return name.format(*m.groups()), layout
+    return (None if layout == DERIVED else name.format(*m.groups())), layout
 
 
 def to_matrix(array: np.ndarray, layout) -> np.ndarray:
@@ -74,7 +81,8 @@ def _expert_hits(rules, path: str) -> list:
     """The (name, layout) of every per-expert rule matching ``path`` (stacked experts: one HF
     tensor per expert and part), or [] when another rule, or none, matches it."""
     hits = [(rx.match(path), name, layout) for rx, name, layout in rules]
-    hits = [(name.format(*m.groups()), layout) for m, name, layout in hits if m]
+    hits = [(name.format(*m.groups()), layout) for m, name, layout in hits
+            if m and layout != DERIVED]
     experts = all(isinstance(layout, tuple) and layout[0] == "expert" for _, layout in hits)
     return hits if hits and experts else []
 
@@ -82,13 +90,16 @@ def _expert_hits(rules, path: str) -> list:
 def weight_map(backbone) -> dict[str, tuple]:
     """{HF tensor name: (Keras variable, layout)} of every variable; a tensor of several variables
     (rules with a ``("part", index, axis, layout)`` layout: Gemma 4's fused expert gate | up)
-    maps to (their tuple, ``("concat", axis, their layouts)``). An unmatched variable (a LoRA
-    factor not merged, an unknown layer) stops the export by name."""
+    maps to (their tuple, ``("concat", axis, their layouts)``); a ``DERIVED`` variable has no
+    entry. An unmatched variable (a LoRA factor not merged, an unknown layer) stops the export
+    by name."""
     rules, out, parts, unmatched = _rules(backbone), {}, {}, []
     for v in backbone.weights:
         hits = _expert_hits(rules, v.path) or [_match(rules, v.path)]
         if hits == [None]:
             unmatched.append(v.path)
+            continue
+        if hits[0][1] == DERIVED:
             continue
         for name, layout in hits:
             if isinstance(layout, tuple) and layout[0] == "part":
@@ -107,6 +118,13 @@ def weight_map(backbone) -> dict[str, tuple]:
         out[name] = (tuple(p[0] for p in ordered), ("concat", ordered[0][1],
                                                     tuple(p[2] for p in ordered)))
     return out
+
+
+def derived_variables(backbone) -> list:
+    """The variables the export writes nothing for (``DERIVED``: transformers computes them from
+    the config)."""
+    rules = _rules(backbone)
+    return [v for v in backbone.weights if (_match(rules, v.path) or (0, 0))[1] == DERIVED]
 
 
 def tensor_of(arrays, layout) -> np.ndarray:
@@ -272,7 +290,7 @@ def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Pat
             raise ExportError(f"--adapters-only: {layer.path} has another LoRA rank or alpha")
         kernel = getattr(layer, "_kernel", None)  # .kernel is the merged array once LoRA is on
         hit = _match(rules, kernel.path) if kernel is not None else None
-        if hit is None or hit[1] in (None, "flat"):
+        if hit is None or hit[1] in (None, "flat", DERIVED):
             raise ExportError(f"--adapters-only: {layer.path} has no verified Hugging Face module")
         name, layout = hit
         module = name.removesuffix(".weight")

@@ -11,7 +11,9 @@ KerasHub 0.32's quirks, and what the package does about them:
   ``__init__``, outside its block's name scope: every layer's variable is ``o_proj/kernel`` /
   ``rotary_emb/inv_freq``. Paths key the sharding rules, ``--init-from`` and the exports, so
   ``prepare`` (run on every backbone the package builds or loads) renames them under their
-  block (``transformer_layer_i/self_attn/o_proj/kernel``);
+  block (``transformer_layer_i/self_attn/o_proj/kernel``), through the variable's own
+  ``__setattr__``, which Keras mirrors into its NNX metadata (a path set around it reads the
+  bare name again after one pass through JAX: a jitted step, a split / merge);
 - its rotary layers are built lazily, at their first call, which NNX refuses inside a traced
   step: ``prepare`` builds them;
 - ``SmolLM3Attention.call`` assigns ``self.training``, which NNX refuses inside a nested trace
@@ -20,12 +22,18 @@ KerasHub 0.32's quirks, and what the package does about them:
 - the backbone ignores ``dtype`` for its layers (they take Keras' global policy): the package
   builds it with the global policy set to its dtype (``Family.ignores_dtype``,
   ``families.building``);
-- KerasHub 0.32 has no SmolLM3 exporter and this package none verified.
+- KerasHub 0.32 has no SmolLM3 exporter: the package's (``EXPORT_RULES``, ``export_config``,
+  ``export_tokenizer``) writes transformers' ``SmolLM3ForCausalLM``, its NoPE layers as
+  ``no_rope_layers`` (1: the layer rotates; ``no_rope_layer_interval`` where the list has one),
+  the rotary frequencies left to transformers (a non-persistent buffer there, computed from
+  ``rope_theta``: the export checks ours are those), the embedding tied as KerasHub ties it.
 """
 
 from __future__ import annotations
 
-from nnx_posttrain.families.base import SELF_ATTENTION_CACHE, Family, Preset, Unsupported
+import json
+
+from nnx_posttrain.families.base import SELF_ATTENTION_CACHE, Export, Family, Preset, refuse
 from nnx_posttrain.families.llama import llama_like
 
 F, T = "fsdp", "tensor"
@@ -73,16 +81,21 @@ def attention_call(layer, hidden_states, training=False, attention_mask=None, **
 
 def prepare(backbone) -> None:
     """Give the variables each attention layer creates outside its block's scope (its output
-    projection, its rotary frequencies) their block's path, and build the rotary layers (NNX
-    refuses their lazy build inside a traced step). Idempotent."""
+    projection, its rotary frequencies) their block's path, and those layers their block's
+    scope (where ``enable_lora`` adds their factors), and build the rotary layers (NNX refuses
+    their lazy build inside a traced step). Idempotent."""
     for block in backbone.transformer_layers:
         attn = block.self_attn
         attn.rotary_embedding.build(None)
         scope = f"{block.name}/{attn.name}/"
         for layer in (attn.o_proj, attn.rotary_embedding):
+            # the scope of the variables the layer adds later (its LoRA factors)
+            layer._parent_path, layer._path = scope[:-1], scope + layer.name
             for v in layer.weights:
                 if not v.path.startswith(scope):
-                    object.__setattr__(v, "_path", scope + v.path)
+                    # not object.__setattr__: Keras' own setter keeps it in the NNX metadata,
+                    # so the path survives flattening (a jitted step)
+                    v._path = scope + v.path
 
 
 SHARDING = (
@@ -94,6 +107,100 @@ SHARDING = (
     (rf"{_B}/mlp/(gate_proj|up_proj)/bias$", (T,)),
     (rf"{_B}/mlp/down_proj/kernel$", (T, F)),
 )
+
+_T, _L = r"transformer_layer_(\d+)", "model.layers.{}"
+_DENSE = ((1,), (0,))  # a Dense kernel [in, out] as [out, in]
+EXPORT_RULES = [  # Keras path -> transformers' SmolLM3ForCausalLM name, layout (export.hf)
+    (r"token_embedding/embeddings", "model.embed_tokens.weight", None),  # tied: no lm_head
+    (rf"{_T}/self_attn/q_proj/kernel", _L + ".self_attn.q_proj.weight", _DENSE),
+    (rf"{_T}/self_attn/k_proj/kernel", _L + ".self_attn.k_proj.weight", _DENSE),
+    (rf"{_T}/self_attn/v_proj/kernel", _L + ".self_attn.v_proj.weight", _DENSE),
+    (rf"{_T}/self_attn/o_proj/kernel", _L + ".self_attn.o_proj.weight", ((2,), (0, 1))),
+    (rf"{_T}/self_attn/rotary_emb/inv_freq", None, "derived"),  # export.hf.DERIVED
+    (rf"{_T}/input_layernorm/scale", _L + ".input_layernorm.weight", None),
+    (rf"{_T}/post_attention_layernorm/scale", _L + ".post_attention_layernorm.weight", None),
+    (rf"{_T}/mlp/gate_proj/kernel", _L + ".mlp.gate_proj.weight", _DENSE),
+    (rf"{_T}/mlp/up_proj/kernel", _L + ".mlp.up_proj.weight", _DENSE),
+    (rf"{_T}/mlp/down_proj/kernel", _L + ".mlp.down_proj.weight", _DENSE),
+    (rf"{_T}/mlp/gate_proj/bias", _L + ".mlp.gate_proj.bias", None),  # mlp_bias
+    (rf"{_T}/mlp/up_proj/bias", _L + ".mlp.up_proj.bias", None),
+    (rf"{_T}/mlp/down_proj/bias", _L + ".mlp.down_proj.bias", None),
+    (r"sequence_output_layernorm/scale", "model.norm.weight", None),
+]
+
+
+def export_rules(backbone) -> list:
+    return list(EXPORT_RULES)
+
+
+def _frequencies_are_rope_thetas(b) -> bool:
+    """Whether every layer's rotary frequencies are those transformers computes from
+    ``rope_theta`` (1 / theta ** (2i / head_dim)), to float32 rounding (KerasHub's float32
+    power: ~1e-7 relative on a CPU; 1e-5 leaves room for an accelerator's, and still tells any
+    other base or a changed frequency)."""
+    import numpy as np
+
+    hd = b.hidden_dim // b.num_attention_heads
+    expected = 1.0 / (float(b.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    return all(np.allclose(np.asarray(block.self_attn.rotary_embedding.inv_freq.value,
+                                      np.float64), expected, rtol=1e-5, atol=0)
+               for block in b.transformer_layers)
+
+
+def no_rope_layers(b) -> list[int]:
+    """transformers' ``no_rope_layers``: per layer, 1 where it rotates, 0 for a NoPE layer (the
+    layers' own ``use_rope``: KerasHub rotates a layer past its list's end)."""
+    return [int(bool(block.self_attn.use_rope)) for block in b.transformer_layers]
+
+
+def export_config(b) -> dict:
+    """transformers' ``SmolLM3Config`` (``smollm3``); the token ids come from the tokenizer
+    (``export.hf_config``), none by default (transformers' defaults are the 128k vocabulary's)."""
+    refuse("SmolLM3Backbone", [p for p, bad in (
+        ("attention_bias=True (transformers' o_proj has a bias, KerasHub's none)",
+         b.attention_bias),
+        (f"partial_rotary_factor={b.partial_rotary_factor}", b.partial_rotary_factor != 1.0),
+        ("rotary frequencies other than rope_theta's", not _frequencies_are_rope_thetas(b)))
+        if bad])
+    rope, n = no_rope_layers(b), b.num_layers
+    cfg = dict(
+        architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=b.vocabulary_size,
+        hidden_size=b.hidden_dim, intermediate_size=b.intermediate_dim, num_hidden_layers=n,
+        num_attention_heads=b.num_attention_heads, num_key_value_heads=b.num_key_value_heads,
+        hidden_act="silu", max_position_embeddings=b.max_position_embeddings,
+        rms_norm_eps=b.layer_norm_epsilon, rope_theta=float(b.rope_theta),
+        rope_parameters=dict(rope_type="default", rope_theta=float(b.rope_theta)),
+        use_sliding_window=False, sliding_window=None, no_rope_layers=rope,
+        layer_types=["full_attention"] * n, attention_bias=False,
+        attention_dropout=float(b.attention_dropout), mlp_bias=bool(b.mlp_bias),
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    interval = next((k for k in range(2, n + 2)
+                     if rope == [int((i + 1) % k != 0) for i in range(n)]), None)
+    if interval is not None:  # the list is "every k-th layer NoPE" (SmolLM3-3B's: 4)
+        cfg["no_rope_layer_interval"] = interval
+    return cfg
+
+
+def export_tokenizer(tokenizer, to) -> None:
+    """The tokenizer as transformers' ``PreTrainedTokenizerFast`` (SmolLM3's published form): a
+    ``tokenizer.json`` of Llama 3's layout (KerasHub's builder: byte-level BPE, Llama 3's
+    split), with every special and unsplittable token (the turn tokens) as an added token."""
+    from keras_hub.src.utils.transformers.export.llama3 import build_llama3_tokenizer_json
+
+    spec = build_llama3_tokenizer_json(tokenizer)
+    known = {t["id"] for t in spec["added_tokens"]}
+    extra = [t for t in (tokenizer.unsplittable_tokens or []) if tokenizer.token_to_id(t)
+             not in known]
+    spec["added_tokens"] = sorted(spec["added_tokens"] + [dict(
+        id=tokenizer.token_to_id(t), content=t, single_word=False, lstrip=False, rstrip=False,
+        normalized=False, special=True) for t in extra], key=lambda t: t["id"])
+    (to / "tokenizer.json").write_text(json.dumps(spec, indent=2, ensure_ascii=False))
+    (to / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": tokenizer.end_token, "pad_token": None, "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": 65_536}, indent=2))
+
 
 # The tiny configuration's dimensions; layer 1 is a NoPE layer
 _TINY = dict(vocabulary_size=64, hidden_dim=32, intermediate_dim=48, num_layers=2,
@@ -113,8 +220,10 @@ SMOLLM3 = Family(
     sharding=SHARDING,
     lora={"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
           "mlp": ("gate_proj", "up_proj", "down_proj")},
-    export=Unsupported("KerasHub 0.32 has no SmolLM3 exporter and this package none verified "
-                       "yet (its NoPE layers: transformers' no_rope_layers); use --format keras"),
+    export=Export(export_rules, export_config,
+                  "SmolLM3 (`smollm3`, `SmolLM3ForCausalLM`): NoPE layers (`no_rope_layers`), "
+                  "tied embedding, MLP biases; no attention biases",
+                  tokenizer=export_tokenizer),
     decoding=SELF_ATTENTION_CACHE,
     context_length=65_536,  # SmolLM3-3B's max_position_embeddings (128k with YaRN)
     hf_model_types=("smollm3",),
