@@ -122,6 +122,7 @@ def test_the_memory_estimate_counts_a_devices_share_of_the_experts():
     assert memory._per_device(params, {"expert": 2})[0] == total - experts // 2
 
 
+@pytest.mark.slow  # 10-30 s: the full suite runs it
 def test_the_command_refuses_the_expert_axis_on_a_dense_model(tmp_path):
     proc = support.sft_command(tmp_path / "dense", "--model", "gemma_micro", "--steps", "1",
                                "--mesh.cpu-devices", "2", "--mesh.data", "1", "--mesh.expert", "2")
@@ -206,6 +207,7 @@ def test_the_same_losses_with_the_experts_split(four_devices):
                 np.testing.assert_allclose(values, reference, rtol=2e-5, err_msg=name)
 
 
+@pytest.mark.slow  # 10-30 s: the full suite runs it
 def test_the_experts_arrays_are_split_over_the_expert_axis(four_devices):
     specs, rows = four_devices["expert_specs"], four_devices["expert_shard_rows"]
     for variant in ("qwen3_moe", "mixtral"):
@@ -259,6 +261,7 @@ def _plan_cfg(preset, *extra):
     return train_command.config_from("sft", args, "sft")
 
 
+@pytest.mark.slow  # 10-30 s: the full suite runs it
 def test_a_plan_lays_the_experts_on_the_expert_axis_of_the_topology(qwen3_moe_preset):
     from nnx_posttrain import api, plan
     from nnx_posttrain.plan import build as build_lib

@@ -136,6 +136,7 @@ def test_vision_targets_are_refused_where_they_cannot_work(micro):
         model.freeze_tower(lm.module, train=True)
 
 
+@pytest.mark.slow  # 10-30 s: the full suite runs it
 def test_a_dpo_run_with_lora_on_the_projector_alone_trains_loads_and_exports(tmp_path):
     """``dpo --lora.targets projector`` on Gemma 4: the reference is the model with LoRA off (the
     first loss is log 2), two steps train the projector's factors only, the run loads back with
