@@ -129,16 +129,14 @@ def blind_answer() -> dict:
 
 def reading(stats: dict, blind: dict) -> list[str]:
     """The table in words."""
-    out = []
-    for name in VERSUS:
-        change = stats[name]["change"]
-        verdict = ("a significant gain" if change["significant"] and change["diff"] > 0 else
-                   "a significant loss" if change["significant"] else "inside the noise")
-        out.append(f"{LABELS[name]} against {LABELS[VERSUS[name]]}: {S.ci(change)} points, "
-                   f"{verdict}.")
+    def verdict(change):
+        return ("a significant gain" if change["significant"] and change["diff"] > 0 else
+                "a significant loss" if change["significant"] else "inside the noise")
+
+    out = [f"{LABELS[name]} against {LABELS[VERSUS[name]]}: {S.ci(stats[name]['change'])} "
+           f"points, {verdict(stats[name]['change'])}." for name in VERSUS]
     change = stats["grpo_vs_sft_more"]
-    out.append(f"GRPO against the continued SFT: {S.ci(change)} points, "
-               + ("significant." if change["significant"] else "inside the noise."))
+    out.append(f"GRPO against the continued SFT: {S.ci(change)} points, {verdict(change)}.")
     out.append(f"Without looking at the picture: always answering {blind['answer']} (the most "
                f"frequent training count) gets {S.pct(blind['exact_match'])} of the held-out "
                "problems.")
