@@ -153,6 +153,10 @@ def test_exact_match_only_where_the_eval_data_has_answers(tmp_path, capsys):
     assert on.eval.exact_match == base.eval.exact_match > 0
     builtin = _parsed("dpo", [])
     assert dpo.settings_for_data(builtin, print) == builtin
+    # a named built-in task (the image task) judges its own records: SFT's conversations too
+    sft = api.build(api.configure("sft"))
+    shapes = resolved(api.configure("sft", data="builtin:shapes"), sft, "builtin:shapes")
+    assert shapes.eval.exact_match > 0 and "no 'answer'" not in capsys.readouterr().out
     # an answer on a later record counts; an online method keeps its held-out prompts without
     # any (their greedy answers are scored by the run's rewards)
     late = _write(tmp_path / "late.jsonl", [{"prompt": "Hi", "chosen": " a", "rejected": " b"},

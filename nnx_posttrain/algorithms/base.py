@@ -221,7 +221,8 @@ class AlgorithmBase:
         any of its first 100 records): a greedy answer compared with a free-text ``chosen`` or
         ``completion`` measures nothing (with images too: the sampler reads them)."""
         if not (run_cfg.eval.exact_match and run_cfg.eval_data) \
-                or "builtin" in (run_cfg.data, run_cfg.eval_data):
+                or "builtin" in (run_cfg.data, run_cfg.eval_data) \
+                or str(run_cfg.eval_data).startswith("builtin:"):  # a built-in task answers
             return run_cfg
         src = data.source(run_cfg.eval_data, "eval", builtin=self.data_kind)
         first = [src[i] for i in range(min(len(src), 100))]

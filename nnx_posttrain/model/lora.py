@@ -84,8 +84,10 @@ def merge(graphdef, params, frozen: dict):
 
 
 def named_variables(state) -> dict[str, jax.Array]:
-    """{Keras variable path (e.g. 'decoder_block_0/attention/query/kernel'): array} of a state."""
-    return {v.path: v.value for _, v in nnx.to_flat_state(state)}
+    """{Keras variable path (e.g. 'decoder_block_0/attention/query/kernel'): array} of a state.
+    A plain array in the state (a constant such as Gemma 3's vision embedding's position ids) is
+    no variable and has no path: left out."""
+    return {v.path: v.value for _, v in nnx.to_flat_state(state) if hasattr(v, "path")}
 
 
 def count_params(state) -> int:

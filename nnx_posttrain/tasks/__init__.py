@@ -57,6 +57,13 @@ VISION_MODELS = {
         vision=dict(image_size=16, patch_size=4, pool_size=2, num_heads=2, hidden_dim=16,
                     num_layers=1, intermediate_dim=32),
     ),
+    # gemma_tiny's text with a 2-layer vision encoder: learns the image task (tools/image_table.py)
+    "gemma3_vision_tiny": dict(
+        num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=128,
+        intermediate_dim=512, head_dim=32, max_images=1,
+        vision=dict(image_size=16, patch_size=4, pool_size=2, num_heads=2, hidden_dim=64,
+                    num_layers=2, intermediate_dim=128),
+    ),
     # Gemma 4 (Gemma4Backbone + Gemma4VisionEncoder): E2B-like text (per-layer inputs, KV-shared
     # layers) with image tokens attending to each other; 16 x 16 images in 4 x 4 patches, pooled
     # 2 x 2 into 4 image tokens
