@@ -300,10 +300,20 @@ def test_stop_tokens_rows_stop_independently(micro_sampler):
 
 def test_greedy_complete_uses_the_sampler(micro_sampler, reference):
     lm, _, states, sample = micro_sampler
-    texts = generate.greedy_complete(lm, sample, states, PROMPTS, N)  # the fixture's compilation
+    texts = generate.greedy_complete(lm, sample, states, PROMPTS, N)
     stops = set(generate.stop_ids(lm))
     assert texts == [lm.tokenizer.decode([int(t) for t in _until_stop(r, stops)]) for r in reference]
-    assert sample._cache_size() == 1
+    events = []
+
+    def heard(event, duration, **_):
+        events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:  # a second call neither traces nor compiles: the sampler's compilation is kept
+        assert generate.greedy_complete(lm, sample, states, PROMPTS, N) == texts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+    assert not [e for e in events if e.startswith("/jax/core/compile/")], events
 
 
 def _until_stop(row, stops):
