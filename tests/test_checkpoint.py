@@ -242,33 +242,32 @@ def _small_state():
             "step": jnp.asarray(7, jnp.int32)}
 
 
-def test_an_async_save_hands_a_copy_to_a_writer_thread_and_returns(tmp_path, monkeypatch):
-    """A small state's save returns before Orbax's save call has run (it runs on the writer
-    thread, in order), and writes the values the state had when saved, though the step that
-    followed donated (here: deleted) the original arrays."""
-    import threading
-
+def test_an_async_save_holds_a_device_copy_until_the_next_step_is_dispatched(tmp_path,
+                                                                              monkeypatch):
+    """A small state's save returns without calling Orbax (the transfer to the host would
+    delay the next step); ``write_held`` hands it over, and the values written are those the
+    state had when saved, though the step that followed donated (here: deleted) the originals.
+    Any other use of the checkpointer writes a held save first, in order."""
     from nnx_posttrain import config as config_lib
 
     ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
-    release, threads = threading.Event(), []
+    calls = []
     orbax_save = ckpt._manager.save
-
-    def slow_save(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        release.wait(10)
-        return orbax_save(*args, **kwargs)
-
-    monkeypatch.setattr(ckpt._manager, "save", slow_save)
+    monkeypatch.setattr(ckpt._manager, "save",
+                        lambda step, **kw: (calls.append(step), orbax_save(step, **kw))[1])
     state = _small_state()
     expected = {k: np.asarray(v) for k, v in state["params"].items()}
     ckpt.save(3, state, {"pos": 1}, {"step": 3})
-    assert ckpt._pending is not None and not ckpt._pending.done()  # returned, Orbax waiting
+    assert calls == []  # held: Orbax not called yet
     for leaf in (state["params"]["w"], state["params"]["b"], state["step"]):
         leaf.delete()  # what the next step's donation does to the original buffers
-    release.set()
-    ckpt.wait()
-    assert threads == ["checkpoint-save_0"] and ckpt.all_steps() == [3]
+    ckpt.write_held()
+    assert calls == [3]
+    ckpt.write_held()  # nothing held: nothing written again
+    ckpt.save(4, _small_state(), {}, {"step": 4})
+    ckpt.save(5, _small_state(), {}, {"step": 5})  # the held save of step 4 goes first
+    assert calls == [3, 4]
+    assert ckpt.all_steps() == [3, 4, 5] and calls == [3, 4, 5]  # a use writes what is held
     restored = ckpt.manager.restore(3)
     for name, value in expected.items():
         np.testing.assert_array_equal(np.asarray(restored.state["params"][name]), value)
@@ -276,9 +275,10 @@ def test_an_async_save_hands_a_copy_to_a_writer_thread_and_returns(tmp_path, mon
     ckpt.close()
 
 
-def test_a_failed_background_save_is_raised_at_the_next_use(tmp_path, monkeypatch):
-    """An error of the save handed to the writer thread is not lost: the next use of the
-    checkpointer (here the wait at the end) raises it."""
+def test_a_failed_held_save_is_raised_at_the_next_use_and_close_still_closes(tmp_path,
+                                                                             monkeypatch):
+    """An error of a held save is not lost: the next use of the checkpointer (here the wait at
+    the end) raises it; closing after it still closes Orbax's manager."""
     from nnx_posttrain import config as config_lib
 
     ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
@@ -290,19 +290,24 @@ def test_a_failed_background_save_is_raised_at_the_next_use(tmp_path, monkeypatc
     ckpt.save(1, _small_state(), {}, {"step": 1})
     with pytest.raises(OSError, match="No space left on device"):
         ckpt.wait()
-    ckpt.close()
+    closed = []
+    monkeypatch.setattr(ckpt._manager, "close", lambda: closed.append(True))
+    ckpt.save(2, _small_state(), {}, {"step": 2})
+    with pytest.raises(OSError, match="No space left on device"):
+        ckpt.close()
+    assert closed == [True]
 
 
 def test_a_state_whose_copy_does_not_fit_is_saved_in_the_call(tmp_path, monkeypatch):
     """Where a copy would take over a quarter of the free memory, Orbax's save runs in the
-    call itself (nothing handed to the writer thread)."""
+    call itself (nothing held)."""
     from nnx_posttrain import config as config_lib
     from nnx_posttrain.model import device_memory
 
     monkeypatch.setattr(device_memory, "available_bytes", lambda: 100)  # 100 bytes free
     ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
     ckpt.save(2, _small_state(), {}, {"step": 2})
-    assert ckpt._pending is None
+    assert ckpt._held is None
     ckpt.wait()
     assert ckpt.all_steps() == [2]
     ckpt.close()

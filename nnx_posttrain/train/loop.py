@@ -227,7 +227,10 @@ class Steps:
         self.throughput.count(host_batch)
         batch = shard_batch(run.source.to_device(host_batch), run.mesh,
                             run.cfg.batching.grad_accum)
-        result.state, metrics = train_step(result.state, run.frozen, batch)
+        try:
+            result.state, metrics = train_step(result.state, run.frozen, batch)
+        finally:  # the last checkpoint's transfer to the host, while the device runs the step
+            run.checkpointer.write_held()
         run.state = result.state  # the one before was donated to the step
         self.guard.push(step, metrics)  # checks the step before (this one is running)
         self.bar.update(1)

@@ -9,8 +9,10 @@ cut short before its JSON: its ms/step lines, MFU computed from them, the rest n
 ``results/bench_compile_tpu.json``: each step's compile cold and warm (JAX's persistent cache),
 from the ``compile_SIZE--CASE_{cold,warm}.json`` pairs; ``results/bench_headline_tpu.json``: the
 README's SimPO command as a user runs it (``tpu.sh headline``), from every
-``headline_LIKE[--CODE].json`` (CODE: which code it ran, when not this commit's). Then
-``python -m tools.results`` renders them into docs/benchmarks.md.
+``headline_LIKE[--CODE].json`` (CODE: which code it ran, when not this commit's);
+``results/bench_save_cost_tpu.json``: what a checkpoint costs the steps around it
+(``tools.bench.save_cost``), from ``save_cost.json``. Then ``python -m tools.results`` renders
+them into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -185,6 +187,33 @@ def headline(files: list[Path]) -> Path:
                          HEADLINE_COLUMNS, rows, notes, data, where(set()))
 
 
+SAVE_COST_COLUMNS = ["save", "arrays", "median step ms", "save call ms (median)",
+                     "step after a save ms", "x median"]
+
+
+def save_cost(files: list[Path]) -> Path:
+    """results/bench_save_cost_tpu.json from ``tools.bench.save_cost``'s JSON."""
+    from tools import results as readme
+
+    saved = json.loads(files[-1].read_text())
+    named = {"call": "Orbax's call at once (before)", "held": "held until the next step is dispatched"}
+    rows = [[named.get(r["mode"], r["mode"]), saved["arrays"], f"{r['median_step_ms']:.0f}",
+             f"{sorted(r['save_call_ms'])[len(r['save_call_ms']) // 2]:.0f}",
+             ", ".join(f"{x:.0f}" for x in r["after_save_ms"]),
+             ", ".join(f"{x:.2f}" for x in r["after_save_x"])] for r in saved["runs"]]
+    copy = saved["copy"]
+    notes = [f"A LoRA-like state ({saved['arrays']} arrays: 18 layers x 4 projections x 2 rank-8 "
+             "factors and their two AdamW moments, as the headline's gemma_2b LoRA run holds) "
+             f"saved every 5 steps of a stand-in step of {saved['stand_in_step_ms']:.0f} ms on "
+             "the device (the state donated, its loss read every step, as a run logging every "
+             "step does). The device copy (jax.device_put, no program compiled) took "
+             f"{copy['device_put']['median_ms']:.0f} ms of the host's time; a jitted copy "
+             f"{copy['jit']['median_ms']:.0f} ms after its {copy['jit']['first_ms'] / 1000:.1f} s "
+             "compilation."]
+    return readme.record("bench_save_cost_tpu", "python -m tools.bench.save_cost --steps 21",
+                         SAVE_COST_COLUMNS, rows, notes, saved, where(set()))
+
+
 @command
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
@@ -207,7 +236,8 @@ def main(argv=None):
     for name, files, fn in (("training", runs + cut, lambda f: training(f, previous)),
                             ("sampling", sorted(root.glob("sampler_*.json")), sampling),
                             ("compiling", sorted(root.glob("compile_*.json")), compiling),
-                            ("headline", sorted(root.glob("headline_*.json")), headline)):
+                            ("headline", sorted(root.glob("headline_*.json")), headline),
+                            ("saving", sorted(root.glob("save_cost*.json")), save_cost)):
         if files:
             print(f"recorded {fn(files)} ({name}, {len(files)} files)")
 
