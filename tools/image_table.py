@@ -130,8 +130,8 @@ def blind_answer() -> dict:
 def reading(stats: dict, blind: dict) -> list[str]:
     """The table in words."""
     def verdict(change):
-        return ("a significant gain" if change["significant"] and change["diff"] > 0 else
-                "a significant loss" if change["significant"] else "inside the noise")
+        return {"gain": "a significant gain", "loss": "a significant loss",
+                "same": "inside the noise"}[S.direction(change)]
 
     out = [f"{LABELS[name]} against {LABELS[VERSUS[name]]}: {S.ci(stats[name]['change'])} "
            f"points, {verdict(stats[name]['change'])}." for name in VERSUS]

@@ -178,8 +178,7 @@ def _reading(stats: dict) -> list[str]:
             continue
         r = st["vs_baseline"]
         label = f"{LABELS.get(method, method)} ({100 * r['diff']:+.1f} points)"
-        (better if r["significant"] and r["diff"] > 0 else
-         worse if r["significant"] else same).append(label)
+        {"gain": better, "loss": worse, "same": same}[S.direction(r)].append(label)
     out = []
     if better:
         out.append("Significantly better than continued SFT: " + ", ".join(better) + ".")

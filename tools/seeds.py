@@ -139,6 +139,14 @@ def paired_bootstrap(pairs: list[tuple[dict, dict]], reps: int = 10_000, seed: i
             "significant": bool(low > 0 or high < 0)}
 
 
+def direction(change: dict) -> str:
+    """"gain", "loss" or "same" for a ``paired_bootstrap`` result: a gain or a loss only where
+    its interval excludes 0."""
+    if not change["significant"]:
+        return "same"
+    return "gain" if change["diff"] > 0 else "loss"
+
+
 def pct(x: float, digits: int = 1) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
 
