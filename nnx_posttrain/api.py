@@ -17,7 +17,8 @@ command line's ``--help`` says it, the run's ``config.json`` records it as ``res
 1. the algorithm's defaults for a user's data: the fields of ``config.Config`` and of the
    algorithm's settings, with the algorithm's ``defaults`` over them (TRL's conventions);
 2. the built-in task's recipe (``nnx_posttrain/tasks/recipes/<algorithm>.yaml``) when the data is
-   ``builtin`` (the default);
+   ``builtin`` (the default); the image task's (``recipes/shapes/<algorithm>.yaml``) when it is
+   ``builtin:shapes``;
 3. a config file (``config=`` here, ``--config FILE`` on the command line);
 4. the settings given: keywords here, then flags (``args``; the command line passes its own).
 
@@ -70,12 +71,13 @@ def config_type(algorithm) -> type:
 
 def defaults(algorithm, data: str = BUILTIN) -> config_lib.Config:
     """The settings a run of ``algorithm`` on ``data`` gets before any file or setting of the
-    user's: the algorithm's defaults, and the built-in task's recipe when ``data`` is 'builtin'."""
+    user's: the algorithm's defaults, and the built-in task's recipe when ``data`` is a built-in
+    dataset that has one ('builtin', 'builtin:shapes')."""
     from nnx_posttrain import tasks
 
     cls = algorithm_class(algorithm)
     cfg = config_files.merge(config_type(cls)(), cls.defaults, f"{cls.__name__}.defaults")
-    recipe = tasks.recipe(cls.name) if data == BUILTIN else None
+    recipe = tasks.recipe(cls.name, data)
     return config_files.apply(cfg, recipe) if recipe else cfg
 
 
@@ -223,10 +225,13 @@ def help_text(algorithm, data: str = BUILTIN) -> str:
     from nnx_posttrain.algorithms import registry
 
     order = "\n".join(f"  {i}. {layer}" for i, layer in enumerate(ORDER, 1))
-    if data == BUILTIN:
-        shown = (f"The defaults below include the built-in task's recipe (--data builtin, "
-                 f"nnx_posttrain/tasks/recipes/{cls.name}.yaml); `--data FILE --help` lists "
-                 "those of a run on your own data.")
+    from nnx_posttrain import tasks
+
+    recipe = tasks.recipe(cls.name, data)
+    if recipe is not None:
+        shown = (f"The defaults below include the built-in task's recipe (--data {data}, "
+                 f"{recipe.relative_to(Path(tasks.__file__).parents[2])}); `--data FILE --help` "
+                 "lists those of a run on your own data.")
     else:
         shown = ("The defaults below are those of a run on your own data (TRL's); without "
                  "--data, the built-in task's recipe applies.")

@@ -216,7 +216,7 @@ class Checkpointer:
         ``write_held`` (or any other use of the checkpointer) hands it to Orbax; a larger state
         is handed to Orbax here (its call blocks until the arrays are on the host)."""
         manager = self.manager  # the save held before goes first, in order
-        copy = _device_copy(state) if self.cfg.async_save else None
+        copy = device_copy(state) if self.cfg.async_save else None
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state if copy is None else copy),
             data=ocp.args.JsonSave(data_state or {}),
@@ -265,7 +265,7 @@ class Checkpointer:
             self._manager.close()
 
 
-def _device_copy(state):
+def device_copy(state):
     """A copy of ``state`` on its devices, or None when it would take more than a quarter of
     the first device's free memory (or that cannot be told)."""
     leaves = jax.tree.leaves(state)

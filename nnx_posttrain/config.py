@@ -311,7 +311,7 @@ def _range_problems(cfg: Config) -> list[str]:
 ORDER = (
     "the algorithm's defaults for a user's data (TRL's: nnx_posttrain/config.py's, with the "
     "algorithm's `defaults` over them)",
-    "the built-in task's recipe, when --data is builtin (the default)",
+    "the built-in task's recipe, when --data is builtin (the default) or builtin:shapes",
     "the --config file (YAML or JSON)",
     "the settings given: keywords of nnx_posttrain.configure, then flags",
 )
@@ -326,6 +326,9 @@ def resolved_from(cfg: Config) -> list[str]:
     out = [f"{algorithm} defaults for a user's data"]
     if cfg.data == "builtin":
         out.append("the built-in task's recipe (nnx_posttrain/tasks/recipes/)")
+    elif cfg.data == "builtin:shapes":
+        out.append("the image task's recipe where the algorithm has one "
+                   "(nnx_posttrain/tasks/recipes/shapes/)")
     if cfg.config:
         out.append(f"the config file {cfg.config}")
     return out + ["the settings given (keywords, flags)"]

@@ -56,6 +56,25 @@ def test_the_recipe_applies_where_the_data_is_builtin_from_the_flag_or_the_file(
     assert api.configure("sft", config=str(own)).batching.max_length == 1024
 
 
+def test_the_image_task_brings_its_own_recipes_where_it_has_them(capsys):
+    """--data builtin:shapes: SFT and GRPO get the image task's recipes (its vision model, the
+    GRPO run from the SFT run's directory), the other algorithms a user's-data defaults; --help
+    names the file, config.json the layer."""
+    sft = _parsed("sft", ["--data", "builtin:shapes"])
+    grpo = _parsed("grpo", ["--data", "builtin:shapes"])
+    assert (sft.model, sft.run_dir, sft.batching.max_length) == (
+        "gemma3_vision_tiny", "runs/shapes_sft", 32)
+    assert (grpo.model, grpo.init_from, grpo.algo.num_generations) == (
+        "gemma3_vision_tiny", "runs/shapes_sft", 8)
+    assert _parsed("sft", ["--data", "builtin:shapes", "--steps", "5"]).steps == 5  # flags over it
+    dpo = _parsed("dpo", ["--data", "builtin:shapes"])
+    assert tasks.recipe("dpo", "builtin:shapes") is None
+    assert dpo == config_files.merge(api.defaults("dpo", data="mine.jsonl"),
+                                     {"data": "builtin:shapes"}, "test")
+    assert "recipes/shapes/sft.yaml" in api.help_text("sft", "builtin:shapes")
+    assert "recipes/shapes/" in " ".join(config.resolved_from(sft))
+
+
 def test_every_algorithm_has_its_run_defaults_and_a_recipe():
     for name in EXPERIMENTS:
         cls = algorithms.get(name)

@@ -94,12 +94,16 @@ def records(kind: str, split: str) -> list[dict]:
 
 
 RECIPES = Path(__file__).parent / "recipes"
+# each built-in dataset's folder of recipes: the arithmetic task's, the image task's
+RECIPE_FOLDERS = {"builtin": RECIPES, "builtin:shapes": RECIPES / "shapes"}
 
 
-def recipe(algorithm: str) -> Path | None:
-    """The built-in task's recipe file for ``algorithm`` (None: it has none)."""
-    path = RECIPES / f"{algorithm}.yaml"
-    return path if path.is_file() else None
+def recipe(algorithm: str, data: str = "builtin") -> Path | None:
+    """The recipe file of ``algorithm`` on the built-in dataset ``data`` (``builtin``: the
+    arithmetic task, ``builtin:shapes``: the image task); None where it has none."""
+    folder = RECIPE_FOLDERS.get(data)
+    path = folder / f"{algorithm}.yaml" if folder is not None else None
+    return path if path is not None and path.is_file() else None
 
 
 # Every built-in model: name -> (GemmaBackbone keyword arguments, its tokenizer's SentencePiece

@@ -75,10 +75,10 @@ def timed(fn, *args):
 def copy_costs(state) -> dict:
     import jax
 
-    from nnx_posttrain.checkpoint import _device_copy
+    from nnx_posttrain.checkpoint import device_copy
 
     out = {}
-    for name, fn in (("device_put", _device_copy),
+    for name, fn in (("device_put", device_copy),
                      ("jit", jax.jit(lambda t: jax.tree.map(lambda v: v.copy(), t)))):
         times = []
         for _ in range(4):
@@ -89,12 +89,26 @@ def copy_costs(state) -> dict:
     return out
 
 
+def host_work(ms: float) -> None:
+    """~``ms`` of Python in ~1 ms slices, each followed by a call that releases the interpreter."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        stop = time.perf_counter() + 0.001
+        while time.perf_counter() < stop:
+            pass
+        time.sleep(0)
+
+
 def run_steps(args, state, step, x, mode: str) -> dict:
     """``args.steps`` stand-in steps, a save every ``args.every``; each step's time as a loop
     that reads every step's loss sees it: from one result on the host to the next, the save
     included. ``mode``: ``call`` (Orbax's save call made at once, blocking until the arrays are
     on the host), ``held`` (the package's loop: the device copy held, handed to Orbax by
-    ``write_held`` right after the next step is dispatched, while the device runs it)."""
+    ``write_held`` right after the next step is dispatched, while the device runs it),
+    ``held+wait`` (held, and the loop then waits for Orbax's commit thread while the device
+    runs the step, so that the commit's Python does not compete with the loop's host work).
+    ``args.host_ms``: Python work of the loop per step (in slices of ~1 ms that release the
+    interpreter between them, as the loop's reads, transfers and writes do)."""
     import jax
     import numpy as np
 
@@ -103,18 +117,23 @@ def run_steps(args, state, step, x, mode: str) -> dict:
 
     folder = Path(tempfile.mkdtemp(prefix=f"save_cost_{mode}_"))
     ckpt = checkpoint.Checkpointer(folder, CheckpointConfig(async_save=True))
-    ends, save_ms = [time.perf_counter()], []
+    ends, save_ms, saved = [time.perf_counter()], [], False
     try:
         for i in range(1, args.steps + 1):
             batch = jax.device_put(np.ones((16, 1024), np.int32))  # the loop's host work
             state, loss = step(state, x)
             ckpt.write_held()
+            if saved and mode == "held+wait":
+                ckpt.wait()
+            saved = False
             float(loss)
+            host_work(args.host_ms)
             del batch
             ends.append(time.perf_counter())
             if i % args.every == 0 and i < args.steps:
                 s = time.perf_counter()
                 ckpt.save(i, state, {}, {"step": i})
+                saved = True
                 if mode == "call":
                     ckpt.write_held()
                 save_ms.append((time.perf_counter() - s) * 1000)
@@ -125,7 +144,7 @@ def run_steps(args, state, step, x, mode: str) -> dict:
     after = [walls[i] for i in range(args.every, args.steps, args.every)]
     others = [w for k, w in enumerate(walls[1:], 1) if k % args.every != 0]
     median = statistics.median(others)
-    return {"mode": mode, "median_step_ms": median, "save_call_ms": save_ms,
+    return {"mode": mode, "host_ms": args.host_ms, "median_step_ms": median, "save_call_ms": save_ms,
             "after_save_ms": after, "after_save_x": [a / median for a in after]}
 
 
@@ -139,6 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=4096, help="the matmuls' side")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--host-ms", type=float, default=0.0,
+                        help="the loop's Python work per step (ms)")
+    parser.add_argument("--modes", default="call,held")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     import jax
@@ -149,7 +171,7 @@ def main(argv=None) -> int:
     step, x, step_ms = stand_in_step(args.step_ms, args.size)
     report["stand_in_step_ms"] = step_ms
     report["runs"] = [run_steps(args, jax.tree.map(lambda v: v.copy(), state), step, x, mode)
-                      for mode in ("call", "held")]
+                      for mode in args.modes.split(",")]
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
