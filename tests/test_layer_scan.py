@@ -16,7 +16,7 @@ import support
 from nnx_posttrain import api, errors, model
 from nnx_posttrain.model import layer_scan
 from nnx_posttrain.model.logprobs import hidden_states, token_logprobs
-from nnx_posttrain.train import resume
+from nnx_posttrain.train import memory, resume
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(3, 60, (2, 16)), jnp.int32)
 PADDING = jnp.ones_like(IDS).at[1, 11:].set(0)
@@ -122,14 +122,31 @@ def test_auto_leaves_short_stacks_unrolled_and_scans_long_identical_ones():
     assert model.set_scan(micro, "auto") == "layer scan: off (auto: 2 blocks, fewer than 8)"
     assert not model.scanning(micro)
     assert api.config_type("sft")().scan_layers == "auto"  # the default of a run
-    keras.utils.set_random_seed(0)
-    long = keras_hub.models.GemmaBackbone(
-        vocabulary_size=64, num_layers=layer_scan.MIN_BLOCKS, num_query_heads=2,
-        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8, dtype="float32")
+    long = _long_stack()
     assert model.set_scan(long, "auto") == "layer scan: on (auto: 8 identical blocks)"
     assert model.scanning(long)
     assert model.set_scan(long, "off") == "layer scan: off (requested)"
     assert not model.scanning(long)
+
+
+def _long_stack():
+    keras.utils.set_random_seed(0)
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=layer_scan.MIN_BLOCKS, num_query_heads=2,
+        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8, dtype="float32")
+
+
+def test_the_memory_estimate_counts_the_stacked_copy_and_names_the_fix():
+    long = _long_stack()
+    cfg = support.bare_config("sft")
+    params = model.split(long)[1]
+    assert "stacked blocks" not in memory.estimate(cfg, long, params, 1, False, {"data": 1})
+    model.set_scan(long, "on")
+    parts = memory.estimate(cfg, long, params, 1, False, {"data": 1})
+    blocks = [v for block in model.decoder_blocks(long) for v in block.weights]
+    assert parts["stacked blocks"] == sum(v.value.nbytes for v in blocks)
+    assert memory.fixes(cfg, scanning=True)[0].startswith("--scan-layers off")
+    assert not any("scan" in fix for fix in memory.fixes(cfg))
 
 
 @pytest.mark.parametrize("family, why", [("gemma2", "its blocks differ"),
