@@ -3,6 +3,8 @@ same loss and gradients as the blocks one after the other (float32), with LoRA, 
 packed rows, rotary positions and both attention paths; one block traced; where ``auto`` scans
 and where ``on`` is refused."""
 
+import logging
+
 import keras
 import keras_hub
 import numpy as np
@@ -13,10 +15,11 @@ import jax
 import jax.numpy as jnp
 
 import support
-from nnx_posttrain import api, errors, model
+from nnx_posttrain import api, config, errors, model, train
+from nnx_posttrain.algorithms import SFT
 from nnx_posttrain.model import layer_scan
 from nnx_posttrain.model.logprobs import hidden_states, token_logprobs
-from nnx_posttrain.train import memory, resume
+from nnx_posttrain.train import flops, memory, resume
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(3, 60, (2, 16)), jnp.int32)
 PADDING = jnp.ones_like(IDS).at[1, 11:].set(0)
@@ -97,6 +100,32 @@ def test_one_block_is_traced(monkeypatch):
         graphdef, params, frozen = model.split(m)
         jax.make_jaxpr(jax.grad(lambda p: _plain(nnx.merge(graphdef, p, frozen))))(params)
         assert calls == traced, mode
+
+
+def test_the_scanned_step_compiles_once_and_counts_every_blocks_flops(caplog):
+    """The training step with the blocks scanned traces and compiles once (the first call), and
+    its FLOPs count the scan's body once per block, inside the accumulation loop: those of the
+    unrolled step."""
+    m = model.load("gemma_micro", seed=0).module
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 60, (8, 12)).astype(np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids),
+             "loss_mask": np.ones(ids.shape, np.float32)}
+    batch = {k: jnp.asarray(v.reshape(2, 4, 12)) for k, v in batch.items()}  # 2 micro-batches
+    counted = {}
+    for mode in ("off", "on"):
+        model.set_scan(m, mode)
+        graphdef, params, frozen = model.split(m)
+        tx, lr = train.optimizer(config.OptimConfig(warmup_ratio=0.0), 10)
+        step = jax.jit(train.make_train_step(graphdef, SFT(SFT.Config()).loss, tx, lr))
+        state, frozen = train.init_state(params, tx, seed=0), {"model": frozen, "reference": None}
+        state, _ = step(state, frozen, batch)
+        counted[mode] = flops.step_flops(step.lower(state, frozen, batch).compile())
+        with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+            for _ in range(2):
+                state, _ = step(state, frozen, batch)
+        assert not [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage()]
+    assert counted["on"] == pytest.approx(counted["off"], rel=0.02)
 
 
 LORA = ["--lora.rank", "2", "--lora.targets", "attention", "--optim.learning-rate", "1e-2"]
