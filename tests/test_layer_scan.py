@@ -86,6 +86,20 @@ def test_scan_equals_the_blocks_one_after_the_other(case):
     _assert_same(_loss_and_grads(m, loss, "on"), _loss_and_grads(m, loss, "off"))
 
 
+SCANNABLE = [f for f in support.KERNEL_FAMILIES if f in (
+    "gemma", "gemma3", "llama2", "llama3", "mistral", "qwen2", "qwen3", "phi3")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SCANNABLE)
+@pytest.mark.parametrize("attention", ["keras", "xla"])
+def test_every_family_with_identical_blocks_scans_to_the_same_gradients(family, attention):
+    bb = support.tiny_backbone(family)
+    assert layer_scan.problem(bb) is None
+    model.set_attention(bb, attention)
+    _assert_same(_loss_and_grads(bb, _plain, "on"), _loss_and_grads(bb, _plain, "off"))
+
+
 def test_one_block_is_traced(monkeypatch):
     m = _micro(rank=2, remat="blocks")
     kind = type(model.decoder_blocks(m)[0])

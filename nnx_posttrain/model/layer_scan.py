@@ -60,6 +60,14 @@ def _signature(block) -> tuple:
     return type(block), _config(block), sublayers, variables
 
 
+def _equal(a, b) -> bool:
+    """``a == b`` as one bool; False where that is not one (arrays of several values)."""
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
 def _chain_problem(module, blocks) -> str | None:
     """Why ``module``'s graph does not pass its hidden state straight from block to block with
     the same other inputs, or None."""
@@ -79,7 +87,7 @@ def _chain_problem(module, blocks) -> str | None:
             return len(a) == len(b) and all(map(same, a, b))
         if isinstance(a, dict) and isinstance(b, dict):
             return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-        return type(a) is type(b) and a == b
+        return type(a) is type(b) and _equal(a, b)
 
     first = nodes[0].arguments
     if not first.args or not isinstance(first.args[0], keras.KerasTensor):
@@ -115,7 +123,7 @@ def problem(module) -> str | None:
     if family is not None and family.moe is not None and any(map(family.moe.router, blocks)):
         return "a mixture of experts' router logits are collected block by block"
     first = _signature(blocks[0])
-    other = next((b for b in blocks[1:] if _signature(b) != first), None)
+    other = next((b for b in blocks[1:] if not _equal(_signature(b), first)), None)
     if other is not None:
         return f"its blocks differ ({blocks[0].name} and {other.name})"
     return _chain_problem(module, blocks)
