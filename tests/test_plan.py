@@ -22,6 +22,10 @@ model.register_builtin("gemma2_micro_h128", dict(
     head_dim=128, query_head_dim_normalize=True, use_post_ffw_norm=True,
     use_post_attention_norm=True, final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
     use_sliding_window_attention=True, sliding_window_size=64), tokenizer.builtin_proto)
+# the same without Gemma 2's alternating window: identical blocks (a layer scan)
+model.register_builtin("gemma_micro_h128", dict(
+    num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=32, intermediate_dim=64,
+    head_dim=128), tokenizer.builtin_proto)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +168,18 @@ def test_splash_attention_compiles_for_tpu_with_packing_and_a_sliding_window(pac
     assert run.attention == "splash"
     assert ("segment_ids" in run.batch) == packing
     assert "tpu_custom_call" in compiled.as_text()  # the Pallas (Mosaic) kernel, per device
+
+
+def test_the_layer_scan_compiles_for_tpu_with_splash_fsdp_packing_and_lora(v5e_8):
+    """The blocks as one scan (model.layer_scan) on 8 devices: splash attention per device in
+    its body, the rows laid out over the batch axes, the FSDP-sharded weights stacked."""
+    args = ["--model", "gemma_micro_h128", "--init-from", "", "--attention", "splash",
+            "--scan-layers", "on", "--lora.rank", "2", "--batching.batch-size", "8",
+            "--batching.max-length", "256", "--mesh.data", "4", "--mesh.fsdp", "2",
+            "--batching.packing"]
+    run, compiled = _compiled("sft", v5e_8, *args)
+    assert run.attention == "splash" and model.scanning(run.lm.module)
+    assert "tpu_custom_call" in compiled.as_text()
 
 
 @pytest.mark.slow

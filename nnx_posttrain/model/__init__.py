@@ -15,6 +15,8 @@ its chat template. Around it:
 - ``quantize``: a weight-only int8 frozen base under LoRA (QLoRA-style), and its inverse for export;
 - ``blocks``: overriding a method of every decoder block for one call (``override_blocks``): the
   packed-row attention mask, remat;
+- ``layer_scan``: identical decoder blocks run as one ``jax.lax.scan`` over their stacked
+  weights (``set_scan``: ``--scan-layers``), one block traced and compiled instead of every one;
 - ``attention``: one attention path for every family and accelerator (``set_attention``:
   ``keras``, ``xla``, ``cudnn``, ``splash``, ``auto``), segment ids compared inside the kernel,
   and the sampler's decoding step against its KV cache (``attend_cached``); its blocked path
@@ -41,6 +43,8 @@ from nnx_posttrain.model.blocks import (
     takes_positions,
 )
 from nnx_posttrain.model.heads import PolicyWithValue, RewardModel
+from nnx_posttrain.model.layer_scan import MODES as SCAN_MODES
+from nnx_posttrain.model.layer_scan import scanning, set_scan
 from nnx_posttrain.model.dtypes import AUTO, DTYPES, checkpoint_dtype, resolve_dtype, weights_bytes
 from nnx_posttrain.model.load import (
     PRESETS,
@@ -103,6 +107,8 @@ __all__ = [
     "ATTENTION_IMPLEMENTATIONS", "attention_of", "set_attention",
     # blocks
     "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
+    # layer scan
+    "SCAN_MODES", "scanning", "set_scan",
     # logprobs
     "LOGPROBS", "Projection", "assume_device_memory", "full_logits", "hidden_states", "logprobs_from_hidden", "paired_terms", "scored_positions", "token_logprobs",
     "vocabulary_logits",

@@ -7,7 +7,9 @@ attribute tracking) and remove the shadow afterwards; the class is never touched
 packed-row attention mask (``hidden_states``), remat (``set_remat``), the attention path
 (``attention.overridden``: the training forward's kernels and the sampler's KV-cache decoding),
 the recurrent layers' delta rule (``recurrent_calls``); directly for the blocks' projections
-(``dense.overridden``).
+(``dense.overridden``). Where ``model.layer_scan`` allows it, block 0's ``call`` runs every
+block as one ``jax.lax.scan`` over their stacked weights and the others return their input
+(``_scanned``): the shadows of block 0 and its sublayers then apply to every block.
 """
 
 from __future__ import annotations
@@ -241,7 +243,8 @@ def _rows_sharded(call):
 def _block_calls(module):
     """While active, each decoder block's ``call`` keeps its rows over the mesh's batch axes
     (``_rows_sharded``) and runs under ``jax.checkpoint`` (when enabled by ``set_remat``). Only
-    array arguments are traced; the others (flags, None) stay static."""
+    array arguments are traced; the others (flags, None) stay static. Where the blocks run as
+    one scan (``layer_scan.set_scan``), that is the scan's body, on each block's weights."""
     mode = getattr(module, "_nnx_posttrain_remat", False)
     if mode == "lazy_frozen":
         from nnx_posttrain.model.frozen import lazy_frozen_call as inner
@@ -249,4 +252,55 @@ def _block_calls(module):
         inner = lambda block, call: _checkpointed(call)  # noqa: E731
     else:
         inner = lambda block, call: call  # noqa: E731
-    return override_blocks(module, "call", lambda block, call: _rows_sharded(inner(block, call)))
+    wrap = lambda block, call: _rows_sharded(inner(block, call))  # noqa: E731
+    if getattr(module, SCAN_ATTRIBUTE, False):  # one block traced, run over every block's weights
+        return override_blocks(module, "call", _scanned(decoder_blocks(module), wrap))
+    return override_blocks(module, "call", wrap)
+
+
+# ----------------------------------------------------------------------------- layer scan
+
+
+# Set by ``layer_scan.set_scan``: the blocks of the training forward run as one scan
+SCAN_ATTRIBUTE = "_nnx_posttrain_scan"
+
+
+def _stored(variables) -> list:
+    """The variables' values as stored (in the current stateless scope, if any), not cast to a
+    layer's compute dtype (a block's call runs under its autocast scope)."""
+    from keras.src.backend.common.variables import AutocastScope
+
+    with AutocastScope(None):
+        return [jnp.asarray(v.value) for v in variables]
+
+
+def _scanned(blocks: list, wrap: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``make(block, original)`` for ``override_blocks(module, "call", make)``: block 0's call
+    runs every block of ``blocks`` as one ``jax.lax.scan`` over their stacked weights, whose
+    body is ``wrap(block 0, its original call)`` with block 0's variables read as block ``i``'s
+    (``keras.StatelessScope``); the other blocks' calls return their input. ``model.layer_scan``
+    says where that is the same computation as the blocks one after the other."""
+    import keras
+
+    def make(block, original):
+        if block is not blocks[0]:
+            return lambda x, *args, **kwargs: x
+        one = wrap(block, original)
+        variables = list(block.weights)
+
+        def call(x, *args, **kwargs):
+            def body(h, values):
+                with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+                    given = [scope.get_current_value(v) for v in variables]
+                    out = one(h, *args, **kwargs)
+                if any(scope.get_current_value(v) is not g for v, g in zip(variables, given)):
+                    raise NotImplementedError(f"{block.name} assigns a variable in its call: "
+                                              "its blocks cannot run as one scan")
+                return out, None
+
+            stacked = [jnp.stack(column) for column in zip(*(_stored(b.weights) for b in blocks))]
+            return jax.lax.scan(body, x, stacked)[0]
+
+        return call
+
+    return make

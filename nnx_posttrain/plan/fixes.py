@@ -5,7 +5,9 @@ own, with
 - XLA's temporaries scaled by the estimate's activations and vocabulary projection after the
   change over before (a smaller micro-batch, ``--remat blocks``, a shorter ``--batching.max-length``);
 - the inputs' weights, optimizer state and reference copy divided by the wider FSDP axis (the
-  data axis folded into it), or the frozen weights in int8 (``--quantize int8``, LoRA).
+  data axis folded into it), or the frozen weights in int8 (``--quantize int8``, LoRA);
+- the decoder blocks unrolled (``--scan-layers off``, where they run as one scan): the stacked
+  copy of their weights less.
 
 The estimates rank the changes; the plan of the changed run is the measurement.
 """
@@ -50,9 +52,12 @@ def estimate(plan, cfg, backbone, params, sequences_per_example: int,
     (``fits`` None where the device's memory is unknown); ``frozen_width``: the bytes of a
     frozen weight now."""
     reference = plan.inputs["reference copy"] > 0
-    before = _active(memory.estimate(cfg, backbone, params, sequences_per_example, reference,
-                                     plan.mesh))
-    out = []
+    parts = memory.estimate(cfg, backbone, params, sequences_per_example, reference, plan.mesh)
+    before, out = _active(parts), []
+    if parts.get("stacked blocks"):  # the blocks as one scan: their stacked copy, cheapest first
+        total = plan.total_bytes - parts["stacked blocks"]
+        out.append({"change": "--scan-layers off", "estimated_total_bytes": total,
+                    "fits": None if plan.memory_bytes is None else total <= plan.memory_bytes})
     for change, new_cfg, mesh in candidates(cfg, plan.mesh):
         after = _active(memory.estimate(new_cfg, backbone, params, sequences_per_example,
                                         reference, mesh))

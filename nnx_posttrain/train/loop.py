@@ -159,7 +159,7 @@ def compile_step(run: Run):
     return memory.CheckedStep(
         step_lib.jit_train_step(run.graphdef, run.algorithm.loss, run.optimizer, shardings,
                                 run.mesh),
-        run.cfg, console(run.echo))
+        run.cfg, console(run.echo), model.scanning(run.lm.module))
 
 
 def _peak_memory() -> str:

@@ -14,7 +14,9 @@ hidden size, ``a`` query heads, ``e`` bytes per activation: 4 in float32, 2 in b
   keeps only its input (``L * s * b * h * e``) plus one block's activations;
 - the vocabulary projection of one ``--logprob-chunk`` (all ``s`` positions when 0, and by
   default while they fit ``model.logprobs.logits_budget()``): logits,
-  log-softmax and their gradient in float32, ``3 * 4 * b * chunk * vocab``.
+  log-softmax and their gradient in float32, ``3 * 4 * b * chunk * vocab``;
+- where the decoder blocks run as one scan (``--scan-layers``, ``model.layer_scan``): their
+  weights stacked, one more copy of every block's variables, sharded as they are.
 
 ``--eval-only`` counts one layer's forward activations and the projection only. The rollout
 sampler's KV cache and XLA's own buffers are not counted: the check refuses only settings that
@@ -66,6 +68,9 @@ def estimate(cfg, backbone, params, sequences_per_example: int, reference_copy: 
     per_layer = s * seqs * (34 * hidden + 5 * heads * s) * e // 2
     chunk = min(chunk_positions(cfg.logprob_chunk, seqs, s, vocab) or s, s)
     out = {"vocabulary projection": 3 * 4 * seqs * chunk * vocab}
+    if model.scanning(backbone):
+        blocks = [v for block in model.decoder_blocks(backbone) for v in block.weights]
+        out["stacked blocks"] = _per_device(blocks, mesh_shape)[1]
     if cfg.eval_only:
         out["activations"] = per_layer
         return out
@@ -95,14 +100,19 @@ def check(cfg, parts: dict[str, int], echo=print) -> None:
         f"{need / GiB:,.2f} GiB more per device, and {free / GiB:,.2f} GiB are free on "
         f"{jax.local_devices()[0].platform} ({shown} GiB; --batching.max-length "
         f"{cfg.batching.max_length}, micro-batch {cfg.batching.batch_size // cfg.batching.grad_accum}"
-        "). The cheapest fixes first: " + "; ".join(fixes(cfg)) + "; or pass --no-memory-check "
+        "). The cheapest fixes first: " + "; ".join(fixes(cfg, "stacked blocks" in parts))
+        + "; or pass --no-memory-check "
         "if the estimate is wrong (see nnx_posttrain/train/memory.py).")
 
 
-def fixes(cfg) -> list[str]:
-    """What would lower a run's memory, cheapest first: a smaller frozen base, the checkpoint's
-    dtype, a smaller micro-batch, remat, shorter sequences."""
+def fixes(cfg, scanning: bool = False) -> list[str]:
+    """What would lower a run's memory, cheapest first: the blocks unrolled (``scanning``: they
+    run as one scan over a stacked copy of their weights), a smaller frozen base, the
+    checkpoint's dtype, a smaller micro-batch, remat, shorter sequences."""
     b, out = cfg.batching, []
+    if scanning:
+        out.append("--scan-layers off (no stacked copy of the decoder blocks' weights; a slower "
+                   "first step)")
     if cfg.lora.rank and cfg.quantize == "none":
         out.append("--quantize int8 (the frozen base in int8)")
     if cfg.dtype == "float32" and model.checkpoint_dtype(cfg.model) in ("bfloat16", "float16"):
@@ -135,8 +145,8 @@ class CheckedStep:
     step's peak that the pre-load estimate can only guess. Calls whose last argument (the batch)
     has the first call's shapes run the compiled step; others the jitted function."""
 
-    def __init__(self, jitted, cfg, echo=print):
-        self.jitted, self.cfg, self.echo = jitted, cfg, echo
+    def __init__(self, jitted, cfg, echo=print, scanning: bool = False):
+        self.jitted, self.cfg, self.echo, self.scanning = jitted, cfg, echo, scanning
         self.compiled = self.shapes = None
 
     def __call__(self, *args):
@@ -168,4 +178,5 @@ class CheckedStep:
                 f"the compiled training step needs {need / GiB:,.2f} GiB per device beyond its "
                 f"inputs (XLA's figures), and {free / GiB:,.2f} GiB are free on "
                 f"{jax.local_devices()[0].platform}: it would run out of memory. The cheapest "
-                "fixes first: " + "; ".join(fixes(self.cfg)) + "; or pass --no-memory-check.")
+                "fixes first: " + "; ".join(fixes(self.cfg, self.scanning))
+                + "; or pass --no-memory-check.")

@@ -42,7 +42,7 @@ IGNORED = {
     "host_allocator", "compile_cache",
 }
 ANNOUNCED = {
-    "steps", "log_every", "logprob_chunk", "remat", "attention", "eval_data", "eval.*", "checkpoint.*",
+    "steps", "log_every", "logprob_chunk", "remat", "attention", "scan_layers", "eval_data", "eval.*", "checkpoint.*",
     "batching.grad_accum", "optim.on_nonfinite",
 }
 ALLOWED = {"optim.learning_rate", "optim.min_lr_ratio", "optim.weight_decay", "optim.max_grad_norm"}

@@ -27,6 +27,7 @@ def build_model(cfg, algorithm, echo, init_step: int | None = None, abstract: bo
                                   abstract, platform)
     sharding.check_experts(cfg.mesh.expert, lm.module, cfg.model)
     echo(model.set_attention(lm.module, cfg.attention, platform=platform))
+    echo(model.set_scan(lm.module, cfg.scan_layers))
     algorithm.setup(module)
     echo(model.describe(lm) + (f"; reference: {algorithm.reference_mode}"
                                if algorithm.reference_mode else ""))

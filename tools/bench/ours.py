@@ -1,6 +1,6 @@
 """Our side of ``tools.bench``: one measurement of the library's training step, in its own process.
 
-    python -m tools.bench.ours --spec JSON --case sft|dpo|dpo_precompute|sft_lora|dpo_lora [--steps N ...]
+    python -m tools.bench.ours --spec JSON --case sft|dpo|dpo_precompute|sft_lora|dpo_lora|simpo_lora [--steps N ...]
     python -m tools.bench.ours --export DIR --spec JSON        # the same weights as HF safetensors
     python -m tools.bench.ours --matmul-peak --spec JSON       # this machine's float32 matmul GFLOP/s
 
@@ -11,7 +11,9 @@ The step is ``train.make_train_step`` with the algorithm's loss, jitted as ``tra
 concatenated forward), ``full_logits`` (log-probs from the [batch, length, vocab] logits at once,
 every position, instead of the chunked, rematerialised computation at the scored positions), ``all_positions`` (the vocabulary projection on
 every position, not only those that carry loss), ``remat`` (``--remat blocks``: each decoder block
-recomputed in the backward pass).
+recomputed in the backward pass), ``scan`` (``--scan-layers on``: the decoder blocks as one
+``jax.lax.scan``; without it, unrolled), ``accum=N`` (the batch in N micro-batches, the training
+loop's accumulation scan, ``--batching.grad-accum N``).
 
 On an accelerator the result also holds the device's kind and its memory high-water mark
 (``memory_stats()["peak_bytes_in_use"]``: the weights, optimizer state, batches and the step's
@@ -87,7 +89,7 @@ def _apply_flags(flags: list[str], algorithm) -> None:
             algorithm.scored_positions_only = False
         elif flag == "all_positions":
             algorithm.scored_positions_only = False
-        elif flag and flag not in ("no_donate", "remat"):
+        elif flag and flag not in ("no_donate", "remat", "scan") and not flag.startswith("accum="):
             raise ToolError(f"unknown flag {flag!r}")
 
 
@@ -102,7 +104,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
 
     from nnx_posttrain import config as config_lib, model, sharding, train
     from nnx_posttrain.algorithms import SFT, SFTConfig
-    from nnx_posttrain.algorithms.preference import DPO, DPOConfig
+    from nnx_posttrain.algorithms.preference import DPO, DPOConfig, SimPO, SimPOConfig
     from nnx_posttrain.train import host_memory
     from nnx_posttrain.train import flops
     from nnx_posttrain.train.mesh import split_host_cpu
@@ -116,11 +118,13 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     attention_line = model.set_attention(module, attention)  # as train.run does (--attention)
     if case in ("sft", "sft_packed", "sft_lora"):
         algorithm = SFT(SFTConfig(), logprob_chunk)
+    elif case == "simpo_lora":  # the README's headline: SimPO under LoRA, no reference
+        algorithm = SimPO(SimPOConfig(), logprob_chunk)
     else:
         reference = {"dpo": "copy", "dpo_precompute": "precompute", "dpo_lora": "lora_base"}[case]
         algorithm = DPO(DPOConfig(reference=reference), logprob_chunk)
     _apply_flags(flags, algorithm)
-    if case in ("sft_lora", "dpo_lora"):
+    if case in ("sft_lora", "dpo_lora", "simpo_lora"):
         from tools.bench.run import LORA_RANK
 
         model.enable_lora(module, LORA_RANK, 2 * LORA_RANK, "attention")
@@ -129,6 +133,8 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     # the mesh, placement and output shardings exactly as train.run makes them (one device here)
     mesh = train.make_mesh(mesh_config)
     model.set_remat(module, "remat" in flags)  # the flag: --remat blocks; else none
+    scan_line = model.set_scan(module, "on" if "scan" in flags else "off")  # --scan-layers
+    accum = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("accum=")), 1)
     graphdef, params, frozen_model = model.split(module)
     optim = config_lib.OptimConfig(learning_rate=LEARNING_RATE, schedule="constant",
                                    warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
@@ -149,7 +155,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         for b in host:
             b.update(jax.device_get(reference_fn(state["params"], b)))
         precompute_s = time.perf_counter() - t0
-    batches = [train.shard_batch(b, mesh, 1) for b in host]
+    batches = [train.shard_batch(b, mesh, accum) for b in host]
 
     step_fn = jax.jit(
         train.make_train_step(graphdef, algorithm.loss, tx, lr),
@@ -165,6 +171,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     compiled = lowered.compile()  # the steps call it (JAX's persistent cache: read back here)
     t3 = time.perf_counter()
     compile_s = t3 - t0
+    phases = dict(trace_s=t1 - t0, lower_s=t2 - t1, xla_compile_s=t3 - t2)  # t0 is reused below
     program = compiled.memory_analysis()  # XLA's temporaries: a TPU reserves them apart
     times, cpu, faults, losses = [], [], [], []
     for i in range(total):
@@ -179,7 +186,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
     losses.append(float(metrics["loss"]))
     out = summarize(times, warmup, cpu, faults)
     out["compile_s"] = compile_s  # tracing, lowering and compiling, before the first step
-    out.update(trace_s=t1 - t0, lower_s=t2 - t1, xla_compile_s=t3 - t2)
+    out.update(phases)
     if probe_steps:
         state, probe = checkpoint_probe(compiled, state, frozen, batches, probe_steps)
         out["checkpoint_probe"] = dict(probe, median_ms=out["ms_per_step"])
@@ -194,6 +201,7 @@ def measure(spec: dict, case: str, steps: int, warmup: int, dtype: str, seed: in
         trainable_params=model.count_params(params), loss_first=losses[0], loss_last=losses[-1],
         device=str(jax.devices()[0].platform), backend_version=f"jax {jax.__version__}",
         flags=flags, logprob_chunk=logprob_chunk, times_s=times, attention=attention_line,
+        layer_scan=scan_line,
         host_allocator=ALLOCATOR["line"], cpu_devices=len(mesh.devices.flat),
         **device_memory_peak(),
         xla_temp_gib=None if program is None else program.temp_size_in_bytes / 2**30,
