@@ -54,9 +54,10 @@ def unit_lower_inverse(strict):
     batch over XLA's intra-op thread pool and blocks its own pool thread until the parts are
     done, so as many batched solves in flight as the pool has threads (two on a 2-core host:
     the DeltaNet solves of one accumulation step's loop body) each hold a thread waiting for
-    parts that no thread is left to run, and the step never finishes (jaxlib 0.11.1 stopped
-    splitting). A call of one matrix runs in its own thread: the same LAPACK routine on the
-    same matrix, the same values. TPUs and GPUs keep the batched solve (no LAPACK there)."""
+    parts that no thread is left to run, and the step never finishes (jax's commit 859992407d,
+    after 0.11.0, stops splitting in open-source builds). A call of one matrix runs in its own
+    thread: the same LAPACK routine on the same matrix, the same values. TPUs and GPUs keep the
+    batched solve (no LAPACK there)."""
     return jax.lax.platform_dependent(strict, cpu=_solved_one_at_a_time, default=_solved)
 
 
