@@ -3,6 +3,8 @@ KerasHub's: the chunked delta rule (values, final state, gradients) and the laye
 ``model.hidden_states`` against KerasHub's own forward. Both sides run compiled: KerasHub's rule
 run eagerly compiles each of its hundreds of operations for its own shape."""
 
+import re
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -58,6 +60,23 @@ def test_the_chunked_rule_equals_kerashubs_in_values_state_and_gradients(chunk_s
     for name in inputs:
         np.testing.assert_allclose(grad[name], want_grad[name], rtol=1e-4, atol=1e-4,
                                    err_msg=name)
+
+
+def test_on_the_cpu_each_triangular_solve_is_one_matrix():
+    """jaxlib 0.10's CPU solve of a batch of matrices splits it over XLA's thread pool and blocks
+    its own pool thread until the parts are done: with as many such solves in flight as the pool
+    has threads (two on a 2-core host: the DeltaNet solves of a gradient-accumulation step) the
+    step never finished. The rule's forward and backward solve one matrix per LAPACK call (run in
+    the calling thread), with the values of the batched solve."""
+    inputs = _rule_inputs(t=130)  # 3 chunks of 64, 2 rows, 3 heads: 18 matrices a solve
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(_own_rule(64, **x)[0] ** 2)))
+    hlo = grad.lower(inputs).compile().as_text()
+    solves = re.findall(r"(\w+\[[\d,]*\])\{[^}]*\} custom-call\([^\n]*lapack_\w*trsm", hlo)
+    assert len(solves) >= 2 and set(solves) == {"f32[64,64]"}, solves
+    strict = jnp.asarray(np.tril(np.random.default_rng(1).normal(size=(3, 2, 64, 64)), -1),
+                         jnp.float32) * 0.1
+    batched = jax.jit(gated_delta_net._solved)(strict)
+    np.testing.assert_array_equal(jax.jit(gated_delta_net.unit_lower_inverse)(strict), batched)
 
 
 def test_a_bfloat16_rule_returns_bfloat16_and_a_float32_state():

@@ -131,6 +131,48 @@ def test_step_flops_are_counted_without_a_cpu_backend_in_jax(monkeypatch):
         flops._analysis_client.cache_clear()
 
 
+def _running_sums(grad_fn, like_params, params, frozen, batch):
+    """The accumulation before the single trace (what ``train.step._summed`` replaced): the
+    losses and the gradients both summed in the scan's carry, which starts from zeros of an
+    ``eval_shape`` of one micro-batch's forward and backward."""
+    first = jax.tree.map(lambda x: x[0], batch)
+    shapes = jax.eval_shape(grad_fn, params, frozen, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+    def accumulate(carry, micro_batch):
+        p, f, carry = jax.lax.optimization_barrier((params, frozen, carry))
+        loss, grads = grad_fn(p, f, micro_batch)
+        grads = like_params(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    return jax.lax.scan(accumulate, (zeros[0], like_params(zeros[1])), batch)[0]
+
+
+def test_accumulation_traces_the_model_once_and_equals_running_sums(monkeypatch):
+    """4 micro-batches: the model's loss is traced once per step (no ``eval_shape`` of it for
+    the running sums' shapes), and the update and the metrics are bitwise those of the running
+    sums in the scan's carry."""
+    from nnx_posttrain.train import step as step_lib
+
+    rng = np.random.default_rng(3)
+    lm, _, _, _ = _setup()
+    batch = _reshape(_batch(rng, 8, 12, lm.tokenizer.vocab_size), 4)
+    loss, traces, results = SFT.loss, [], []
+    monkeypatch.setattr(SFT, "loss", lambda *a, **kw: traces.append(1) or loss(*a, **kw))
+    for summed in (step_lib._summed, _running_sums):
+        monkeypatch.setattr(step_lib, "_summed", summed)
+        _, step, state, frozen = _setup()
+        results.append(jax.device_get(step(state, frozen, batch)))
+        traces.append(None)
+    assert traces == [1, None, 1, 1, None]  # the running sums traced it twice
+    (ours, ours_metrics), (sums, sums_metrics) = results
+    assert ours_metrics.keys() == sums_metrics.keys()
+    for name in ours_metrics:
+        np.testing.assert_array_equal(ours_metrics[name], sums_metrics[name], err_msg=name)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(sums)):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_equals_one_large_batch():
     rng = np.random.default_rng(1)

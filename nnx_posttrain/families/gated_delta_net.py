@@ -9,8 +9,9 @@ two Python loops: 63 steps per chunk that invert ``I + L`` (``L``: the chunk's s
 thousands of small operations: the gradient of one tiny layer took ~20 s to compile on a CPU (one
 chunk of 64 positions; a real-length sequence repeats the chunk step per 64 positions); eager, each
 operation compiles for its own shape (minutes). Here the rows are one ``solve_triangular``
-(``(I + L)^-1``, the matrix the loop builds), the chunks' independent parts are computed for all
-chunks at once, and the state runs through a scan: a program of fixed size, whatever the length.
+(``(I + L)^-1``, the matrix the loop builds; on the CPU one matrix per LAPACK call, see
+``unit_lower_inverse``), the chunks' independent parts are computed for all chunks at once, and
+the state runs through a scan: a program of fixed size, whatever the length.
 
 The decoding paths (a cache: the sampler's prompt pass and its steps) stay KerasHub's own call.
 """
@@ -35,6 +36,31 @@ def _chunks(x, chunk: int):
     return jnp.moveaxis(x, 2, 0)
 
 
+def _solved(strict):
+    """(I + strict)^-1 of a batch of strictly lower triangular matrices [..., C, C]."""
+    eye = jnp.broadcast_to(jnp.eye(strict.shape[-1], dtype=strict.dtype), strict.shape)
+    return jax.scipy.linalg.solve_triangular(eye + strict, eye, lower=True, unit_diagonal=True)
+
+
+def _solved_one_at_a_time(strict):
+    """``_solved`` with one matrix per LAPACK call (a loop over the batch), on the CPU."""
+    flat = strict.reshape((-1, 1) + strict.shape[-2:])
+    return jax.lax.map(_solved, flat).reshape(strict.shape)
+
+
+def unit_lower_inverse(strict):
+    """(I + strict)^-1 for ``strict`` [..., C, C] strictly lower triangular (float32): a
+    triangular solve, on the CPU one matrix per LAPACK call. jaxlib 0.10's CPU solve splits a
+    batch over XLA's intra-op thread pool and blocks its own pool thread until the parts are
+    done, so as many batched solves in flight as the pool has threads (two on a 2-core host:
+    the DeltaNet solves of one accumulation step's loop body) each hold a thread waiting for
+    parts that no thread is left to run, and the step never finishes (jax's commit 859992407d,
+    after 0.11.0, stops splitting in open-source builds). A call of one matrix runs in its own
+    thread: the same LAPACK routine on the same matrix, the same values. TPUs and GPUs keep the
+    batched solve (no LAPACK there)."""
+    return jax.lax.platform_dependent(strict, cpu=_solved_one_at_a_time, default=_solved)
+
+
 def chunked_delta_rule(qkv: tuple, g, beta, chunk_size: int = 64, initial_state=None):
     """The gated delta rule of KerasHub's ``_chunk_gated_delta_rule``: ``qkv`` = (query, key,
     value), query / key [B, T, H, dk], value [B, T, H, dv]; the log decay ``g`` and the write
@@ -51,9 +77,7 @@ def chunked_delta_rule(qkv: tuple, g, beta, chunk_size: int = 64, initial_state=
     lower = jnp.tril(jnp.ones((chunk_size, chunk_size), jnp.float32))
     decay = jnp.exp((g[..., :, None] - g[..., None, :]) * lower) * lower
     strict = jnp.einsum("...id,...jd->...ij", k_beta, k) * decay * (1.0 - jnp.eye(chunk_size))
-    eye = jnp.broadcast_to(jnp.eye(chunk_size, dtype=jnp.float32), strict.shape)
-    inverse = jax.scipy.linalg.solve_triangular(eye + strict, eye, lower=True,
-                                                unit_diagonal=True)
+    inverse = unit_lower_inverse(strict)
     v_fixed = inverse @ v_beta
     k_cumdecay = inverse @ (k_beta * jnp.exp(g)[..., None])
     intra = jnp.einsum("...id,...jd->...ij", q, k) * decay

@@ -139,6 +139,33 @@ def _norm(grads):
     return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
 
 
+def _summed(grad_fn, like_params, params, frozen, batch):
+    """(loss sums, gradient sums) over the micro-batches of ``batch`` ([accum, micro, ...]
+    leaves) for ``grad_fn`` (``value_and_grad`` of one micro-batch's loss; ``like_params`` lays
+    out a tree like the weights): one micro-batch as the backward pass gives them (no running
+    sum to start from and add to), several summed in float32."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    if n == 1:
+        loss, grads = grad_fn(params, frozen, jax.tree.map(lambda x: x[0], batch))
+        return jax.tree.map(lambda x: x.astype(jnp.float32), loss), like_params(grads)
+
+    def accumulate(grad_sum, micro_batch):
+        # a barrier with the running sum: what XLA derives from the weights (FSDP's gathers,
+        # conversions) stays in each iteration, not hoisted out with every layer's held at once
+        p, f, grad_sum = jax.lax.optimization_barrier((params, frozen, grad_sum))
+        loss, grads = grad_fn(p, f, micro_batch)
+        grads = like_params(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        return _sum_tree(grad_sum, grads), jax.tree.map(lambda x: x.astype(jnp.float32), loss)
+
+    # the gradients' running sum starts from zeros of the weights' shapes; the losses and
+    # metrics come out per micro-batch and are summed after the loop, in the same order (no
+    # trace of the model just for their shapes: it doubled the step's tracing time)
+    zeros = like_params(jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), params))
+    grads, losses = jax.lax.scan(accumulate, zeros, batch)
+    return functools.reduce(_sum_tree, [jax.tree.map(lambda x: x[i], losses)
+                                        for i in range(n)]), grads
+
+
 def jit_train_step(graphdef, loss_fn, optimizer, state_shardings, mesh):
     """The jitted training step, as the loop and ``nnx_posttrain.plan`` build it: the state
     donated, its output shardings pinned to ``state_shardings`` (``sharding.tree_shardings`` of
@@ -164,30 +191,10 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     like_params = functools.partial(_laid_out, shardings=param_shardings)
 
-    def summed(params, frozen, batch):
-        """(loss sums, gradient sums) over the micro-batches: one micro-batch as the backward
-        pass gives them (no running sum to start from and add to), several summed in float32."""
-        first = jax.tree.map(lambda x: x[0], batch)
-        if jax.tree.leaves(batch)[0].shape[0] == 1:
-            loss, grads = grad_fn(params, frozen, first)
-            return jax.tree.map(lambda x: x.astype(jnp.float32), loss), like_params(grads)
-        shapes = jax.eval_shape(grad_fn, params, frozen, first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
-        zeros = (zeros[0], like_params(zeros[1]))
-
-        def accumulate(carry, micro_batch):
-            # a barrier with the running sums: what XLA derives from the weights (FSDP's gathers,
-            # conversions) stays in each iteration, not hoisted out with every layer's held at once
-            p, f, carry = jax.lax.optimization_barrier((params, frozen, carry))
-            (total, (weight, metrics)), grads = grad_fn(p, f, micro_batch)
-            grads = like_params(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-            return _sum_tree(carry, ((total, (weight, metrics)), grads)), None
-
-        return jax.lax.scan(accumulate, zeros, batch)[0]
-
     def step(state, frozen, batch):
         params = state["params"]
-        (total, (weight, metrics)), grads = summed(params, frozen, batch)
+        (total, (weight, metrics)), grads = _summed(grad_fn, like_params, params, frozen,
+                                                    batch)
         denom = jnp.maximum(weight, 1e-9)
         grad_norm = _norm(grads) / denom
         # a NaN / inf loss or gradient never reaches the weights or the AdamW moments: the update
