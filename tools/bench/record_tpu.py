@@ -187,31 +187,39 @@ def headline(files: list[Path]) -> Path:
                          HEADLINE_COLUMNS, rows, notes, data, where(set()))
 
 
-SAVE_COST_COLUMNS = ["save", "arrays", "median step ms", "save call ms (median)",
-                     "step after a save ms", "x median"]
+SAVE_COST_COLUMNS = ["save", "loop's host work ms", "arrays", "median step ms",
+                     "save call ms (median)", "step after a save ms", "x median"]
+SAVE_MODES = {"call": "Orbax's call at once (before)",
+              "held": "held until the next step is dispatched",
+              "held+wait": "held, then waiting for Orbax's commit"}
 
 
 def save_cost(files: list[Path]) -> Path:
-    """results/bench_save_cost_tpu.json from ``tools.bench.save_cost``'s JSON."""
+    """results/bench_save_cost_tpu.json from ``tools.bench.save_cost``'s JSON files."""
     from tools import results as readme
 
-    saved = json.loads(files[-1].read_text())
-    named = {"call": "Orbax's call at once (before)", "held": "held until the next step is dispatched"}
-    rows = [[named.get(r["mode"], r["mode"]), saved["arrays"], f"{r['median_step_ms']:.0f}",
+    data = {p.stem: json.loads(p.read_text()) for p in files}
+    rows = [[SAVE_MODES.get(r["mode"], r["mode"]), f"{r.get('host_ms', 0):.0f}", saved["arrays"],
+             f"{r['median_step_ms']:.0f}",
              f"{sorted(r['save_call_ms'])[len(r['save_call_ms']) // 2]:.0f}",
              ", ".join(f"{x:.0f}" for x in r["after_save_ms"]),
-             ", ".join(f"{x:.2f}" for x in r["after_save_x"])] for r in saved["runs"]]
-    copy = saved["copy"]
-    notes = [f"A LoRA-like state ({saved['arrays']} arrays: 18 layers x 4 projections x 2 rank-8 "
+             ", ".join(f"{x:.2f}" for x in r["after_save_x"])]
+            for saved in data.values() for r in saved["runs"]]
+    first = next(iter(data.values()))
+    copy = first["copy"]
+    notes = [f"A LoRA-like state ({first['arrays']} arrays: 18 layers x 4 projections x 2 rank-8 "
              "factors and their two AdamW moments, as the headline's gemma_2b LoRA run holds) "
-             f"saved every 5 steps of a stand-in step of {saved['stand_in_step_ms']:.0f} ms on "
+             f"saved every 5 steps of a stand-in step of ~{first['stand_in_step_ms']:.0f} ms on "
              "the device (the state donated, its loss read every step, as a run logging every "
-             "step does). The device copy (jax.device_put, no program compiled) took "
-             f"{copy['device_put']['median_ms']:.0f} ms of the host's time; a jitted copy "
-             f"{copy['jit']['median_ms']:.0f} ms after its {copy['jit']['first_ms'] / 1000:.1f} s "
-             "compilation."]
-    return readme.record("bench_save_cost_tpu", "python -m tools.bench.save_cost --steps 21",
-                         SAVE_COST_COLUMNS, rows, notes, saved, where(set()))
+             "step does), with the loop's Python work between steps as given (in ~1 ms slices "
+             "that release the interpreter). The device copy (jax.device_put, no program "
+             f"compiled) took {copy['device_put']['median_ms']:.0f} ms of the host's time; a "
+             f"jitted copy {copy['jit']['median_ms']:.0f} ms after its "
+             f"{copy['jit']['first_ms'] / 1000:.1f} s compilation."]
+    commands = sorted({f"python -m tools.bench.save_cost --steps {len(s['runs'][0]['after_save_ms']) * 5 + 1}"
+                       f" --host-ms {s['runs'][0].get('host_ms', 0):g}" for s in data.values()})
+    return readme.record("bench_save_cost_tpu", "; ".join(commands), SAVE_COST_COLUMNS, rows,
+                         notes, data, where(set()))
 
 
 @command
