@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import keras
 
 from nnx_posttrain import families, model
-from support import losses, records, train_run
+from support import builtin_file, losses, records, train_run
 from tools import make_preset
 
 TOKENS = 1024
@@ -77,21 +77,11 @@ LORA = ["--lora.rank", "2", "--lora.targets", "all-linear", "--optim.learning-ra
 
 @pytest.fixture(scope="module")
 def data_files(tmp_path_factory):
-    """{algorithm: a JSONL file of the built-in task's first 8 training records in its format}:
-    conversations (SFT), preference pairs (DPO), prompts with their answers (GRPO)."""
-    import json
-
-    from nnx_posttrain import data
-
+    """{algorithm: a file of the built-in task's first 8 training records in its format}."""
     out = tmp_path_factory.mktemp("data")
-    files = {}
-    for algorithm, builtin in (("sft", "sft"), ("dpo", "preference"), ("grpo", "prompt_only")):
-        src = data.source("builtin", "train", builtin=builtin)
-        files[algorithm] = out / f"{algorithm}.jsonl"
-        files[algorithm].write_text("".join(
-            json.dumps({k: v for k, v in src[i].items() if not k.startswith("_")}) + "\n"
-            for i in range(8)))
-    return files
+    return {algorithm: builtin_file(out / f"{algorithm}.jsonl", builtin)
+            for algorithm, builtin in (("sft", "sft"), ("dpo", "preference"),
+                                       ("grpo", "prompt_only"))}
 
 
 @pytest.mark.slow
