@@ -151,10 +151,11 @@ assert jax.device_count() == 4, jax.devices()
 MESHES = {"1": None, "expert=2": dict(data=2, expert=2), "fsdp=2,expert=2": dict(data=1, fsdp=2, expert=2),
           "expert=2,tensor=2": dict(data=1, expert=2, tensor=2)}
 out = {"losses": {}, "expert_specs": {}, "expert_shard_rows": {}, "drift": {}}
-for variant in sys.argv[1].split(","):
+for item in sys.argv[1].split(","):  # VARIANT, or VARIANT:TARGETS
+    variant, _, targets = item.partition(":")
     bb = support.tiny_backbone(variant)
-    if len(sys.argv) > 2:  # LoRA on these targets: the trained variables are its factors
-        model.enable_lora(bb, 2, targets=sys.argv[2])
+    if targets:  # LoRA on these targets: the trained variables are its factors
+        model.enable_lora(bb, 2, targets=targets)
     graphdef, params0, frozen0 = model.split(bb)
     tx, lr = train.optimizer(config.OptimConfig(learning_rate=1e-2, schedule="constant", warmup_ratio=0.0), 10)
     algo = SFT(SFT.Config(), logprob_chunk=8)
@@ -192,7 +193,9 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def four_devices():
-    return support.on_cpu_devices(SCRIPT, 4, "qwen3_moe,mixtral", timeout=900)
+    """Every mesh of the tiny Qwen3-MoE and Mixtral, and of GPT-OSS with LoRA on its experts
+    alone, in one process."""
+    return support.on_cpu_devices(SCRIPT, 4, "qwen3_moe,mixtral,gpt_oss:experts", timeout=900)
 
 
 @pytest.mark.slow
@@ -224,12 +227,15 @@ def test_the_experts_arrays_are_split_over_the_expert_axis(four_devices):
 
 
 @pytest.mark.slow
-def test_expert_lora_factors_split_over_the_expert_axis_with_the_losses_of_one_device():
+def test_expert_lora_factors_split_over_the_expert_axis_with_the_losses_of_one_device(
+        four_devices):
     """GPT-OSS with LoRA on its experts alone (``model.expert_lora``): the factors A [E, in, r]
     and B [E, r, out] lie on the expert axis as their kernels do (2 of the 4 experts a device),
     and the losses are one device's."""
-    result = support.on_cpu_devices(SCRIPT, 4, "gpt_oss", "experts", timeout=900)
+    result = {k: {name: v for name, v in values.items() if name.startswith("gpt_oss ")}
+              for k, values in four_devices.items()}
     losses, specs, rows = result["losses"], result["expert_specs"], result["expert_shard_rows"]
+    assert len(losses) == 4  # the meshes of the script
     reference = losses["gpt_oss 1"]
     assert len(reference) == 3 and reference[0] != reference[-1]  # the factors train
     for name, values in losses.items():
@@ -289,18 +295,24 @@ def test_a_plan_lays_the_experts_on_the_expert_axis_of_the_topology(qwen3_moe_pr
 @pytest.mark.slow
 def test_the_command_trains_with_the_experts_split_and_the_losses_of_one_device(
         qwen3_moe_preset, tmp_path):
-    """The run's own path (mesh, placement, batches, checkpoints) with --mesh.expert 2."""
-    def run(name, *mesh):
-        proc = support.sft_command(
-            tmp_path / name, "--model", qwen3_moe_preset, "--init-from", "", "--steps", "3",
-            "--log-every", "1", "--eval.every", "0", "--eval.exact-match", "0", "--eval.batches",
-            "1", "--checkpoint.every", "0", "--batching.batch-size", "4", "--batching.grad-accum",
-            "1", "--batching.max-length", "96", *mesh)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout, [r["loss"] for r in support.records(tmp_path / name)]
+    """The run's own path (mesh, placement, batches, checkpoints) with --mesh.expert 2, in a
+    process of its own (2 CPU devices), against the one-device run in this process; on 16
+    records of the built-in task with its recipe's optimizer settings."""
+    data = support.builtin_file(tmp_path / "sft.jsonl", n=16)
+    args = ["--model", qwen3_moe_preset, "--data", data, "--steps", "3", "--log-every", "1",
+            "--eval.every", "0", "--checkpoint.every", "0", "--batching.batch-size", "4",
+            "--batching.grad-accum", "1", "--batching.max-length", "96", "--remat", "none",
+            "--optim.learning-rate", "1e-3", "--optim.warmup-steps", "30",
+            "--optim.weight-decay", "1.0"]
 
-    _, one = run("one")
-    out, split = run("split", "--mesh.cpu-devices", "2", "--mesh.data", "1", "--mesh.expert", "2")
-    assert "mesh: data 1 x fsdp 1 x expert 2 x tensor 1 (2 cpu devices)" in out, out
-    assert len(one) == 3
-    np.testing.assert_allclose(split, one, rtol=2e-5)
+    def losses(name):
+        return [r["loss"] for r in support.records(tmp_path / name)]
+
+    support.train_run("sft", *args, "--run-dir", tmp_path / "one", echo=lambda _: None)
+    proc = support.sft_command(tmp_path / "split", *args, "--mesh.cpu-devices", "2",
+                               "--mesh.data", "1", "--mesh.expert", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh: data 1 x fsdp 1 x expert 2 x tensor 1 (2 cpu devices)" in proc.stdout, \
+        proc.stdout
+    assert len(losses("one")) == 3
+    np.testing.assert_allclose(losses("split"), losses("one"), rtol=2e-5)

@@ -167,7 +167,7 @@ def test_the_log_window_a_stop_cuts_is_logged_after_the_resume_as_without_the_st
     from support import FAST_STEPS, MICRO, records, train_run
 
     args = [*MICRO, *FAST_STEPS, "--steps", "6", "--log-every", "3", "--checkpoint.every", "0",
-            "--batching.max-length", "20", "--eval.batches", "0"]
+            "--batching.max-length", "20"]  # (FAST_STEPS: one eval batch; 0 would be all 500)
     train_run("sft", *args, "--run-dir", tmp_path / "whole", echo=lambda _: None)
     one_step = loop.Steps.one_step
 

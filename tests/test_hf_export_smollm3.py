@@ -217,9 +217,11 @@ def test_adapters_in_peft_layout_give_the_lora_models_logits(micro, tmp_path):
 
 # ----------------------------------------------------------------------------- from a run
 
+# two steps on 8 records of the built-in task in a file (no eval data: no evaluation), with the
+# built-in recipe's remat and accumulation
 STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "2",
          "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0",
-         "--eval.batches", "0", "--optim.learning-rate", "1e-2"]
+         "--remat", "none", "--batching.grad-accum", "1", "--optim.learning-rate", "1e-2"]
 LORA = ["--lora.rank", "2", "--lora.targets", "all-linear"]
 
 
@@ -227,13 +229,14 @@ LORA = ["--lora.rank", "2", "--lora.targets", "all-linear"]
 def sft_runs(micro, tmp_path_factory):
     """{"full": a full fine-tuning SFT run of the micro preset, "lora": one with LoRA on every
     linear layer}: two steps each, checkpointed."""
-    from support import train_run
+    from support import builtin_file, train_run
 
+    data = builtin_file(tmp_path_factory.mktemp("data") / "sft.jsonl")
     runs = {}
     for name, extra in (("full", ["--lora.rank", "0"]), ("lora", LORA)):
         runs[name] = tmp_path_factory.mktemp(f"smollm3_{name}")
-        train_run("sft", "--model", micro, *STEPS, *extra, "--run-dir", runs[name],
-                  echo=lambda _: None)
+        train_run("sft", "--model", micro, "--data", data, *STEPS, *extra, "--run-dir",
+                  runs[name], echo=lambda _: None)
     return runs
 
 

@@ -14,6 +14,18 @@ from support import ROOT
 GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
+# ``nnx_posttrain.train.host_memory`` alone, read from its file: the package's ``train`` imports
+# the loop (Keras, the model families: seconds a process), and nothing it imports sets the
+# allocator (glibc's mmap threshold stops rising at 32 MB: the 64 MB blocks below are mmapped
+# under its defaults whatever ran before)
+HOST_MEMORY = """
+import importlib.util
+_spec = importlib.util.spec_from_file_location("host_memory", "nnx_posttrain/train/host_memory.py")
+host_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host_memory)
+"""
+
+
 def _python(code: str, *args, **env) -> str:
     """``code`` in a fresh process: without a GLIBC_TUNABLES, and without the test session's
     compilation cache (a compile read back from it is no compile)."""
@@ -30,8 +42,8 @@ def test_memory_is_trimmed_after_each_compile_that_counts():
     """The listener hears JAX's backend-compile event (a renamed event would leave it deaf):
     a compile of >= MIN_COMPILE_S trims once; with the threshold raised, a compile does not."""
     out = _python(
-        "import nnx_posttrain, jax, jax.numpy as jnp\n"
-        "from nnx_posttrain.train import host_memory\n"
+        HOST_MEMORY +
+        "import jax, jax.numpy as jnp\n"
         "assert host_memory.release_after_compiles() and host_memory.release_after_compiles()\n"
         "x = jnp.ones(4)\n"
         "before = host_memory.trims()\n"
@@ -44,10 +56,9 @@ def test_memory_is_trimmed_after_each_compile_that_counts():
     assert "TRIMS 1" in out and "TRIMS AFTER 1" in out
 
 
-FAULTS = """
+FAULTS = HOST_MEMORY + """
 import resource, sys
 import numpy as np
-from nnx_posttrain.train import host_memory
 print(host_memory.set_allocator(sys.argv[1]))
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(2):  # 64 MB blocks, allocated, written and freed as a step's buffers are

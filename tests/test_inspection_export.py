@@ -13,7 +13,7 @@ from flax import nnx
 
 from nnx_posttrain import cli, errors, export, inspection, model, runs
 from nnx_posttrain.cli import sample
-from support import experiment_command, run_command
+from support import MICRO, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = jnp.array([[2, 17, 30, 41, 52, 63, 74, 85, 96, 11, 12, 13, 14], [2, 9, 8, 7, 6, 5, 4, 0, 0, 0, 0, 0, 0]])
@@ -95,11 +95,11 @@ def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(
     """PPO trains the backbone with a value head: sample and export take the policy (TRL's PPO
     saves it alone); a reward model does not generate and is refused, before it loads, with how
     it is used instead (the command line says it as an error)."""
-    ppo = tmp_path / "ppo"
-    run_command(experiment_command("ppo", ppo, "--init-from", "", "--steps", "2",
-                                   "--batching.batch-size", "8", "--eval.every", "0",
-                                   "--optim.learning-rate", "1e-2", "--algo.rewards", "length",
-                                   "--lora.rank", "2", "--lora.targets", "attention"))
+    ppo = tmp_path / "ppo"  # (in this process; the evaluations read one batch, answer none)
+    train_run("ppo", *MICRO, "--run-dir", ppo, "--init-from", "", "--steps", "2",
+              "--batching.batch-size", "8", "--eval.every", "0", "--eval.batches", "1",
+              "--eval.exact-match", "0", "--optim.learning-rate", "1e-2", "--algo.rewards",
+              "length", "--lora.rank", "2", "--lora.targets", "attention", echo=lambda _: None)
     loaded = runs.load(ppo)
     assert type(loaded.module).__name__ == "PolicyWithValue"
     assert inspection.lora_delta_norms(loaded.module)  # through the wrapper, to its backbone

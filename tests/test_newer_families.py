@@ -15,13 +15,18 @@ import jax.numpy as jnp
 import keras
 
 from nnx_posttrain import families, model
-from support import losses, records, train_run
+from support import builtin_file, losses, records, train_run
 from tools import make_preset
 
 TOKENS = 1024
+# two steps on 8 records of the built-in task (``data_files``): no eval data, so no evaluation
+# (the built-in data's 8,100 records validated through each family's Python BPE tokenizer, and
+# its 500 held-out records evaluated at the start and the end, were most of a run's time and
+# asserted nowhere)
 STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "0",
-         "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0",
-         "--eval.batches", "0"]
+         "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0"]
+# SFT and DPO as the built-in recipes run them (a data file gets a user's defaults)
+RECIPE = ["--remat", "none", "--batching.grad-accum", "1"]
 # the micro preset of each family: a tiny variant (``Family.tiny``), shallower (fewer layers to
 # compile), with the synthetic tokenizer's size
 MICRO = {"gemma4": ("gemma4", dict(num_layers=3, num_kv_shared_layers=1)), "phi3": ("phi3", {}),
@@ -70,11 +75,20 @@ def test_a_micro_preset_loads_with_its_familys_chat_format(preset):
 LORA = ["--lora.rank", "2", "--lora.targets", "all-linear", "--optim.learning-rate", "1e-2"]
 
 
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    """{algorithm: a file of the built-in task's first 8 training records in its format}."""
+    out = tmp_path_factory.mktemp("data")
+    return {algorithm: builtin_file(out / f"{algorithm}.jsonl", builtin)
+            for algorithm, builtin in (("sft", "sft"), ("dpo", "preference"),
+                                       ("grpo", "prompt_only"))}
+
+
 @pytest.mark.slow
-def test_sft_steps(preset, tmp_path):
+def test_sft_steps(preset, data_files, tmp_path):
     family, path = preset
-    train_run("sft", "--model", path, *STEPS, *LENGTH.get(family.name, []), "--run-dir", tmp_path,
-              echo=_quiet)
+    train_run("sft", "--model", path, "--data", data_files["sft"], *STEPS, *RECIPE,
+              *LENGTH.get(family.name, []), "--run-dir", tmp_path, echo=_quiet)
     sft = losses(tmp_path)
     assert sorted(sft) == [1, 2] and all(np.isfinite(list(sft.values())))
     if family.moe is not None and family.name != "gemma4":  # the router's load-balancing loss
@@ -82,28 +96,20 @@ def test_sft_steps(preset, tmp_path):
 
 
 @pytest.mark.slow
-def test_dpo_steps_with_lora(dpo_preset, tmp_path):
+def test_dpo_steps_with_lora(dpo_preset, data_files, tmp_path):
     family, path = dpo_preset
-    train_run("dpo", "--model", path, *STEPS, *LENGTH.get(family.name, []), *LORA, "--init-from",
-              "", "--run-dir", tmp_path, echo=_quiet)
+    train_run("dpo", "--model", path, "--data", data_files["dpo"], *STEPS, *RECIPE,
+              *LENGTH.get(family.name, []), *LORA, "--run-dir", tmp_path, echo=_quiet)
     first = records(tmp_path)[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-3)  # policy = reference at step 1
 
 
 @pytest.mark.slow
-def test_grpo_steps_with_lora(preset, tmp_path):
+def test_grpo_steps_with_lora(preset, data_files, tmp_path):
     """Rollouts through the KV-cache sampler, then the GRPO step; a family the sampler does not
     drive is refused with the reason."""
-    import json
-
-    from nnx_posttrain import data
-
     family, path = preset
-    src = data.source("builtin", "train", builtin="prompt_only")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({k: v for k, v in src[i].items()
-                                           if not k.startswith("_")}) + "\n" for i in range(8)))
-    args = ["grpo", "--model", path, *STEPS, *LORA, "--init-from", "", "--data", prompts,
+    args = ["grpo", "--model", path, *STEPS, *LORA, "--init-from", "", "--data", data_files["grpo"],
             "--batching.batch-size", "4", "--algo.num-generations", "2",
             "--algo.max-completion-length", "4", "--algo.rewards", "exact_match",
             "--run-dir", tmp_path / "run"]

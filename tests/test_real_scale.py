@@ -53,11 +53,15 @@ def test_scaled_preset_keeps_heads_and_vocabulary():
 
 
 @pytest.mark.slow
-def test_headline_command_and_grpo_on_a_scaled_gemma_2b(tmp_path):
+def test_headline_command_and_grpo_on_a_scaled_gemma_2b(tmp_path, monkeypatch):
     """The README's headline command (experiments.simpo --model PRESET --data pairs.jsonl
     --lora.rank 8) on a gemma_2b-shaped preset (full 256k vocabulary, 8 query heads, 1 KV head)
     scaled down, then GRPO, each in its own process; timings, memory, checkpoints. (DPO's
-    reference on LoRA is SimPO's path plus the LoRA-off forward: tests/test_preference_*.)"""
+    reference on LoRA is SimPO's path plus the LoRA-off forward: tests/test_preference_*.) The
+    tool's matmul peak, two processes of their own that only its printed line reads, is a
+    fixed figure here: the peak's measurement is tests/test_bench.py's."""
+    monkeypatch.setattr(smoke_real, "matmul_peak",
+                        lambda preset: {"peak_gflops": 50.0, "matmul_gflops": {}})
     results = smoke_real.main(["--like", "gemma_2b", "--scale", "0.02", "--work", str(tmp_path),
                                "--steps", "2", "--dtypes", "bfloat16-params",
                                "--methods", "simpo,grpo"])

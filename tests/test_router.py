@@ -171,9 +171,11 @@ def test_a_dense_model_captures_nothing(micro):
 
 # ----------------------------------------------------------------------------- micro presets
 
+# two steps on 8 records of the built-in task (``data``) with the built-in recipes' remat and
+# accumulation: no eval data, so no evaluation
 STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--checkpoint.every", "0",
          "--batching.batch-size", "2", "--batching.max-length", "48", "--eval.exact-match", "0",
-         "--eval.batches", "0"]
+         "--remat", "none", "--batching.grad-accum", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -190,33 +192,43 @@ def presets(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """{format: a file of the built-in task's first 8 training records in it}."""
+    out = tmp_path_factory.mktemp("data")
+    return {kind: support.builtin_file(out / f"{kind}.jsonl", kind)
+            for kind in ("sft", "preference", "unpaired_preference")}
+
+
 @pytest.mark.slow
-def test_sft_on_a_moe_model_logs_the_aux_loss_with_the_familys_coefficient(presets, tmp_path):
+def test_sft_on_a_moe_model_logs_the_aux_loss_with_the_familys_coefficient(presets, data,
+                                                                            tmp_path):
     """Qwen3-MoE: coefficient 0.001 by default (its config); the loss is the NLL plus it."""
-    support.train_run("sft", "--model", presets["qwen3_moe"], *STEPS, "--run-dir", tmp_path / "a",
-                      echo=lambda *_: None)
+    support.train_run("sft", "--model", presets["qwen3_moe"], "--data", data["sft"], *STEPS,
+                      "--run-dir", tmp_path / "a", echo=lambda *_: None)
     first = support.records(tmp_path / "a")[0]
     assert 1.0 <= first["aux_loss"] <= 4.0  # k = 2 balanced; at most k x E / k
     assert first["moe/min_tokens_per_expert"] <= 0.5 <= first["moe/max_tokens_per_expert"]
-    support.train_run("sft", "--model", presets["qwen3_moe"], *STEPS, "--run-dir", tmp_path / "b",
-                      "--algo.router-aux-loss-coef", "0", echo=lambda *_: None)
+    support.train_run("sft", "--model", presets["qwen3_moe"], "--data", data["sft"], *STEPS,
+                      "--run-dir", tmp_path / "b", "--algo.router-aux-loss-coef", "0",
+                      echo=lambda *_: None)
     off = support.records(tmp_path / "b")[0]
     assert off["aux_loss"] == pytest.approx(first["aux_loss"], rel=1e-5)
     assert first["loss"] == pytest.approx(off["loss"], rel=1e-5)  # the NLL is logged as loss
 
 
 @pytest.mark.slow
-def test_dpo_on_a_moe_model_adds_the_policys_aux_loss(presets, tmp_path):
-    support.train_run("dpo", "--model", presets["mixtral"], *STEPS, "--lora.rank", "2",
-                      "--init-from", "", "--run-dir", tmp_path, echo=lambda *_: None)
+def test_dpo_on_a_moe_model_adds_the_policys_aux_loss(presets, data, tmp_path):
+    support.train_run("dpo", "--model", presets["mixtral"], "--data", data["preference"], *STEPS,
+                      "--lora.rank", "2", "--run-dir", tmp_path, echo=lambda *_: None)
     first = support.records(tmp_path)[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-3) and first["aux_loss"] > 1.0
 
 
 @pytest.mark.slow
-def test_simpo_on_a_moe_model_adds_the_aux_loss(presets, tmp_path):
-    support.train_run("simpo", "--model", presets["qwen3_moe"], *STEPS, "--lora.rank", "2",
-                      "--algo.router-aux-loss-coef", "0.5", "--init-from", "",
+def test_simpo_on_a_moe_model_adds_the_aux_loss(presets, data, tmp_path):
+    support.train_run("simpo", "--model", presets["qwen3_moe"], "--data", data["preference"],
+                      *STEPS, "--lora.rank", "2", "--algo.router-aux-loss-coef", "0.5",
                       "--run-dir", tmp_path, echo=lambda *_: None)
     assert support.records(tmp_path)[0]["aux_loss"] > 1.0
 
@@ -332,9 +344,10 @@ def test_ktos_aux_loss_is_the_examples_not_the_kl_rows(qwen3_moe):
 
 
 @pytest.mark.slow
-def test_kto_on_a_moe_model_adds_the_examples_aux_loss(presets, tmp_path):
+def test_kto_on_a_moe_model_adds_the_examples_aux_loss(presets, data, tmp_path):
     """Inside the compiled step, with its KL rows (the aux loss of the examples' rows only)."""
-    support.train_run("kto", "--model", presets["qwen3_moe"], *STEPS, "--lora.rank", "2",
-                      "--init-from", "", "--run-dir", tmp_path, echo=lambda *_: None)
+    support.train_run("kto", "--model", presets["qwen3_moe"], "--data",
+                      data["unpaired_preference"], *STEPS, "--lora.rank", "2",
+                      "--run-dir", tmp_path, echo=lambda *_: None)
     first = support.records(tmp_path)[0]
     assert 1.0 <= first["aux_loss"] <= 4.0 and "moe/max_tokens_per_expert" in first
