@@ -276,7 +276,10 @@ def device_copy(state):
     if free is None or 4 * held > free:
         return None
     # a buffer copy on each device (no program compiled for it, whatever the arrays' shapes)
-    return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state), may_alias=False)
+    copy = jax.device_put(state, jax.tree.map(lambda x: x.sharding, state), may_alias=False)
+    for leaf in jax.tree.leaves(copy):  # the transfers to the host start now, not when Orbax
+        leaf.copy_to_host_async()       # asks (its save call then waits less: 0.19 -> 0.14 s)
+    return copy
 
 
 def _late_io_noise(record: logging.LogRecord) -> bool:
