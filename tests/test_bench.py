@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tools.bench import run as bench
+from support import MICRO, train_run
 
 
 def test_batches_are_the_same_on_both_sides_and_well_formed():
@@ -208,3 +209,21 @@ def test_compile_pairs_are_recorded_cold_against_warm(tmp_path, monkeypatch):
     (battery / "compile_gemma_2b--dpo_lora_cold.json").write_text("")
     with pytest.raises(SystemExit, match="compile_gemma_2b--dpo_lora_cold.json: empty"):
         record_tpu.main([str(battery)])
+
+
+def test_loop_timeline_times_each_steps_pieces_and_restores_the_loop(tmp_path):
+    """The timeline's records: one per step, the held save handed over in the step after a
+    save, the pieces inside the step's wall time; the loop's functions are its own again after."""
+    from nnx_posttrain.train import loop
+    from tools.bench.loop_timeline import timed_loop
+
+    before = (loop.compile_step, loop.Steps.one_step, loop.shard_batch)
+    with timed_loop([]) as records:
+        train_run("sft", *MICRO, "--steps", "4", "--log-every", "1", "--checkpoint.every", "2",
+                  "--eval.every", "0", "--run-dir", tmp_path / "r")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert (loop.compile_step, loop.Steps.one_step, loop.shard_batch) == before
+    assert "save_hook" in records[1] and records[2]["write_held"] > 0
+    for r in records:
+        assert 0 < r["dispatch"] <= r["wall_s"] and r["log_hook"] <= r["wall_s"]
+        assert all(0 <= start <= r["wall_s"] for _, start, _ in r["at"])

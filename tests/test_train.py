@@ -93,6 +93,37 @@ def test_train_step_compiles_once_across_steps(caplog):
     assert not [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage()]
 
 
+def test_the_loop_freezes_what_lives_after_its_first_step_and_unfreezes_at_its_end(
+        tmp_path, monkeypatch):
+    """The garbage collector leaves alone the objects alive after the first step (a full pass
+    over a real model's objects stopped the chip's loop for ~0.3 s every ~10 steps), only while
+    the loop runs; a caller's own frozen objects are never unfrozen by it."""
+    import gc
+
+    from nnx_posttrain.train import loop
+    from nnx_posttrain.train.hooks import FrozenCollector
+    from support import MICRO
+
+    seen, one_step = [], loop.Steps.one_step
+
+    def counted(self, *args):
+        seen.append(gc.get_freeze_count())
+        return one_step(self, *args)
+    monkeypatch.setattr(loop.Steps, "one_step", counted)
+    assert gc.get_freeze_count() == 0
+    train_run("sft", *MICRO, "--steps", "3", "--eval.every", "0", "--run-dir", tmp_path / "r")
+    assert seen[0] == 0 and seen[1] > 0 and seen[2] > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the caller's
+    try:
+        frozen = gc.get_freeze_count()
+        with FrozenCollector() as collector:
+            collector.freeze()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_step_flops_count_every_micro_batch_of_the_accumulation_loop():
     """XLA's cost analysis counts a scan's body once; a step's FLOPs count each micro-batch: 32
     examples in one micro-batch or in 4 of 8 cost the same (within 5%)."""

@@ -89,10 +89,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--cold-only", action="store_true", help="no second (warm) run")
     parser.add_argument("--extra", default="", help="more flags for both runs, space-separated")
-    parser.add_argument("--gc-freeze-after", type=int, default=None,
-                        help="with --timeline: gc.freeze() after this step")
-    parser.add_argument("--early-host-copy", action="store_true",
-                        help="with --timeline: start the held copy's host transfer at once")
     parser.add_argument("--timeline", action="store_true",
                         help="time the loop's pieces per step (tools.bench.loop_timeline): "
                              "OUT/timeline_LIKE_WHEN.json")
@@ -113,10 +109,7 @@ def main(argv=None) -> dict:
               "command": " ".join(["python", *argv]), "save_every": args.save_every}
     for when in ("cold",) if args.cold_only else ("cold", "warm"):
         timeline = out / f"timeline_{args.like}_{when}.json"
-        r = run_once(["-m", "tools.bench.loop_timeline", "--out", str(timeline),
-                      *(["--gc-freeze-after", str(args.gc_freeze_after)]
-                        if args.gc_freeze_after else []),
-                      *(["--early-host-copy"] if args.early_host_copy else []), "--", "simpo",
+        r = run_once(["-m", "tools.bench.loop_timeline", "--out", str(timeline), "--", "simpo",
                       *argv[2:]] if args.timeline else argv,
                      runs / when, out / f"headline_{args.like}_{when}.log")
         r.update(after_saves(r["step_s"], args.save_every))

@@ -3,9 +3,11 @@
 Runs ``python -m experiments.ALGORITHM ARGS`` in this process with timers around the loop's
 pieces — the batch (``source.next``), the step's dispatch, the held checkpoint's hand-over to
 Orbax (``write_held``), the save hook, the log hook (which waits for the step's metrics), the
-rest of the hooks — and writes one record per step: its wall seconds, each piece's seconds, and
-the CPU seconds of the main thread and of the whole process over the step (the other threads':
-Orbax's, Grain's)::
+rest of the hooks — and writes one record per step: its wall seconds, each piece's seconds and
+its start within the step (``at``), the garbage collector's passes (``gc0`` .. ``gc2``), the
+stretches over 4 ms in which a probe thread could not run (``stalls``: the interpreter held
+elsewhere), and the CPU seconds of the main thread and of the whole process over the step (the
+other threads': Orbax's, Grain's)::
 
     python -m tools.bench.loop_timeline --out timeline.json -- simpo --model P --data D ...
 
@@ -15,6 +17,7 @@ The package is not changed: the timers wrap its methods in this process only (a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import time
@@ -63,13 +66,10 @@ class StallProbe:
         return [(round(a - start, 4), round(d, 4)) for a, d in self.stalls if start <= a < end]
 
 
-def instrument(steps_out: list[dict], freeze_after: int | None = None,
-               early_host_copy: bool = False) -> None:
-    """Wrap the loop's pieces; each finished step appends its record to ``steps_out``.
-    ``freeze_after``: ``gc.freeze()`` after that step (the objects alive then are never
-    scanned again by the garbage collector: a test of how much its passes cost the loop).
-    ``early_host_copy``: the held checkpoint copy's transfer to the host is started when the
-    copy is made (``copy_to_host_async``), before Orbax asks for it."""
+@contextlib.contextmanager
+def timed_loop(steps_out: list[dict]):
+    """Within it, the training loop's pieces are timed: each finished step appends its record
+    to ``steps_out``; every wrapped function is restored on exit."""
     import gc
 
     from nnx_posttrain import checkpoint
@@ -77,6 +77,7 @@ def instrument(steps_out: list[dict], freeze_after: int | None = None,
 
     current: dict = {}
     collecting: dict = {}
+    restore: list[tuple] = []
 
     def on_gc(phase, info):
         if phase == "start":
@@ -84,19 +85,10 @@ def instrument(steps_out: list[dict], freeze_after: int | None = None,
         elif "t" in collecting:
             name = f"gc{info['generation']}"
             current[name] = current.get(name, 0.0) + time.perf_counter() - collecting.pop("t")
-    gc.callbacks.append(on_gc)
-    probe = StallProbe()
-    if early_host_copy:
-        device_copy = checkpoint.device_copy
 
-        def copy_and_start(state):
-            import jax
-
-            copy = device_copy(state)
-            for leaf in jax.tree.leaves(copy) if copy is not None else []:
-                leaf.copy_to_host_async()
-            return copy
-        checkpoint.device_copy = copy_and_start
+    def replace(owner, name, new):
+        restore.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
 
     def method(cls, name, label):
         original = getattr(cls, name)
@@ -104,7 +96,7 @@ def instrument(steps_out: list[dict], freeze_after: int | None = None,
         @functools.wraps(original)
         def wrapper(self, *args, **kwargs):
             return _timed(current, label, functools.partial(original, self))(*args, **kwargs)
-        setattr(cls, name, wrapper)
+        replace(cls, name, wrapper)
 
     method(checkpoint.Checkpointer, "write_held", "write_held")
     method(checkpoint.Checkpointer, "save", "checkpointer_save")
@@ -112,15 +104,13 @@ def instrument(steps_out: list[dict], freeze_after: int | None = None,
     method(loop.Steps, "save", "save_hook")
     method(hooks.NonFiniteGuard, "push", "guard")
     method(hooks.Hooks, "after", "hooks")
-    loop.shard_batch = _timed(current, "to_device", loop.shard_batch)
-    compile_step = loop.compile_step
+    replace(loop, "shard_batch", _timed(current, "to_device", loop.shard_batch))
+    compile_step, one_step = loop.compile_step, loop.Steps.one_step
 
     def timed_compile_step(run):
         step = compile_step(run)
         run.source.next = _timed(current, "batch", run.source.next)
         return _timed(current, "dispatch", step)
-    loop.compile_step = timed_compile_step
-    one_step = loop.Steps.one_step
 
     def timed_one_step(self, step, train_step, hooks):
         current.clear()
@@ -129,22 +119,26 @@ def instrument(steps_out: list[dict], freeze_after: int | None = None,
         one_step(self, step, train_step, hooks)
         current["stalls"] = probe.between(wall, time.perf_counter())
         del current["t0"]
-        if step == freeze_after:
-            gc.freeze()
         steps_out.append({"step": step, "wall_s": time.perf_counter() - wall,
                           "cpu_s": time.process_time() - cpu,
                           "main_thread_cpu_s": time.thread_time() - main, **current})
-    loop.Steps.one_step = timed_one_step
+    replace(loop, "compile_step", timed_compile_step)
+    replace(loop.Steps, "one_step", timed_one_step)
+    gc.callbacks.append(on_gc)
+    probe = StallProbe()
+    try:
+        yield steps_out
+    finally:
+        probe.running = False
+        gc.callbacks.remove(on_gc)
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the per-step records (JSON)")
-    parser.add_argument("--gc-freeze-after", type=int, default=None,
-                        help="gc.freeze() after this step (the loop's objects left unscanned)")
-    parser.add_argument("--early-host-copy", action="store_true",
-                        help="start the held checkpoint copy's transfer to the host at once")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- ALGORITHM and the training command's options")
     args = parser.parse_args(argv)
@@ -152,10 +146,10 @@ def main(argv=None) -> list[dict]:
     from nnx_posttrain.cli import main as cli_main
 
     records: list[dict] = []
-    instrument(records, args.gc_freeze_after, args.early_host_copy)
     try:
-        code = cli_main(command, own_process=True,
-                        command_prog=f"python -m experiments.{command[0]}")
+        with timed_loop(records):
+            code = cli_main(command, own_process=True,
+                            command_prog=f"python -m experiments.{command[0]}")
     finally:
         Path(args.out).write_text(json.dumps(records, indent=1))
     if code:

@@ -182,7 +182,8 @@ def headline(files: list[Path]) -> Path:
              "compiling (or reading back) and running it. Steps after a save: each step right "
              f"after a checkpoint (every {first['save_every']} steps) over the median of the "
              "others. HBM peak: what the run's last line reports (memory_stats()' high-water "
-             "mark)."]
+             "mark). Code 'loop timed': run under `tools.bench.loop_timeline` (`headline "
+             "--timeline`: per-piece timers and a thread probing for stalls in the process)."]
     return readme.record("bench_headline_tpu", "bash tools/bench/tpu.sh headline",
                          HEADLINE_COLUMNS, rows, notes, data, where(set()))
 
