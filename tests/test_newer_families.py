@@ -178,3 +178,10 @@ def test_make_preset_like_a_newer_family(like, tmp_path):
     assert config["class_name"] == family.backbone
     assert config["config"]["vocabulary_size"] == preset.dims["vocabulary_size"]
     assert built.dims["num_layers"] < preset.dims["num_layers"]
+    # and it loads as `nnx-posttrain plan` loads it: abstractly, no weight file (a Gemma 4
+    # preset without task.json asked for an audio converter's file)
+    from flax import nnx
+    from nnx_posttrain import model
+
+    lm = nnx.eval_shape(lambda: model.load(str(tmp_path), "bfloat16", weights=False).module)
+    assert type(lm).__name__ == family.backbone

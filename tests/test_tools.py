@@ -384,3 +384,30 @@ def test_profile_run_says_where_a_runs_step_spends_its_time(tmp_path):
     # the step program's own operations only: no compilation among them, the model's parts named
     assert not any("Compile" in k or "compile" in k for k in result["by_kind_ms"])
     assert any(k.startswith(("attention", "ffw")) for k in result["by_component_ms"])
+
+
+def test_plan_table_update_keeps_the_other_rows_and_says_when_each_was_compiled(tmp_path):
+    """``tools.plan_table --update``: the new row takes its place among the recorded ones (ROWS'
+    order), the recorded notes stay, and a note says which rows were compiled at which commit;
+    a second update moves its row from the first update's commit to its own."""
+    from tools import plan_table
+
+    def line(row, value):
+        model, algorithm, tuning, topology = plan_table._key(row)
+        return [model, algorithm, tuning, topology, "fsdp 16", value]
+
+    recorded = tmp_path / "plan_table.json"
+    rows = plan_table.ROWS
+    recorded.write_text(json.dumps({
+        "commit": "aaa", "date": "2026-12-05", "rows": [line(rows[0], "old"), line(rows[5], "old")],
+        "notes": ["how", "(a) a footnote"]}))
+    table, notes = plan_table.merged(recorded, [line(rows[-1], "new"), line(rows[0], "new")],
+                                     [rows[-1], rows[0]])
+    assert [r[5] for r in table] == ["new", "old", "new"] and table[-1][0] == rows[-1].split("/")[0]
+    assert notes == ["(a) a footnote", f"Compiled at aaa (2026-12-05): {rows[5]}; "
+                     f"this table's commit: {rows[-1]}, {rows[0]}"]
+    recorded.write_text(json.dumps({"commit": "bbb", "date": "2026-12-06", "rows": table,
+                                    "notes": ["how", *notes]}))
+    _, notes = plan_table.merged(recorded, [line(rows[5], "newer")], [rows[5]])
+    assert notes[-1] == (f"Compiled at bbb (2026-12-06): {rows[-1]}, {rows[0]}; "
+                         f"this table's commit: {rows[5]}")

@@ -21,7 +21,6 @@ The dimensions are those of the published presets' config.json, kept with each f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -311,7 +310,7 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
             del task._compiled_trainable_state
             return task
 
-        with _concrete_rope_frequencies():
+        with families.building(families.FAMILIES[family].backbone, None):
             task = nnx.eval_shape(abstract)
     else:
         task = _task(family, dims, tokens, dtype)
@@ -335,32 +334,16 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
     return built
 
 
-@contextlib.contextmanager
-def _concrete_rope_frequencies():
-    """SmolLM3's rotary layers turn their frequencies into NumPy in ``__init__``, which an
-    abstract build cannot: computed concretely (a few numbers) while the model is built."""
-    import jax
-    from keras_hub.src.models.smollm3 import smollm3_layers
-
-    original = smollm3_layers.rope_init
-
-    def concrete(*args):
-        with jax.ensure_compile_time_eval():
-            return original(*args)
-
-    smollm3_layers.rope_init = concrete
-    try:
-        yield
-    finally:
-        smollm3_layers.rope_init = original
-
-
 def _save_config_only(task, out: Path) -> None:
-    """What ``save_to_preset`` writes, less the weight file: the backbone's config.json and
-    metadata.json (KerasHub's own preset saver), the preprocessor and tokenizer assets."""
-    from keras_hub.src.utils.preset_utils import CONFIG_FILE, KerasPresetSaver
+    """What ``save_to_preset`` writes, less the weight file: the task's task.json and the
+    backbone's config.json and metadata.json (KerasHub's own preset saver), the preprocessor
+    and tokenizer assets. (Without task.json, KerasHub builds the preprocessor from its parts'
+    files: Gemma 4's asks for an audio converter's that no text model has.)"""
+    from keras_hub.src.utils.preset_utils import CONFIG_FILE, TASK_CONFIG_FILE, KerasPresetSaver
 
     saver = KerasPresetSaver(str(out))
+    task.get_compile_config = lambda: None  # its optimizer's variables are abstract here
+    saver._save_serialized_object(task, config_file=TASK_CONFIG_FILE)
     saver._save_serialized_object(task.backbone, config_file=CONFIG_FILE)
     saver._save_metadata(task.backbone)
     task.preprocessor.save_to_preset(str(out))

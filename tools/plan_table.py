@@ -3,6 +3,7 @@ training step compiled for the topology on this CPU host (``nnx-posttrain plan``
 
     python -m tools.plan_table                                  # docs/scaling.md's table
     python -m tools.plan_table --rows gemma_2b/sft/lora/v5e-16 --record none   # one row, a check
+    python -m tools.plan_table --rows gemma4_26b_a4b/sft/lora/v5e-16 --update  # one row, added
 
 Each row is a model shape (``tools.make_preset --like NAME --config-only``: the published
 config, no weights), an algorithm (SFT or DPO), LoRA rank 8 on every linear projection (``all-linear``)
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from tools import ToolError, command, results
 
-MODELS = ("gemma_2b", "gemma2_9b", "llama3_8b")
+MODELS = ("gemma_2b", "gemma2_9b", "llama3_8b", "gemma4_26b_a4b", "qwen3_5_35b_a3b")
 ROWS = [  # model / algorithm / lora or full / topology
     "gemma_2b/sft/lora/v5e-16", "gemma_2b/sft/full/v5e-16", "gemma_2b/dpo/lora/v5e-16",
     "gemma_2b/dpo/full/v5e-16",
@@ -37,6 +38,8 @@ ROWS = [  # model / algorithm / lora or full / topology
     "gemma2_9b/dpo/lora/v5e-16", "gemma2_9b/dpo/full/v5p-128", "gemma2_9b/sft/full/v5e-8",
     "llama3_8b/sft/lora/v5e-16", "llama3_8b/sft/full/v5e-64", "llama3_8b/dpo/lora/v5e-64",
     "llama3_8b/dpo/full/v5p-128",
+    "gemma4_26b_a4b/sft/lora/v5e-16", "gemma4_26b_a4b/sft/full/v5p-128",
+    "qwen3_5_35b_a3b/sft/lora/v5e-16", "qwen3_5_35b_a3b/sft/full/v5p-128",
 ]
 # bf16 peak FLOP/s per chip, Cloud TPU's system-architecture pages (as plan.topology's HBM)
 PEAK = {"v4": 275e12, "v5p": 459e12, "v5e": 197e12, "v6e": 918e12}
@@ -131,6 +134,46 @@ def table_row(row: str, plan: dict) -> list:
             f"{plan['compile_seconds']:.0f}"]
 
 
+def _order(line: list) -> tuple:
+    key = "/".join([line[0], line[1].lower(), "lora" if line[2].startswith("LoRA") else "full",
+                    line[3]])
+    return (ROWS.index(key) if key in ROWS else len(ROWS),)
+
+
+COMPILED = "Compiled at "
+
+
+def merged(recorded: Path, new_rows: list[list], names: list[str]) -> tuple[list, list[str]]:
+    """The recorded table's rows with ``new_rows`` (``names``) in their place (a row is its
+    model, method, tuning and topology), in ``ROWS``' order; and the notes to keep: the
+    recorded ones beyond the first, and which rows were compiled at which commit."""
+    if not recorded.is_file():
+        raise ToolError(f"--update: {recorded} does not exist; run without --update first")
+    saved = json.loads(recorded.read_text())
+    table = {tuple(r[:4]): r for r in saved["rows"]}
+    table.update({tuple(r[:4]): r for r in new_rows})
+    then = f"{saved['commit']} ({saved['date']})"
+    earlier = {}  # when -> the rows compiled then
+    for note in saved["notes"]:
+        for part in note.removeprefix(COMPILED).split("; ") if note.startswith(COMPILED) else []:
+            when, compiled = part.split(": ", 1)
+            earlier[then if when == "this table's commit" else when] = compiled.split(", ")
+    if not earlier:  # the table was compiled whole
+        earlier = {then: [r for r in ROWS if _key(r) in table]}
+    when_compiled = {when: [r for r in compiled if r not in names]
+                     for when, compiled in earlier.items()}
+    when_compiled = {k: v for k, v in when_compiled.items() if v}
+    when_compiled["this table's commit"] = names
+    notes = [n for n in saved["notes"][1:] if not n.startswith(COMPILED)]
+    notes.append(COMPILED + "; ".join(f"{k}: {', '.join(v)}" for k, v in when_compiled.items()))
+    return sorted(table.values(), key=_order), notes
+
+
+def _key(row: str) -> tuple:
+    model, algorithm, tuning, topology = row.split("/")
+    return (model, algorithm.upper(), "LoRA r8" if tuning == "lora" else "full", topology)
+
+
 COLUMNS = ["model", "method", "tuning", "topology", "mesh", "fits", "inputs GiB",
            "XLA temporaries GiB", "total / HBM GiB", "FLOPs / device / step", "s/step at peak",
            "all-gather / all-reduce GiB", "compile s"]
@@ -145,6 +188,10 @@ def main(argv=None) -> list[list]:
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows")
     parser.add_argument("--record", default="plan_table",
                         help="results/<name>.json to write ('none': do not record)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the recorded table's other rows: compile only --rows and put "
+                             "them in its place (a row of the same model, method, tuning and "
+                             "topology replaced), in ROWS' order")
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows if len(r.split("/")) != 4 or r.split("/")[0] not in MODELS]
@@ -157,6 +204,9 @@ def main(argv=None) -> list[list]:
     for model in sorted({r.split("/")[0] for r in rows}):
         preset(model, out)
     table = [table_row(r, plan_row(r, out, data)) for r in rows]
+    kept_notes = []
+    if args.update:
+        table, kept_notes = merged(results.RESULTS / f"{args.record}.json", table, rows)
     for line in table:
         print(" | ".join(line))
     if args.record != "none":
@@ -168,7 +218,7 @@ def main(argv=None) -> list[list]:
                    "T` (DIR from `python -m tools.make_preset --like MODEL --config-only`). "
                    "s/step at peak: XLA's FLOPs over the chip's peak bf16 rate (a lower bound). "
                    "Collectives: bytes of each occurrence in the compiled program (the "
-                   "gradient-accumulation loop's body counted once)."])
+                   "gradient-accumulation loop's body counted once).", *kept_notes])
         print(f"wrote {path}")
     return table
 

@@ -112,18 +112,17 @@ def prepare(backbone):
 
 @contextlib.contextmanager
 def building(backbone: str, dtype):
-    """While active, a backbone of class ``backbone`` whose family ignores its ``dtype``
-    (``Family.ignores_dtype``: SmolLM3) is built in ``dtype`` (a Keras dtype policy name):
-    Keras' global policy is ``dtype`` until the block ends. Other families: nothing changes."""
+    """While active, a backbone of class ``backbone`` is built as its family needs: in
+    ``dtype`` (a Keras dtype policy name) where the family ignores its ``dtype`` argument
+    (``Family.ignores_dtype``: SmolLM3; Keras' global policy is ``dtype`` until the block ends),
+    and within the family's ``build_context``. Other families: nothing changes."""
     family = of(backbone or "")
-    if family is None or not family.ignores_dtype or dtype is None:
-        yield
-        return
-    import keras
+    with contextlib.ExitStack() as stack:
+        if family is not None and family.build_context is not None:
+            stack.enter_context(family.build_context())
+        if family is not None and family.ignores_dtype and dtype is not None:
+            import keras
 
-    before = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(dtype)
-    try:
+            stack.callback(keras.config.set_dtype_policy, keras.config.dtype_policy())
+            keras.config.set_dtype_policy(dtype)
         yield
-    finally:
-        keras.config.set_dtype_policy(before)

@@ -203,6 +203,9 @@ class Family:
       layer, which NNX refuses inside a nested trace);
     - ``ignores_dtype``: the backbone builds its layers in Keras' global dtype policy, not its
       ``dtype`` argument (SmolLM3): ``families.building`` sets the global one while it is built;
+    - ``build_context``: a context the backbone is built in (SmolLM3's: its rotary frequencies
+      computed concretely, which its layers turn into NumPy: an abstract build, ``plan``'s
+      ``nnx.eval_shape``, could not); ``families.building`` enters it;
     - ``recurrent``: the layer classes of decoder blocks that mix tokens with a recurrent state
       instead of softmax attention (Qwen 3.5's Gated DeltaNet): the attention path leaves those
       blocks to KerasHub's code, and rows whose examples such a state would cross (packed rows,
@@ -232,6 +235,7 @@ class Family:
     prepare: Callable[[Any], None] | None = None
     attention_call: Callable[..., Any] | None = None
     ignores_dtype: bool = False
+    build_context: Callable[[], Any] | None = None
     recurrent: tuple[str, ...] = ()
     recurrent_call: Callable[..., Any] | None = None
 

@@ -31,6 +31,7 @@ KerasHub 0.32's quirks, and what the package does about them:
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from nnx_posttrain.families.base import SELF_ATTENTION_CACHE, Export, Family, Preset, refuse
@@ -209,6 +210,28 @@ _TINY = dict(vocabulary_size=64, hidden_dim=32, intermediate_dim=48, num_layers=
              layer_types=["attention", "attention"], mlp_bias=False, layer_norm_epsilon=1e-6,
              max_position_embeddings=4096, rope_theta=10_000.0, partial_rotary_factor=1.0)
 
+
+@contextlib.contextmanager
+def concrete_rope_frequencies():
+    """While active, KerasHub's SmolLM3 layers compute their rotary frequencies concretely (a
+    few numbers, which their ``__init__`` turns into NumPy): so the backbone can be built
+    abstractly (``nnx.eval_shape``: ``plan``, ``tools.make_preset --config-only``)."""
+    import jax
+    from keras_hub.src.models.smollm3 import smollm3_layers
+
+    original = smollm3_layers.rope_init
+
+    def concrete(*args):
+        with jax.ensure_compile_time_eval():
+            return original(*args)
+
+    smollm3_layers.rope_init = concrete
+    try:
+        yield
+    finally:
+        smollm3_layers.rope_init = original
+
+
 SMOLLM3 = Family(
     name="smollm3",
     backbone="SmolLM3Backbone",
@@ -240,4 +263,5 @@ SMOLLM3 = Family(
     prepare=prepare,
     attention_call=attention_call,
     ignores_dtype=True,
+    build_context=concrete_rope_frequencies,
 )
