@@ -97,7 +97,8 @@ class BatchingConfig:
 @dataclasses.dataclass
 class EvalConfig:
     every: int = 200
-    """Evaluate every this many steps (and at the end); 0 evaluates only at the end."""
+    """Evaluate every this many steps, and at the start (step 0, unless resuming) and the end; 0:
+    at the start and the end only."""
     batches: int = 8
     """Held-out batches used for the eval loss; 0 uses the whole eval split."""
     exact_match: int = 200
