@@ -70,15 +70,23 @@ def experiment_command(algorithm: str, run_dir, *extra) -> list[str]:
             *extra]
 
 
+def session_xla_flags() -> list[str]:
+    """The XLA flags of this test session (``tests/conftest.py``: LLVM optimisation off, the
+    older fusion emitters) without a forced CPU device count."""
+    import os
+
+    return [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+
+
 def on_cpu_devices(script: str, devices: int, *args: str, timeout: int = 600) -> dict:
     """Run ``script`` (Python source that ends by printing ``RESULT <json>``) in a process of its
-    own that sees ``devices`` CPU devices (LLVM optimisation off: it compiles several meshes'
-    steps, ~3x faster), and return that JSON; the process's stderr on failure."""
+    own that sees ``devices`` CPU devices (compiled with the session's flags: it compiles several
+    meshes' steps), and return that JSON; the process's stderr on failure."""
     import json
     import os
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-               "--xla_backend_optimization_level=0")
+    env = dict(os.environ, XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}",
+                                              *session_xla_flags()]))
     proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -92,10 +100,10 @@ def sft_command(run_dir, *args: str) -> subprocess.CompletedProcess:
     the CPU as the command does itself."""
     import os
 
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     return subprocess.run([sys.executable, "-m", "experiments.sft", *map(str, args),
                            "--run-dir", str(run_dir)], cwd=ROOT,
-                          env=dict(os.environ, XLA_FLAGS=" ".join(flags)), capture_output=True,
+                          env=dict(os.environ, XLA_FLAGS=" ".join(session_xla_flags())),
+                          capture_output=True,
                           text=True, timeout=600)
 
 

@@ -14,7 +14,7 @@ import nnx_posttrain  # noqa: F401
 import numpy as np
 import pytest
 
-from support import MICRO, losses as _losses, train_run
+from support import MICRO, losses as _losses, session_xla_flags, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def test_two_processes_train_and_save_one_process_resumes(tmp_path):
     t0 = time.perf_counter()
     procs = []
     for pid in range(2):
-        env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+        env = dict(os.environ, XLA_FLAGS=" ".join(session_xla_flags()))
         cmd = [sys.executable, "-m", "experiments.sft", *_args(data, run_dir, 3),
                "--mesh.coordinator-address", f"127.0.0.1:{port}", "--mesh.num-processes", "2",
                "--mesh.process-id", str(pid)]

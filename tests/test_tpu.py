@@ -30,11 +30,11 @@ CHECKS = ROOT / "tests" / "tpu_checks.py"
 
 
 def on_chip_env() -> dict:
-    """This environment without the CPU pin and the CPU-only compiler flag of tests/conftest.py."""
+    """This environment without the CPU pin and the CPU-only compiler flags of tests/conftest.py."""
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)
-    flags = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
-    env["XLA_FLAGS"] = flags
+    cpu_only = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in cpu_only)
     return env
 
 
