@@ -19,6 +19,7 @@ def _logits(module):
     return np.asarray(model.full_logits(module, IDS, MASK))
 
 
+@pytest.mark.slow
 def test_the_int8_base_computes_as_the_model_and_dequantizes_into_its_effective_weights(
         monkeypatch):
     import gc

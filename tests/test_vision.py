@@ -115,6 +115,7 @@ def run(algorithm, data_file, run_dir, *extra):
                      LENGTH, *STEPS, "--run-dir", run_dir, *extra, echo=lambda _: None)
 
 
+@pytest.mark.slow
 def test_sft_on_messages_and_images_trains_and_resumes_exactly(files, tmp_path):
     """SFT on a ``messages`` + ``images`` JSONL: the loss falls, the vision tower does not
     train; stopped at step 3 and resumed, the run's losses equal the uninterrupted run's."""

@@ -166,6 +166,7 @@ def test_sft_on_messages_and_images_runs_two_steps(files, tmp_path, capsys):
                                           sampler.Sampling(3))[0][0]
 
 
+@pytest.mark.slow
 def test_dpo_on_images_starts_at_log_2(files, tmp_path):
     """DPO with LoRA (the reference: LoRA off, reading the same images): two steps, the first
     loss log 2 and zero margins."""
@@ -212,6 +213,7 @@ def image_prompts(lm, pictures, texts, width=32):
     return ids, mask, np.concatenate([s.pixel_values for s in shown])
 
 
+@pytest.mark.slow
 def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
     """Greedy decoding with images (the prompt pass: the image tokens' embeddings the vision
     tower's, per-layer inputs with image tokens reading padding's, KV-shared blocks reading their

@@ -58,6 +58,7 @@ def test_lora_on_the_projector_alone_trains_its_factors_only(name):
     assert len(layers) == 4 and all(p.startswith("image_encoder/encoder_block_0/") for p in layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_zero_initialised_factors_keep_the_logits_and_the_gradient_reaches_them(name):
     """LoRA on the projector and the tower's attention, B factors zero: the logits with images
