@@ -77,19 +77,44 @@ class _Program:
     def __init__(self, text: str):
         self.header, _, _ = text.partition("\n")
         self.text = text
-        self.bodies: dict[str, list[str]] = {}
+        self.bodies: dict[str, list[str]] = {}  # in the text's order
+        self.headers: dict[str, str] = {}
+        self.outside: list[str] = []  # the lines outside computations (stack frames' tables)
         self.entry = ""
         current = None
-        for line in text.splitlines():
+        for line in text.splitlines()[1:]:
             match = _HEADER.match(line)
             if match:
                 current = match.group(2)
-                self.bodies[current] = []
+                self.bodies[current], self.headers[current] = [], line
                 self.entry = current if match.group(1) else self.entry
             elif current is not None and line.strip() == "}":
                 current = None
             elif current is not None:
                 self.bodies[current].append(line)
+            else:
+                self.outside.append(line)
+
+    def reachable(self, name: str) -> set[str]:
+        """The computations ``name`` calls, directly or not, and itself."""
+        seen, todo = {name}, [name]
+        while todo:
+            for line in self.bodies.get(todo.pop(), ()):
+                for ref in _NAME.findall(line):
+                    if ref in self.bodies and ref not in seen:
+                        seen.add(ref)
+                        todo.append(ref)
+        return seen
+
+    def rooted_at(self, name: str) -> str:
+        """The module's text with ``name`` as its entry and only what it reaches (a real
+        model's step holds hundreds of loops: parsing the whole module for each was minutes)."""
+        keep, lines = self.reachable(name), ["HloModule cost", *self.outside]
+        for computation, body in self.bodies.items():
+            if computation in keep:
+                header = self.headers[computation].removeprefix("ENTRY ")
+                lines += ["ENTRY " * (computation == name) + header, *body, "}"]
+        return "\n".join(lines)
 
     def top_loops(self, name: str) -> list[tuple[str, int]]:
         """(body, trip count) of the known-trip-count loops that ``name`` reaches without
@@ -136,11 +161,17 @@ class _Program:
 
     def definition(self, computation: str, name: str) -> tuple[str, str, str] | None:
         """(opcode, operands, the rest of the line) of instruction ``name`` in ``computation``."""
+        return self._definitions(computation).get(name)
+
+    @functools.lru_cache(maxsize=None)
+    def _definitions(self, computation: str) -> dict[str, tuple[str, str, str]]:
+        out = {}
         for line in self.bodies.get(computation, ()):
             match = _DEF.match(line)
-            if match and match.group(1) == name:
-                return match.group(2), match.group(3), line[match.end():]
-        return None
+            if match:
+                out.setdefault(match.group(1), (match.group(2), match.group(3),
+                                                line[match.end():]))
+        return out
 
     def loop_extra(self, name: str) -> float:
         """FLOPs that XLA's count of ``name`` misses: each loop's further iterations."""
@@ -156,10 +187,7 @@ class _Program:
         ``""``: the entry computation."""
         from jax._src.lib import _jax, hlo
 
-        text = "HloModule cost\n" + self.text.partition("\n")[2]
-        if name and name != self.entry:
-            text = text.replace("\nENTRY %", "\n%", 1).replace(f"\n%{name} ", f"\nENTRY %{name} ", 1)
-        module = hlo.hlo_module_from_text(text)
+        module = hlo.hlo_module_from_text(self.rooted_at(name or self.entry))
         return _flops_of(_jax.hlo_module_cost_analysis(_analysis_client(), module)) or 0.0
 
 
