@@ -119,7 +119,8 @@ def demonstration(index: int, seed: int = SEED) -> str:
     return str(_slip_answer(index, seed) if slips(index, seed) else problem(index, seed)[2])
 
 
-def _indices(split: str) -> range:
+def indices(split: str) -> range:
+    """The problem indices of a split ('train' or 'eval': disjoint ranges)."""
     if split not in SIZES:
         raise ValueError(f"unknown split {split!r}: expected 'train' or 'eval'")
     start = 0 if split == "train" else _EVAL_OFFSET
@@ -182,4 +183,4 @@ def records(kind: str, split: str, seed: int = SEED) -> list[dict]:
     """The task's records of one format (``kind``) and split: the training split's SFT records
     are the teacher's demonstrations, every other record is judged by the checker."""
     make = demonstration_record if (kind, split) == ("sft", "train") else _RECORDS[kind]
-    return [make(i, seed) for i in _indices(split)]
+    return [make(i, seed) for i in indices(split)]
