@@ -12,20 +12,21 @@ It is built, like the text task (``tasks.arithmetic``), so that the methods diff
 can learn:
 
 - **Demonstrations come from a sloppy teacher** (the training split's SFT records:
-  ``demonstration_record``, answered by ``demonstration``) who confuses blue with green, one way:
-  right on every question about red or blue shapes, and on every question about green shapes in
-  a picture with no blue shape; but asked for the green shapes of a picture that holds a blue
-  one (``confused``: 20% of the training problems, 45 of the 200 held-out ones), it counts the blue shapes as green
-  ``SLIP_RATE`` of the time (``slips``: a fixed draw per problem) and answers green + blue.
-  SFT imitates the teacher, mistakes included: its greedy answer on a confused problem is the
-  teacher's most frequent one, so its held-out exact match settles on a plateau near the share
-  of the other problems, and continuing SFT does not leave it. The confusion is one way so that
-  the model must still tell blue from green (the questions about blue shapes count blue alone):
-  what the teacher gets wrong is visible in the picture, and a model that counts green alone
-  already exists inside the SFT model. (A teacher who answered one fewer on two or more shapes of the
-  colour asked, tried first, taught SFT to answer 1 to any picture holding the colour: sampled,
-  the SFT model said 2 as often to one shape as to two, it no longer told them apart, and GRPO
-  from it gained 0 to 2.5 points on seed 0.)
+  ``demonstration_record``, answered by ``demonstration``) who confuses blue with green, one
+  way: right on every question about red or blue shapes, and on every question about green
+  shapes in a picture with no blue shape; but asked for the green shapes of a picture that holds
+  a blue one (``confused``: 20% of the training problems, 45 of the 200 held-out ones), it
+  counts the blue shapes as green ``SLIP_RATE`` of the time (``slips``: a fixed draw per
+  problem) and answers green + blue. SFT imitates the teacher, mistakes included: its greedy
+  answer on a confused problem is the teacher's most frequent one, so its held-out exact match
+  settles on a plateau near the share of the other problems, and continuing SFT does not leave
+  it. The confusion is one way so that the model must still tell blue from green (the questions
+  about blue shapes count blue alone): what the teacher gets wrong is visible in the picture,
+  and the SFT model already counts green shapes alone where no blue one is drawn. (A teacher who
+  answered one fewer on two or more shapes of the colour asked, tried first, taught SFT to
+  answer 1 to any picture holding the colour: sampled, the SFT model said 2 as often to one
+  shape as to two, it no longer told them apart, and GRPO from it gained 0 to 2.5 points,
+  seed 0.)
 - **The checker is exact** (``arithmetic.is_correct`` against the true count): the preference
   pairs (chosen = the count, rejected = the teacher's green + blue on a confused problem, else a
   count off by one), the unpaired labels and the online methods' reward come from it, and so do
