@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tools import image_table as T
+from tools import preference_table as P
 from tools import seeds as S
 
 
@@ -49,6 +50,13 @@ def test_the_table_from_finished_runs(tmp_path):
     assert stats["grpo_vs_sft_more"]["diff"] == pytest.approx(0.05)
     assert stats["grpo"]["train_reward"] == [pytest.approx((0.7, 0.8))] * 2  # first, last 3
     assert "untrained" not in stats["untrained"]  # the first row compares with nothing
+    split = T.teacher_split(P.collect(tmp_path, ["sft", "grpo", "sft_more"], 2), 2)
+    share = split["confused_share"]
+    assert share == pytest.approx(45 / 200)  # the held-out problems the teacher may slip on
+    for name, em in (("sft", "em"), ("grpo", "em")):  # the two parts make up the whole
+        whole = [share * c + (1 - share) * o
+                 for c, o in zip(split[name]["confused"], split[name]["other"])]
+        assert whole == pytest.approx(stats[name]["em"])
 
 
 def test_the_runs_are_commands_the_experiments_accept(monkeypatch):

@@ -21,7 +21,9 @@ the untrained model, GRPO and the continued SFT against SFT (and, in the notes, 
 continued SFT), each paired by seed and held-out problem with a 95% bootstrap interval
 (``tools.seeds.paired_bootstrap``); GRPO's sampled reward (first and last three logged steps).
 A note gives the answer that needs no picture: the most frequent training count, and how often
-it is right on the held-out problems. ``--record`` writes results/<name>.json (rendered into
+it is right on the held-out problems; another splits each row's held-out exact match between the
+problems where the task's sloppy teacher may slip (``shapes.confused``: asked for green shapes,
+a blue one drawn) and the others. ``--record`` writes results/<name>.json (rendered into
 docs/results.md by ``python -m tools.results``).
 """
 
@@ -45,6 +47,7 @@ LABELS = {"untrained": "untrained model (random weights)", "sft": "SFT from it",
           "grpo": "GRPO from the SFT run (exact-match reward)",
           "sft_more": "SFT continued instead (as many pictures as GRPO's prompts; control)"}
 VERSUS = {"sft": "untrained", "grpo": "sft", "sft_more": "sft"}  # each row's comparison
+SHORT = {"sft": "SFT", "grpo": "GRPO", "sft_more": "the continued SFT"}
 
 
 def jobs(out: Path, seed: int, sft_steps: int | None, grpo_steps: int | None) -> list[tuple]:
@@ -127,6 +130,27 @@ def blind_answer() -> dict:
     return {"answer": answer, "exact_match": right / len(held_out)}
 
 
+def teacher_split(raw: dict, n_seeds: int) -> dict | None:
+    """Held-out exact match of the SFT, GRPO and continued SFT rows, per seed, on the problems
+    where the sloppy teacher may slip (``shapes.confused``) and on the others, and the confused
+    share; None when the runs' held-out problems are not the task's 200 (exact_match.jsonl
+    lists them in the held-out records' order)."""
+    from nnx_posttrain.tasks import shapes
+
+    confused = [shapes.confused(i) for i in shapes.indices("eval")]
+    split = {"confused_share": sum(confused) / len(confused), "slip_rate": shapes.SLIP_RATE}
+    for name in VERSUS:
+        split[name] = {"confused": [], "other": []}
+        for s in range(n_seeds):
+            correct = list(side(raw, name, s).values())
+            if len(correct) != len(confused):
+                return None
+            for part, wanted in (("confused", True), ("other", False)):
+                hits = [c for c, f in zip(correct, confused) if f == wanted]
+                split[name][part].append(sum(hits) / len(hits))
+    return split
+
+
 def reading(stats: dict, blind: dict) -> list[str]:
     """The table in words."""
     def verdict(change):
@@ -167,8 +191,16 @@ def main(argv=None) -> dict:
     raw = P.collect(out, ["sft", "grpo", "sft_more"], args.seeds)
     columns, rows, stats = summarise(raw, args.seeds, args.reps)
     blind = blind_answer()
+    split = teacher_split(raw, args.seeds)
     seconds = {run: [raw[run][s]["seconds"] for s in range(args.seeds)] for run in raw}
-    notes = reading(stats, blind) + [
+    notes = reading(stats, blind) + ([
+        f"The teacher's mistake: {100 * split['confused_share']:.1f}% of the held-out problems "
+        "ask for green shapes in a picture holding a blue one, where the SFT data's teacher counts "
+        f"both colours {100 * split['slip_rate']:.0f}% of the time (tasks/shapes.py); on those "
+        + ", ".join(f"{SHORT[n]} {S.pm(*S.mean_std(split[n]['confused']))}" for n in VERSUS)
+        + "; on the others "
+        + ", ".join(f"{SHORT[n]} {S.pm(*S.mean_std(split[n]['other']))}" for n in VERSUS)
+        + "."] if split else []) + [
         f"{args.seeds} seeds (0 .. {args.seeds - 1}); model gemma3_vision_tiny (gemma_tiny's text, "
         "a 2-layer vision encoder of 16 x 16 pictures: 4 image tokens, one a quarter), the "
         f"vision tower trained too; settings {RECIPES}/sft.yaml and grpo.yaml"
@@ -181,7 +213,8 @@ def main(argv=None) -> dict:
     command_line = "python -m tools.image_table " + " ".join(
         argv if argv is not None else sys.argv[1:])
     readme.publish(args.record, command_line.strip(), columns, rows, notes,
-                   data={"stats": stats, "seeds": args.seeds, "blind": blind, "seconds": seconds})
+                   data={"stats": stats, "seeds": args.seeds, "blind": blind, "seconds": seconds,
+                         "teacher_split": split})
     return stats
 
 
