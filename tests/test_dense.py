@@ -68,7 +68,11 @@ def test_forward_is_the_layers_own_and_gradients_equal_autodiff(backbone):
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(want)]
     for path, a, b in zip(paths, jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and a.shape == b.shape, path
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+        # a weight's gradient is a float32 sum over the batch's tokens; the two programs may
+        # associate it differently (the suite's unoptimised XLA:CPU did: 1.7e-5 on an embedding
+        # entry of 0.65 in a leaf reaching ~20), so the absolute tolerance follows the leaf's scale
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=max(1e-5, 2e-6 * float(np.abs(b).max())),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_lora_gradients_equal_autodiff():
