@@ -96,28 +96,42 @@ def question(colour: str) -> str:
     return f"How many {colour} shapes are in the picture?"
 
 
+def _confused(asked: str, drawn: list[str]) -> bool:
+    return asked == CONFUSED[0] and CONFUSED[1] in drawn
+
+
+def _slips(index: int, seed: int, asked: str, drawn: list[str]) -> bool:
+    return _confused(asked, drawn) and \
+        np.random.default_rng([seed, index, 7]).random() < SLIP_RATE
+
+
+def _both(drawn: list[str]) -> int:
+    """The teacher's count where it slips: the shapes of both confused colours."""
+    return sum(drawn.count(colour) for colour in CONFUSED)
+
+
+def _taught(index: int, seed: int, asked: str, drawn: list[str]) -> str:
+    return str(_both(drawn) if _slips(index, seed, asked, drawn) else drawn.count(asked))
+
+
 def confused(index: int, seed: int = SEED) -> bool:
     """Whether problem ``index`` asks for the colour the teacher confuses (``CONFUSED``) in a
     picture holding a shape of the other: where the teacher may count both."""
     _, asked, drawn = _draw(index, seed)
-    return asked == CONFUSED[0] and CONFUSED[1] in drawn
+    return _confused(asked, drawn)
 
 
 def slips(index: int, seed: int = SEED) -> bool:
     """Whether the teacher counts both colours on problem ``index`` (a fixed draw per problem,
     beside the picture's own: the pictures do not change with it)."""
-    return confused(index, seed) and np.random.default_rng([seed, index, 7]).random() < SLIP_RATE
-
-
-def _slip_answer(index: int, seed: int = SEED) -> int:
-    """The teacher's count where it slips: the shapes of both confused colours."""
-    drawn = _draw(index, seed)[2]
-    return sum(drawn.count(colour) for colour in CONFUSED)
+    _, asked, drawn = _draw(index, seed)
+    return _slips(index, seed, asked, drawn)
 
 
 def demonstration(index: int, seed: int = SEED) -> str:
     """The teacher's answer: the count, or green + blue where it confuses them (``slips``)."""
-    return str(_slip_answer(index, seed) if slips(index, seed) else problem(index, seed)[2])
+    _, asked, drawn = _draw(index, seed)
+    return _taught(index, seed, asked, drawn)
 
 
 def indices(split: str) -> range:
@@ -144,9 +158,9 @@ def sft_record(index: int, seed: int = SEED) -> dict:
 def demonstration_record(index: int, seed: int = SEED) -> dict:
     """A conversation with its picture and the teacher's answer (``demonstration``): the
     training split's SFT records."""
-    image, colour, _ = problem(index, seed)
+    image, colour, drawn = _draw(index, seed)  # one drawing per record
     return {"images": [image], "messages": _user(colour) + [
-        {"role": "assistant", "content": demonstration(index, seed)}]}
+        {"role": "assistant", "content": _taught(index, seed, colour, drawn)}]}
 
 
 def prompt_record(index: int, seed: int = SEED) -> dict:
@@ -158,9 +172,10 @@ def prompt_record(index: int, seed: int = SEED) -> dict:
 def preference_record(index: int, seed: int = SEED) -> dict:
     """A preference pair judged by the checker: the right count chosen; rejected, the teacher's
     slip (green + blue) on a confused problem, else a count off by one."""
-    image, colour, count = problem(index, seed)
-    if confused(index, seed):
-        wrong = _slip_answer(index, seed)
+    image, colour, drawn = _draw(index, seed)  # one drawing per record
+    count = drawn.count(colour)
+    if _confused(colour, drawn):
+        wrong = _both(drawn)
     else:
         wrong = count + 1 if count == 0 or index % 2 else count - 1
     return {"images": [image], "prompt": _user(colour),
