@@ -118,13 +118,13 @@ def plan_row(row: str, out: Path, data: dict, echo=print) -> dict:
 
 
 def table_row(row: str, plan: dict) -> list:
-    model, algorithm, tuning, topology = row.split("/")
+    topology = row.split("/")[3]
     gib = 2 ** 30
     peak = PEAK[topology.split("-")[0]]
     coll = plan["collectives"]
     fix = next((f["change"] for f in plan["fixes"] if f["fits"]), "none single") \
         if not plan["fits"] else ""
-    return [model, algorithm.upper(), "LoRA r8" if tuning == "lora" else "full", topology,
+    return [*_key(row),
             " x ".join(f"{k} {v}" for k, v in plan["mesh"].items() if v > 1),
             "yes" if plan["fits"] else f"no ({fix})",
             f"{plan['parts']['inputs'] / gib:.2f}", f"{plan['parts']['XLA temporaries'] / gib:.2f}",
@@ -136,10 +136,10 @@ def table_row(row: str, plan: dict) -> list:
             f"{plan['compile_seconds']:.0f}"]
 
 
-def _order(line: list) -> tuple:
-    key = "/".join([line[0], line[1].lower(), "lora" if line[2].startswith("LoRA") else "full",
-                    line[3]])
-    return (ROWS.index(key) if key in ROWS else len(ROWS),)
+def _order(line: list) -> int:
+    """A table line's place: its row's in ``ROWS`` (rows no longer listed last)."""
+    keys = [_key(row) for row in ROWS]
+    return keys.index(tuple(line[:4])) if tuple(line[:4]) in keys else len(ROWS)
 
 
 COMPILED = "Compiled at "
