@@ -24,6 +24,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -137,8 +138,15 @@ class Checkpointer:
         step (a v5e: ~120 ms for a LoRA state's 433 arrays); a no-op when nothing is held."""
         held, self._held = self._held, None
         if held is not None:
-            step, args, metrics = held
-            self._manager.save(step, args=args, metrics=metrics, force=True)
+            self._write(*held)
+
+    def _write(self, step: int, state, data_state: dict | None, record, metrics) -> None:
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state or {}),
+            record=ocp.args.JsonSave(record() if callable(record) else record),
+        )
+        self._manager.save(step, args=args, metrics=metrics, force=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -209,23 +217,22 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, state, data_state: dict | None, record: dict, metrics=None) -> None:
+    def save(self, step: int, state, data_state: dict | None,
+             record: dict | Callable[[], dict], metrics=None) -> None:
         """Start saving (asynchronously unless disabled); training continues meanwhile. With
         ``async_save``, a state whose copy takes at most a quarter of the device's free memory
         is copied on the device (the step that follows may donate the original) and held until
         ``write_held`` (or any other use of the checkpointer) hands it to Orbax; a larger state
-        is handed to Orbax here (its call blocks until the arrays are on the host)."""
-        manager = self.manager  # the save held before goes first, in order
+        is handed to Orbax here (its call blocks until the arrays are on the host). ``record``
+        is the run's record, or a function giving it, called when the save is handed to Orbax
+        (the loop's reads the step's metrics then, so that this call never waits for the
+        device; an exception it raises drops the save)."""
+        self.write_held()  # the save held before goes first, in order
         copy = device_copy(state) if self.cfg.async_save else None
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state if copy is None else copy),
-            data=ocp.args.JsonSave(data_state or {}),
-            record=ocp.args.JsonSave(record),
-        )
         if copy is None:
-            manager.save(step, args=args, metrics=metrics, force=True)
+            self._write(step, state, data_state, record, metrics)
         else:
-            self._held = (step, args, metrics)
+            self._held = (step, copy, data_state, record, metrics)
 
     def read_record(self, step: int) -> dict:
         out = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))

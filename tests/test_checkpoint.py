@@ -296,6 +296,30 @@ def test_a_failed_held_save_is_raised_at_the_next_use_and_close_still_closes(tmp
     assert closed == [True]
 
 
+def test_a_held_save_reads_its_record_when_handed_over_and_a_refusal_drops_it(tmp_path):
+    """A record given as a function is read when the held save goes to Orbax (the loop's reads
+    the step's non-finite flag then, the next step running); an exception it raises drops that
+    save (nothing written) and the checkpointer goes on."""
+    from nnx_posttrain import config as config_lib
+
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
+    read = []
+    ckpt.save(1, _small_state(), {}, lambda: read.append(1) or {"step": 1})
+    assert read == []  # held: not read yet
+    ckpt.write_held()
+    assert read == [1]
+
+    def refused():
+        raise ValueError("step 2: non-finite loss")
+
+    ckpt.save(2, _small_state(), {}, refused)
+    with pytest.raises(ValueError, match="step 2: non-finite"):
+        ckpt.write_held()
+    ckpt.save(3, _small_state(), {}, {"step": 3})
+    assert ckpt.all_steps() == [1, 3] and ckpt.read_record(3) == {"step": 3}
+    ckpt.close()
+
+
 def test_a_state_whose_copy_does_not_fit_is_saved_in_the_call(tmp_path, monkeypatch):
     """Where a copy would take over a quarter of the free memory, Orbax's save runs in the
     call itself (nothing held)."""

@@ -22,7 +22,7 @@ from nnx_posttrain import api, checkpoint, cli, config, data, errors, metrics_lo
 from nnx_posttrain.algorithms import DPO, SFT, registry
 from nnx_posttrain.cli.train_command import parse
 from nnx_posttrain.train import hooks, resume, rundir
-from support import FAST_STEPS, MICRO, ROOT, records, train_run
+from support import FAST_STEPS, MICRO, ROOT, builtin_file, records, train_run
 
 FAST = [*MICRO, *FAST_STEPS]
 
@@ -105,6 +105,18 @@ def test_non_finite_training_stops_naming_the_step_and_keeps_only_good_checkpoin
         leaves = runs.param_leaves(runs.load(run, step=step).state).values()
         assert all(np.isfinite(np.asarray(v)).all() for v in leaves), step
     assert f"steps {', '.join(map(str, kept))}" in msg
+
+
+def test_a_non_finite_last_step_is_not_saved(tmp_path):
+    """The last step's flag is read before its save (by the end's evaluation): a non-finite
+    last step leaves the checkpoints before it, none of its own."""
+    run = tmp_path / "run"  # step 1's update of 1e30 makes step 2's loss non-finite
+    data = builtin_file(tmp_path / "train.jsonl")  # no held-out split: no evaluation at the end
+    msg = refusal(sft, run, "--data", data, "--optim.learning-rate", "1e30", "--optim.max-grad-norm", "0",
+                  "--optim.schedule", "constant", "--optim.warmup-steps", "0", "--steps", "2",
+                  "--checkpoint.every", "1")
+    assert "step 2: non-finite" in msg and "kept in" in msg and "steps 1." in msg, msg
+    assert steps_of(run) == [1]
 
 
 def test_skip_mode_goes_on_but_not_forever(tmp_path):

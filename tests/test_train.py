@@ -93,27 +93,36 @@ def test_train_step_compiles_once_across_steps(caplog):
     assert not [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage()]
 
 
-def test_the_loop_freezes_what_lives_after_its_first_step_and_unfreezes_at_its_end(
+def test_the_loop_freezes_what_lives_after_its_first_step_and_switches_threads_promptly(
         tmp_path, monkeypatch):
     """The garbage collector leaves alone the objects alive after the first step (a full pass
-    over a real model's objects stopped the chip's loop for ~0.3 s every ~10 steps), only while
-    the loop runs; a caller's own frozen objects are never unfrozen by it."""
+    over a real model's objects stopped the chip's loop for ~0.3 s every ~10 steps), and the
+    interpreter comes back to the loop within 0.1 ms (Orbax's threads held it up to 5 ms at a
+    time), only while the loop runs; a caller's own frozen objects or shorter switch interval
+    are never undone by it."""
     import gc
+    import sys
 
     from nnx_posttrain.train import loop
-    from nnx_posttrain.train.hooks import FrozenCollector
+    from nnx_posttrain.train.hooks import FrozenCollector, PromptSwitches
     from support import MICRO
 
-    seen, one_step = [], loop.Steps.one_step
+    seen, switches, one_step = [], [], loop.Steps.one_step
+    before = sys.getswitchinterval()
 
     def counted(self, *args):
         seen.append(gc.get_freeze_count())
+        switches.append(sys.getswitchinterval())
         return one_step(self, *args)
     monkeypatch.setattr(loop.Steps, "one_step", counted)
     assert gc.get_freeze_count() == 0
     train_run("sft", *MICRO, "--steps", "3", "--eval.every", "0", "--run-dir", tmp_path / "r")
     assert seen[0] == 0 and seen[1] > 0 and seen[2] > 0
     assert gc.get_freeze_count() == 0
+    assert switches == [pytest.approx(1e-4)] * 3 and sys.getswitchinterval() == before
+    with PromptSwitches(0.01):  # never longer than the caller's
+        assert sys.getswitchinterval() == before
+    assert sys.getswitchinterval() == before
     gc.freeze()  # the caller's
     try:
         frozen = gc.get_freeze_count()

@@ -24,7 +24,7 @@ from nnx_posttrain.progress import console
 from nnx_posttrain.train import memory, rundir, storage
 from nnx_posttrain.train import step as step_lib
 from nnx_posttrain.train.hooks import (FrozenCollector, Hooks, NonFiniteGuard, NonFiniteStep,
-                                       StepInfo, StopSignals, Throughput)
+                                       PromptSwitches, StepInfo, StopSignals, Throughput)
 from nnx_posttrain.train.evaluation import scored_data
 from nnx_posttrain.train.mesh import shard_batch
 from nnx_posttrain.train.run import Run
@@ -204,7 +204,8 @@ class Steps:
         self.bar = progress.bar(total=cfg.steps, initial=run.start_step, desc=run.algorithm.name,
                                 unit="step", dynamic_ncols=True)
         try:
-            with StopSignals(console(run.echo)) as self.stop, FrozenCollector() as collector:
+            with (StopSignals(console(run.echo)) as self.stop, FrozenCollector() as collector,
+                  PromptSwitches()):
                 hooks = self.hooks()
                 for step in range(run.start_step + 1, cfg.steps + 1):
                     self.one_step(step, train_step, hooks)
@@ -291,19 +292,22 @@ class Steps:
         self.throughput.pause_done()
 
     def save(self, info: StepInfo) -> None:
-        self.guard.flush()  # never a checkpoint after an unchecked step
         folder = self.run.checkpointer.directory
         if not folder.is_dir() and not self.said_removed:
             self.said_removed = True
             self.run.echo(f"warning: {folder} was removed during the run, and the checkpoints "
                           f"it held with it; saving again from step {info.step}")
-        source = self.run.source
+        source, pending = self.run.source, list(self.pending)
         saved = {**self.run.record, "step": info.step, "num_tokens": self.throughput.seen,
-                 # a resumed run's next log averages them (the device's and the host's metrics)
-                 "unlogged_metrics": _host(self.pending),
                  "host_window": source.host_window() if hasattr(source, "host_window") else {}}
+
+        def record() -> dict:  # called once the next step is dispatched (the device busy)
+            self.guard.flush()  # never a checkpoint after an unchecked step
+            # a resumed run's next log averages them (the device's and the host's metrics)
+            return {**saved, "unlogged_metrics": _host(pending)}
+
         with self.stop.saving():  # (Orbax may wait here for the previous checkpoint)
-            self.run.checkpointer.save(info.step, info.state, source.get_state(), saved,
+            self.run.checkpointer.save(info.step, info.state, source.get_state(), record,
                                        metrics=info.eval or None)
 
     def stop_now(self, info: StepInfo) -> None:
