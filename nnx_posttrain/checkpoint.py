@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
@@ -282,11 +283,16 @@ def device_copy(state):
     free = device_memory.available_bytes()
     if free is None or 4 * held > free:
         return None
-    # a buffer copy on each device (no program compiled for it, whatever the arrays' shapes)
-    copy = jax.device_put(state, jax.tree.map(lambda x: x.sharding, state), may_alias=False)
+    copy = _copied(state)
     for leaf in jax.tree.leaves(copy):  # the transfers to the host start now, not when Orbax
         leaf.copy_to_host_async()       # asks (its save call then waits less: 0.19 -> 0.14 s)
     return copy
+
+
+# one program for the whole state (compiled at the first save, then cached): a ``device_put``
+# copy dispatched each of a LoRA state's 433 arrays alone, 0.07 s of the host's time on the chip
+# while the device waited (the loop had read the step's metrics)
+_copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 def _late_io_noise(record: logging.LogRecord) -> bool:

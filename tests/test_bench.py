@@ -227,3 +227,29 @@ def test_loop_timeline_times_each_steps_pieces_and_restores_the_loop(tmp_path):
     for r in records:
         assert 0 < r["dispatch"] <= r["wall_s"] and r["log_hook"] <= r["wall_s"]
         assert all(0 <= start <= r["wall_s"] for _, start, _ in r["at"])
+
+
+def test_headline_reads_seconds_per_step_and_a_saves_cost_from_log_windows():
+    """One step a log: the step after each save against the median of the others. Ten steps a
+    log (the default run's): each window's seconds per step, and a save's cost in steps is the
+    window's time beyond its steps at the median pace."""
+    from tools.bench.headline import after_saves, step_seconds
+
+    def log(step, tokens, seconds_since):  # num_tokens cumulative, the window's throughput
+        return {"split": "train", "step": step, "num_tokens": tokens,
+                "tokens_per_second": (tokens - log.last) / seconds_since if seconds_since else 0}
+
+    records, tokens = [], 0
+    for step in range(1, 8):  # one step a log, 100 tokens a step, 1 s a step, 1.5 s after saves
+        log.last, tokens = tokens, tokens + 100
+        records.append(log(step, tokens, None if step == 1 else 1.5 if step in (4, 7) else 1.0))
+    read = after_saves(step_seconds(records), every=3)
+    assert read["median_s"] == 1.0 and read["after_save_ratio"] == {4: 1.5, 7: 1.5}
+    assert read["save_cost_steps"] == {4: 0.5, 7: 0.5}
+    records, tokens = [{"split": "train", "step": 1, "num_tokens": 100}], 100
+    for step in (10, 20, 30, 40):  # windows of 9 and 10 steps; a save at 20: window 30 + 2 s
+        log.last, tokens = tokens, tokens + 100 * (step - records[-1]["step"])
+        records.append(log(step, tokens, (step - records[-1]["step"]) + 2.0 * (step == 30)))
+    read = after_saves(step_seconds(records), every=20)
+    assert read["median_s"] == pytest.approx(1.0) and set(read["after_save_s"]) == {30}
+    assert read["save_cost_steps"][30] == pytest.approx(2.0)
