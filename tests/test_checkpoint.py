@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import nnx_posttrain  # noqa: F401
+import jax
 import numpy as np
 import pytest
 
@@ -303,8 +304,18 @@ def test_a_held_save_reads_its_record_when_handed_over_and_a_refusal_drops_it(tm
     from nnx_posttrain import config as config_lib
 
     ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", config_lib.CheckpointConfig())
-    read = []
-    ckpt.save(1, _small_state(), {}, lambda: read.append(1) or {"step": 1})
+    ckpt.prepare(_small_state())  # the copy compiled ahead (the loop: during its first step)
+    compiled, read = [], []
+
+    def heard(event, duration, **_):
+        compiled.extend([event] * ("backend_compile" in event))
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        ckpt.save(1, _small_state(), {}, lambda: read.append(1) or {"step": 1})
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+    assert compiled == []  # the save's copy was compiled by prepare
     assert read == []  # held: not read yet
     ckpt.write_held()
     assert read == [1]

@@ -241,6 +241,7 @@ class Steps:
         self.bar.update(1)
         self.stop.check()  # a second Ctrl-C that landed where Python could not raise it
         if step == run.start_step + 1:  # the first step compiles: out of the throughput
+            run.checkpointer.prepare(result.state)  # while the device runs it
             self.throughput.first_step_done(result.state)
         hooks.after(StepInfo(step, result.state, metrics, last=step == run.cfg.steps,
                              stopping=self.stop.received is not None,
