@@ -155,8 +155,13 @@ def compiling(files: list[Path]) -> Path:
                          where(kinds - {""}))
 
 
-HEADLINE_COLUMNS = ["preset", "code", "run", "load s", "first step s", "median step s",
-                    "steps after a save (x median)", "HBM peak GiB"]
+HEADLINE_COLUMNS = ["preset", "code", "run", "log every", "load s", "first step s",
+                    "median step s", "steps after a save (x median)", "a save's cost (steps)",
+                    "HBM peak GiB"]
+
+
+def _listed(values: dict) -> str:
+    return ", ".join(f"{x:.2f}" for x in values.values()) or "n/a"
 
 
 def headline(files: list[Path]) -> Path:
@@ -170,9 +175,13 @@ def headline(files: list[Path]) -> Path:
         for when in ("cold", "warm"):
             r = saved.get(when)
             if r:
-                ratios = ", ".join(f"{x:.2f}" for x in r["after_save_ratio"].values())
-                rows.append([like, code or "this commit", when, f"{r['load_s']:.1f}",
-                             f"{r['first_step_s']:.1f}", f"{r['median_s']:.3f}", ratios or "n/a",
+                every = re.search(r"--log-every (\d+)", saved["command"])
+                costs = r.get("save_cost_steps") or {  # one step a log: the ratio's excess
+                    s: x - 1 for s, x in r["after_save_ratio"].items()}
+                rows.append([like, code or "this commit", when, every.group(1) if every else "1",
+                             f"{r['load_s']:.1f}", f"{r['first_step_s']:.1f}",
+                             f"{r['median_s']:.3f}", _listed(r["after_save_ratio"]),
+                             _listed(costs),
                              f"{r['peak_gib']:.2f}" if r["peak_where"] == "device" else "n/a"])
     first = next(iter(data.values()))
     notes = [f"`{first['command']}` (the user-data defaults: 16 pairs in 4 micro-batches; these "
@@ -180,8 +189,11 @@ def headline(files: list[Path]) -> Path:
              "in fresh processes over one new compile cache: cold (empty), then warm (a second "
              "run directory beside the first reads its step back). First step: tracing, "
              "compiling (or reading back) and running it. Steps after a save: each step right "
-             f"after a checkpoint (every {first['save_every']} steps) over the median of the "
-             "others. HBM peak: what the run's last line reports (memory_stats()' high-water "
+             f"after a checkpoint (every {first['save_every']} steps unless the command says "
+             "otherwise) over the median of the others; with a log every 10 steps (the default "
+             "run's, the loop running ahead of the device), each window's seconds per step after "
+             "a save over the median window's. A save's cost: the time of those steps beyond "
+             "the median pace, in steps (the whole window's). HBM peak: what the run's last line reports (memory_stats()' high-water "
              "mark). Code 'loop timed': run under `tools.bench.loop_timeline` (`headline "
              "--timeline`: per-piece timers and a thread probing for stalls in the process)."]
     return readme.record("bench_headline_tpu", "bash tools/bench/tpu.sh headline",
