@@ -35,6 +35,7 @@ import numpy as np
 
 from nnx_posttrain import errors
 from nnx_posttrain.model import blocks
+from nnx_posttrain.model import vision_qwen3_5 as qwen3_5
 from nnx_posttrain.model.blocks import shadowed
 
 _PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
@@ -45,16 +46,30 @@ def reads_images(module) -> bool:
     return getattr(module, "vision_encoder", None) is not None
 
 
+def _gemma_indices(vision, count: int) -> dict:
+    return {"vision_mask": vision.astype(jnp.int32), "vision_indices": vision_indices(vision, count)}
+
+
 @dataclass(frozen=True)
 class VisionInputs:
     """How a family's backbone takes images: ``split`` (the batch's ``pixel_values`` [rows, max
     images, ...] -> the backbone's image inputs), ``empty`` (backbone, rows -> those inputs for
-    no image) and ``placed`` (backbone, the vision encoder's output -> the image embeddings as
-    they sit among the scaled text embeddings: the sampler's image prompt pass)."""
+    no image), ``placed`` (backbone, the vision encoder's output -> the image embeddings as
+    they sit among the scaled text embeddings: the sampler's image prompt pass), ``count``
+    (backbone, pixel values -> image tokens a row), ``indices`` (the placeholders [rows, T],
+    that count -> the backbone's placement inputs), ``encode`` (backbone, the encoder's call,
+    its arguments -> its output: rows along ``rows_axis``) and ``side`` (backbone, pixel
+    values -> an image's side in tokens for multimodal rotary positions; 0: none)."""
 
     split: object
     empty: object
     placed: object = lambda module, encoded: encoded
+    count: object = lambda module, pixels: pixels.shape[1] * int(
+        module.num_vision_tokens_per_image)
+    indices: object = _gemma_indices
+    encode: object = lambda module, original, *args, **kwargs: original(*args, **kwargs)
+    side: object = lambda module, pixels: 0
+    rows_axis: int = 0
 
 
 def _gemma4_split(pixels):
@@ -84,11 +99,15 @@ GEMMA3 = VisionInputs(
     lambda module, rows: {"images": jnp.zeros(
         (rows, 0, int(module.image_size), int(module.image_size), 3), jnp.float32)})
 GEMMA4 = VisionInputs(_gemma4_split, _gemma4_empty, _gemma4_placed)
+QWEN3_5 = VisionInputs(qwen3_5.split, qwen3_5.empty, count=qwen3_5.count,
+                       indices=qwen3_5.flat_indices, encode=qwen3_5.encode,
+                       side=qwen3_5.side, rows_axis=1)
+_FAMILIES = {"Gemma4Backbone": GEMMA4, "Qwen3_5Backbone": QWEN3_5}
 
 
 def vision_inputs(module) -> VisionInputs:
-    """The vision inputs of a vision backbone's family (Gemma 4's or Gemma 3's)."""
-    return GEMMA4 if type(module).__name__ == "Gemma4Backbone" else GEMMA3
+    """The vision inputs of a vision backbone's family (Gemma 4's, Qwen 3.5's or Gemma 3's)."""
+    return _FAMILIES.get(type(module).__name__, GEMMA3)
 
 
 def check_one_grid(pixel_values) -> None:
@@ -177,9 +196,8 @@ def backbone_inputs(module, token_ids, padding_mask) -> dict:
         pixels = _tiled(jnp.asarray(pixels, jnp.float32), rows)
         images, count = family.split(pixels), pixels.shape[1]
         vision = (token_ids == _placeholder_id(module)) & (padding_mask > 0)
-    count *= int(module.num_vision_tokens_per_image)
-    return dict(inputs, **images, vision_mask=vision.astype(jnp.int32),
-                vision_indices=vision_indices(vision, count))
+    count = family.count(module, pixels) if count else 0
+    return dict(inputs, **images, **family.indices(vision, count))
 
 
 def embed_images(module, x, token_ids, padding_mask):
@@ -194,10 +212,30 @@ def embed_images(module, x, token_ids, padding_mask):
     inputs = backbone_inputs(module, token_ids, padding_mask)
     family = vision_inputs(module)
     images = {k: inputs[k] for k in family.empty(module, 0)}
-    encoded = module.vision_encoder(images.get("images", images))  # Gemma 4's: a dict
+    if "image_grid_thw" in images:  # Qwen 3.5: patches and their grid
+        encoded = family.encode(module, module.vision_encoder, images["pixel_values"],
+                                images["image_grid_thw"])
+    else:
+        encoded = module.vision_encoder(images.get("images", images))  # Gemma 4's: a dict
     x = module.interleave_embeddings(image_embeddings=family.placed(module, encoded),
                                      text_embeddings=x, vision_indices=inputs["vision_indices"])
-    return x, inputs["vision_mask"]
+    return x, inputs.get("vision_mask")
+
+
+@contextlib.contextmanager
+def rotary_positions(module, token_ids, padding_mask):
+    """Within the block, a family with multimodal rotary positions (Qwen 3.5's M-RoPE) rotates
+    the rows ``token_ids`` [rows, T] at those of their images (the ``images`` scope's:
+    ``vision_qwen3_5.mrope_positions``); otherwise nothing changes."""
+    pixels = _PIXELS.get()
+    side = (vision_inputs(module).side(module, pixels)
+            if reads_images(module) and pixels is not None else 0)
+    if not side:
+        yield
+        return
+    vision = (jnp.asarray(token_ids) == _placeholder_id(module)) & (jnp.asarray(padding_mask) > 0)
+    with qwen3_5.mrope(module, qwen3_5.mrope_positions(vision, side)):
+        yield
 
 
 @contextlib.contextmanager
@@ -211,13 +249,18 @@ def encoded_once(module):
         return
     examples = pixels.shape[0]
 
+    family = vision_inputs(module)
+
     def make(encoder, original):
         def call(images, *args, **kwargs):  # Gemma 3: an array; Gemma 4: a dict of arrays
             copies = jax.tree.leaves(images)[0].shape[0] // examples
             if copies <= 1:
-                return original(images, *args, **kwargs)
-            out = original(jax.tree.map(lambda a: a[:examples], images), *args, **kwargs)
-            return jnp.concatenate([out] * copies, axis=0)
+                return family.encode(module, original, images, *args, **kwargs)
+            args = [a[:examples] if getattr(a, "shape", ())[:1] == (examples * copies,) else a
+                    for a in args]  # (Qwen 3.5's grid, per row)
+            out = family.encode(module, original, jax.tree.map(lambda a: a[:examples], images),
+                                *args, **kwargs)
+            return jnp.concatenate([out] * copies, axis=family.rows_axis)
         return call
 
     kind = type(module.vision_encoder)  # the encoder the graph calls (after nnx.merge too)

@@ -1,0 +1,151 @@
+"""Qwen 3.5 with images (the built-in micro ``qwen3_5_vision_micro``: KerasHub's
+``Qwen3_5Backbone`` with a Gated DeltaNet block, a full-attention block with multimodal rotary
+positions, and a ``Qwen3_5VisionEncoder``): the data pipeline's tokens and patches are KerasHub's
+preprocessor's and converter's, our forward with images equals KerasHub's ``Qwen3_5CausalLM``
+(its cached forward, which reads the preprocessor's M-RoPE positions), SFT and DPO train on TRL's
+vision JSONL with the tower frozen, the sampler with images decodes as the training forward, so
+``sample --image`` answers and GRPO trains on image prompts."""
+
+import json
+import types
+import zlib
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from nnx_posttrain import chat, data, model, runs
+from support import records, tokenized_batch, train_run, vision_model
+
+NAME = "qwen3_5_vision_micro"
+LENGTH = 64
+STEPS = ["--steps", "2", "--log-every", "1", "--eval.every", "0", "--eval.exact-match", "0",
+         "--batching.batch-size", "2", "--batching.grad-accum", "1", "--checkpoint.every", "0",
+         "--optim.schedule", "constant", "--optim.warmup-steps", "0"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return vision_model(NAME)
+
+
+def picture(seed, size=(16, 16)):
+    return np.random.default_rng(seed).integers(0, 256, size + (3,), dtype=np.uint8)
+
+
+def ask(text, answer, images=1):
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text",
+                                                                        "text": text}]},
+            {"role": "assistant", "content": answer}]
+
+
+@pytest.fixture
+def keras_hub_rules(monkeypatch):
+    """KerasHub's Qwen 3.5 preprocessor's own token and M-RoPE rules, run without TensorFlow
+    (they build their results with ``tf.constant``: numpy's here)."""
+    from keras_hub.src.models.qwen3_5 import qwen3_5_causal_lm_preprocessor as module
+
+    monkeypatch.setattr(module, "tf", types.SimpleNamespace(
+        constant=lambda x, dtype=None: np.asarray(x, dtype or None)))
+    return module
+
+
+def test_tokens_and_patches_equal_keras_hubs_qwen3_5_preprocessor(lm, keras_hub_rules):
+    """The official Qwen 3.5 template (jinja) on TRL's placement, then KerasHub's
+    ``Qwen3_5CausalLMPreprocessor`` rule (its ``_tokenize_with_special_tokens``: each
+    ``<|image_pad|>`` expanded to the image's tokens) equal the data pipeline's example; the
+    patches are KerasHub's ``Qwen3_5ImageConverter``'s (a square picture of another size resized
+    by it), a second image slot left empty is zeros; the M-RoPE positions of the example equal
+    the preprocessor's ``_compute_position_ids``."""
+    jinja2 = pytest.importorskip("jinja2")
+    from nnx_posttrain.model import vision_qwen3_5
+
+    image, pre = picture(1, (24, 24)), lm.task.preprocessor
+    prepared = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "How many red shapes?"}]}]
+    prompt = jinja2.Environment().from_string(chat.hf_template(lm.chat_format)).render(
+        messages=prepared, add_generation_prompt=True)
+    assert "<|vision_start|><|image_pad|><|vision_end|>How many" in prompt
+    ids = pre._tokenize_with_special_tokens(prompt + "3<|im_end|>", [4], [])
+    record = {"images": [image], "prompt": [{"role": "user", "content": "How many red shapes?"}],
+              "completion": [{"role": "assistant", "content": "3"}]}
+    ex = data.Tokenize(lm.tokenizer, lm.chat_format, LENGTH, images=lm.images)(record)
+    n = int(ex["attention_mask"].sum())
+    np.testing.assert_array_equal(ex["input_ids"][:len(ids)], ids)
+    assert n == len(ids) + 1  # the template's newline after the turn
+    np.testing.assert_array_equal(ex["vision_mask"][:n],
+                                  ex["input_ids"][:n] == pre.image_token_id)
+    assert ex["vision_mask"].sum() == 4
+    theirs = pre.image_converter(image)
+    np.testing.assert_array_equal(np.asarray(theirs["grid_thw"]), [1, 4, 4])
+    np.testing.assert_array_equal(ex["pixel_values"][0], np.asarray(theirs["patches"]))
+    assert ex["pixel_values"].shape == (2, 16, 2, 4, 4, 3) and (ex["pixel_values"][1] == 0).all()
+    # two images and text around them: the positions of KerasHub's rule
+    two = data.Tokenize(lm.tokenizer, lm.chat_format, LENGTH, images=lm.images)(
+        {"images": [image, picture(2)], "messages": ask("Which has more?", "the first", 2)})
+    ours = vision_qwen3_5.mrope_positions(two["vision_mask"][None] > 0, 2)
+    grid = np.asarray([[1, 4, 4], [1, 4, 4]])
+    want = pre._compute_position_ids(two["input_ids"][None], grid, None)
+    np.testing.assert_array_equal(np.asarray(ours), want)
+    assert int(np.asarray(ours)[0, 0].max()) < int(two["attention_mask"].sum()) - 1
+
+
+def batch(lm, records_):
+    return tokenized_batch(lm, records_, LENGTH)
+
+
+def keras_hub_logits(lm, b, pre, mrope=True):
+    """KerasHub's ``Qwen3_5CausalLM`` on a batch, as its ``generate`` runs it: the encoder on
+    every image of the batch (its grid), the image tokens scattered at the preprocessor's flat
+    ``vision_indices``, its cached forward with the preprocessor's M-RoPE ``position_ids`` (or,
+    not ``mrope``, none: sequential positions, as its plain call rotates)."""
+    rows = [(i, int(c)) for i, c in enumerate(b["image_count"])]
+    patches = np.concatenate([b["pixel_values"][i, :c] for i, c in rows if c])
+    grid = np.asarray([[1, 4, 4]] * len(patches))
+    embeddings = lm.module.vision_encoder(patches.reshape(-1, 2, 4, 4, 3), grid)
+    indices = pre._compute_vision_indices(b["input_ids"])
+    positions = pre._compute_position_ids(b["input_ids"], grid, None)
+    h, _ = lm.task._build_cache(b["input_ids"], b["attention_mask"], embeddings,
+                                np.asarray(indices), positions if mrope else None)
+    return np.asarray(lm.module.token_embedding(h, reverse=True)), positions
+
+
+@pytest.mark.slow
+def test_logits_with_images_equal_keras_hubs_qwen3_5_causal_lm(lm, keras_hub_rules):
+    """The training forward (``model.full_logits`` under ``model.images``, eagerly) with one
+    image, two images and a text-only row equals KerasHub's ``Qwen3_5CausalLM`` cached forward
+    on the preprocessor's inputs (image embeddings, flat indices, M-RoPE positions) at every real
+    position; the images are read (swapping two rows' pictures changes their logits), and the
+    positions matter (KerasHub's cached forward at sequential positions, as its plain call
+    rotates image tokens, differs after the images); the text-only row equals KerasHub's plain
+    call."""
+    b = batch(lm, [{"messages": ask("How many shapes?", "3"), "images": [picture(0)]},
+                   {"messages": ask("Which has more?", "the first", 2),
+                    "images": [picture(1), picture(2, (32, 32))]},
+                   {"messages": [{"role": "user", "content": "What is 2 + 3?"},
+                                 {"role": "assistant", "content": "5"}]}])
+    assert list(b["image_count"]) == [1, 2, 0] and b["vision_mask"].sum(1).tolist() == [4, 8, 0]
+    with model.images(b["pixel_values"]):
+        ours = np.asarray(model.full_logits(lm.module, b["input_ids"], b["attention_mask"]))
+    theirs, positions = keras_hub_logits(lm, b, lm.task.preprocessor)
+    real = b["attention_mask"] > 0
+    np.testing.assert_allclose(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+    assert (positions[:2, 2] != positions[:2, 0]).any()  # M-RoPE: the grid's own positions
+    with model.images(b["pixel_values"][[1, 0, 2]]):
+        other = np.asarray(model.full_logits(lm.module, b["input_ids"], b["attention_mask"]))
+    assert np.abs(other[:2] - ours[:2]).max() > 1e-4
+    sequential = keras_hub_logits(lm, b, lm.task.preprocessor, mrope=False)[0]
+    after = real & (np.cumsum(b["vision_mask"], 1) == b["vision_mask"].sum(1, keepdims=True))
+    after[2] = False
+    assert np.abs(sequential[after] - ours[after]).max() > 1e-4
+    rows = len(b["input_ids"])
+    plain = np.asarray(lm.task({
+        "token_ids": b["input_ids"], "padding_mask": b["attention_mask"],
+        "pixel_values": np.zeros((rows, 0, 2, 4, 4, 3), np.float32),
+        "image_grid_thw": np.zeros((rows, 0, 3), np.int32),
+        "vision_indices": np.zeros((rows, 0), np.int32)}))
+    np.testing.assert_allclose(ours[2][real[2]], plain[2][real[2]], atol=1e-5, rtol=1e-5)
+    text = {k: v[2:] for k, v in b.items()}
+    no_scope = np.asarray(model.full_logits(lm.module, text["input_ids"], text["attention_mask"]))
+    np.testing.assert_allclose(no_scope[0][real[2]], ours[2][real[2]], atol=1e-5, rtol=1e-5)
