@@ -149,3 +149,140 @@ def test_logits_with_images_equal_keras_hubs_qwen3_5_causal_lm(lm, keras_hub_rul
     text = {k: v[2:] for k, v in b.items()}
     no_scope = np.asarray(model.full_logits(lm.module, text["input_ids"], text["attention_mask"]))
     np.testing.assert_allclose(no_scope[0][real[2]], ours[2][real[2]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """PNG files (PIL) beside a ``messages`` + ``images`` JSONL and a ``prompt`` / ``chosen`` /
+    ``rejected`` + ``images`` JSONL."""
+    root = tmp_path_factory.mktemp("qwen3_5_vision_data")
+    sft, pairs = [], []
+    for i in range(4):
+        Image.fromarray(picture(i, (16, 16) if i % 2 else (32, 32))).save(root / f"{i}.png")
+        sft.append({"messages": ask("How many shapes?", str(i)), "images": [f"{i}.png"]})
+        pairs.append({"prompt": [{"role": "user", "content": "How many shapes?"}],
+                      "chosen": [{"role": "assistant", "content": str(i)}],
+                      "rejected": [{"role": "assistant", "content": str(i + 1)}],
+                      "images": [f"{i}.png"]})
+    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs)):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def run(algorithm, data_file, run_dir, *extra):
+    return train_run(algorithm, "--model", NAME, "--data", data_file, "--batching.max-length",
+                     LENGTH, *STEPS, "--run-dir", run_dir, *extra, echo=lambda _: None)
+
+
+@pytest.mark.slow
+def test_sft_on_messages_and_images_runs_two_steps(files, tmp_path, capsys):
+    """SFT with LoRA on a ``messages`` + ``images`` JSONL: two steps, finite losses; then
+    ``nnx-posttrain sample RUN --image FILE`` answers with the sampler's answer to that image
+    (``sample_texts`` of ``image_prompts``)."""
+    from nnx_posttrain import cli
+    from nnx_posttrain.cli import sample as sample_command
+    from nnx_posttrain.sampling import sampler
+
+    run("sft", files / "sft.jsonl", tmp_path / "sft", "--lora.rank", "4")
+    rows = records(tmp_path / "sft")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    command = ["sample", str(tmp_path / "sft"), "--prompt", "How many shapes?",
+               "--max-new-tokens", "3", "--image", str(files / "1.png")]
+    capsys.readouterr()
+    assert cli.main(command) == 0
+    out = capsys.readouterr().out.splitlines()
+    out = out[out.index("> How many shapes?"):]  # after what loading prints
+    loaded = runs.load(tmp_path / "sft", echo=lambda _: None)
+    shown = sample_command.image_prompts(loaded.lm, ["How many shapes?"],
+                                         [np.asarray(Image.open(files / "1.png").convert("RGB"))])
+    assert out[1] == sampler.sample_texts(loaded.lm, loaded.policy(), shown,
+                                          sampler.Sampling(3))[0][0]
+
+
+@pytest.mark.slow
+def test_dpo_on_images_starts_at_log_2(files, tmp_path):
+    """DPO with LoRA (the reference: LoRA off, reading the same images): two steps, the first
+    loss log 2 and zero margins."""
+    run("dpo", files / "pairs.jsonl", tmp_path / "dpo", "--lora.rank", "4")
+    rows = records(tmp_path / "dpo")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["loss"] == pytest.approx(np.log(2), abs=1e-4)
+    assert all(np.isfinite(r["rewards/margins"]) for r in rows)
+
+
+def test_the_vision_tower_is_frozen_by_default():
+    """LoRA ``all-linear`` adapts the language model only; full fine-tuning trains every weight
+    but the tower's (its patch embedding, blocks and merger into the language model)."""
+    from flax import nnx
+    from nnx_posttrain import config as config_lib
+
+    for lora in (config_lib.LoraConfig(rank=2, targets="all-linear"), config_lib.LoraConfig()):
+        built, module = runs.build_model(runs.ModelSpec(NAME, "float32", 0, lora),
+                                         echo=lambda _: None)
+        tower = {v.path for v in module.vision_encoder.weights}
+        every = [v.path for v in module.weights if v.trainable or "lora" in v.path or
+                 v.path in tower]
+        trained = [v.path for _, v in nnx.to_flat_state(nnx.state(module, model.trainable_filter))]
+        assert tower and trained and not tower & set(trained)
+        assert not [p for p in tower if "lora" in p]
+        assert all("lora" in p for p in trained) if lora.rank else \
+            set(trained) == set(every) - tower
+        assert (built.images.tokens_per_image, built.images.max_images, built.images.side) == \
+            (4, 2, 16)
+
+
+QUESTION = "How many shapes?"
+
+
+def image_prompts(lm, pictures, texts, width=48):
+    """Left-padded prompts (``width``) and their pixel values, one picture each, as the sample
+    command tokenizes them (``cli.sample.image_prompts``: the data pipeline's
+    ``TokenizePrompt``)."""
+    from nnx_posttrain.cli.sample import image_prompts as tokenized
+    from nnx_posttrain.sampling import sampler
+
+    shown = [tokenized(lm, [text], [picture]) for text, picture in zip(texts, pictures)]
+    ids, mask = sampler.pad_prompts([s.ids[0] for s in shown], lm.tokenizer.pad_id, bucket=width)
+    return ids, mask, np.concatenate([s.pixel_values for s in shown])
+
+
+@pytest.mark.slow
+def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
+    """Greedy decoding with images (the prompt pass: the image tokens' embeddings the vision
+    tower's, the full-attention layer at the M-RoPE positions, the Gated DeltaNet from its
+    state; then the cache, each new token at its position plus the prompt's M-RoPE offset) gives,
+    token by token, the argmax of the training forward (``model.full_logits`` with the same
+    pixel values, no cache) and its log-probs; sampled tokens' log-probs (temperature 1) equal
+    ``model.token_logprobs`` of prompt + completion with the images; another picture gives other
+    logits, and so does the same prompt without its image."""
+    from flax import nnx
+    from nnx_posttrain.sampling import sampler
+
+    ids, mask, pixels = image_prompts(lm, [picture(i) for i in range(3)],
+                                      [QUESTION, QUESTION, "Look closely. " + QUESTION])
+    assert (ids == lm.task.preprocessor.image_token_id).sum(1).tolist() == [4, 4, 4]
+    graphdef, *states = nnx.split(lm.module)
+    sample, width = sampler.make_sampler(graphdef, 6), ids.shape[1]
+
+    def run(temperature, images=True):
+        out = sample(states, ids, mask, jax.random.key(1), sampler.Draw(temperature, 1.0, [-1]),
+                     pixels if images else None)
+        got = np.asarray(out["completion_ids"])
+        seq = np.concatenate([ids, got], 1)
+        seq_mask = np.concatenate([mask, np.asarray(out["completion_mask"])], 1)
+        return got, np.asarray(out["logprobs"]), seq, seq_mask
+
+    got, logps, seq, seq_mask = run(0.0)
+    with model.images(pixels):
+        full = np.asarray(model.full_logits(lm.module, seq, seq_mask))[:, width - 1:-1]
+    np.testing.assert_array_equal(got, full.argmax(-1))
+    logp = np.asarray(jax.nn.log_softmax(full, -1))
+    np.testing.assert_allclose(logps, np.take_along_axis(logp, got[..., None], -1)[..., 0],
+                               atol=2e-5)
+    assert np.abs(full[0, 0] - full[1, 0]).max() > 1e-3  # the same question, another picture
+    assert np.abs(run(0.0, images=False)[1][:, 0] - logps[:, 0]).max() > 1e-5
+
+    _, logps, seq, seq_mask = run(1.0)
+    with model.images(pixels):
+        want = np.asarray(model.token_logprobs(lm.module, seq, seq_mask))[:, width:]
+    np.testing.assert_allclose(logps, want, atol=2e-5)

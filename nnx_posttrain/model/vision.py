@@ -213,8 +213,8 @@ def embed_images(module, x, token_ids, padding_mask):
     family = vision_inputs(module)
     images = {k: inputs[k] for k in family.empty(module, 0)}
     if "image_grid_thw" in images:  # Qwen 3.5: patches and their grid
-        encoded = family.encode(module, module.vision_encoder, images["pixel_values"],
-                                images["image_grid_thw"])
+        encoded = family.encode(module, module.vision_encoder.call,  # (a grid kept concrete)
+                                images["pixel_values"], images["image_grid_thw"])
     else:
         encoded = module.vision_encoder(images.get("images", images))  # Gemma 4's: a dict
     x = module.interleave_embeddings(image_embeddings=family.placed(module, encoded),
@@ -227,15 +227,39 @@ def rotary_positions(module, token_ids, padding_mask):
     """Within the block, a family with multimodal rotary positions (Qwen 3.5's M-RoPE) rotates
     the rows ``token_ids`` [rows, T] at those of their images (the ``images`` scope's:
     ``vision_qwen3_5.mrope_positions``); otherwise nothing changes."""
+    vision, side = _image_rows(module, token_ids, padding_mask)
+    if not side:
+        yield
+        return
+    with qwen3_5.mrope(module, qwen3_5.mrope_positions(vision, side)):
+        yield
+
+
+def _image_rows(module, token_ids, padding_mask) -> tuple:
+    """(the placeholder tokens [rows, T], an image's side in tokens) of rows under the ``images``
+    scope, for a family with multimodal rotary positions; (None, 0) otherwise."""
     pixels = _PIXELS.get()
     side = (vision_inputs(module).side(module, pixels)
             if reads_images(module) and pixels is not None else 0)
     if not side:
-        yield
-        return
-    vision = (jnp.asarray(token_ids) == _placeholder_id(module)) & (jnp.asarray(padding_mask) > 0)
-    with qwen3_5.mrope(module, qwen3_5.mrope_positions(vision, side)):
-        yield
+        return None, 0
+    return (jnp.asarray(token_ids) == _placeholder_id(module)) & \
+        (jnp.asarray(padding_mask) > 0), side
+
+
+def decoding_positions(module, token_ids, padding_mask):
+    """A context factory for the sampler's decoding steps after prompts ``token_ids`` with the
+    images of the ``images`` scope: Qwen 3.5's full-attention layers rotate each new token at
+    its cache index plus the prompt's M-RoPE offset (``vision_qwen3_5.position_offset``) on
+    every channel; other models: nothing (``contextlib.nullcontext``)."""
+    vision, side = _image_rows(module, token_ids, padding_mask)
+    if not side:
+        return contextlib.nullcontext
+    offset = qwen3_5.position_offset(vision, side)
+
+    def at(index):
+        return jnp.broadcast_to((index + offset)[:, None, None], (offset.shape[0], 4, 1))
+    return lambda: qwen3_5.mrope(module, at)
 
 
 @contextlib.contextmanager

@@ -57,16 +57,32 @@ def empty(module, rows: int) -> dict:
 def encode(module, original, pixel_values, grid_thw, *args, **kwargs):
     """KerasHub's encoder call on ``pixel_values`` [rows, images x patches, ...] with the grid
     as constants: square grids of ``patches`` each, read from the static shapes (a traced
-    ``grid_thw``'s values are never read). Returns [1, tokens, width], as KerasHub's batched
-    call does."""
+    ``grid_thw``'s values are never read), and its attention's per-image bounds too. Returns [1,
+    tokens, width], as KerasHub's batched call does. ``original``: the encoder's ``call``."""
     rows, total = pixel_values.shape[:2]
     images = grid_thw.shape[1] if len(grid_thw.shape) == 3 else grid_thw.shape[0] // max(rows, 1)
     if not total or not images:
         return jnp.zeros((1, 0, int(module.vision_encoder.out_hidden_size)),
                          jnp.float32)
-    side = math.isqrt(total // images)
+    per = total // images
+    side = math.isqrt(per)
     grid = np.tile(np.asarray([[1, side, side]], np.int32), (rows * images, 1))
-    out = original(pixel_values.reshape(-1, *pixel_values.shape[2:]), grid, *args, **kwargs)
+    # each image attends to itself: the encoder's per-image bounds, kept concrete (Keras' call
+    # of its blocks would make them traced arrays, which its attention loop cannot read)
+    bounds = np.arange(0, rows * images * per + 1, per, dtype=np.int32)
+    encoder = original.__self__
+    layers = list(encoder._flatten_layers(include_self=False))
+    attention = [layer for layer in layers if type(layer).__name__ == "Qwen3_5VisionAttention"]
+    # the blocks the encoder holds: its ``blocks`` list still names the split module's after
+    # ``nnx.merge`` (as ``blocks.decoder_blocks`` says of a backbone's), its layers the merged ones
+    own = [layer for layer in layers if type(layer).__name__ == "Qwen3_5VisionBlock"]
+
+    def make(layer, call):
+        return lambda x, position_embeddings, cu_seqlens=None: call(x, position_embeddings,
+                                                                    bounds)
+
+    with shadowed(attention, "call", make), shadowed([encoder], "blocks", lambda *_: own):
+        out = original(pixel_values.reshape(-1, *pixel_values.shape[2:]), grid, *args, **kwargs)
     return out[None]
 
 
