@@ -190,13 +190,12 @@ def test_sft_on_messages_and_images_runs_two_steps(files, tmp_path, capsys):
                "--max-new-tokens", "3", "--image", str(files / "1.png")]
     capsys.readouterr()
     assert cli.main(command) == 0
-    out = capsys.readouterr().out.splitlines()
-    out = out[out.index("> How many shapes?"):]  # after what loading prints
+    out = capsys.readouterr().out.split("> How many shapes?\n", 1)[1]  # after loading's lines
     loaded = runs.load(tmp_path / "sft", echo=lambda _: None)
     shown = sample_command.image_prompts(loaded.lm, ["How many shapes?"],
                                          [np.asarray(Image.open(files / "1.png").convert("RGB"))])
-    assert out[1] == sampler.sample_texts(loaded.lm, loaded.policy(), shown,
-                                          sampler.Sampling(3))[0][0]
+    answer = sampler.sample_texts(loaded.lm, loaded.policy(), shown, sampler.Sampling(3))[0][0]
+    assert out == answer + "\n\n"  # the answer (the micro's: whitespace), then an empty line
 
 
 @pytest.mark.slow
@@ -286,3 +285,46 @@ def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
     with model.images(pixels):
         want = np.asarray(model.token_logprobs(lm.module, seq, seq_mask))[:, width:]
     np.testing.assert_allclose(logps, want, atol=2e-5)
+
+
+def varied_reward(prompts, completions, **_):
+    """Test reward: a hash of the completion's text (completions differ, so do their rewards)."""
+    return [float(zlib.crc32(c[0]["content"].encode()) % 7) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    """TRL's prompt-only vision format (``prompt`` + ``images`` + ``answer``) of the built-in
+    image task, its pictures as PNG files beside it."""
+    from nnx_posttrain.tasks import shapes
+
+    root = tmp_path_factory.mktemp("qwen3_5_vision_prompts")
+    rows = []
+    for i in range(8):
+        record = shapes.prompt_record(i)
+        Image.fromarray(record["images"][0]).save(root / f"{i}.png")
+        rows.append(dict(record, images=[f"{i}.png"]))
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "prompts.jsonl"
+
+
+@pytest.mark.slow
+def test_grpo_samples_and_trains_on_image_prompts(prompt_file, tmp_path):
+    """GRPO on prompt-only records with images, two iterations per rollout and a clip range of
+    1e-3: the rollouts are sampled with each prompt's image, and at the first step the ratio is
+    1 at every token (nothing clipped: the sampler's log-probs, M-RoPE positions included, are
+    the training forward's), at the second it is not; held-out prompts are answered with their
+    images (exact match)."""
+    run_dir = tmp_path / "grpo"
+    train_run("grpo", "--model", NAME, "--data", prompt_file, "--batching.max-length", 128,
+              *STEPS, "--run-dir", run_dir, "--algo.num-generations", "2",
+              "--algo.max-completion-length", "4", "--algo.temperature", "1.0",
+              "--algo.rewards", "test_vision_qwen3_5:varied_reward", "--lora.rank", "4",
+              "--optim.learning-rate", "3e-2", "--algo.num-iterations", "2",
+              "--algo.epsilon", "1e-3", "--eval-data", prompt_file, "--eval.every", "2",
+              "--eval.exact-match", "2", "--eval.max-new-tokens", "2", echo=lambda _: None)
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["clip_ratio/region_mean"] == 0.0
+    assert rows[1]["clip_ratio/region_mean"] > 0.0
+    assert 0 <= records(run_dir, "eval")[-1]["exact_match"] <= 1
