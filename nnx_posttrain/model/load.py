@@ -28,7 +28,7 @@ from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
-from nnx_posttrain.model import vision
+from nnx_posttrain.model import vision, vision_builtin
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -44,9 +44,6 @@ def register_builtin(name: str, backbone_kwargs: dict,
     _TOKENIZER_PROTOS[name] = tokenizer_proto
 
 
-# A built-in vision model's builder, by its ``family``: Gemma 3 (none), Gemma 4, Qwen 3.5
-_VISION_BUILDERS = {None: vision.build_gemma3, "gemma4": vision.build_gemma4,
-                    "qwen3_5": vision.qwen3_5.build}
 _BUILTIN_BACKBONES = {"gemma4": "Gemma4Backbone", "qwen3_5": "Qwen3_5Backbone"}
 
 
@@ -55,7 +52,7 @@ def _build_builtin(name: str, policy: str, seed: int):
     keras.utils.set_random_seed(seed)
     if "vision" in TINY[name]:  # a Gemma 3, or (``family``) Gemma 4 / Qwen 3.5, with images
         dims = dict(TINY[name])
-        build = _VISION_BUILDERS[dims.pop("family", None)]
+        build = vision_builtin.BUILDERS[dims.pop("family", None)]
         return build(dims, _TOKENIZER_PROTOS[name](), policy)
     tok = keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]())
     backbone = keras_hub.models.GemmaBackbone(
@@ -270,14 +267,9 @@ def load_tokenizer(name: str) -> Tokenizer | None:
     """``name``'s tokenizer alone, without its weights (``load``'s names), to compare two models'
     before the second loads; None where KerasHub cannot read it apart from the model."""
     if name in TINY:
-        if TINY[name].get("family") == "qwen3_5":
-            vocab, merges = _TOKENIZER_PROTOS[name]()
-            return Tokenizer(keras_hub.models.Qwen3_5Tokenizer(
-                vocabulary=vocab, merges=merges,
-                unsplittable_tokens=vision.qwen3_5.special_tokens(vocab)))
-        if TINY[name].get("family") == "gemma4":
-            return Tokenizer(keras_hub.models.Gemma4Tokenizer(
-                proto=_TOKENIZER_PROTOS[name](), has_video_tokens=False))
+        if TINY[name].get("family") in ("gemma4", "qwen3_5"):  # (Gemma 3: GemmaTokenizer)
+            return Tokenizer(vision_builtin.tokenizer_of(TINY[name].get("family"),
+                                                         _TOKENIZER_PROTOS[name]()))
         return Tokenizer(keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]()))
     handle = PRESETS.get(name, name)
     if is_local_model(handle):

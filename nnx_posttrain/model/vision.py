@@ -100,7 +100,8 @@ GEMMA3 = VisionInputs(
         (rows, 0, int(module.image_size), int(module.image_size), 3), jnp.float32)})
 GEMMA4 = VisionInputs(_gemma4_split, _gemma4_empty, _gemma4_placed)
 QWEN3_5 = VisionInputs(qwen3_5.split, qwen3_5.empty, count=qwen3_5.count,
-                       indices=qwen3_5.flat_indices, encode=qwen3_5.encode,
+                       indices=lambda vision, count: qwen3_5.flat_indices(
+                           vision, vision_indices(vision, count)), encode=qwen3_5.encode,
                        side=qwen3_5.side, rows_axis=1)
 _FAMILIES = {"Gemma4Backbone": GEMMA4, "Qwen3_5Backbone": QWEN3_5}
 
@@ -371,56 +372,3 @@ def preprocessor_without_tensorflow():
     finally:
         for m, original in originals:
             m.assert_tf_installed = original
-
-
-def build_gemma3(dims: dict, proto: bytes, policy: str):
-    """A ``Gemma3CausalLM`` with a vision encoder from built-in ``dims``: ``Gemma3Backbone``
-    arguments (the vocabulary is the tokenizer's), ``vision`` (``Gemma3VisionEncoder``
-    arguments; its output width is the backbone's) and ``max_images`` per sequence; the
-    tokenizer is SentencePiece model ``proto`` with Gemma 3's image tokens."""
-    import keras_hub
-
-    dims = dict(dims)
-    vision, max_images = dict(dims.pop("vision")), int(dims.pop("max_images", 1))
-    tokenizer = keras_hub.tokenizers.Gemma3Tokenizer(proto=proto)
-    encoder = keras_hub.models.Gemma3VisionEncoder(output_dim=dims["hidden_dim"], dtype=policy,
-                                                   **vision)
-    backbone = keras_hub.models.Gemma3Backbone(
-        vocabulary_size=tokenizer.vocabulary_size(), image_size=vision["image_size"],
-        vision_encoder=encoder, dtype=policy, **dims)
-    size = vision["image_size"]
-    converter = keras_hub.layers.Gemma3ImageConverter(image_size=(size, size), scale=1 / 127.5,
-                                                      offset=-1.0)
-    with preprocessor_without_tensorflow():
-        preprocessor = keras_hub.models.Gemma3CausalLMPreprocessor(
-            tokenizer, converter, num_vision_tokens_per_image=encoder.num_vision_tokens_per_image,
-            max_images_per_prompt=max_images)
-    return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=preprocessor)
-
-
-def build_gemma4(dims: dict, proto: bytes, policy: str):
-    """A ``Gemma4CausalLM`` with a vision encoder from built-in ``dims``: ``Gemma4Backbone``
-    arguments (the vocabulary is the tokenizer's), ``vision`` (``Gemma4VisionEncoder``
-    arguments; its output width is the backbone's) and ``max_images`` per sequence; the
-    tokenizer is SentencePiece model ``proto`` with Gemma 4's image tokens. The image converter
-    resizes an image to at most the encoder's patch grid (square images: exactly), rescaled to
-    [0, 1] as Gemma 4's checkpoints' converters are."""
-    import keras_hub
-
-    dims = dict(dims)
-    vision, max_images = dict(dims.pop("vision")), int(dims.pop("max_images", 1))
-    tokenizer = keras_hub.tokenizers.Gemma4Tokenizer(proto=proto, has_video_tokens=False)
-    encoder = keras_hub.models.Gemma4VisionEncoder(output_dim=dims["hidden_dim"], dtype=policy,
-                                                   **vision)
-    backbone = keras_hub.models.Gemma4Backbone(
-        vocabulary_size=tokenizer.vocabulary_size(), image_size=vision["image_size"],
-        vision_encoder=encoder, dtype=policy, **dims)
-    tokens = encoder.num_vision_tokens_per_image
-    converter = keras_hub.layers.Gemma4ImageConverter(
-        patch_size=vision["patch_size"], max_soft_tokens=tokens,
-        pooling_kernel_size=vision["pool_size"], scale=1 / 255)
-    with preprocessor_without_tensorflow():
-        preprocessor = keras_hub.models.Gemma4CausalLMPreprocessor(
-            tokenizer, converter, num_vision_tokens_per_image=tokens,
-            max_images_per_prompt=max_images)
-    return keras_hub.models.Gemma4CausalLM(backbone=backbone, preprocessor=preprocessor)

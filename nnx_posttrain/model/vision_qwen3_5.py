@@ -99,14 +99,13 @@ def count(module, pixels) -> int:
     return pixels.shape[1] * (pixels.shape[2] // merge ** 2)
 
 
-def flat_indices(vision, count: int) -> dict:
-    """``vision_indices`` [rows, ``count``] as ``Qwen3_5InterleaveEmbeddings`` reads them: flat
-    positions in [rows x T] of each row's placeholders, ascending, then (its empty image slots)
-    rows x T, past the end, where the scatter drops them."""
-    from nnx_posttrain.model.vision import vision_indices
-
+def flat_indices(vision, where) -> dict:
+    """``vision_indices`` [rows, count] as ``Qwen3_5InterleaveEmbeddings`` reads them: flat
+    positions in [rows x T] of each row's placeholders (``where``: [rows, count], ascending,
+    ``vision.vision_indices``), then (its empty image slots) rows x T, past the end, where the
+    scatter drops them."""
     rows, length = vision.shape
-    where = vision_indices(vision, count)
+    count = where.shape[1]
     real = jnp.arange(count)[None] < vision.sum(1, keepdims=True)
     flat = where + (jnp.arange(rows) * length)[:, None]
     return {"vision_indices": jnp.where(real, flat, rows * length).astype(jnp.int32)}
@@ -157,39 +156,3 @@ def mrope(module, positions):
 
     with shadowed(attention_layers(module), "call", make):
         yield
-
-
-def special_tokens(vocab: dict) -> list[str]:
-    """The special tokens (``<|...|>``, the think and tool tags) of a Qwen vocabulary, which its
-    tokenizer must keep whole (KerasHub's ``Qwen3_5Tokenizer`` registers its vision tokens after
-    its byte-pair model is built, so only ``unsplittable_tokens`` keeps them whole)."""
-    return [t for t in vocab if t.startswith("<") and t.endswith(">") and len(t) > 2]
-
-
-def build(dims: dict, vocabulary: tuple, policy: str):
-    """A ``Qwen3_5CausalLM`` with a vision encoder from built-in ``dims``: ``Qwen3_5Backbone``
-    arguments (the vocabulary is the tokenizer's), ``vision`` (``Qwen3_5VisionEncoder``
-    arguments and the image side ``image_size``; its output width is the backbone's) and
-    ``max_images`` per sequence; the tokenizer is the byte-level BPE ``vocabulary`` (vocabulary,
-    merges) with Qwen 3.5's vision tokens. The converter's pixel budget is one square image of
-    ``image_size`` (``image_side``), rescaled as Qwen 3.5's checkpoints' (mean and std 0.5)."""
-    import keras_hub
-    from keras_hub.src.models.qwen3_5.qwen3_5_vision_encoder import Qwen3_5VisionEncoder
-
-    dims = dict(dims)
-    vision, max_images = dict(dims.pop("vision")), int(dims.pop("max_images", 1))
-    side = int(vision.pop("image_size"))
-    vocab, merges = vocabulary
-    tokenizer = keras_hub.tokenizers.Qwen3_5Tokenizer(
-        vocabulary=vocab, merges=merges, unsplittable_tokens=special_tokens(vocab))
-    encoder = Qwen3_5VisionEncoder(out_hidden_size=dims["hidden_dim"], dtype=policy, **vision)
-    backbone = keras_hub.models.Qwen3_5Backbone(
-        vocabulary_size=tokenizer.vocabulary_size(), vision_encoder=encoder, dtype=policy,
-        **dims)
-    converter = keras_hub.layers.Qwen3_5ImageConverter(
-        patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
-        spatial_merge_size=vision["spatial_merge_size"], min_pixels=side * side,
-        max_pixels=side * side, scale=1 / 127.5, offset=-1.0)
-    preprocessor = keras_hub.models.Qwen3_5CausalLMPreprocessor(tokenizer, converter)
-    preprocessor.max_images_per_prompt = max_images
-    return keras_hub.models.Qwen3_5CausalLM(backbone=backbone, preprocessor=preprocessor)
