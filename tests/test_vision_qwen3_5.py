@@ -130,6 +130,7 @@ def test_logits_with_images_equal_keras_hubs_qwen3_5_causal_lm(lm, keras_hub_rul
         ours = np.asarray(model.full_logits(lm.module, b["input_ids"], b["attention_mask"]))
     theirs, positions = keras_hub_logits(lm, b, lm.task.preprocessor)
     real = b["attention_mask"] > 0
+    print("max |ours - KerasHub's|:", np.abs(ours[real] - theirs[real]).max())
     np.testing.assert_allclose(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
     assert (positions[:2, 2] != positions[:2, 0]).any()  # M-RoPE: the grid's own positions
     with model.images(b["pixel_values"][[1, 0, 2]]):
@@ -328,3 +329,23 @@ def test_grpo_samples_and_trains_on_image_prompts(prompt_file, tmp_path):
     assert rows[0]["clip_ratio/region_mean"] == 0.0
     assert rows[1]["clip_ratio/region_mean"] > 0.0
     assert 0 <= records(run_dir, "eval")[-1]["exact_match"] <= 1
+
+
+def test_a_local_preset_directory_of_a_qwen3_5_vision_model_loads(lm, tmp_path):
+    """``save_to_preset`` then ``--model DIR``: KerasHub's own ``from_preset``, the same tower
+    weights and image handling (one grid, 4 tokens an image; 2 images a sequence, the default
+    where the preprocessor says none), its vision tokens kept whole; the built-in's chat format
+    and tokenizer read without its weights are the loaded model's."""
+    lm.task.save_to_preset(str(tmp_path / "preset"))
+    built, _ = runs.build_model(runs.ModelSpec(str(tmp_path / "preset"), "float32"),
+                                echo=lambda _: None)
+    assert model.reads_images(built.module) and built.chat_format == lm.chat_format
+    assert (built.images.tokens_per_image, built.images.max_images, built.images.side) == \
+        (4, 2, 16)
+    pad = lm.task.preprocessor.tokenizer.image_token_id
+    assert built.tokenizer.encode("<|image_pad|><|image_pad|>") == [pad, pad]
+    assert model.chat_format_of(NAME) == lm.chat_format  # read before loading
+    assert model.load_tokenizer(NAME).encode("<|image_pad|>") == [pad]
+    np.testing.assert_array_equal(
+        np.asarray(built.module.vision_encoder.weights[0].value),
+        np.asarray(lm.module.vision_encoder.weights[0].value))
