@@ -4,10 +4,11 @@ and gives our logits on the same token ids and patches (one image, two images, t
 multimodal rotary positions computed by transformers itself from ``mm_token_type_ids``; a
 deliberately mis-mapped tensor of the tower fails that comparison.
 
-The logits are compared from the same patches: KerasHub's converter (our pipeline) lists an
-image's patches row by row, transformers' image processor by 2 x 2 merge window (both encoders
-read window order): ``test_transformers_image_processor_orders_patches_by_merge_window`` says
-how they differ."""
+The logits are compared from the same patches, and from transformers' own image processor's:
+KerasHub's converter lists an image's patches row by row, transformers' ``Qwen2VLImageProcessor``
+by 2 x 2 merge window (the order both encoders read); our pipeline reorders the converter's list
+by window, so its patches are the processor's
+(``test_our_patches_are_transformers_image_processors``)."""
 
 import json
 
@@ -26,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 NAME = "qwen3_5_vision_micro"
 LENGTH = 64
-TOLERANCE = 1e-4  # measured: 4.5e-5 (float32, CPU; logits up to ~5), as the text export's 1e-4
+TOLERANCE = 1e-4  # measured: 2.1e-5 (float32, CPU; logits up to ~5), as the text export's 1e-4
 
 
 def randomized(module, seed=0):
@@ -61,9 +62,21 @@ def exported(tmp_path_factory):
     return lm, batch, directory
 
 
-def hf_logits(directory, batch, pixel_values=None):
+def processed(pictures):
+    """transformers' ``Qwen2VLImageProcessor`` at the micro's patches (4 pixels, merged 2 x 2,
+    2 frames) and rescaling (mean and std 0.5), pictures of the model's size (no resize):
+    (pixel values [patches, 3 x T x p x p], grids)."""
+    processor = transformers.Qwen2VLImageProcessor(
+        do_resize=False, patch_size=4, merge_size=2, temporal_patch_size=2,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    out = processor(images=list(pictures), return_tensors="np")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def hf_logits(directory, batch, pixel_values=None, hf_pixels=None):
     """transformers' logits of a batch of our pipeline: its real images' patches as
-    ``Qwen3_5VisionPatchEmbed`` reads them ([patches, 3 x T x p x p]), their grids, the
+    ``Qwen3_5VisionPatchEmbed`` reads them ([patches, 3 x T x p x p]; or ``hf_pixels``, the
+    image processor's (pixel values, grids) of the batch's pictures), their grids, the
     placeholder tokens marked by ``mm_token_type_ids`` (1: image) as the processor marks them."""
     hf, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
         str(directory), dtype=torch.float32, output_loading_info=True)
@@ -73,7 +86,10 @@ def hf_logits(directory, batch, pixel_values=None):
     inputs = dict(input_ids=torch.tensor(batch["input_ids"], dtype=torch.long),
                   attention_mask=torch.tensor(batch["attention_mask"]),
                   mm_token_type_ids=torch.tensor(batch["vision_mask"], dtype=torch.long))
-    if any(len(i) for i in images):
+    if hf_pixels is not None:
+        inputs.update(pixel_values=torch.tensor(hf_pixels[0]),
+                      image_grid_thw=torch.tensor(hf_pixels[1]))
+    elif any(len(i) for i in images):
         patches = np.concatenate([i for i in images if len(i)])  # [images, N, T, p, p, 3]
         n = patches.shape[1]
         flat = np.transpose(patches, (0, 1, 5, 2, 3, 4)).reshape(len(patches) * n, -1)
@@ -88,7 +104,9 @@ def test_qwen3_5_vision_export_gives_transformers_logits_with_images(exported):
     """``Qwen3_5ForConditionalGeneration`` (every tensor read, none left over) gives our logits
     (``model.full_logits`` with the images, M-RoPE positions ours, transformers' its own) on a
     row with one image, one with two and a text-only row, and on a text-only batch without
-    pixel values; swapping the two-image row's pictures changes its logits."""
+    pixel values; transformers' image processor on the same pictures gives transformers those
+    logits too (its patches are ours); swapping the two-image row's pictures changes its
+    logits."""
     lm, batch, directory = exported
     config = json.loads((directory / "config.json").read_text())
     tok = lm.task.preprocessor.tokenizer
@@ -104,6 +122,10 @@ def test_qwen3_5_vision_export_gives_transformers_logits_with_images(exported):
     assert np.abs(ours).max() > 1.0
     print("max |ours - transformers'|:", np.abs(theirs[real] - ours[real]).max())
     np.testing.assert_allclose(theirs[real], ours[real], atol=TOLERANCE, rtol=0)
+    end_to_end = hf_logits(directory, batch, hf_pixels=processed(picture(i) for i in range(3)))
+    print("max |ours - transformers' from its processor|:",
+          np.abs(end_to_end[real] - ours[real]).max())
+    np.testing.assert_allclose(end_to_end[real], ours[real], atol=TOLERANCE, rtol=0)
     swapped = batch["pixel_values"].copy()
     swapped[1, :2] = swapped[1, 1::-1]
     other = hf_logits(directory, batch, swapped)
@@ -142,23 +164,21 @@ def test_a_mis_mapped_vision_tensor_changes_the_logits(exported, monkeypatch, tm
     assert np.abs(theirs[:2] - ours[:2])[real[:2]].max() > 100 * TOLERANCE
 
 
-def test_transformers_image_processor_orders_patches_by_merge_window():
-    """transformers' ``Qwen2VLImageProcessor`` (Qwen 3.5's), at the micro's patches (4 pixels,
-    merged 2 x 2, 2 frames) and rescaling, on a picture of the model's size: the same values as
-    our pipeline's patches (KerasHub's converter), but listed by 2 x 2 merge window, each patch
-    channels first; our row-by-row list, reordered so, equals it. (An exported model reading
-    transformers' processor sees an image's patches in another order than it trained on.)"""
-    from nnx_posttrain import data
+def test_our_patches_are_transformers_image_processors():
+    """The truth for a released checkpoint: transformers' ``Qwen2VLImageProcessor`` (Qwen 3.5's)
+    lists a picture's patches by 2 x 2 merge window, each patch channels first; our pipeline's
+    patches (KerasHub's converter's, reordered by window) are the same list. KerasHub's converter
+    alone (row by row) is not: without the reorder the two differ."""
+    from nnx_posttrain.data import images
 
     spec = support.vision_model(NAME).images
-    processor = transformers.Qwen2VLImageProcessor(
-        do_resize=False, patch_size=4, merge_size=2, temporal_patch_size=2,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3)
     image = picture(3)
-    theirs = processor(images=[image], return_tensors="np")["pixel_values"]
-    ours = spec.pixels([image])[0]  # [16 patches row by row, T, p, p, 3]
-    assert isinstance(spec, data.ImageSpec) and theirs.shape == (16, 3 * 2 * 4 * 4)
-    windows = ours.reshape(2, 2, 2, 2, 2, 4, 4, 3).transpose(0, 2, 1, 3, 7, 4, 5, 6)
-    np.testing.assert_allclose(theirs, windows.reshape(16, -1), atol=1e-6, rtol=0)
-    rows = np.transpose(ours, (0, 4, 1, 2, 3)).reshape(16, -1)
-    assert np.abs(theirs - rows).max() > 0.1
+    theirs, grid = processed([image])
+    ours = spec.pixels([image])[0]  # [16 patches, T, p, p, 3]
+    assert theirs.shape == (16, 3 * 2 * 4 * 4) and grid.tolist() == [[1, 4, 4]]
+    channels_first = np.transpose(ours, (0, 4, 1, 2, 3)).reshape(16, -1)
+    np.testing.assert_allclose(channels_first, theirs, atol=1e-6, rtol=0)
+    rows = np.asarray(spec.converter(image)["patches"], np.float32)
+    np.testing.assert_array_equal(images.qwen_window_order(rows, 4, 4, 2), ours)
+    unordered = np.transpose(rows, (0, 4, 1, 2, 3)).reshape(16, -1)
+    assert np.abs(theirs - unordered).max() > 0.1

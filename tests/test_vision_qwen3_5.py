@@ -1,10 +1,11 @@
 """Qwen 3.5 with images (the built-in micro ``qwen3_5_vision_micro``: KerasHub's
 ``Qwen3_5Backbone`` with a Gated DeltaNet block, a full-attention block with multimodal rotary
-positions, and a ``Qwen3_5VisionEncoder``): the data pipeline's tokens and patches are KerasHub's
-preprocessor's and converter's, our forward with images equals KerasHub's ``Qwen3_5CausalLM``
-(its cached forward, which reads the preprocessor's M-RoPE positions), SFT and DPO train on TRL's
-vision JSONL with the tower frozen, the sampler with images decodes as the training forward, so
-``sample --image`` answers and GRPO trains on image prompts."""
+positions, and a ``Qwen3_5VisionEncoder``): the data pipeline's tokens are KerasHub's
+preprocessor's, its patches KerasHub's converter's put in the merge-window order the encoder reads
+(each patch where the encoder's positions place it), our forward with images equals KerasHub's
+``Qwen3_5CausalLM`` (its cached forward, which reads the preprocessor's M-RoPE positions), SFT and
+DPO train on TRL's vision JSONL with the tower frozen, the sampler with images decodes as the
+training forward, so ``sample --image`` answers and GRPO trains on image prompts."""
 
 import json
 import types
@@ -56,8 +57,8 @@ def test_tokens_and_patches_equal_keras_hubs_qwen3_5_preprocessor(lm, keras_hub_
     ``Qwen3_5CausalLMPreprocessor`` rule (its ``_tokenize_with_special_tokens``: each
     ``<|image_pad|>`` expanded to the image's tokens) equal the data pipeline's example; the
     patches are KerasHub's ``Qwen3_5ImageConverter``'s (a square picture of another size resized
-    by it), a second image slot left empty is zeros; the M-RoPE positions of the example equal
-    the preprocessor's ``_compute_position_ids``."""
+    by it) listed by merge window, a second image slot left empty is zeros; the M-RoPE
+    positions of the example equal the preprocessor's ``_compute_position_ids``."""
     jinja2 = pytest.importorskip("jinja2")
     from nnx_posttrain.model import vision_qwen3_5
 
@@ -79,7 +80,8 @@ def test_tokens_and_patches_equal_keras_hubs_qwen3_5_preprocessor(lm, keras_hub_
     assert ex["vision_mask"].sum() == 4
     theirs = pre.image_converter(image)
     np.testing.assert_array_equal(np.asarray(theirs["grid_thw"]), [1, 4, 4])
-    np.testing.assert_array_equal(ex["pixel_values"][0], np.asarray(theirs["patches"]))
+    np.testing.assert_array_equal(ex["pixel_values"][0], data.images.qwen_window_order(
+        np.asarray(theirs["patches"]), 4, 4, 2))
     assert ex["pixel_values"].shape == (2, 16, 2, 4, 4, 3) and (ex["pixel_values"][1] == 0).all()
     # two images and text around them: the positions of KerasHub's rule
     two = data.Tokenize(lm.tokenizer, lm.chat_format, LENGTH, images=lm.images)(
@@ -89,6 +91,32 @@ def test_tokens_and_patches_equal_keras_hubs_qwen3_5_preprocessor(lm, keras_hub_
     want = pre._compute_position_ids(two["input_ids"][None], grid, None)
     np.testing.assert_array_equal(np.asarray(ours), want)
     assert int(np.asarray(ours)[0, 0].max()) < int(two["attention_mask"].sum()) - 1
+
+
+def encoder_grid_positions(encoder, side):
+    """(row, column) of each patch slot of a ``side x side`` grid as KerasHub's
+    ``Qwen3_5VisionEncoder`` places it: its rotary angles at the first frequency (1) of the row
+    half and of the column half."""
+    cos, sin = (np.asarray(a) for a in encoder._rot_pos_emb(np.asarray([[1, side, side]])))
+    quarter = cos.shape[-1] // 4
+    angle = np.arctan2(sin[:, [0, quarter]], cos[:, [0, quarter]])
+    return np.rint(angle).astype(int)
+
+
+def test_each_patch_sits_where_the_encoder_places_it(lm):
+    """KerasHub 0.32's converter lists a picture's patches row by row, its encoder reads them by
+    2 x 2 merge window (rotary positions and position embeddings laid out by window, the merger
+    joining each 4 consecutive patches): the pipeline's patch at each slot is the picture's patch
+    at the (row, column) the encoder's positions give that slot, every 4 consecutive slots one
+    2 x 2 window; the converter's own list is not (fails if the pipeline's reorder is removed)."""
+    image = picture(5)
+    ours = lm.images.pixels([image])[0]
+    rows = np.asarray(lm.images.converter(image)["patches"], np.float32)  # row by row
+    where = encoder_grid_positions(lm.module.vision_encoder, 4)
+    assert sorted(map(tuple, where)) == [(r, c) for r in range(4) for c in range(4)]
+    assert (np.ptp(where.reshape(4, 4, 2), axis=1) == 1).all()  # each merged 4: one 2 x 2 window
+    np.testing.assert_array_equal(ours, rows[where[:, 0] * 4 + where[:, 1]])
+    assert np.abs(ours - rows).max() > 0.1
 
 
 def batch(lm, records_):

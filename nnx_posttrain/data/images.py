@@ -19,7 +19,9 @@ the string the family's chat template writes (each text part trimmed, an image p
 tokens around them (``expand``: KerasHub's ``Gemma3CausalLMPreprocessor`` / ``Gemma4...`` rule,
 applied to the rendered text before tokenization), and how many images a sequence may hold.
 Gemma 3's ``pixel_values`` are the resized images; Gemma 4's (``patches``) the converter's
-patches, each with its (x, y) position appended as two last channels (-1: a padding patch).
+patches, each with its (x, y) position appended as two last channels (-1: a padding patch);
+Qwen 3.5's the converter's patches, reordered from its row-by-row list to the 2 x 2 merge
+windows its encoder (and a released checkpoint, and transformers' processor) reads.
 ``ImageSpec`` is duck-typed: this package never imports keras (``ImageSpec.from_preprocessor`` reads the
 attributes of a KerasHub preprocessor it is given).
 """
@@ -149,7 +151,9 @@ class ImageSpec:
         Qwen 3.5's converter at the model's side (a square picture of another size resized by
         the converter itself; a picture of another aspect ratio first stretched to the square,
         Pillow's bilinear, where KerasHub's converter would keep its aspect ratio and give it
-        another grid); an empty slot holds zeros (its tokens are not placed)."""
+        another grid), its patches then put in merge-window order (``qwen_window_order``: the
+        order the encoder and transformers' processor use); an empty slot holds zeros (its
+        tokens are not placed)."""
         from PIL import Image
 
         c, side = self.converter, self.side
@@ -158,12 +162,27 @@ class ImageSpec:
         for i, array in enumerate(arrays):
             if array.shape[0] != array.shape[1]:
                 array = np.asarray(Image.fromarray(array).resize((side, side), Image.BILINEAR))
-            out[i] = np.asarray(c(array)["patches"], np.float32)
+            got = c(array)
+            rows, cols = (int(n) for n in np.asarray(got["grid_thw"])[1:])
+            out[i] = qwen_window_order(np.asarray(got["patches"], np.float32), rows, cols,
+                                       int(c.spatial_merge_size))
         return out
 
 
 # Images a Qwen 3.5 sequence may hold where its preprocessor does not say (KerasHub's has no limit)
 QWEN_IMAGES = 2
+
+
+def qwen_window_order(patches: np.ndarray, rows: int, cols: int, merge: int) -> np.ndarray:
+    """An image's patches (``rows x cols`` of them, [patches, ...]) listed row by row, as
+    KerasHub 0.32's ``Qwen3_5ImageConverter`` lists them, reordered by ``merge x merge`` window:
+    window after window row by row, each window's patches row by row. That is the order
+    transformers' ``Qwen2VLImageProcessor`` gives and both ``Qwen3_5VisionEncoder``s read (their
+    position embeddings and rotary positions are laid out by window, their merger joins each 4
+    consecutive patches), so a released checkpoint's."""
+    rest = patches.shape[1:]
+    grid = patches.reshape(rows // merge, merge, cols // merge, merge, *rest)
+    return grid.swapaxes(1, 2).reshape(patches.shape)
 
 
 def qwen_side(converter) -> int:

@@ -3,15 +3,15 @@
 ``Qwen3_5VisionEncoder`` (its Conv3D patch embedding, position table, blocks with a fused qkv,
 and the 2 x 2 patch merger into the language model) as ``model.visual``.
 
-What a user of the export must know (``tests/test_hf_export_vision.py`` checks the logits from
-the same pixel values):
+What a user of the export must know (``tests/test_hf_export_qwen3_5_vision.py`` checks the
+logits from the same pixel values and from transformers' image processor's):
 
-- KerasHub's ``Qwen3_5ImageConverter`` (and so this package's data) lists an image's patches
-  row by row, [T, patch, patch, 3] each; transformers' ``Qwen2VLImageProcessor`` lists them by
-  2 x 2 merge window, [3, T, patch, patch] each, and both encoders read them in window order (their
-  position embeddings and rotary positions, the merger's groups of 4). Given the same array the
-  two models agree; a picture through transformers' processor reaches the model in another
-  order than the one this package trained it on;
+- both encoders read an image's patches by 2 x 2 merge window (their position embeddings and
+  rotary positions, the merger's groups of 4), as transformers' ``Qwen2VLImageProcessor`` lists
+  them ([3, T, patch, patch] each). KerasHub 0.32's ``Qwen3_5ImageConverter`` lists them row by
+  row ([T, patch, patch, 3] each); this package's data reorders its list by window
+  (``data.images.qwen_window_order``), so a picture through transformers' processor reaches the
+  export in the order this package trained it on;
 - transformers computes the multimodal rotary positions itself (``get_rope_index``, from
   ``mm_token_type_ids``), as this package's forward does.
 """
