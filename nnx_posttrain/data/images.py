@@ -19,7 +19,9 @@ the string the family's chat template writes (each text part trimmed, an image p
 tokens around them (``expand``: KerasHub's ``Gemma3CausalLMPreprocessor`` / ``Gemma4...`` rule,
 applied to the rendered text before tokenization), and how many images a sequence may hold.
 Gemma 3's ``pixel_values`` are the resized images; Gemma 4's (``patches``) the converter's
-patches, each with its (x, y) position appended as two last channels (-1: a padding patch).
+patches, each with its (x, y) position appended as two last channels (-1: a padding patch);
+Qwen 3.5's the converter's patches, reordered from its row-by-row list to the 2 x 2 merge
+windows its encoder (and a released checkpoint, and transformers' processor) reads.
 ``ImageSpec`` is duck-typed: this package never imports keras (``ImageSpec.from_preprocessor`` reads the
 attributes of a KerasHub preprocessor it is given).
 """
@@ -40,7 +42,9 @@ IMAGE_COLUMNS = ("images", "image")
 # Conversational columns, in the order the images are placed (the conversation's opening).
 CONVERSATION_FIELDS = ("messages", "prompt", "chosen", "rejected", "completion")
 # What an image part becomes in the rendered text, per chat format (the family's template).
-IMAGE_MARKERS = {"gemma": "<start_of_image>", "gemma4": "<|image|>"}
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen 3.5's template writes this
+IMAGE_MARKERS = {"gemma": "<start_of_image>", "gemma4": "<|image|>", "qwen3.5": QWEN_IMAGE,
+                 "qwen3.5-nothink": QWEN_IMAGE}
 
 
 def _where(record) -> str:
@@ -54,7 +58,8 @@ class ImageSpec:
     ``image_size``), ``tokens_per_image`` placeholder tokens per image between ``start`` and
     ``end`` (with ``around`` on either side), at most ``max_images`` per sequence; the text names
     an image with ``marker`` (default ``start``). ``patches``: Gemma 4's converter (patches and
-    their positions, ``pixels``)."""
+    their positions, ``pixels``); ``side``: Qwen 3.5's (every image ``side`` pixels square,
+    ``qwen_side``)."""
 
     converter: object
     tokens_per_image: int
@@ -65,6 +70,7 @@ class ImageSpec:
     marker: str = ""
     around: str = "\n\n"
     patches: bool = False
+    side: int = 0
 
     def __post_init__(self):
         self.marker = self.marker or self.start
@@ -74,6 +80,12 @@ class ImageSpec:
         """The spec of a KerasHub vision preprocessor (``Gemma3CausalLMPreprocessor`` or
         ``Gemma4CausalLMPreprocessor`` with an ``image_converter``)."""
         tok = preprocessor.tokenizer
+        if type(preprocessor).__name__.startswith("Qwen3_5"):
+            c = preprocessor.image_converter
+            tokens = (qwen_side(c) // (c.patch_size * c.spatial_merge_size)) ** 2
+            return cls(c, tokens, int(getattr(preprocessor, "max_images_per_prompt", QWEN_IMAGES)),
+                       tok.vision_start_token, tok.image_token, tok.vision_end_token,
+                       marker=QWEN_IMAGE, around="", side=qwen_side(c))
         gemma4 = type(preprocessor).__name__.startswith("Gemma4")
         tokens = (tok.start_of_image_token, tok.image_placeholder, tok.end_of_image_token)
         return cls(preprocessor.image_converter, int(preprocessor.num_vision_tokens_per_image),
@@ -104,6 +116,8 @@ class ImageSpec:
         preprocessor pads (computed once per process). Gemma 4: ``_patches``."""
         if self.patches:
             return self._patches(arrays)
+        if self.side:
+            return self._qwen_patches(arrays)
         h, w = self.converter.image_size
         out = np.empty((self.max_images, h, w, 3), np.float32)
         for i, array in enumerate(arrays):
@@ -130,6 +144,54 @@ class ImageSpec:
             out[i, :, :width] = np.asarray(got["pixel_values"], np.float32)[0]
             out[i, :, width:] = np.asarray(got["pixel_position_ids"], np.float32)[0]
         return out
+
+
+    def _qwen_patches(self, arrays: list) -> np.ndarray:
+        """(``max_images``, patches, temporal patch, patch, patch, 3) float32: each image through
+        Qwen 3.5's converter at the model's side (a square picture of another size resized by
+        the converter itself; a picture of another aspect ratio first stretched to the square,
+        Pillow's bilinear, where KerasHub's converter would keep its aspect ratio and give it
+        another grid), its patches then put in merge-window order (``qwen_window_order``: the
+        order the encoder and transformers' processor use); an empty slot holds zeros (its
+        tokens are not placed)."""
+        from PIL import Image
+
+        c, side = self.converter, self.side
+        p, t = int(c.patch_size), int(c.temporal_patch_size)
+        out = np.zeros((self.max_images, (side // p) ** 2, t, p, p, 3), np.float32)
+        for i, array in enumerate(arrays):
+            if array.shape[0] != array.shape[1]:
+                array = np.asarray(Image.fromarray(array).resize((side, side), Image.BILINEAR))
+            got = c(array)
+            rows, cols = (int(n) for n in np.asarray(got["grid_thw"])[1:])
+            out[i] = qwen_window_order(np.asarray(got["patches"], np.float32), rows, cols,
+                                       int(c.spatial_merge_size))
+        return out
+
+
+# Images a Qwen 3.5 sequence may hold where its preprocessor does not say (KerasHub's has no limit)
+QWEN_IMAGES = 2
+
+
+def qwen_window_order(patches: np.ndarray, rows: int, cols: int, merge: int) -> np.ndarray:
+    """An image's patches (``rows x cols`` of them, [patches, ...]) listed row by row, as
+    KerasHub 0.32's ``Qwen3_5ImageConverter`` lists them, reordered by ``merge x merge`` window:
+    window after window row by row, each window's patches row by row. That is the order
+    transformers' ``Qwen2VLImageProcessor`` gives and both ``Qwen3_5VisionEncoder``s read (their
+    position embeddings and rotary positions are laid out by window, their merger joins each 4
+    consecutive patches), so a released checkpoint's."""
+    rest = patches.shape[1:]
+    grid = patches.reshape(rows // merge, merge, cols // merge, merge, *rest)
+    return grid.swapaxes(1, 2).reshape(patches.shape)
+
+
+def qwen_side(converter) -> int:
+    """The side in pixels of every image of a Qwen 3.5 model: its converter's smallest pixel
+    budget (``min_pixels``) as a square, rounded to whole merged patches (Qwen3.5's 65,536:
+    256 pixels, 16 x 16 patches of 16, 64 image tokens). Its encoder reads each image's grid as
+    Python integers, which a compiled step cannot vary: one grid for every image."""
+    stride = int(converter.patch_size) * int(converter.spatial_merge_size)
+    return max(stride, round(float(converter.min_pixels) ** 0.5 / stride) * stride)
 
 
 def record_images(record: dict) -> tuple[str, list]:

@@ -48,6 +48,8 @@ def image_tokens(keys: tuple[str, str, str], tokenizer) -> dict:
     tokens (``keys``: the family's names for them); ``ExportError`` without them, since
     transformers places the image embeddings at the placeholder's id."""
     attrs = ("image_placeholder_id", "start_of_image_token_id", "end_of_image_token_id")
+    if getattr(tokenizer, "image_token_id", None) is not None:  # Qwen 3.5's names
+        attrs = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
     ids = [getattr(tokenizer, a, None) for a in attrs]
     if not keys or any(i is None or int(i) < 0 for i in ids):
         raise ExportError("--format hf: a vision-language model's export needs its tokenizer's "

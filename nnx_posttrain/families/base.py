@@ -246,3 +246,10 @@ class Family:
             return None
         return self.chat_format if isinstance(self.chat_format, str) else \
             self.chat_format(backbone)
+
+
+def language_model(text_rules: list) -> list:
+    """A text model's rules with its ``model.`` tensors under ``model.language_model`` (a
+    vision-language checkpoint's layout; ``lm_head`` stays)."""
+    return [(p, name.replace("model.", "model.language_model.", 1), layout)
+            for p, name, layout in text_rules]

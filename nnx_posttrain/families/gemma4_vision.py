@@ -16,7 +16,7 @@ users must know (``tests/test_hf_export_vision.py`` checks the logits):
 
 from __future__ import annotations
 
-from nnx_posttrain.families.base import refuse
+from nnx_posttrain.families.base import language_model, refuse
 
 _DENSE = ((1,), (0,))  # a Dense kernel [in, out] as [out, in]
 _T = "model.vision_tower"
@@ -52,9 +52,7 @@ VISION_RULES = [
 
 def rules(text_rules: list) -> list:
     """The text model's rules under ``model.language_model``, and the vision tower's."""
-    text = [(p, name.replace("model.", "model.language_model.", 1), layout)
-            for p, name, layout in text_rules]
-    return text + VISION_RULES
+    return language_model(text_rules) + VISION_RULES
 
 
 def config(b, text: dict) -> dict:

@@ -26,6 +26,7 @@ family trains (a vision tower stays with KerasHub's attention, ``model.attention
 
 from __future__ import annotations
 
+from nnx_posttrain.families import qwen3_5_vision
 from nnx_posttrain.families.base import Decoding, Export, Family, Preset, refuse
 from nnx_posttrain.families.gated_delta_net import delta_net_call
 from nnx_posttrain.families.llama import SHARDING as LLAMA_SHARDING
@@ -123,7 +124,13 @@ _NAMED = {"query": "self_attn.q_proj.weight", "key": "self_attn.k_proj.weight",
 def export_rules(backbone) -> list:
     """The weight names of transformers' ``Qwen3_5ForCausalLM`` (the text tower): one rule per
     sublayer where the Keras name is a regex group (q / k / v, the DeltaNet's projections and
-    gates), each group's own HF name."""
+    gates), each group's own HF name; with a vision encoder, ``Qwen3_5ForConditionalGeneration``'s
+    (``qwen3_5_vision``)."""
+    rules = text_rules()
+    return rules if backbone.vision_encoder is None else qwen3_5_vision.rules(rules)
+
+
+def text_rules() -> list:
     rules = []
     for pattern, name, layout in _EXPORT_RULES:
         if name is not None:
@@ -136,13 +143,18 @@ def export_rules(backbone) -> list:
     return rules
 
 
-def text_config(b) -> dict:
+def text_config(b, vision: bool = False) -> dict:
     """The keys transformers' Qwen 3.5 text configs share (``Qwen3_5TextConfig``,
-    ``Qwen3_5MoeTextConfig``: all but the MLP's), refusing what was not verified."""
+    ``Qwen3_5MoeTextConfig``: all but the MLP's), refusing what was not verified: a vision
+    encoder and M-RoPE sections (unless ``vision``: the dense family's vision-language export,
+    ``qwen3_5_vision``, which needs both)."""
     refuse(type(b).__name__, [p for p, bad in (
         (f"rope_scaling_factor={b.rope_scaling_factor}", b.rope_scaling_factor != 1.0),
-        ("a vision encoder", b.vision_encoder is not None),
-        (f"mrope_section={b.mrope_section}", b.mrope_section is not None)) if bad])
+        ("a vision encoder", b.vision_encoder is not None and not vision),
+        ("a vision encoder without mrope_section", b.vision_encoder is not None and vision
+         and not b.mrope_section),
+        (f"mrope_section={b.mrope_section}", b.mrope_section is not None and not vision))
+        if bad])
     return dict(
         vocab_size=b.vocabulary_size, hidden_size=b.hidden_dim, num_hidden_layers=b.num_layers,
         num_attention_heads=b.num_query_heads, num_key_value_heads=b.num_key_value_heads,
@@ -158,9 +170,12 @@ def text_config(b) -> dict:
 
 
 def export_config(b) -> dict:
-    """transformers' ``Qwen3_5TextConfig`` (``qwen3_5_text``: ``Qwen3_5ForCausalLM``)."""
-    return dict(text_config(b), architectures=["Qwen3_5ForCausalLM"],
+    """transformers' ``Qwen3_5TextConfig`` (``qwen3_5_text``: ``Qwen3_5ForCausalLM``); with a
+    vision encoder, ``Qwen3_5Config`` (``qwen3_5``: ``Qwen3_5ForConditionalGeneration``)."""
+    vision = b.vision_encoder is not None
+    text = dict(text_config(b, vision), architectures=["Qwen3_5ForCausalLM"],
                 model_type="qwen3_5_text", intermediate_size=b.intermediate_dim)
+    return qwen3_5_vision.config(b, text) if vision else text
 
 
 SHARDING = LLAMA_SHARDING + (
@@ -202,8 +217,12 @@ QWEN3_5 = Family(
           "mlp": ("feedforward_gate_dense", "feedforward_intermediate_dense",
                   "feedforward_output_dense")},
     export=Export(export_rules, export_config,
-                  "Qwen 3.5 dense, text tower (`qwen3_5_text`, `Qwen3_5ForCausalLM`)",
-                  tokenizer=chatml_tokenizer),
+                  "Qwen 3.5 dense, text tower (`qwen3_5_text`, `Qwen3_5ForCausalLM`); with its "
+                  "vision encoder (`qwen3_5`: `Qwen3_5ForConditionalGeneration`, logits with "
+                  "images checked from the same patches)",
+                  tokenizer=chatml_tokenizer,
+                  image_tokens=("image_token_id", "vision_start_token_id",
+                                "vision_end_token_id")),
     decoding=Decoding("self_attention_cache", "self_attention_cache_update_index",
                       state=empty_state, state_step=state_step),
     context_length=262_144,  # Qwen 3.5's max_position_embeddings

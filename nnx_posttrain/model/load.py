@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import mmap
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +28,7 @@ from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
-from nnx_posttrain.model import vision
+from nnx_posttrain.model import vision, vision_builtin
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -43,12 +44,15 @@ def register_builtin(name: str, backbone_kwargs: dict,
     _TOKENIZER_PROTOS[name] = tokenizer_proto
 
 
+_BUILTIN_BACKBONES = {"gemma4": "Gemma4Backbone", "qwen3_5": "Qwen3_5Backbone"}
+
+
 def _build_builtin(name: str, policy: str, seed: int):
     """The ``GemmaCausalLM`` of a registered built-in configuration, initialised from ``seed``."""
     keras.utils.set_random_seed(seed)
-    if "vision" in TINY[name]:  # a Gemma 3 or (``family``: gemma4) Gemma 4 with a vision encoder
+    if "vision" in TINY[name]:  # a Gemma 3, or (``family``) Gemma 4 / Qwen 3.5, with images
         dims = dict(TINY[name])
-        build = vision.build_gemma4 if dims.pop("family", None) == "gemma4" else vision.build_gemma3
+        build = vision_builtin.BUILDERS[dims.pop("family", None)]
         return build(dims, _TOKENIZER_PROTOS[name](), policy)
     tok = keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]())
     backbone = keras_hub.models.GemmaBackbone(
@@ -169,8 +173,9 @@ def chat_format_of(name: str, chosen: str | None = None) -> str | None:
     if chosen:
         return chosen
     if name in TINY:
-        gemma4 = TINY[name].get("family") == "gemma4"
-        return chat_format_for("Gemma4Backbone" if gemma4 else "GemmaBackbone")
+        backbone = _BUILTIN_BACKBONES.get(TINY[name].get("family"), "GemmaBackbone")
+        dims = types.SimpleNamespace(hidden_dim=TINY[name]["hidden_dim"])  # (Qwen 3.5's rule)
+        return families.of(backbone).format_of(dims)
     handle = PRESETS.get(name, name)
     family = _preset_backbone_class(str(Path(handle).expanduser())) if is_local_model(handle) \
         else None
@@ -245,7 +250,8 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
             task = _from_preset(name, handle, policy, weights, quantize)
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
-    image_token = getattr(tokenizer, "image_placeholder_id", None)  # a Gemma 3 / 4 vision model's
+    image_token = getattr(tokenizer, "image_placeholder_id",  # a Gemma 3 / 4 vision model's
+                          getattr(tokenizer, "image_token_id", None))  # Qwen 3.5's
     if vision.reads_images(task.backbone) and image_token is not None:
         vision.set_image_token(task.backbone, image_token)
     warm_up(task.backbone)
@@ -261,9 +267,9 @@ def load_tokenizer(name: str) -> Tokenizer | None:
     """``name``'s tokenizer alone, without its weights (``load``'s names), to compare two models'
     before the second loads; None where KerasHub cannot read it apart from the model."""
     if name in TINY:
-        if TINY[name].get("family") == "gemma4":
-            return Tokenizer(keras_hub.models.Gemma4Tokenizer(
-                proto=_TOKENIZER_PROTOS[name](), has_video_tokens=False))
+        if TINY[name].get("family") in ("gemma4", "qwen3_5"):  # (Gemma 3: GemmaTokenizer)
+            return Tokenizer(vision_builtin.tokenizer_of(TINY[name].get("family"),
+                                                         _TOKENIZER_PROTOS[name]()))
         return Tokenizer(keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]()))
     handle = PRESETS.get(name, name)
     if is_local_model(handle):

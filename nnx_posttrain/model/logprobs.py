@@ -18,7 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from nnx_posttrain.model import attention, dense, quantize, router
-from nnx_posttrain.model.vision import backbone_inputs, encoded_once
+from nnx_posttrain.model.vision import backbone_inputs, encoded_once, rotary_positions
 from nnx_posttrain.model.blocks import (
     _attention_mask_override,
     _block_calls,
@@ -45,7 +45,8 @@ def hidden_states(module, token_ids, padding_mask, segment_ids=None, rope_positi
     branched = rope_positions is not None
     rows = padding_mask if segment_ids is None else segment_ids != 0
     with _block_calls(module), dense.overridden(module), router.recording(module, rows), rope, \
-            encoded_once(module), recurrent_calls(module), \
+            encoded_once(module), rotary_positions(module, token_ids, padding_mask), \
+            recurrent_calls(module), \
             attention.scope(module, padding_mask, segment_ids, branched) as own:
         if segment_ids is None:
             return constrain_batch(module(backbone_inputs(module, token_ids, padding_mask)))

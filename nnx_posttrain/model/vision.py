@@ -35,6 +35,7 @@ import numpy as np
 
 from nnx_posttrain import errors
 from nnx_posttrain.model import blocks
+from nnx_posttrain.model import vision_qwen3_5 as qwen3_5
 from nnx_posttrain.model.blocks import shadowed
 
 _PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
@@ -45,16 +46,30 @@ def reads_images(module) -> bool:
     return getattr(module, "vision_encoder", None) is not None
 
 
+def _gemma_indices(vision, count: int) -> dict:
+    return {"vision_mask": vision.astype(jnp.int32), "vision_indices": vision_indices(vision, count)}
+
+
 @dataclass(frozen=True)
 class VisionInputs:
     """How a family's backbone takes images: ``split`` (the batch's ``pixel_values`` [rows, max
     images, ...] -> the backbone's image inputs), ``empty`` (backbone, rows -> those inputs for
-    no image) and ``placed`` (backbone, the vision encoder's output -> the image embeddings as
-    they sit among the scaled text embeddings: the sampler's image prompt pass)."""
+    no image), ``placed`` (backbone, the vision encoder's output -> the image embeddings as
+    they sit among the scaled text embeddings: the sampler's image prompt pass), ``count``
+    (backbone, pixel values -> image tokens a row), ``indices`` (the placeholders [rows, T],
+    that count -> the backbone's placement inputs), ``encode`` (backbone, the encoder's call,
+    its arguments -> its output: rows along ``rows_axis``) and ``side`` (backbone, pixel
+    values -> an image's side in tokens for multimodal rotary positions; 0: none)."""
 
     split: object
     empty: object
     placed: object = lambda module, encoded: encoded
+    count: object = lambda module, pixels: pixels.shape[1] * int(
+        module.num_vision_tokens_per_image)
+    indices: object = _gemma_indices
+    encode: object = lambda module, original, *args, **kwargs: original(*args, **kwargs)
+    side: object = lambda module, pixels: 0
+    rows_axis: int = 0
 
 
 def _gemma4_split(pixels):
@@ -84,11 +99,16 @@ GEMMA3 = VisionInputs(
     lambda module, rows: {"images": jnp.zeros(
         (rows, 0, int(module.image_size), int(module.image_size), 3), jnp.float32)})
 GEMMA4 = VisionInputs(_gemma4_split, _gemma4_empty, _gemma4_placed)
+QWEN3_5 = VisionInputs(qwen3_5.split, qwen3_5.empty, count=qwen3_5.count,
+                       indices=lambda vision, count: qwen3_5.flat_indices(
+                           vision, vision_indices(vision, count)), encode=qwen3_5.encode,
+                       side=qwen3_5.side, rows_axis=1)
+_FAMILIES = {"Gemma4Backbone": GEMMA4, "Qwen3_5Backbone": QWEN3_5}
 
 
 def vision_inputs(module) -> VisionInputs:
-    """The vision inputs of a vision backbone's family (Gemma 4's or Gemma 3's)."""
-    return GEMMA4 if type(module).__name__ == "Gemma4Backbone" else GEMMA3
+    """The vision inputs of a vision backbone's family (Gemma 4's, Qwen 3.5's or Gemma 3's)."""
+    return _FAMILIES.get(type(module).__name__, GEMMA3)
 
 
 def check_one_grid(pixel_values) -> None:
@@ -177,9 +197,8 @@ def backbone_inputs(module, token_ids, padding_mask) -> dict:
         pixels = _tiled(jnp.asarray(pixels, jnp.float32), rows)
         images, count = family.split(pixels), pixels.shape[1]
         vision = (token_ids == _placeholder_id(module)) & (padding_mask > 0)
-    count *= int(module.num_vision_tokens_per_image)
-    return dict(inputs, **images, vision_mask=vision.astype(jnp.int32),
-                vision_indices=vision_indices(vision, count))
+    count = family.count(module, pixels) if count else 0
+    return dict(inputs, **images, **family.indices(vision, count))
 
 
 def embed_images(module, x, token_ids, padding_mask):
@@ -194,10 +213,54 @@ def embed_images(module, x, token_ids, padding_mask):
     inputs = backbone_inputs(module, token_ids, padding_mask)
     family = vision_inputs(module)
     images = {k: inputs[k] for k in family.empty(module, 0)}
-    encoded = module.vision_encoder(images.get("images", images))  # Gemma 4's: a dict
+    if "image_grid_thw" in images:  # Qwen 3.5: patches and their grid
+        encoded = family.encode(module, module.vision_encoder.call,  # (a grid kept concrete)
+                                images["pixel_values"], images["image_grid_thw"])
+    else:
+        encoded = module.vision_encoder(images.get("images", images))  # Gemma 4's: a dict
     x = module.interleave_embeddings(image_embeddings=family.placed(module, encoded),
                                      text_embeddings=x, vision_indices=inputs["vision_indices"])
-    return x, inputs["vision_mask"]
+    return x, inputs.get("vision_mask")
+
+
+@contextlib.contextmanager
+def rotary_positions(module, token_ids, padding_mask):
+    """Within the block, a family with multimodal rotary positions (Qwen 3.5's M-RoPE) rotates
+    the rows ``token_ids`` [rows, T] at those of their images (the ``images`` scope's:
+    ``vision_qwen3_5.mrope_positions``); otherwise nothing changes."""
+    vision, side = _image_rows(module, token_ids, padding_mask)
+    if not side:
+        yield
+        return
+    with qwen3_5.mrope(module, qwen3_5.mrope_positions(vision, side)):
+        yield
+
+
+def _image_rows(module, token_ids, padding_mask) -> tuple:
+    """(the placeholder tokens [rows, T], an image's side in tokens) of rows under the ``images``
+    scope, for a family with multimodal rotary positions; (None, 0) otherwise."""
+    pixels = _PIXELS.get()
+    side = (vision_inputs(module).side(module, pixels)
+            if reads_images(module) and pixels is not None else 0)
+    if not side:
+        return None, 0
+    return (jnp.asarray(token_ids) == _placeholder_id(module)) & \
+        (jnp.asarray(padding_mask) > 0), side
+
+
+def decoding_positions(module, token_ids, padding_mask):
+    """A context factory for the sampler's decoding steps after prompts ``token_ids`` with the
+    images of the ``images`` scope: Qwen 3.5's full-attention layers rotate each new token at
+    its cache index plus the prompt's M-RoPE offset (``vision_qwen3_5.position_offset``) on
+    every channel; other models: nothing (``contextlib.nullcontext``)."""
+    vision, side = _image_rows(module, token_ids, padding_mask)
+    if not side:
+        return contextlib.nullcontext
+    offset = qwen3_5.position_offset(vision, side)
+
+    def at(index):
+        return jnp.broadcast_to((index + offset)[:, None, None], (offset.shape[0], 4, 1))
+    return lambda: qwen3_5.mrope(module, at)
 
 
 @contextlib.contextmanager
@@ -211,13 +274,18 @@ def encoded_once(module):
         return
     examples = pixels.shape[0]
 
+    family = vision_inputs(module)
+
     def make(encoder, original):
         def call(images, *args, **kwargs):  # Gemma 3: an array; Gemma 4: a dict of arrays
             copies = jax.tree.leaves(images)[0].shape[0] // examples
             if copies <= 1:
-                return original(images, *args, **kwargs)
-            out = original(jax.tree.map(lambda a: a[:examples], images), *args, **kwargs)
-            return jnp.concatenate([out] * copies, axis=0)
+                return family.encode(module, original, images, *args, **kwargs)
+            args = [a[:examples] if getattr(a, "shape", ())[:1] == (examples * copies,) else a
+                    for a in args]  # (Qwen 3.5's grid, per row)
+            out = family.encode(module, original, jax.tree.map(lambda a: a[:examples], images),
+                                *args, **kwargs)
+            return jnp.concatenate([out] * copies, axis=family.rows_axis)
         return call
 
     kind = type(module.vision_encoder)  # the encoder the graph calls (after nnx.merge too)
@@ -304,56 +372,3 @@ def preprocessor_without_tensorflow():
     finally:
         for m, original in originals:
             m.assert_tf_installed = original
-
-
-def build_gemma3(dims: dict, proto: bytes, policy: str):
-    """A ``Gemma3CausalLM`` with a vision encoder from built-in ``dims``: ``Gemma3Backbone``
-    arguments (the vocabulary is the tokenizer's), ``vision`` (``Gemma3VisionEncoder``
-    arguments; its output width is the backbone's) and ``max_images`` per sequence; the
-    tokenizer is SentencePiece model ``proto`` with Gemma 3's image tokens."""
-    import keras_hub
-
-    dims = dict(dims)
-    vision, max_images = dict(dims.pop("vision")), int(dims.pop("max_images", 1))
-    tokenizer = keras_hub.tokenizers.Gemma3Tokenizer(proto=proto)
-    encoder = keras_hub.models.Gemma3VisionEncoder(output_dim=dims["hidden_dim"], dtype=policy,
-                                                   **vision)
-    backbone = keras_hub.models.Gemma3Backbone(
-        vocabulary_size=tokenizer.vocabulary_size(), image_size=vision["image_size"],
-        vision_encoder=encoder, dtype=policy, **dims)
-    size = vision["image_size"]
-    converter = keras_hub.layers.Gemma3ImageConverter(image_size=(size, size), scale=1 / 127.5,
-                                                      offset=-1.0)
-    with preprocessor_without_tensorflow():
-        preprocessor = keras_hub.models.Gemma3CausalLMPreprocessor(
-            tokenizer, converter, num_vision_tokens_per_image=encoder.num_vision_tokens_per_image,
-            max_images_per_prompt=max_images)
-    return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=preprocessor)
-
-
-def build_gemma4(dims: dict, proto: bytes, policy: str):
-    """A ``Gemma4CausalLM`` with a vision encoder from built-in ``dims``: ``Gemma4Backbone``
-    arguments (the vocabulary is the tokenizer's), ``vision`` (``Gemma4VisionEncoder``
-    arguments; its output width is the backbone's) and ``max_images`` per sequence; the
-    tokenizer is SentencePiece model ``proto`` with Gemma 4's image tokens. The image converter
-    resizes an image to at most the encoder's patch grid (square images: exactly), rescaled to
-    [0, 1] as Gemma 4's checkpoints' converters are."""
-    import keras_hub
-
-    dims = dict(dims)
-    vision, max_images = dict(dims.pop("vision")), int(dims.pop("max_images", 1))
-    tokenizer = keras_hub.tokenizers.Gemma4Tokenizer(proto=proto, has_video_tokens=False)
-    encoder = keras_hub.models.Gemma4VisionEncoder(output_dim=dims["hidden_dim"], dtype=policy,
-                                                   **vision)
-    backbone = keras_hub.models.Gemma4Backbone(
-        vocabulary_size=tokenizer.vocabulary_size(), image_size=vision["image_size"],
-        vision_encoder=encoder, dtype=policy, **dims)
-    tokens = encoder.num_vision_tokens_per_image
-    converter = keras_hub.layers.Gemma4ImageConverter(
-        patch_size=vision["patch_size"], max_soft_tokens=tokens,
-        pooling_kernel_size=vision["pool_size"], scale=1 / 255)
-    with preprocessor_without_tensorflow():
-        preprocessor = keras_hub.models.Gemma4CausalLMPreprocessor(
-            tokenizer, converter, num_vision_tokens_per_image=tokens,
-            max_images_per_prompt=max_images)
-    return keras_hub.models.Gemma4CausalLM(backbone=backbone, preprocessor=preprocessor)

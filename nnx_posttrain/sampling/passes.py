@@ -104,7 +104,7 @@ def _head(module, x, last: bool):
     return vocabulary_logits(module.token_embedding, h[:, -1:] if last else h)
 
 
-def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None):
+def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None, embedded=None):
     """Run ``token_ids`` [B, T] at positions index..index+T-1 through the decoder blocks: float32
     logits [B, T, vocab] (the path of ``model.token_logprobs``; for the prompt pass, [B, 1, vocab]:
     its last position, the only one read) and the updated caches.
@@ -120,10 +120,11 @@ def forward(module, fam: families.Decoding, token_ids, cache: Cache, prompt=None
     block's keys (given it as ``fam.shared_kw``, as KerasHub's backbone does); the family's
     ``layer_inputs`` (Gemma 4's per-layer inputs) go to each block. A recurrent block (Qwen
     3.5's Gated DeltaNet) runs from its state in the cache and leaves its new state there
-    (``Decoding.state_step``; the prompt's left pads zeroed at its input)."""
+    (``Decoding.state_step``; the prompt's left pads zeroed at its input). ``embedded``: the
+    input embeddings, when not the tokens' (a prompt with images: ``image_prompt``)."""
     batch, t = token_ids.shape
     index, key_mask = cache.index, cache.key_mask
-    x = _embedded(module, fam, token_ids)
+    x = _embedded(module, fam, token_ids) if embedded is None else embedded
     caches = list(cache.caches)
     choice = attention.attention_of(module)
     if choice.implementation == "keras":
@@ -169,12 +170,17 @@ def image_prompt(module, fam: families.Decoding, token_ids, caches: tuple, promp
     pads masked: what a vision model trains with), Gemma 4's per-layer inputs (its image tokens
     reading padding's) and its KV-shared blocks given their source block's keys and values; each
     attention layer with its own keys and values writes them into ``caches`` at position 0.
+    Qwen 3.5 (no image-token mask: causal attention throughout) takes the text's prompt pass
+    (``forward``) from those embeddings, its full-attention layers at the M-RoPE positions.
     Returns the last position's float32 logits [B, 1, vocab] and the caches, from which decoding
     goes on as for text."""
     if not vision.reads_images(module):
         raise ValueError(f"pixel values given, but {type(module).__name__} has no vision tower")
     x, vision_mask = vision.embed_images(module, _embedded(module, fam, token_ids), token_ids,
                                          prompt)
+    if vision_mask is None:  # Qwen 3.5: causal image tokens, the text's pass at M-RoPE positions
+        with vision.rotary_positions(module, token_ids, prompt):
+            return forward(module, fam, token_ids, Cache(caches, 0, prompt), prompt, embedded=x)
     caches = list(caches)
     blocks = model.decoder_blocks(module)
     sources = [fam.kv_source(block) if fam.kv_source else None for block in blocks]

@@ -32,6 +32,8 @@ top-k / top-p truncation, the convention of TRL's rollouts.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
@@ -150,11 +152,13 @@ class _Decoder:
             [prompt_mask.astype(jnp.int32), jnp.ones((batch, n), jnp.int32)], axis=1
         )
         cache = _Cache(_empty_cache(module, batch, width + n), 0, key_mask)
+        decoding = contextlib.nullcontext  # the decoding steps' rotary positions (Qwen 3.5's)
         if pixel_values is None:
             logits, caches = _forward(module, fam, prompt_ids, cache, prompt=prompt_mask)
         else:
             with vision.images(pixel_values):
                 logits, caches = _image_prompt(module, fam, prompt_ids, cache.caches, prompt_mask)
+                decoding = vision.decoding_positions(module, prompt_ids, prompt_mask)
         logits = logits[:, -1]
 
         def cond(carry):
@@ -166,14 +170,15 @@ class _Decoder:
             jnp.full((n, batch), self.pad_id, jnp.int32), jnp.zeros((n, batch), jnp.int32),
             jnp.zeros((n, batch), jnp.float32), jnp.zeros((batch,), bool),
         )
-        body = self._step(module, fam, _Cache(None, width, key_mask), rng, draw)
+        body = self._step(module, fam, _Cache(None, width, key_mask), rng, draw, decoding)
         _, _, _, ids, mask, logps, done = jax.lax.while_loop(cond, body, init)
         return {"completion_ids": ids.T, "completion_mask": mask.T, "logprobs": logps.T,
                 "finished": done}
 
-    def _step(self, module, fam, cache: _Cache, rng, draw: Draw):
+    def _step(self, module, fam, cache: _Cache, rng, draw: Draw, positions):
         """The decoding loop's body: token j of every live row (``cache.index``: the prompt's
-        width, where token 0 goes)."""
+        width, where token 0 goes), within the context ``positions()`` (the rotary positions
+        after a prompt with images: ``vision.decoding_positions``)."""
         width, key_mask = cache.index, cache.key_mask
 
         def body(carry):
@@ -187,8 +192,9 @@ class _Decoder:
             mask = jax.lax.dynamic_update_index_in_dim(mask, live.astype(jnp.int32), j, 0)
             logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(live, logp, 0.0), j, 0)
             done = done | (live & jnp.isin(token, draw.stop_ids))
-            logits, caches = _forward(module, fam, token[:, None],
-                                      _Cache(caches, width + j, key_mask))
+            with positions():
+                logits, caches = _forward(module, fam, token[:, None],
+                                          _Cache(caches, width + j, key_mask))
             return j + 1, caches, logits[:, 0], ids, mask, logps, done
 
         return body

@@ -77,7 +77,24 @@ VISION_MODELS = {
         vision=dict(image_size=16, patch_size=4, pool_size=2, num_heads=2, hidden_dim=16,
                     num_layers=1, intermediate_dim=32, head_dim=8, position_embedding_size=8),
     ),
+    # Qwen 3.5 (Qwen3_5Backbone + Qwen3_5VisionEncoder): a Gated DeltaNet block then a
+    # full-attention block with multimodal rotary positions (mrope_section: the 4 rotary pairs
+    # of a head as temporal, height, width, temporal); 16 x 16 images in 4 x 4 patches, merged
+    # 2 x 2 into 4 image tokens; a byte-level BPE tokenizer with Qwen's special tokens
+    "qwen3_5_vision_micro": dict(  # for fast tests
+        family="qwen3_5", num_layers=2, num_query_heads=2, num_key_value_heads=1, head_dim=16,
+        hidden_dim=32, intermediate_dim=64, layer_types=["linear_attention", "full_attention"],
+        partial_rotary_factor=0.5, mrope_section=[2, 1, 1], tie_word_embeddings=True,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_images=2,
+        vision=dict(image_size=16, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                    depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                    num_position_embeddings=16),
+    ),
 }
+# The tokenizer data of each vision model's family
+_VISION_TOKENIZERS = {None: tokenizer.vision_proto, "gemma4": tokenizer.gemma4_vision_proto,
+                      "qwen3_5": tokenizer.qwen3_5_vocabulary}
 
 _RECORDS = {"sft": arithmetic.sft_record, "preference": arithmetic.preference_record,
             "unpaired_preference": arithmetic.unpaired_record,
@@ -111,8 +128,8 @@ def recipe(algorithm: str, data: str = "builtin") -> Path | None:
 BUILTIN_MODELS = {
     **{name: (dims, tokenizer.builtin_proto) for name, dims in MODELS.items()},
     "gemma_tiny_tools": (MODELS["gemma_tiny"], multiply.tokenizer_proto),
-    **{name: (dims, tokenizer.gemma4_vision_proto if dims.get("family") == "gemma4"
-                 else tokenizer.vision_proto) for name, dims in VISION_MODELS.items()},
+    **{name: (dims, _VISION_TOKENIZERS[dims.get("family")])
+       for name, dims in VISION_MODELS.items()},
 }
 
 

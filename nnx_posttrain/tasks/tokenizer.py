@@ -23,6 +23,25 @@ IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<img>")  # Gemma 3's
 GEMMA4_TOKENS = ("<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>")  # chat, image
 
 
+# Qwen 3.5's special tokens a built-in model's byte-level BPE needs: its chat turns, the think
+# and tool tags of its template, the vision tokens of KerasHub's Qwen3_5Tokenizer
+QWEN3_5_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                  "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+@functools.cache
+def qwen3_5_vocabulary() -> tuple[dict, list]:
+    """(vocabulary, merges) of the built-in Qwen 3.5 vision model's byte-level BPE: the 256 byte
+    symbols (no merges: every text encodes, a character a token) and ``QWEN3_5_TOKENS``."""
+    from keras_hub.src.tokenizers.byte_pair_tokenizer import bytes_to_unicode
+
+    symbols = [c for _, c in sorted(zip(*bytes_to_unicode()))]
+    vocab = {s: i for i, s in enumerate(symbols)}
+    vocab.update({name: len(symbols) + i for i, name in enumerate(QWEN3_5_TOKENS)})
+    return vocab, []
+
+
 @functools.cache
 def builtin_proto() -> bytes:
     """Serialized SentencePiece model (deterministic: same bytes on every call and machine)."""
