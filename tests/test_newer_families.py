@@ -157,6 +157,23 @@ def test_int8_keeps_the_layers_the_family_reads_as_arrays(preset, monkeypatch):
         assert change(()) > 2 * 0.2
 
 
+def test_the_plans_int8_estimate_counts_what_int8_converts(preset):
+    """``plan``'s estimate of ``--quantize int8`` halves the share of the frozen base that int8
+    turns to 8 bits (``quantize.quantized_share``), not the whole base: Gemma 4 keeps its MLP."""
+    import sys
+
+    quantize = sys.modules["nnx_posttrain.model.quantize"]
+    family, path = preset
+    module = model.load(str(path)).module
+    share = quantize.quantized_share(module)
+    every = sum(int(np.prod(v.shape)) for v in module.weights)
+    model.quantize(module, "int8")
+    converted = sum(int(np.prod(v.shape)) for v in module.weights if str(v.dtype) == "int8")
+    assert share == pytest.approx(converted / every) and 0 < share <= 1
+    if family.name == "gemma4":  # its MLP (and 26B-A4B's experts) stay 16-bit
+        assert share < 0.9
+
+
 def _quiet(*_):
     pass
 

@@ -58,12 +58,6 @@ def refuse_unplannable(cfg, algorithm) -> None:
     if not algorithm.plannable:
         raise errors.ConfigError(f"plan: {algorithm.name} cannot be planned yet "
                                  f"({algorithm.plannable_not})")
-    if cfg.quantize != "none":
-        raise errors.ConfigError(
-            f"plan: --quantize {cfg.quantize} cannot be planned yet (Keras quantizes a model's "
-            "weights on the host, which a model built without weights cannot give it); plan "
-            "without it: its frozen weights take 1 byte each instead of 2 (bfloat16), which the "
-            "plan's estimate of the change counts")
     if getattr(algorithm.cfg, "reference", None) == "precompute":  # never chosen by auto
         raise errors.ConfigError(
             "plan: --algo.reference precompute computes the reference log-probs with the "

@@ -78,8 +78,7 @@ class Plan:
                                      "No single change is estimated to fit; each lowers it: ")
                 + "; ".join(f"{f['change']} (~{f['estimated_total_bytes'] / GiB:.2f} GiB)"
                             for f in shown)
-                + ". Plan the changed run to confirm (--quantize is estimated only), or choose "
-                "a larger topology.")
+                + ". Plan the changed run to confirm, or choose a larger topology.")
 
     def table(self) -> str:
         """The plan as text: one line per part, the total against the device's memory."""
@@ -159,8 +158,11 @@ _OUT_OF_MEMORY = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds? ava
 
 
 def _out_of_memory(exc) -> tuple[int, int] | None:
-    """(temporaries, memory available) in bytes from the TPU compiler's refusal of a program
-    that does not fit (its figures, "17.79G": GiB), or None for another error."""
+    """(memory required, memory available) in bytes from the TPU compiler's refusal of a
+    program that does not fit (its figures, "17.79G": GiB), or None for another error. What it
+    calls "HLO temporaries" is the program's whole need, its arguments included: a step of
+    14.02 GiB of arguments and 4.94 GiB of temporaries (its buffer assignment) is refused as
+    "HLO temporaries (18.96G)"."""
     match = _OUT_OF_MEMORY.search(str(exc))
     if match is None:
         return None
@@ -219,8 +221,9 @@ def _planned(cfg, algorithm, topology: Topology, echo) -> Plan:
                                              - int(stats.alias_size_in_bytes), 0),
                  "generated code": int(stats.generated_code_size_in_bytes)}
         flops = flops_lib.step_flops(compiled)
-    else:  # the compiler's own figures, from its refusal
-        parts = {"inputs": sum(inputs.values()), "XLA temporaries": refused[0],
+    else:  # the compiler's own figures, from its refusal: its total, less the inputs
+        parts = {"inputs": sum(inputs.values()),
+                 "XLA temporaries": max(refused[0] - sum(inputs.values()), 0),
                  "outputs not in place": 0, "generated code": 0}
         topology = dataclasses.replace(topology, memory_bytes=refused[1])
         flops = None
@@ -233,8 +236,8 @@ def _planned(cfg, algorithm, topology: Topology, echo) -> Plan:
                flops,
                collectives(compiled.as_text()) if compiled is not None else {}, seconds,
                estimate, [], "" if refused is None else
-               f"the TPU compiler refused it: its temporaries ({refused[0] / GiB:.2f} GiB) exceed "
-               f"the memory it can use ({refused[1] / GiB:.2f} GiB per device)")
+               f"the TPU compiler refused it: it needs {refused[0] / GiB:.2f} GiB (inputs and "
+               f"temporaries) of the {refused[1] / GiB:.2f} GiB per device it can use")
     width = max((np.dtype(x.dtype).itemsize for x in jax.tree.leaves(frozen["model"])), default=4)
     out.fixes = fixes_lib.estimate(out, run.cfg, run.lm.module, state["params"],
                                    algorithm.sequences_per_example, width)
