@@ -115,6 +115,19 @@ def run_command(cmd: list[str], check: bool = True, timeout: int = 600):
     return out
 
 
+def jitted(fn, module):
+    """``fn(module, *arrays)`` as one jitted program over the module's state (``nnx.split`` /
+    ``nnx.merge``): one trace and compilation (the persistent cache's, on a second session)
+    instead of a forward pass dispatched an operation at a time, each operation of a new shape
+    traced, lowered and compiled on its own."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+    run = jax.jit(lambda state, *arrays: fn(nnx.merge(graphdef, state), *arrays))
+    return lambda *arrays: run(state, *arrays)
+
+
 def records(run_dir, split: str = "train") -> list[dict]:
     """The ``split`` rows of a run's metrics.jsonl."""
     return [r for r in metrics_log.read(run_dir) if r["split"] == split]

@@ -100,7 +100,8 @@ def test_gemma4_vision_export_gives_transformers_logits_with_images(exported):
     assert (config["image_token_id"], config["boi_token_id"], config["eoi_token_id"]) == (
         tok.image_placeholder_id, tok.start_of_image_token_id, tok.end_of_image_token_id)
     with model.images(batch["pixel_values"]):
-        ours = np.asarray(model.full_logits(lm.module, batch["input_ids"], batch["attention_mask"]))
+        ours = np.asarray(support.jitted(model.full_logits, lm.module)(
+            batch["input_ids"], batch["attention_mask"]))
     real = batch["attention_mask"].astype(bool)
     theirs = hf_logits(directory, batch)
     assert np.abs(ours).max() > 1.0
@@ -134,7 +135,8 @@ def test_a_standardizing_tower_exports_with_its_logits(tmp_path):
     hf_export.export_model(lm.task, tmp_path, "float32", echo=lambda _: None)
     assert json.loads((tmp_path / "config.json").read_text())["vision_config"]["standardize"]
     with model.images(batch["pixel_values"]):
-        ours = np.asarray(model.full_logits(lm.module, batch["input_ids"], batch["attention_mask"]))
+        ours = np.asarray(support.jitted(model.full_logits, lm.module)(
+            batch["input_ids"], batch["attention_mask"]))
     real = batch["attention_mask"].astype(bool)
     np.testing.assert_allclose(hf_logits(tmp_path, batch)[real], ours[real], atol=TOLERANCE,
                                rtol=0)
@@ -161,7 +163,8 @@ def test_a_mis_mapped_vision_tensor_changes_the_logits(exported, monkeypatch, tm
                         [(p, renamed(n), layout) for p, n, layout in rules_module.VISION_RULES])
     hf_export.export_model(lm.task, tmp_path / "wrong", "float32")
     with model.images(batch["pixel_values"]):
-        ours = np.asarray(model.full_logits(lm.module, batch["input_ids"], batch["attention_mask"]))
+        ours = np.asarray(support.jitted(model.full_logits, lm.module)(
+            batch["input_ids"], batch["attention_mask"]))
     theirs = hf_logits(tmp_path / "wrong", batch)
     real = batch["attention_mask"].astype(bool)
     assert np.abs(theirs[:2] - ours[:2])[real[:2]].max() > 100 * TOLERANCE

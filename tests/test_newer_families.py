@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import keras
 
 from nnx_posttrain import families, model
-from support import builtin_file, losses, records, train_run
+from support import builtin_file, jitted, losses, records, train_run
 from tools import make_preset
 
 TOKENS = 1024
@@ -68,7 +68,7 @@ def test_a_micro_preset_loads_with_its_familys_chat_format(preset):
     assert families.of(lm.module) is family and lm.chat_format == family.format_of(lm.module)
     assert lm.tokenizer.vocab_size == TOKENS
     ids = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) + 5)
-    logits = model.full_logits(lm.module, ids, jnp.ones_like(ids))
+    logits = jitted(model.full_logits, lm.module)(ids, jnp.ones_like(ids))
     assert logits.shape == (2, 6, TOKENS) and bool(jnp.isfinite(logits).all())
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from nnx_posttrain import config as config_lib
 from nnx_posttrain import errors, inspection, model, runs
-from support import tokenized_batch, vision_model
+from support import jitted, tokenized_batch, vision_model
 
 MODELS = ("gemma3_vision_micro", "gemma4_vision_micro")
 PROJECTOR = "vision_output_encoder/vision_input_projection"
@@ -112,7 +112,8 @@ def test_a_merged_vision_lora_exports_with_its_logits(tmp_path):
     with pytest.raises(hf_export.ExportError, match="vision encoder"):
         hf_export.export_adapters(lm.module, tmp_path / "adapters", "float32", "base")
     with model.images(b["pixel_values"]):
-        ours = np.asarray(model.full_logits(lm.module, b["input_ids"], b["attention_mask"]))
+        ours = np.asarray(jitted(model.full_logits, lm.module)(b["input_ids"],
+                                                             b["attention_mask"]))
     assert len(inspection.merge_lora(lm.module)) == 5
     hf_export.export_model(lm.task, tmp_path / "merged", "float32", echo=lambda _: None)
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(str(tmp_path / "merged"))
