@@ -296,9 +296,9 @@ def device_copy(state):
     return copy
 
 
-# one program for the whole state (compiled at the first save, then cached): a ``device_put``
-# copy dispatched each of a LoRA state's 433 arrays alone, 0.07 s of the host's time on the chip
-# while the device waited (the loop had read the step's metrics)
+# one program for the whole state (compiled by ``Checkpointer.prepare``, or at the first save):
+# a ``device_put`` copy dispatched each of a LoRA state's 433 arrays alone, 0.07 s of the host's
+# time on the chip while the device waited (the loop had read the step's metrics)
 _copied = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
