@@ -5,7 +5,9 @@ compiled step; what would not fit is refused with the changes estimated to make 
 import json
 import sys
 
+import jax
 import pytest
+from flax import nnx
 
 from nnx_posttrain import api, errors, model, plan
 from nnx_posttrain.cli import train_command
@@ -147,6 +149,30 @@ def test_on_a_cpu_device_the_inputs_are_the_state_the_frozen_weights_and_the_bat
     p = _plan("dpo", plan.resolve("cpu-1"), *MICRO, "--lora.rank", "2")
     assert p.inputs["reference copy"] == 0
     assert 0 < sum(p.inputs.values()) - p.parts["inputs"] < p.inputs["batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3_vision_micro", "gemma4_vision_micro"])
+def test_a_vision_model_is_planned_with_its_tower_and_the_batchs_images(name, tmp_path):
+    """Built abstractly, a vision model's image converter still reads the data, and a layer's
+    constant array (Gemma 3's vision position ids) stays an input of the step: the plan
+    compiles, its frozen weights hold the tower and its batch the pixel values."""
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / "dot.png"
+    Image.fromarray(np.full((16, 16, 3), 200, np.uint8)).save(path)
+    data = tmp_path / "images.jsonl"
+    data.write_text("".join(json.dumps({"images": [str(path)], "messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"{i}?"}]},
+        {"role": "assistant", "content": str(i)}]}) + "\n" for i in range(4)))
+    p = _plan("sft", plan.resolve("cpu-1"), "--model", name, "--data", data, "--lora.rank", "2",
+              "--batching.batch-size", "4", "--batching.max-length", "64")
+    lm = model.load(name)
+    tower = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in
+                jax.tree.leaves(nnx.state(lm.module.vision_encoder)))
+    assert p.inputs["frozen weights"] >= tower > 0
+    assert p.inputs["batch"] >= 4 * 16 * 16 * 3 * 4  # four rows' pixel values, float32
 
 
 @pytest.mark.slow
