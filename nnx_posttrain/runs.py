@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -165,25 +164,7 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
         _, module = assemble()
         return made["lm"], module
     task, module = nnx.eval_shape(assemble)  # the task and the module share their variables
-    _constants_as_zeros(module)
-    lm = dataclasses.replace(made["lm"], task=task)
-    if lm.images is not None:  # its image converter was made inside that trace: one made here
-        converter = lm.images.converter  # (calling it on the data would mutate it from outside)
-        lm.images = dataclasses.replace(lm.images,
-                                        converter=type(converter).from_config(converter.get_config()))
-    return lm, module
-
-
-def _constants_as_zeros(module) -> None:
-    """A layer's constant arrays that are no variable (Gemma 3's vision position ids, made in
-    its ``__init__``) come out of ``nnx.eval_shape`` as shapes, which ``nnx.split`` would keep
-    in the graph as static attributes (a compiled step could not read them): zeros of their
-    shapes instead, arrays again (an abstract model is compiled, never run)."""
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.Module):
-            for name, value in list(vars(node).items()):
-                if isinstance(value, jax.ShapeDtypeStruct):
-                    setattr(node, name, np.zeros(value.shape, value.dtype))
+    return model.outside_the_trace(dataclasses.replace(made["lm"], task=task), module), module
 
 
 def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:

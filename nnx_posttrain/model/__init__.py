@@ -76,7 +76,8 @@ from nnx_posttrain.model.logprobs import (
     token_logprobs,
     vocabulary_logits,
 )
-from nnx_posttrain.model.vision import freeze_tower, images, reads_images, tower_trains
+from nnx_posttrain.model.vision import (freeze_tower, images, outside_the_trace, reads_images,
+                                        tower_trains)
 from nnx_posttrain.model.lora import (
     ATTENTION_LAYERS,
     LORA_TARGETS,
@@ -115,5 +116,5 @@ __all__ = [
     # heads
     "PolicyWithValue", "RewardModel",
     # vision
-    "freeze_tower", "images", "reads_images", "tower_trains",
+    "freeze_tower", "images", "outside_the_trace", "reads_images", "tower_trains",
 ]

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from nnx_posttrain import errors
 from nnx_posttrain.model import blocks
@@ -372,3 +374,22 @@ def preprocessor_without_tensorflow():
     finally:
         for m, original in originals:
             m.assert_tf_installed = original
+
+
+def outside_the_trace(lm, module):
+    """``lm``, built abstractly (``nnx.eval_shape``: ``plan``), made usable outside that trace.
+    A layer's constant arrays that are no variable (Gemma 3's vision position ids, made in its
+    ``__init__``) came out as shapes, which ``nnx.split`` would keep in the graph as static
+    attributes: zeros of their shapes instead (an abstract model is compiled, never run). A
+    vision model's image converter, made inside the trace, is made again from its config: the
+    data pipeline calls it outside (flax refuses a mutation from another trace level)."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module):
+            for name, value in list(vars(node).items()):
+                if isinstance(value, jax.ShapeDtypeStruct):
+                    setattr(node, name, np.zeros(value.shape, value.dtype))
+    if lm.images is not None:
+        converter = lm.images.converter
+        lm.images = dataclasses.replace(
+            lm.images, converter=type(converter).from_config(converter.get_config()))
+    return lm
