@@ -252,3 +252,45 @@ def tokenized_batch(lm, records_, length: int) -> dict:
     transform = data.Tokenize(lm.tokenizer, lm.chat_format, length, images=lm.images)
     examples = [transform(r) for r in records_]
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def picture(seed: int, size=(16, 16)):
+    """A random ``uint8`` RGB picture of ``size`` (height, width), the same for a seed."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, tuple(size) + (3,), dtype=np.uint8)
+
+
+def ask(text: str, answer: str, images: int = 1) -> list[dict]:
+    """A user turn with ``images`` image parts before ``text``, and the assistant's answer."""
+    return [{"role": "user", "content": [{"type": "image"}] * images + [
+        {"type": "text", "text": text}]}, {"role": "assistant", "content": answer}]
+
+
+def image_data_files(root: Path, sizes) -> Path:
+    """Four PNG files (``picture(i, sizes[i % 2])``) in ``root`` beside ``sft.jsonl``
+    (``messages`` + ``images``) and ``pairs.jsonl`` (``prompt`` / ``chosen`` / ``rejected`` +
+    ``images``), the images named relative to the files: TRL's vision formats."""
+    import json
+
+    from PIL import Image
+
+    sft, pairs = [], []
+    for i in range(4):
+        Image.fromarray(picture(i, sizes[i % 2])).save(root / f"{i}.png")
+        sft.append({"messages": ask("How many shapes?", str(i)), "images": [f"{i}.png"]})
+        pairs.append({"prompt": [{"role": "user", "content": "How many shapes?"}],
+                      "chosen": [{"role": "assistant", "content": str(i)}],
+                      "rejected": [{"role": "assistant", "content": str(i + 1)}],
+                      "images": [f"{i}.png"]})
+    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs)):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def one_two_and_no_image_rows() -> list[dict]:
+    """Three records: one image, two images, text only (the export checks' batch)."""
+    return [{"messages": ask("How many shapes?", "3"), "images": [picture(0)]},
+            {"messages": ask("Which one?", "the first", 2), "images": [picture(1), picture(2)]},
+            {"messages": [{"role": "user", "content": "What is 2 + 3?"},
+                          {"role": "assistant", "content": "5"}]}]

@@ -36,13 +36,6 @@ def randomized(module, seed=0):
         v.assign(rng.normal(0.0, 0.3 if len(v.shape) > 1 else 0.2, v.shape).astype("float32"))
 
 
-def picture(seed, size=16):
-    return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-
-
-def ask(text, answer, images=1):
-    return [{"role": "user", "content": [{"type": "image"}] * images + [
-        {"type": "text", "text": text}]}, {"role": "assistant", "content": answer}]
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +44,7 @@ def exported(tmp_path_factory):
     export)."""
     lm = support.vision_model(NAME)
     randomized(lm.module)
-    batch = support.tokenized_batch(lm, [
-        {"messages": ask("How many shapes?", "3"), "images": [picture(0)]},
-        {"messages": ask("Which one?", "the first", 2), "images": [picture(1), picture(2)]},
-        {"messages": [{"role": "user", "content": "What is 2 + 3?"},
-                      {"role": "assistant", "content": "5"}]}], LENGTH)
+    batch = support.tokenized_batch(lm, support.one_two_and_no_image_rows(), LENGTH)
     assert list(batch["image_count"]) == [1, 2, 0]
     directory = tmp_path_factory.mktemp("qwen3_5_vision")
     hf_export.export_model(lm.task, directory, "float32", lm.chat_format, echo=lambda _: None)
@@ -122,7 +111,8 @@ def test_qwen3_5_vision_export_gives_transformers_logits_with_images(exported):
     assert np.abs(ours).max() > 1.0
     print("max |ours - transformers'|:", np.abs(theirs[real] - ours[real]).max())
     np.testing.assert_allclose(theirs[real], ours[real], atol=TOLERANCE, rtol=0)
-    end_to_end = hf_logits(directory, batch, hf_pixels=processed(picture(i) for i in range(3)))
+    end_to_end = hf_logits(directory, batch,
+                           hf_pixels=processed(support.picture(i) for i in range(3)))
     print("max |ours - transformers' from its processor|:",
           np.abs(end_to_end[real] - ours[real]).max())
     np.testing.assert_allclose(end_to_end[real], ours[real], atol=TOLERANCE, rtol=0)
@@ -172,7 +162,7 @@ def test_our_patches_are_transformers_image_processors():
     from nnx_posttrain.data import images
 
     spec = support.vision_model(NAME).images
-    image = picture(3)
+    image = support.picture(3)
     theirs, grid = processed([image])
     ours = spec.pixels([image])[0]  # [16 patches, T, p, p, 3]
     assert theirs.shape == (16, 3 * 2 * 4 * 4) and grid.tolist() == [[1, 4, 4]]

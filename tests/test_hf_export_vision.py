@@ -42,13 +42,6 @@ def randomized(module, seed=0):
             v.assign(rng.normal(0.0, 0.3 if len(v.shape) > 1 else 0.2, v.shape).astype("float32"))
 
 
-def picture(seed):
-    return np.random.default_rng(seed).integers(0, 256, (16, 16, 3), dtype=np.uint8)
-
-
-def ask(text, answer, images=1):
-    return [{"role": "user", "content": [{"type": "image"}] * images + [
-        {"type": "text", "text": text}]}, {"role": "assistant", "content": answer}]
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +50,7 @@ def exported(tmp_path_factory):
     export)."""
     lm = support.vision_model(NAME)
     randomized(lm.module)
-    batch = support.tokenized_batch(lm, [
-        {"messages": ask("How many shapes?", "3"), "images": [picture(0)]},
-        {"messages": ask("Which one?", "the first", 2), "images": [picture(1), picture(2)]},
-        {"messages": [{"role": "user", "content": "What is 2 + 3?"},
-                      {"role": "assistant", "content": "5"}]}], LENGTH)
+    batch = support.tokenized_batch(lm, support.one_two_and_no_image_rows(), LENGTH)
     assert list(batch["image_count"]) == [1, 2, 0]
     directory = tmp_path_factory.mktemp("gemma4_vision")
     hf_export.export_model(lm.task, directory, "float32", lm.chat_format)
@@ -131,7 +120,8 @@ def test_a_standardizing_tower_exports_with_its_logits(tmp_path):
     randomized(lm.module, seed=1)
     assert any(v.path.endswith("std_scale") for v in lm.module.weights)
     batch = support.tokenized_batch(
-        lm, [{"messages": ask("How many shapes?", "3"), "images": [picture(0)]}], LENGTH)
+        lm, [{"messages": support.ask("How many shapes?", "3"), "images": [support.picture(0)]}],
+        LENGTH)
     hf_export.export_model(lm.task, tmp_path, "float32", echo=lambda _: None)
     assert json.loads((tmp_path / "config.json").read_text())["vision_config"]["standardize"]
     with model.images(batch["pixel_values"]):

@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, errors, model, runs
-from support import records, tokenized_batch, train_run, vision_model
+from support import (ask, image_data_files, picture, records, tokenized_batch, train_run,
+                     vision_model)
 
 NAME = "gemma4_vision_micro"
 LENGTH = 40
@@ -30,13 +31,6 @@ def lm():
     return vision_model(NAME)
 
 
-def picture(seed, size=(16, 16)):
-    return np.random.default_rng(seed).integers(0, 256, size + (3,), dtype=np.uint8)
-
-
-def ask(text, answer):
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]},
-            {"role": "assistant", "content": answer}]
 
 
 def test_image_tokens_and_pixels_equal_keras_hubs_gemma4_preprocessor(lm):
@@ -122,18 +116,7 @@ def test_logits_with_images_equal_keras_hubs_gemma4_causal_lm(lm):
 def files(tmp_path_factory):
     """PNG files (PIL) beside a ``messages`` + ``images`` JSONL and a ``prompt`` / ``chosen`` /
     ``rejected`` + ``images`` JSONL."""
-    root = tmp_path_factory.mktemp("gemma4_vision_data")
-    sft, pairs = [], []
-    for i in range(4):
-        Image.fromarray(picture(i, (16, 16) if i % 2 else (24, 16))).save(root / f"{i}.png")
-        sft.append({"messages": ask("How many shapes?", str(i)), "images": [f"{i}.png"]})
-        pairs.append({"prompt": [{"role": "user", "content": "How many shapes?"}],
-                      "chosen": [{"role": "assistant", "content": str(i)}],
-                      "rejected": [{"role": "assistant", "content": str(i + 1)}],
-                      "images": [f"{i}.png"]})
-    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs)):
-        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return image_data_files(tmp_path_factory.mktemp("gemma4_vision_data"), [(24, 16), (16, 16)])
 
 
 def run(algorithm, data_file, run_dir, *extra):

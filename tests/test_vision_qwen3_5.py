@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, model, runs
-from support import jitted, records, tokenized_batch, train_run, vision_model
+from support import (ask, image_data_files, jitted, picture, records, tokenized_batch,
+                     train_run, vision_model)
 
 NAME = "qwen3_5_vision_micro"
 LENGTH = 64
@@ -31,14 +32,6 @@ def lm():
     return vision_model(NAME)
 
 
-def picture(seed, size=(16, 16)):
-    return np.random.default_rng(seed).integers(0, 256, size + (3,), dtype=np.uint8)
-
-
-def ask(text, answer, images=1):
-    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text",
-                                                                        "text": text}]},
-            {"role": "assistant", "content": answer}]
 
 
 @pytest.fixture
@@ -187,18 +180,7 @@ def test_logits_with_images_equal_keras_hubs_qwen3_5_causal_lm(lm, keras_hub_rul
 def files(tmp_path_factory):
     """PNG files (PIL) beside a ``messages`` + ``images`` JSONL and a ``prompt`` / ``chosen`` /
     ``rejected`` + ``images`` JSONL."""
-    root = tmp_path_factory.mktemp("qwen3_5_vision_data")
-    sft, pairs = [], []
-    for i in range(4):
-        Image.fromarray(picture(i, (16, 16) if i % 2 else (32, 32))).save(root / f"{i}.png")
-        sft.append({"messages": ask("How many shapes?", str(i)), "images": [f"{i}.png"]})
-        pairs.append({"prompt": [{"role": "user", "content": "How many shapes?"}],
-                      "chosen": [{"role": "assistant", "content": str(i)}],
-                      "rejected": [{"role": "assistant", "content": str(i + 1)}],
-                      "images": [f"{i}.png"]})
-    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs)):
-        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return image_data_files(tmp_path_factory.mktemp("qwen3_5_vision_data"), [(32, 32), (16, 16)])
 
 
 def run(algorithm, data_file, run_dir, *extra):
