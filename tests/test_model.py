@@ -271,6 +271,21 @@ def test_local_kerashub_preset_round_trips(micro, tmp_path):
     assert loaded.tokenizer.encode("What is 1 + 2?") == micro.tokenizer.encode("What is 1 + 2?")
 
 
+def test_a_preset_whose_weights_do_not_fit_its_config_names_keras_reason(micro, tmp_path):
+    """Keras collects the layers it could not load into one error whose first line names only
+    how many; the message carries its example error too (the reason: here the shapes)."""
+    micro.task.save_to_preset(str(tmp_path / "preset"))
+    for name in ("config.json", "task.json"):  # the backbone's config, and the task's copy
+        text = (tmp_path / "preset" / name).read_text()
+        assert '"intermediate_dim": 64' in text
+        (tmp_path / "preset" / name).write_text(text.replace('"intermediate_dim": 64',
+                                                             '"intermediate_dim": 128'))
+    with pytest.raises(model.ModelLoadError) as info:
+        model.load(str(tmp_path / "preset"))
+    message = str(info.value)
+    assert "could not be loaded" in message and "shape" in message, message
+
+
 def test_local_hugging_face_checkpoint_is_converted_by_kerashub(micro, tmp_path):
     hf = tmp_path / "hf"
     micro.task.export_to_transformers(str(hf))

@@ -8,6 +8,7 @@ import json
 import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
 import jax
 import jax.numpy as jnp
+import keras
 import keras_hub
 import numpy as np
 import pytest
@@ -192,11 +193,27 @@ def test_a_preset_quantized_while_loading_equals_one_quantized_after(tmp_path):
 def test_weights_are_read_over_zeros_the_process_has_not_touched():
     """The placeholders a preset's weights are read over: zeros in fresh pages, taken by JAX
     without a copy (a copy would make the whole model resident before its first weight)."""
-    import sys
+    from nnx_posttrain.model import lean_load
 
-    import jax
-
-    load = sys.modules["nnx_posttrain.model.load"]
-    zeros = load._untouched_zeros((1024, 300), np.dtype("float32"))
+    zeros = lean_load.untouched_zeros((1024, 300), np.dtype("float32"))
     assert not zeros.any() and zeros.shape == (1024, 300)
     assert jax.device_put(zeros).unsafe_buffer_pointer() == zeros.ctypes.data
+
+
+def test_a_preset_quantized_as_it_loads_is_made_on_the_host_where_the_default_is_a_chip(
+        monkeypatch):
+    """On a chip the variables a preset's weights are read over would hold the whole model in
+    its stored dtype before the first layer is quantized (a Gemma 4 E4B-shaped preset's 14.9 GB
+    of bfloat16 on a 15.7 GiB v5e: its embeddings failed to load there): quantizing as it loads,
+    the model is made on the host's CPU; unquantized, or on a CPU host, where JAX puts it."""
+    from nnx_posttrain.model import lean_load
+
+    assert lean_load.loading_device("int8") is None  # this host: the CPU is the default
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert lean_load.loading_device("none") is None
+    device = lean_load.loading_device("int8")
+    assert device.platform == "cpu"
+    with jax.default_device(device), lean_load.no_initializers():
+        variable = keras.Variable(keras.initializers.RandomNormal(), shape=(512, 1024))
+    value = variable.value
+    assert value.devices() == {device} and not np.asarray(value).any()

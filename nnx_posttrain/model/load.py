@@ -9,10 +9,8 @@ KerasHub tasks and warms the backbone up once (abstractly: ``jax.eval_shape``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import mmap
 import types
 from pathlib import Path
 from typing import Callable
@@ -21,14 +19,13 @@ import jax
 import jax.numpy as jnp
 import keras
 import keras_hub
-import numpy as np
 from flax import nnx
 
 from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
-from nnx_posttrain.model import vision, vision_builtin
+from nnx_posttrain.model import lean_load as lean, vision, vision_builtin
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -294,49 +291,6 @@ def _reads_keras_weights(handle: str) -> bool:
     return handle in keras_hub.models.CausalLM.presets or handle.startswith("kaggle://")
 
 
-_UNTOUCHED_BYTES = 1 << 20
-
-
-def _untouched_zeros(shape, dtype) -> np.ndarray:
-    """Zeros in fresh anonymous pages (``mmap``): resident only once written. ``np.zeros``
-    cannot promise it: glibc serves a large block from memory freed before, which it clears."""
-    dtype = np.dtype(dtype)
-    pages = mmap.mmap(-1, max(int(np.prod(shape)) * dtype.itemsize, 1))
-    return np.frombuffer(pages, dtype, count=int(np.prod(shape))).reshape(shape)
-
-
-@contextlib.contextmanager
-def _no_initializers():
-    """Variables created within the block skip their initializer and hold zeros in their own
-    dtype; on CPU, from pages the process has not touched (``_untouched_zeros``, which
-    ``jax.device_put`` takes without a copy). A preset's weights are read over them at once, so
-    random initialisation would only cost time (a compilation per shape) and memory (a float32
-    sample of each tensor), and zeros written out would make the whole model resident before
-    its first weight is read (with ``quantize.while_loading``, the model is never whole).
-    Seed-generator states keep theirs (they are not weights)."""
-    from keras.src.backend.jax import core
-
-    cls = getattr(core, "NnxVariable", None)
-    original = getattr(cls, "_initialize_with_initializer", None)
-    if original is None:
-        yield
-        return
-
-    def keep_zeros(self, initializer):
-        if "seed" in (self.name or ""):
-            return original(self, initializer)
-        value = self.raw_value
-        if jax.default_backend() == "cpu" and value.nbytes >= _UNTOUCHED_BYTES:
-            value = jax.device_put(_untouched_zeros(value.shape, value.dtype))
-        self._initialize(value)
-
-    cls._initialize_with_initializer = keep_zeros
-    try:
-        yield
-    finally:
-        cls._initialize_with_initializer = original
-
-
 def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
                  quantize: str = "none"):
     try:
@@ -344,11 +298,12 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
             return _task_from_preset(handle, dtype=policy, load_weights=False)
         if _reads_keras_weights(handle):
             skip = skipped(_preset_backbone_class(handle) or "")
-            with _no_initializers(), while_loading(quantize, skip):
+            with (jax.default_device(lean.loading_device(quantize)), lean.no_initializers(),
+                  while_loading(quantize, skip)):
                 return _task_from_preset(handle, dtype=policy)
         return _task_from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
-        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        first_line = _cause(exc)
         local = is_local_model(handle)
         if local:
             advice = (
@@ -367,6 +322,18 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
             f"could not load model {name!r} (KerasHub handle {handle!r}): "
             f"{type(exc).__name__}: {first_line}\n{advice}"
         ) from None
+
+
+def _cause(exc: Exception) -> str:
+    """The first line of ``exc``'s message, and where Keras reports objects it could not load
+    ("A total of N objects could not be loaded. Example error message for object X:"), the
+    example error after it too (the cause: without it the message names no reason)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if "could not be loaded" in lines[0] and len(lines) > 1:
+        return f"{lines[0][:300]} {lines[1][:500]}"
+    return lines[0][:300]
 
 
 def _task_from_preset(handle: str, **kwargs):

@@ -1,0 +1,67 @@
+"""Reading a KerasHub preset's weights with little memory: variables made without their
+initializers (zeros from pages the process has not touched, so nothing is resident before a
+weight is read over it), on the host's CPU when they are quantized as they load."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+
+import jax
+import numpy as np
+
+
+UNTOUCHED_BYTES = 1 << 20
+
+
+def untouched_zeros(shape, dtype) -> np.ndarray:
+    """Zeros in fresh anonymous pages (``mmap``): resident only once written. ``np.zeros``
+    cannot promise it: glibc serves a large block from memory freed before, which it clears."""
+    dtype = np.dtype(dtype)
+    pages = mmap.mmap(-1, max(int(np.prod(shape)) * dtype.itemsize, 1))
+    return np.frombuffer(pages, dtype, count=int(np.prod(shape))).reshape(shape)
+
+
+@contextlib.contextmanager
+def no_initializers():
+    """Variables created within the block skip their initializer and hold zeros in their own
+    dtype; on CPU, from pages the process has not touched (``untouched_zeros``, which
+    ``jax.device_put`` takes without a copy). A preset's weights are read over them at once, so
+    random initialisation would only cost time (a compilation per shape) and memory (a float32
+    sample of each tensor), and zeros written out would make the whole model resident before
+    its first weight is read (with ``quantize.while_loading``, the model is never whole).
+    Seed-generator states keep theirs (they are not weights)."""
+    from keras.src.backend.jax import core
+
+    cls = getattr(core, "NnxVariable", None)
+    original = getattr(cls, "_initialize_with_initializer", None)
+    if original is None:
+        yield
+        return
+
+    def keep_zeros(self, initializer):
+        if "seed" in (self.name or ""):
+            return original(self, initializer)
+        value = self.raw_value
+        on_host = isinstance(value, jax.Array) and all(d.platform == "cpu" for d in value.devices())
+        if on_host and value.nbytes >= UNTOUCHED_BYTES:
+            value = jax.device_put(untouched_zeros(value.shape, value.dtype))
+        self._initialize(value)
+
+    cls._initialize_with_initializer = keep_zeros
+    try:
+        yield
+    finally:
+        cls._initialize_with_initializer = original
+
+
+def loading_device(quantize: str):
+    """Where a KerasHub preset's variables are made while it loads: the host's CPU when they
+    are quantized as they are read and the default device is an accelerator (its chip would
+    otherwise hold the whole model in its stored dtype before the first layer is quantized: a
+    Gemma 4 E4B-shaped preset's 14.9 GB of bfloat16 on a 15.7 GiB v5e, its embeddings' int8
+    conversion then out of memory); None (JAX's default device) otherwise. The run places the
+    quantized weights on its mesh afterwards."""
+    if quantize == "none" or jax.default_backend() == "cpu":
+        return None
+    return jax.local_devices(backend="cpu")[0]
