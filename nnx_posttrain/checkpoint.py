@@ -124,6 +124,7 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._held: tuple | None = None  # a save whose device copy waits for write_held
+        self._ahead: tuple | None = None  # (state, its device copy) taken by copy_ahead
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -229,11 +230,22 @@ class Checkpointer:
         (the loop's reads the step's metrics then, so that this call never waits for the
         device; an exception it raises drops the save)."""
         self.write_held()  # the save held before goes first, in order
-        copy = device_copy(state) if self.cfg.async_save else None
+        ahead, self._ahead = self._ahead, None
+        copy = None if not self.cfg.async_save else (
+            ahead[1] if ahead is not None and ahead[0] is state else device_copy(state))
         if copy is None:
             self._write(step, state, data_state, record, metrics)
         else:
             self._held = (step, copy, data_state, record, metrics)
+
+    def copy_ahead(self, state) -> None:
+        """Take now the device copy that ``save`` of this same ``state`` will hold (async saves
+        only): the loop calls this before it waits for the step's metrics, so that the copy's
+        dispatch and its host transfers' start (~80 ms of the host's time for a LoRA state's
+        433 arrays on the chip's host) overlap the step still running, rather than follow it
+        with the device idle."""
+        if self.cfg.async_save:
+            self._ahead = (state, device_copy(state))
 
     def prepare(self, state) -> None:
         """Compile the device copy that async saves of ``state`` take (its arrays' shapes and

@@ -93,33 +93,43 @@ def test_train_step_compiles_once_across_steps(caplog):
     assert not [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage()]
 
 
-def test_the_loop_freezes_what_lives_after_its_first_step_and_switches_threads_promptly(
+def test_the_loop_freezes_what_lives_after_its_first_step_switches_threads_promptly_and_copies_ahead(
         tmp_path, monkeypatch):
     """The garbage collector leaves alone the objects alive after the first step (a full pass
     over a real model's objects stopped the chip's loop for ~0.3 s every ~10 steps), and the
     interpreter comes back to the loop within 0.1 ms (Orbax's threads held it up to 5 ms at a
     time), only while the loop runs; a caller's own frozen objects or shorter switch interval
-    are never undone by it."""
+    are never undone by it. At a step that both logs and saves, the save's device copy is
+    taken before the log reads the step's metrics (which waits for the device): its dispatch and
+    host transfers overlap the step (on the chip's host ~80 ms had followed it, the device
+    idle), and the save holds that copy, not a second one."""
     import gc
     import sys
 
+    from nnx_posttrain import checkpoint
     from nnx_posttrain.train import loop
     from nnx_posttrain.train.hooks import FrozenCollector, PromptSwitches
     from support import MICRO
 
-    seen, switches, one_step = [], [], loop.Steps.one_step
-    before = sys.getswitchinterval()
+    seen, switches, events, one_step = [], [], [], loop.Steps.one_step
+    before, copy, log = sys.getswitchinterval(), checkpoint.device_copy, loop.Steps.log_train
 
     def counted(self, *args):
         seen.append(gc.get_freeze_count())
         switches.append(sys.getswitchinterval())
         return one_step(self, *args)
     monkeypatch.setattr(loop.Steps, "one_step", counted)
+    monkeypatch.setattr(checkpoint, "device_copy",
+                        lambda state: (events.append("copy"), copy(state))[1])
+    monkeypatch.setattr(loop.Steps, "log_train",
+                        lambda self, info: (events.append(f"log {info.step}"), log(self, info))[1])
     assert gc.get_freeze_count() == 0
-    train_run("sft", *MICRO, "--steps", "3", "--eval.every", "0", "--run-dir", tmp_path / "r")
-    assert seen[0] == 0 and seen[1] > 0 and seen[2] > 0
+    train_run("sft", *MICRO, "--steps", "4", "--eval.every", "0", "--log-every", "2",
+              "--checkpoint.every", "2", "--run-dir", tmp_path / "r")
+    assert seen[0] == 0 and all(n > 0 for n in seen[1:])
     assert gc.get_freeze_count() == 0
-    assert switches == [pytest.approx(1e-4)] * 3 and sys.getswitchinterval() == before
+    assert switches == [pytest.approx(1e-4)] * 4 and sys.getswitchinterval() == before
+    assert events == ["copy", "log 2", "copy", "log 4"]
     with PromptSwitches(0.01):  # never longer than the caller's
         assert sys.getswitchinterval() == before
     assert sys.getswitchinterval() == before

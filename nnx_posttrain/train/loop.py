@@ -263,13 +263,16 @@ class Steps:
     def hooks(self) -> Hooks:
         cfg, every = self.run.cfg, self.run.cfg.checkpoint.every
         hooks = Hooks()
+        saving = (lambda i: (bool(every and i.step % every == 0) or i.stopping) and i.boundary
+                  or i.last)
+        # before the log waits for the step: the save's device copy overlaps the step
+        hooks.add(lambda info: self.run.checkpointer.copy_ahead(info.state), when=saving)
         hooks.add(lambda info: self.pending.append(info.metrics), every=1)
         # not on a stop: the window's steps go into the checkpoint, and a resumed run logs the
         # record the uninterrupted run would have
         hooks.add(self.log_train, every=cfg.log_every, when=lambda i: i.last)
         hooks.add(self.evaluate_now, every=cfg.eval.every, when=lambda i: i.last)
-        hooks.add(self.save, when=lambda i: (bool(every and i.step % every == 0) or i.stopping)
-                  and i.boundary or i.last)
+        hooks.add(self.save, when=saving)
         hooks.add(self.stop_now, when=lambda i: i.stopping and (i.boundary or i.last))
         return hooks
 
