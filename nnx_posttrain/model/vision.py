@@ -391,5 +391,18 @@ def outside_the_trace(lm, module):
     if lm.images is not None:
         converter = lm.images.converter
         lm.images = dataclasses.replace(
-            lm.images, converter=type(converter).from_config(converter.get_config()))
+            lm.images, converter=type(converter).from_config(full_config(converter)))
     return lm
+
+
+def full_config(layer) -> dict:
+    """``layer.get_config()`` with the constructor's arguments it leaves out but ``layer`` holds
+    by the same name: KerasHub 0.32's ``Gemma4ImageConverter`` leaves out ``max_soft_tokens``
+    and ``pooling_kernel_size``, so made from its config alone it pads every image to its
+    defaults' 280 x 3^2 = 2520 patches (the micro model's images: 16)."""
+    import inspect
+
+    config, params = layer.get_config(), inspect.signature(type(layer).__init__).parameters
+    return {**{name: getattr(layer, name) for name, p in params.items() if name != "self"
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and hasattr(layer, name)},
+            **config}
