@@ -165,7 +165,7 @@ def test_an_abstract_gemma4_vision_models_converter_makes_the_models_own_patches
 
     converter = keras_hub.layers.Gemma4ImageConverter(patch_size=4, max_soft_tokens=4,
                                                       pooling_kernel_size=2, scale=1 / 255)
-    again = type(converter).from_config(model.vision.full_config(converter))
+    again = type(converter).from_config(model.converters.full_config(converter))
     assert (again.max_soft_tokens, again.pooling_kernel_size, again.patch_size) == (4, 2, 4)
     lm, _ = runs.build_model(runs.ModelSpec("gemma4_vision_micro", "float32"),
                              echo=lambda _: None, abstract=True)

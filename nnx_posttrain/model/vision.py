@@ -39,6 +39,7 @@ from nnx_posttrain import errors
 from nnx_posttrain.model import blocks
 from nnx_posttrain.model import vision_qwen3_5 as qwen3_5
 from nnx_posttrain.model.blocks import shadowed
+from nnx_posttrain.model.converters import full_config
 
 _PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
 
@@ -381,8 +382,9 @@ def outside_the_trace(lm, module):
     A layer's constant arrays that are no variable (Gemma 3's vision position ids, made in its
     ``__init__``) came out as shapes, which ``nnx.split`` would keep in the graph as static
     attributes: zeros of their shapes instead (an abstract model is compiled, never run). A
-    vision model's image converter, made inside the trace, is made again from its config: the
-    data pipeline calls it outside (flax refuses a mutation from another trace level)."""
+    vision model's image converter, made inside the trace, is made again from its whole config
+    (``converters.full_config``): the data pipeline calls it outside (flax refuses a mutation
+    from another trace level)."""
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Module):
             for name, value in list(vars(node).items()):
@@ -394,15 +396,3 @@ def outside_the_trace(lm, module):
             lm.images, converter=type(converter).from_config(full_config(converter)))
     return lm
 
-
-def full_config(layer) -> dict:
-    """``layer.get_config()`` with the constructor's arguments it leaves out but ``layer`` holds
-    by the same name: KerasHub 0.32's ``Gemma4ImageConverter`` leaves out ``max_soft_tokens``
-    and ``pooling_kernel_size``, so made from its config alone it pads every image to its
-    defaults' 280 x 3^2 = 2520 patches (the micro model's images: 16)."""
-    import inspect
-
-    config, params = layer.get_config(), inspect.signature(type(layer).__init__).parameters
-    return {**{name: getattr(layer, name) for name, p in params.items() if name != "self"
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and hasattr(layer, name)},
-            **config}
