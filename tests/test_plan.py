@@ -14,7 +14,7 @@ from nnx_posttrain.cli import train_command
 from nnx_posttrain.plan import build as build_lib, fixes as fixes_lib
 from nnx_posttrain.tasks import tokenizer
 from nnx_posttrain.train import flops
-from support import run_command
+from support import ask, run_command
 
 MICRO = ["--model", "gemma_micro", "--init-from", "", "--batching.batch-size", "8",
          "--batching.max-length", "24"]
@@ -172,6 +172,22 @@ def test_an_abstract_gemma4_vision_models_converter_makes_the_models_own_patches
     # (max images, patches: (16 / 4)^2, 3 x 4^2 pixels + the patch's (x, y))
     assert lm.images.pixels([picture(0, (32, 32))]).shape == (2, 16, 50)
     assert np.all(lm.images.pixels([])[..., -2:] == -1)  # no image: padding patches only
+
+
+def test_a_vision_runs_first_batch_is_made_under_a_tpu_topologys_mesh(tmp_path):
+    """The data's image converter runs eager JAX operations, which a TPU topology's devices
+    cannot run: under the plan's mesh it failed ("'Executable' object has no attribute
+    'local_devices'"); it runs on this host's CPU, and the batch holds the data's own patches."""
+    from support import picture
+    from PIL import Image
+
+    Image.fromarray(picture(0, (32, 24))).save(tmp_path / "p.png")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"images": [str(tmp_path / "p.png")],
+                                                  "messages": ask("How many?", "2")}) + "\n")
+    cfg = _cfg("sft", "--model", "gemma4_vision_micro", "--data", tmp_path / "d.jsonl",
+               "--batching.batch-size", "4", "--batching.max-length", "32")
+    run = build_lib.build(cfg, api.build(cfg), plan.resolve("v5e-1"), echo=lambda s: None)
+    assert run.batch["pixel_values"].shape[1:] == (4 // cfg.batching.grad_accum, 2, 16, 50)
 
 
 @pytest.mark.slow
