@@ -307,14 +307,25 @@ def test_grpo_samples_and_trains_on_image_prompts(prompt_file, tmp_path):
 
 def test_a_local_preset_directory_of_a_gemma4_vision_model_loads(lm, tmp_path):
     """``save_to_preset`` then ``--model DIR``: KerasHub's own ``from_preset`` (its Gemma 4
-    preprocessor built without TensorFlow), the same tower weights and image handling; the
-    built-in's chat format and tokenizer read without its weights are the loaded model's."""
+    preprocessor built without TensorFlow), the same tower weights and image handling (the
+    converter's soft tokens and pooling, which KerasHub's config leaves out, the preprocessor's
+    and the encoder's: not its defaults' 2520 patches a picture); the built-in's chat format
+    and tokenizer read without its weights are the loaded model's. The export's preset holds
+    them (``converters.complete_preset``): KerasHub's ``from_preset`` reads them."""
+    import keras_hub
+
     lm.task.save_to_preset(str(tmp_path / "preset"))
     built, _ = runs.build_model(runs.ModelSpec(str(tmp_path / "preset"), "float32"),
                                 echo=lambda _: None)
     assert model.reads_images(built.module) and built.chat_format == "gemma4"
     assert (built.images.tokens_per_image, built.images.max_images, built.images.patches) == \
         (4, 2, True)
+    image = picture(0, (32, 24))
+    assert built.images.pixels([image]).shape == (2, 16, 50)
+    np.testing.assert_array_equal(built.images.pixels([image]), lm.images.pixels([image]))
+    model.converters.complete_preset(lm.task, tmp_path / "preset")
+    theirs = keras_hub.layers.ImageConverter.from_preset(str(tmp_path / "preset"))
+    assert (theirs.max_soft_tokens, theirs.pooling_kernel_size) == (4, 2)
     assert model.chat_format_of(NAME) == "gemma4"  # read before loading, as the loaded model's
     alone = model.load_tokenizer(NAME)
     assert type(alone.keras_tokenizer).__name__ == "Gemma4Tokenizer"

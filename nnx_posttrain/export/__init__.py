@@ -88,7 +88,7 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None,
            target: Target = Target(), echo=print) -> list[Path]:
     """Write ``run_dir``'s checkpoint ``step`` to ``to`` as ``target`` says; returns the files
     written. ``ExportError`` (a ``UserError``) when it cannot be done as asked."""
-    from nnx_posttrain import inspection, runs
+    from nnx_posttrain import inspection, model, runs
     from nnx_posttrain.export import hf as hf_export
 
     fmt, dtype, adapters_only = target.format, target.dtype, target.adapters_only
@@ -130,6 +130,7 @@ def export(run_dir: str | Path, to: str | Path, step: int | None = None,
         if fmt == "keras":
             to.mkdir(parents=True, exist_ok=True)
             _cast_task(task, dtype).save_to_preset(str(to))
+            model.converters.complete_preset(task, to)  # what KerasHub's config leaves out
             files = sorted(p for p in to.rglob("*") if p.is_file())
         else:
             files = hf_export.export_model(task, to, dtype, loaded.lm.chat_format, echo=echo)

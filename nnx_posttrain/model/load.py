@@ -25,7 +25,7 @@ from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
-from nnx_posttrain.model import lean_load as lean, vision, vision_builtin
+from nnx_posttrain.model import converters, lean_load as lean, vision, vision_builtin
 from nnx_posttrain.model.lora import count_params, trainable_filter
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
@@ -245,6 +245,7 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
             )
         with vision.preprocessor_without_tensorflow():
             task = _from_preset(name, handle, policy, weights, quantize)
+        converters.restore(task, handle)  # a Gemma 4 converter KerasHub's save left defaults
     fmt = _chat_format(name, type(task.backbone).__name__, task.backbone, chat_format)
     tokenizer = getattr(task.preprocessor, "tokenizer", None)
     image_token = getattr(tokenizer, "image_placeholder_id",  # a Gemma 3 / 4 vision model's

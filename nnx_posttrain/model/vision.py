@@ -39,6 +39,7 @@ from nnx_posttrain import errors
 from nnx_posttrain.model import blocks
 from nnx_posttrain.model import vision_qwen3_5 as qwen3_5
 from nnx_posttrain.model.blocks import shadowed
+from nnx_posttrain.model.converters import full_config
 
 _PIXELS = contextvars.ContextVar("nnx_posttrain_pixel_values", default=None)
 
@@ -381,8 +382,9 @@ def outside_the_trace(lm, module):
     A layer's constant arrays that are no variable (Gemma 3's vision position ids, made in its
     ``__init__``) came out as shapes, which ``nnx.split`` would keep in the graph as static
     attributes: zeros of their shapes instead (an abstract model is compiled, never run). A
-    vision model's image converter, made inside the trace, is made again from its config: the
-    data pipeline calls it outside (flax refuses a mutation from another trace level)."""
+    vision model's image converter, made inside the trace, is made again from its whole config
+    (``converters.full_config``): the data pipeline calls it outside (flax refuses a mutation
+    from another trace level), on this host's CPU (``_OnHost``)."""
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Module):
             for name, value in list(vars(node).items()):
@@ -391,5 +393,26 @@ def outside_the_trace(lm, module):
     if lm.images is not None:
         converter = lm.images.converter
         lm.images = dataclasses.replace(
-            lm.images, converter=type(converter).from_config(converter.get_config()))
+            lm.images, converter=_OnHost(type(converter).from_config(full_config(converter))))
     return lm
+
+
+class _OnHost:
+    """An image converter called with a mesh of this host's CPU in context: a plan's mesh holds
+    a topology's devices, which run nothing (the converter's eager JAX operations failed under
+    a TPU topology's: "'Executable' object has no attribute 'local_devices'")."""
+
+    def __init__(self, converter):
+        self.converter = converter
+
+    def __getattr__(self, name):  # the converter's settings (not yet set: unpickling)
+        if name == "converter":
+            raise AttributeError(name)
+        return getattr(self.converter, name)
+
+    def __call__(self, *args, **kwargs):
+        from jax.sharding import Mesh
+
+        with jax.set_mesh(Mesh(np.array(jax.devices("cpu")[:1]), ("host",))):
+            return self.converter(*args, **kwargs)
+
