@@ -22,7 +22,7 @@ import keras_hub
 from flax import nnx
 
 from nnx_posttrain import chat, errors, families
-from nnx_posttrain.model.dtypes import DTYPES
+from nnx_posttrain.model.dtypes import DTYPES, keras_weight_files
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
 from nnx_posttrain.model import lean_load as lean, vision, vision_builtin
@@ -285,9 +285,11 @@ def _tokenizer_of(task, name):
 
 def _reads_keras_weights(handle: str) -> bool:
     """Whether loading ``handle`` reads a KerasHub preset's weight file (every variable), rather
-    than converting a Hugging Face checkpoint (which KerasHub ports tensor by tensor)."""
+    than converting a Hugging Face checkpoint (which KerasHub ports tensor by tensor): one
+    ``model.weights.h5`` or, past KerasHub's ``max_shard_size`` (10 GiB by default: Gemma 4
+    E4B's 14.9 GB), ``model.weights.json`` and its shards (``dtypes.keras_weight_files``)."""
     if is_local_model(handle):
-        return (Path(handle) / "model.weights.h5").is_file()
+        return bool(keras_weight_files(handle))
     return handle in keras_hub.models.CausalLM.presets or handle.startswith("kaggle://")
 
 
@@ -308,7 +310,8 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
         if local:
             advice = (
                 "The directory must be a KerasHub preset (written by save_to_preset: "
-                "config.json, metadata.json, model.weights.h5, tokenizer assets) or a Hugging Face "
+                "config.json, metadata.json, model.weights.h5 or model.weights.json and its "
+                "shards, tokenizer assets) or a Hugging Face "
                 "checkpoint of a family KerasHub converts (config.json, *.safetensors, tokenizer)."
             )
         else:
