@@ -1,9 +1,13 @@
 """KerasHub presets whose weights ``save_to_preset`` sharded (``model.weights.json`` and
 ``model_0000N.weights.h5``: a backbone over its ``max_shard_size``, 10 GiB by default, such as
-Gemma 4 E4B's 14.9 GB) load as a single-file preset does (issue 56)."""
+Gemma 4 E4B's 14.9 GB) load as a single-file preset does, and a layer Keras could not load is
+reported by its own error (issue 56)."""
 
 import nnx_posttrain  # noqa: F401  (sets the Keras backend before keras is imported)
+import keras
+import keras_hub
 import numpy as np
+import pytest
 
 from nnx_posttrain import model
 
@@ -41,3 +45,30 @@ def test_a_sharded_preset_is_read_over_zeros_and_quantized_as_it_loads(micro, tm
     for a, b in pairs:
         assert a.path == b.path
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+
+
+@pytest.mark.filterwarnings("ignore:Skipping nested container")
+def test_a_layer_that_fails_to_load_is_reported_by_its_own_error(micro, tmp_path, monkeypatch):
+    """Keras marks a layer loaded only when it loaded, and tries one that raised again at each
+    later path its walk reaches it by (``layers`` again, the backbone's attribute,
+    ``_operations_by_depth/container_N``), where nothing was saved: its message is the last
+    retry's, "expected 1 variables, but received 0 variables". The load's message is the
+    layer's first error, where its weights are (here an out-of-memory, as a chip's)."""
+    preset = _sharded(micro, tmp_path / "sharded")
+    original = keras.layers.Embedding.load_own_variables
+
+    def out_of_memory(self, store):
+        if len(store) and isinstance(self, keras.layers.ReversibleEmbedding):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return original(self, store)
+
+    monkeypatch.setattr(keras.layers.Embedding, "load_own_variables", out_of_memory)
+    with pytest.warns(UserWarning, match="Skipping nested container at '_operations_by_depth"), \
+            pytest.raises(ValueError, match="expected 1 variables, but received 0 variables"):
+        keras_hub.models.CausalLM.from_preset(str(preset))  # Keras' own report
+    with pytest.raises(model.ModelLoadError) as info:
+        model.load(str(preset))
+    message = str(info.value)
+    assert "token_embedding at 'layers/reversible_embedding': RuntimeError: RESOURCE_EXHAUSTED" \
+        in message, message
+    assert "received 0 variables" not in message

@@ -296,16 +296,17 @@ def _reads_keras_weights(handle: str) -> bool:
 def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
                  quantize: str = "none"):
     try:
-        if not weights:
-            return _task_from_preset(handle, dtype=policy, load_weights=False)
-        if _reads_keras_weights(handle):
-            skip = skipped(_preset_backbone_class(handle) or "")
-            with (jax.default_device(lean.loading_device(quantize)), lean.no_initializers(),
-                  while_loading(quantize, skip)):
-                return _task_from_preset(handle, dtype=policy)
-        return _task_from_preset(handle, dtype=policy)
+        with lean.first_failures() as failures:
+            if not weights:
+                return _task_from_preset(handle, dtype=policy, load_weights=False)
+            if _reads_keras_weights(handle):
+                skip = skipped(_preset_backbone_class(handle) or "")
+                with (jax.default_device(lean.loading_device(quantize)), lean.no_initializers(),
+                      while_loading(quantize, skip)):
+                    return _task_from_preset(handle, dtype=policy)
+            return _task_from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
-        first_line = _cause(exc)
+        first_line = _cause(exc, failures)
         local = is_local_model(handle)
         if local:
             advice = (
@@ -327,16 +328,23 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
         ) from None
 
 
-def _cause(exc: Exception) -> str:
-    """The first line of ``exc``'s message, and where Keras reports objects it could not load
+def _cause(exc: Exception, failures: dict) -> str:
+    """The first line of ``exc``'s message; where Keras reports objects it could not load
     ("A total of N objects could not be loaded. Example error message for object X:"), the
-    example error after it too (the cause: without it the message names no reason)."""
+    first error of each where its weights are stored (``lean.first_failures``: Keras' example
+    is its last retry's, at a path where nothing was saved), else Keras' example error."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     if not lines:
         return ""
-    if "could not be loaded" in lines[0] and len(lines) > 1:
+    if "could not be loaded" not in lines[0] or len(lines) < 2:
+        return lines[0][:300]
+    first = [(getattr(obj, "name", obj), *failures["first"][key])
+             for key, (obj, _) in dict(failures["failed"]).items() if key in failures["first"]]
+    if not first:
         return f"{lines[0][:300]} {lines[1][:500]}"
-    return lines[0][:300]
+    return lines[0].split(".")[0] + "; the first error of each, where its weights are stored: " + \
+        "; ".join(f"{name} at {path!r}: {type(error).__name__}: {str(error).strip()[:300]}"
+                  for name, path, error in first[:4])
 
 
 def _task_from_preset(handle: str, **kwargs):
