@@ -72,9 +72,10 @@ def loading_device(quantize: str):
 
 @contextlib.contextmanager
 def first_failures():
-    """Within the block, ``{"first": {id: (path, error)}, "failed": ids}``: the first error each
-    object raised while Keras loaded weights, with the path in the weight file it was read at,
-    and the objects the load finally failed on. Keras' loader
+    """Within the block, ``{"first": {id: (path, error)}, "failed": {id: (object, error)}}``:
+    the first error each object raised while Keras loaded weights, with the path in the weight
+    file it was read at, and Keras' own record of the objects the load finally failed on (with
+    the last error of each). Keras' loader
     (``keras.src.saving.saving_lib._load_state``) marks an object loaded only once it loaded
     without error; one that raised (its chip out of memory, say) is tried again at every later
     path its walk reaches it by (a Functional backbone's ``layers`` a second time, the attribute
@@ -94,8 +95,8 @@ def first_failures():
         try:
             return original(*args, **kwargs)
         finally:
-            given = signature.bind(*args, **kwargs).arguments
-            errors, key = given.get("error_msgs") or {}, id(given["saveable"])
+            given = signature.bind(*args, **kwargs).arguments  # (its first: the saveable)
+            errors, key = given.get("error_msgs") or {}, id(next(iter(given.values())))
             if key in errors and key not in record["first"]:
                 record["first"][key] = (given.get("inner_path") or "/", errors[key][1])
             if not given.get("inner_path") and given.get("error_msgs") is not None:
