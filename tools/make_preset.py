@@ -4,7 +4,8 @@ full vocabulary size, for offline runs at real scale (no weights can be download
     python -m tools.make_preset --like gemma_2b --out /tmp/gemma_2b_like          # 5.0 GB, bf16
     python -m tools.make_preset --like qwen2.5_0.5b --out DIR --scale 0.05         # same path, small
 
-The preset is what ``save_to_preset`` writes (config.json, metadata.json, model.weights.h5,
+The preset is what ``save_to_preset`` writes (config.json, metadata.json, model.weights.h5 or,
+past its 10 GiB ``max_shard_size``, model.weights.json and its shards as the published presets,
 preprocessor and tokenizer assets) and loads through KerasHub's own ``from_preset``, so
 ``--model DIR`` exercises the real loading path. The tokenizer is synthetic but of the real kind
 and size: a SentencePiece BPE model (Gemma's id layout and chat markers, byte fallback) or a

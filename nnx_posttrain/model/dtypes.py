@@ -65,8 +65,25 @@ def weights_bytes(name: str, dtype: str) -> int | None:
     if not is_local_model(name):
         return None
     root = Path(name).expanduser()
-    files = [p for p in root.iterdir() if p.name == "model.weights.h5"
-             or p.suffix in (".safetensors", ".bin")]
+    files = keras_weight_files(root) + [p for p in root.iterdir()
+                                         if p.suffix in (".safetensors", ".bin")]
     stored_size = 2 if checkpoint_dtype(name) in ("bfloat16", "float16") else 4
     wanted_size = 2 if DTYPES[dtype] == "bfloat16" else 4  # 'bfloat16' keeps float32 weights
     return sum(p.stat().st_size for p in files) * wanted_size // stored_size
+
+
+def keras_weight_files(preset) -> list[Path]:
+    """A local KerasHub preset's weight files: its ``model.weights.h5``, or where
+    ``save_to_preset`` sharded the weights (a backbone over its ``max_shard_size``, 10 GiB by
+    default) the shards that its ``model.weights.json`` maps (``model_00000.weights.h5``, ...);
+    [] for a directory that holds neither (a Hugging Face checkpoint)."""
+    root = Path(preset).expanduser()
+    if (root / "model.weights.h5").is_file():
+        return [root / "model.weights.h5"]
+    index = root / "model.weights.json"
+    if not index.is_file():
+        return []
+    names = set()
+    for shard in json.loads(index.read_text()).get("weight_map", {}).values():
+        names.update(shard if isinstance(shard, list) else [shard])
+    return [root / n for n in sorted(names) if (root / n).is_file()]

@@ -1,10 +1,13 @@
 """Reading a KerasHub preset's weights with little memory: variables made without their
 initializers (zeros from pages the process has not touched, so nothing is resident before a
-weight is read over it), on the host's CPU when they are quantized as they load."""
+weight is read over it), on the host's CPU when they are quantized as they load; and the first
+error each layer raised while Keras read its weights (``first_failures``: Keras reports a later
+one, which names no cause)."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import mmap
 
 import jax
@@ -65,3 +68,42 @@ def loading_device(quantize: str):
     if quantize == "none" or jax.default_backend() == "cpu":
         return None
     return jax.local_devices(backend="cpu")[0]
+
+
+@contextlib.contextmanager
+def first_failures():
+    """Within the block, ``{"first": {id: (path, error)}, "failed": {id: (object, error)}}``:
+    the first error each object raised while Keras loaded weights, with the path in the weight
+    file it was read at, and Keras' own record of the objects the load finally failed on (with
+    the last error of each). Keras' loader
+    (``keras.src.saving.saving_lib._load_state``) marks an object loaded only once it loaded
+    without error; one that raised (its chip out of memory, say) is tried again at every later
+    path its walk reaches it by (a Functional backbone's ``layers`` a second time, the attribute
+    that holds it, ``_operations_by_depth/container_N``, ...), where nothing was saved, and each
+    retry's error replaces the one before: it reports "Layer 'token_embedding' expected 1
+    variables, but received 0 variables", a lookup that could not succeed, not the cause."""
+    from keras.src.saving import saving_lib
+
+    record = {"first": {}, "failed": ()}
+    original = getattr(saving_lib, "_load_state", None)
+    if original is None:
+        yield record
+        return
+    signature = inspect.signature(original)
+
+    def load_state(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            given = signature.bind(*args, **kwargs).arguments  # (its first: the saveable)
+            errors, key = given.get("error_msgs") or {}, id(next(iter(given.values())))
+            if key in errors and key not in record["first"]:
+                record["first"][key] = (given.get("inner_path") or "/", errors[key][1])
+            if not given.get("inner_path") and given.get("error_msgs") is not None:
+                record["failed"] = given["error_msgs"]  # the whole load's (its root's call)
+
+    saving_lib._load_state = load_state
+    try:
+        yield record
+    finally:
+        saving_lib._load_state = original

@@ -22,7 +22,7 @@ import keras_hub
 from flax import nnx
 
 from nnx_posttrain import chat, errors, families
-from nnx_posttrain.model.dtypes import DTYPES
+from nnx_posttrain.model.dtypes import DTYPES, keras_weight_files
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
 from nnx_posttrain.model import converters, lean_load as lean, vision, vision_builtin
@@ -286,30 +286,34 @@ def _tokenizer_of(task, name):
 
 def _reads_keras_weights(handle: str) -> bool:
     """Whether loading ``handle`` reads a KerasHub preset's weight file (every variable), rather
-    than converting a Hugging Face checkpoint (which KerasHub ports tensor by tensor)."""
+    than converting a Hugging Face checkpoint (which KerasHub ports tensor by tensor): one
+    ``model.weights.h5`` or, past KerasHub's ``max_shard_size`` (10 GiB by default: Gemma 4
+    E4B's 14.9 GB), ``model.weights.json`` and its shards (``dtypes.keras_weight_files``)."""
     if is_local_model(handle):
-        return (Path(handle) / "model.weights.h5").is_file()
+        return bool(keras_weight_files(handle))
     return handle in keras_hub.models.CausalLM.presets or handle.startswith("kaggle://")
 
 
 def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
                  quantize: str = "none"):
     try:
-        if not weights:
-            return _task_from_preset(handle, dtype=policy, load_weights=False)
-        if _reads_keras_weights(handle):
-            skip = skipped(_preset_backbone_class(handle) or "")
-            with (jax.default_device(lean.loading_device(quantize)), lean.no_initializers(),
-                  while_loading(quantize, skip)):
-                return _task_from_preset(handle, dtype=policy)
-        return _task_from_preset(handle, dtype=policy)
+        with lean.first_failures() as failures:
+            if not weights:
+                return _task_from_preset(handle, dtype=policy, load_weights=False)
+            if _reads_keras_weights(handle):
+                skip = skipped(_preset_backbone_class(handle) or "")
+                with (jax.default_device(lean.loading_device(quantize)), lean.no_initializers(),
+                      while_loading(quantize, skip)):
+                    return _task_from_preset(handle, dtype=policy)
+            return _task_from_preset(handle, dtype=policy)
     except Exception as exc:  # noqa: BLE001 - any failure inside KerasHub becomes one clear message
-        first_line = _cause(exc)
+        first_line = _cause(exc, failures)
         local = is_local_model(handle)
         if local:
             advice = (
                 "The directory must be a KerasHub preset (written by save_to_preset: "
-                "config.json, metadata.json, model.weights.h5, tokenizer assets) or a Hugging Face "
+                "config.json, metadata.json, model.weights.h5 or model.weights.json and its "
+                "shards, tokenizer assets) or a Hugging Face "
                 "checkpoint of a family KerasHub converts (config.json, *.safetensors, tokenizer)."
             )
         else:
@@ -325,16 +329,23 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
         ) from None
 
 
-def _cause(exc: Exception) -> str:
-    """The first line of ``exc``'s message, and where Keras reports objects it could not load
+def _cause(exc: Exception, failures: dict) -> str:
+    """The first line of ``exc``'s message; where Keras reports objects it could not load
     ("A total of N objects could not be loaded. Example error message for object X:"), the
-    example error after it too (the cause: without it the message names no reason)."""
+    first error of each where its weights are stored (``lean.first_failures``: Keras' example
+    is its last retry's, at a path where nothing was saved), else Keras' example error."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     if not lines:
         return ""
-    if "could not be loaded" in lines[0] and len(lines) > 1:
+    if "could not be loaded" not in lines[0] or len(lines) < 2:
+        return lines[0][:300]
+    first = [(getattr(obj, "name", obj), *failures["first"][key])
+             for key, (obj, _) in dict(failures["failed"]).items() if key in failures["first"]]
+    if not first:
         return f"{lines[0][:300]} {lines[1][:500]}"
-    return lines[0][:300]
+    return lines[0].split(".")[0] + "; the first error of each, where its weights are stored: " + \
+        "; ".join(f"{name} at {path!r}: {type(error).__name__}: {str(error).strip()[:300]}"
+                  for name, path, error in first[:4])
 
 
 def _task_from_preset(handle: str, **kwargs):
