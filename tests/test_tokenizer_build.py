@@ -74,3 +74,18 @@ def test_tracking_is_restored_after_an_error_and_a_layer_inside_is_tracked():
 
     held = tokenizer_build.build(Holder)
     assert [type(layer) for layer in held._layers] == [keras.layers.Dense]
+
+
+def test_fingerprints_tell_tokenizers_apart():
+    """``model.Tokenizer.fingerprint`` (what ``data.validate`` keeps its reports by): equal for
+    tokenizers built from the same data, different for another vocabulary or special tokens."""
+    from nnx_posttrain.model import Tokenizer
+
+    def sp(proto):
+        return Tokenizer(keras_hub.models.GemmaTokenizer(proto=proto)).fingerprint
+
+    bpe = [Tokenizer(make_preset.qwen_tokenizer(4096, qwen3=q)).fingerprint
+           for q in (False, False, True)]
+    assert bpe[0] == bpe[1] != bpe[2] and None not in bpe
+    assert sp(builtin.builtin_proto()) == sp(builtin.builtin_proto()) != sp(
+        make_preset.gemma_proto(4096))

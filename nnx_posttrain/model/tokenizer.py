@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 from typing import Callable
 
 import keras
@@ -106,12 +107,17 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str | None:
-        """A SHA-256 of what decides this tokenizer's ids (a SentencePiece model's bytes and the
-        special ids), for caches of tokenized data (``data.validate``); None for another kind of
-        tokenizer (not cached)."""
-        if self._fingerprint is None and self._sp is not None:
-            digest = hashlib.sha256(self._sp.serialized_model_proto())
-            digest.update(repr((self.bos_id, self.eos_id, self.pad_id, self.vocab_size)).encode())
+        """A SHA-256 of what decides this tokenizer's ids (a SentencePiece model's bytes, else
+        the KerasHub tokenizer's class, config, vocabulary and merges; the special ids), for
+        caches of tokenized data (``data.validate``); None where it cannot be told."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256(repr((self.bos_id, self.eos_id, self.pad_id,
+                                          self.vocab_size)).encode())
+            data = (self._sp.serialized_model_proto() if self._sp is not None
+                    else _keras_description(self.keras_tokenizer))
+            if data is None:
+                return None
+            digest.update(data)
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 
@@ -128,6 +134,22 @@ class Tokenizer:
             import sentencepiece as spm
 
             self._sp = spm.SentencePieceProcessor(model_proto=self._sp)
+
+
+def _keras_description(tok) -> bytes | None:
+    """A KerasHub tokenizer's class, config (less its name), vocabulary and merges as bytes;
+    None where they cannot be read (an object in the config is named by its repr, which no
+    other tokenizer shares: never the same description)."""
+    try:
+        config = {k: v for k, v in tok.get_config().items() if k != "name"}
+        vocabulary = getattr(tok, "vocabulary", None)
+        vocabulary = (list(vocabulary.items()) if isinstance(vocabulary, dict)
+                      else list(tok.get_vocabulary()))
+        merges = list(getattr(tok, "merges", None) or [])
+        kind = f"{type(tok).__module__}.{type(tok).__qualname__}"
+        return json.dumps([kind, config, vocabulary, merges], default=repr).encode()
+    except Exception:  # noqa: BLE001 - not described: not cached
+        return None
 
 
 def _token_id(tok, attr):
