@@ -351,6 +351,36 @@ def test_validate_stops_on_a_bad_record(tmp_path, tok):
         data.validate(data.JsonlSource(path), data.Tokenize(tok, "gemma", 16))
 
 
+def test_the_same_data_validated_again_in_a_process_is_not_read_again(tok, monkeypatch):
+    """The built-in data validated again the same way (its fingerprint, the transform's
+    settings and tokenizer) gives the first report without a record read; other settings read
+    it again."""
+    first = data.validate(data.source("builtin", "eval"), data.Tokenize(tok, "gemma", 48))
+    first.good_indices[:] = -1  # the caller's copy: what is kept is not changed
+    calls, tokenize = [], data.Tokenize.__call__
+    monkeypatch.setattr(data.Tokenize, "__call__",
+                        lambda self, record: calls.append(1) or tokenize(self, record))
+    again = data.validate(data.source("builtin", "eval"), data.Tokenize(tok, "gemma", 48))
+    assert calls == [] and again.records == 500
+    assert again.good_indices.tolist() == list(range(500))
+    data.validate(data.source("builtin", "eval"), data.Tokenize(tok, "gemma", 40))
+    assert len(calls) == 500
+
+
+def test_a_changed_file_is_validated_again_and_its_bad_record_refused(tmp_path, tok):
+    """A file validated once, then changed (one character of its fifth line, the same size):
+    validated again, its bad record refused with its file and line."""
+    lines = [json.dumps({"prompt": f"What is {i} + 1?", "completion": str(i + 1)})
+             for i in range(8)]
+    path = write_jsonl(tmp_path / "file.jsonl", lines)
+    transform = data.Tokenize(tok, "gemma", 24)
+    assert data.validate(data.JsonlSource(path), transform).bad == 0
+    lines[4] = "[" + lines[4][1:]
+    write_jsonl(path, lines)
+    with pytest.raises(DataError, match=r"file\.jsonl:5: malformed JSON"):
+        data.validate(data.JsonlSource(path), transform)
+
+
 def test_validate_empty_source(tmp_path, tok):
     path = write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(DataError, match="no records"):

@@ -422,6 +422,28 @@ def test_a_rerun_of_the_same_shapes_reads_its_compiled_step_from_the_cache(tmp_p
         compile_cache._reread()
 
 
+def test_a_run_with_its_own_cache_keeps_every_program_there(tmp_path, monkeypatch):
+    """With this package's cache folder, JAX's threshold (a second of compilation) is off for
+    the run and JAX's default back after it; a threshold the caller chose stands."""
+    from nnx_posttrain.train import compile_cache
+
+    key = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, key)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    try:
+        jax.config.update(key, 1.0)  # JAX's default
+        with compile_cache.keeping_every_program(tmp_path):
+            assert getattr(jax.config, key) == 0.0
+        assert getattr(jax.config, key) == 1.0
+        with compile_cache.keeping_every_program(None):  # the caller's cache, or none
+            assert getattr(jax.config, key) == 1.0
+        jax.config.update(key, 2.5)  # the caller's
+        with compile_cache.keeping_every_program(tmp_path):
+            assert getattr(jax.config, key) == 2.5
+    finally:
+        jax.config.update(key, before)
+
+
 def test_the_compile_cache_lives_beside_the_run_directory_unless_jax_has_one(tmp_path):
     from nnx_posttrain.train import compile_cache
 

@@ -275,8 +275,11 @@ def _dataset_dir(path: Path, split: str) -> Path:
 
 
 class ListSource:
-    def __init__(self, records: list[dict], name: str):
-        self.records, self.name = records, name
+    """Records in memory. ``fingerprint``: a built-in task's (``register_builtin``), which
+    changes whenever its records do; ``validate`` keeps its results per fingerprint."""
+
+    def __init__(self, records: list[dict], name: str, fingerprint: str | None = None):
+        self.records, self.name, self.fingerprint = records, name, fingerprint
 
     def __len__(self):
         return len(self.records)

@@ -72,7 +72,8 @@ def _weighted(part: str) -> tuple[str, float | None]:
 
 def _one_source(spec: str, split: str, builtin: str = "sft"):
     if _is_builtin(spec):
-        return ListSource(_builtin_provider(spec)(builtin, split), f"{spec}:{builtin}:{split}")
+        return ListSource(_builtin_provider(spec)(builtin, split), f"{spec}:{builtin}:{split}",
+                          builtin_fingerprint(spec))
     if (found := hub.files(spec, split)) is not None:  # hf://, a folder of Parquet shards, a glob
         parts = [_one_source(str(f), split, builtin) for f in found]
         return parts[0] if len(parts) == 1 else Concat(parts)

@@ -1,14 +1,20 @@
 """Validation before training: every record is read and tokenized once, bad ones reported (or
-skipped), and the source restricted to the good ones."""
+skipped), and the source restricted to the good ones. A process that validates the same data
+the same way again (runs of a sweep, a notebook, the tests) reuses the first report: data known
+by its content (a built-in task's fingerprint; a file's path, size and times) and a transform
+known by its settings and its tokenizer's fingerprint (``_key``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from nnx_posttrain.data import sources
 from nnx_posttrain.data.errors import DataError
-from nnx_posttrain.data.sources import Mixture, Subset, source_name
+from nnx_posttrain.data.sources import Concat, ListSource, Mixture, Subset, source_name
 
 @dataclass
 class ValidationReport:
@@ -47,7 +53,21 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
     an empty completion, ...) stops the run here with a ``DataError`` naming its file, line and
     field, instead of hours into training. With ``skip_bad`` bad records are counted and skipped:
     ``only_good(src, report)`` then serves the good ones; if none is good it still fails.
+    The same data validated the same way again in this process returns the first report (a
+    copy) without reading a record; a changed file is validated again (``_key``).
     """
+    key = _key(src, transform, skip_bad, max_examples)
+    if key is not None and key in _REPORTS:
+        return _copy(_REPORTS[key])
+    report = _validate(src, transform, skip_bad, max_examples)
+    if key is not None:
+        while len(_REPORTS) >= _KEEP:
+            _REPORTS.pop(next(iter(_REPORTS)))
+        _REPORTS[key] = _copy(report)
+    return report
+
+
+def _validate(src, transform, skip_bad: bool, max_examples: int) -> ValidationReport:
     n = len(src)
     if n == 0:
         raise DataError(f"{source_name(src)}: no records")
@@ -76,6 +96,64 @@ def validate(src, transform, skip_bad: bool = False, max_examples: int = 5) -> V
     return ValidationReport(n, np.flatnonzero(good), bad, examples, truncated,
                             int(no_loss.sum()), np.flatnonzero(no_loss), identical,
                             labels[1], labels[0])
+
+
+# Reports of this process's validations: (data, transform, skip_bad, max_examples) -> report;
+# the oldest dropped past _KEEP
+_REPORTS: dict = {}
+_KEEP = 16
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _copy(report: ValidationReport) -> ValidationReport:
+    return dataclasses.replace(report, good_indices=report.good_indices.copy(),
+                               bad_examples=list(report.bad_examples),
+                               no_loss_indices=report.no_loss_indices.copy())
+
+
+def _key(src, transform, skip_bad: bool, max_examples: int):
+    """What a validation's report depends on, or None where it cannot be told (not kept): the
+    data's content (``_data_key``) and the transform's class, settings and tokenizer (its
+    ``fingerprint``; a transform with other state, a vision model's images, is not kept)."""
+    data = _data_key(src)
+    if data is None or not dataclasses.is_dataclass(transform):
+        return None
+    settings = []
+    for f in dataclasses.fields(transform):
+        value = getattr(transform, f.name)
+        if f.name == "tokenizer":
+            value = getattr(value, "fingerprint", None)
+            if value is None:
+                return None
+        elif not isinstance(value, _PLAIN):
+            return None
+        settings.append((f.name, value))
+    kind = f"{type(transform).__module__}.{type(transform).__qualname__}"
+    return data, kind, tuple(settings), bool(skip_bad), int(max_examples)
+
+
+def _data_key(src):
+    """A built-in task's records: its name and fingerprint. A JSONL or Parquet file: its path,
+    size, modification and change times and inode (any write changes one), and the record size
+    limit. Concatenations, mixtures and subsets of those: their parts'. Else None."""
+    if isinstance(src, ListSource):
+        fingerprint = getattr(src, "fingerprint", None)
+        return None if fingerprint is None else ("builtin", src.name, fingerprint, len(src))
+    if isinstance(src, Subset):
+        inner = _data_key(src.src)
+        return None if inner is None else ("subset", inner, src.indices.tobytes())
+    if isinstance(src, Concat):
+        parts = tuple(_data_key(part) for part in src.sources)
+        weights = tuple(src.weights) if isinstance(src, Mixture) else None
+        return None if None in parts else ("concat", parts, weights)
+    if isinstance(src, (sources.JsonlSource, sources.ParquetSource)):
+        path = Path(src.path).resolve()
+        if not path.is_file():
+            return None
+        st = path.stat()
+        return ("file", str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                sources.MAX_RECORD_BYTES)
+    return None
 
 
 def only_good(src, report: ValidationReport, drop_no_loss: bool = False):

@@ -7,6 +7,8 @@ its chat template. Around it:
 
 - ``load``: names, presets, local KerasHub / Hugging Face directories, built-in configurations
   (``register_builtin``), the ``nnx.state`` workaround for tasks, ``describe``;
+- ``tokenizer``: the plain-Python ``Tokenizer`` and its ``fingerprint``; KerasHub tokenizers
+  built without Keras' tracking of their vocabulary (``build``);
 - ``names``: what ``--model`` names (preset short names, built-in configurations, directories);
 - ``dtypes``: ``--dtype``'s names, a checkpoint's stored dtype, ``--dtype auto``, weight bytes;
 - ``lora``: the trainable-variable filter, ``split``, LoRA and its off switch (the reference model);

@@ -27,6 +27,7 @@ from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
 from nnx_posttrain.model import converters, lean_load as lean, vision, vision_builtin
 from nnx_posttrain.model.lora import count_params, trainable_filter
+from nnx_posttrain.model.tokenizer import Tokenizer, build as build_tokenizer
 
 _TOKENIZER_PROTOS: dict[str, Callable[[], bytes]] = {}
 
@@ -51,7 +52,8 @@ def _build_builtin(name: str, policy: str, seed: int):
         dims = dict(TINY[name])
         build = vision_builtin.BUILDERS[dims.pop("family", None)]
         return build(dims, _TOKENIZER_PROTOS[name](), policy)
-    tok = keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]())
+    proto = _TOKENIZER_PROTOS[name]()
+    tok = build_tokenizer(lambda: keras_hub.models.GemmaTokenizer(proto=proto))
     backbone = keras_hub.models.GemmaBackbone(
         vocabulary_size=tok.vocabulary_size(), dtype=policy, **TINY[name]
     )
@@ -61,68 +63,6 @@ def _build_builtin(name: str, policy: str, seed: int):
 
 class ModelLoadError(errors.ModelError, RuntimeError):
     """A model could not be loaded; the message says what to do."""
-
-
-class Tokenizer:
-    """Plain-Python view of a KerasHub tokenizer: encode to / decode from lists of ints.
-
-    SentencePiece tokenizers (Gemma, Mistral, the built-in one) run through the ``sentencepiece``
-    package directly: fast, and picklable for data-loading worker processes.
-    """
-
-    def __init__(self, keras_tokenizer):
-        self.keras_tokenizer = keras_tokenizer
-        proto = getattr(keras_tokenizer, "proto", None)
-        self._sp = None
-        if proto is not None:
-            import sentencepiece as spm
-
-            self._sp = spm.SentencePieceProcessor(model_proto=proto)
-        self.bos_id = _token_id(keras_tokenizer, "start_token_id")
-        self.eos_id = _token_id(keras_tokenizer, "end_token_id")
-        pad = _token_id(keras_tokenizer, "pad_token_id")
-        self.pad_id = pad if pad is not None else (self.eos_id or 0)
-        self.vocab_size = int(keras_tokenizer.vocabulary_size())
-
-    def encode(self, text: str) -> list[int]:
-        if not text:
-            return []
-        if self._sp is not None:
-            return self._sp.encode(text)
-        return [int(t) for t in keras.ops.convert_to_numpy(self.keras_tokenizer.tokenize(text))]
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if self._sp is not None:
-            return self._sp.decode(ids)
-        out = self.keras_tokenizer.detokenize(ids)  # a str without TensorFlow, else a tensor
-        if not isinstance(out, str):
-            out = keras.ops.convert_to_numpy(out).item()
-        return out.decode() if isinstance(out, bytes) else str(out)
-
-    def token_id(self, piece: str) -> int | None:
-        """Id of a single special piece (e.g. '<end_of_turn>'), or None if it is not one token."""
-        ids = self.encode(piece)
-        return ids[0] if len(ids) == 1 else None
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["keras_tokenizer"] = None  # TensorFlow-backed; workers only need the fast path
-        if self._sp is not None:
-            state["_sp"] = self._sp.serialized_model_proto()
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        if isinstance(self._sp, bytes):
-            import sentencepiece as spm
-
-            self._sp = spm.SentencePieceProcessor(model_proto=self._sp)
-
-
-def _token_id(tok, attr):
-    value = getattr(tok, attr, None)
-    return None if value is None else int(value)
 
 
 @dataclasses.dataclass
@@ -268,12 +208,13 @@ def load_tokenizer(name: str) -> Tokenizer | None:
         if TINY[name].get("family") in ("gemma4", "qwen3_5"):  # (Gemma 3: GemmaTokenizer)
             return Tokenizer(vision_builtin.tokenizer_of(TINY[name].get("family"),
                                                          _TOKENIZER_PROTOS[name]()))
-        return Tokenizer(keras_hub.models.GemmaTokenizer(proto=_TOKENIZER_PROTOS[name]()))
+        proto = _TOKENIZER_PROTOS[name]()
+        return Tokenizer(build_tokenizer(lambda: keras_hub.models.GemmaTokenizer(proto=proto)))
     handle = PRESETS.get(name, name)
     if is_local_model(handle):
         handle = str(Path(handle).expanduser().resolve())
     try:
-        return Tokenizer(keras_hub.models.Tokenizer.from_preset(handle))
+        return Tokenizer(build_tokenizer(lambda: keras_hub.models.Tokenizer.from_preset(handle)))
     except Exception:  # noqa: BLE001 - the model's own load reports what is wrong with it
         return None
 
@@ -366,7 +307,7 @@ def _task_from_preset(handle: str, **kwargs):
                 raise
             task = cls.from_preset(handle, preprocessor=None, **kwargs)
     if task.preprocessor is None:
-        tokenizer = keras_hub.models.Tokenizer.from_preset(handle)
+        tokenizer = build_tokenizer(lambda: keras_hub.models.Tokenizer.from_preset(handle))
         task.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=tokenizer)
     return task
 

@@ -13,13 +13,16 @@ def tokenizer_of(family: str | None, data):
     (a SentencePiece model's bytes; Qwen 3.5: (vocabulary, merges) of a byte-level BPE)."""
     import keras_hub
 
+    from nnx_posttrain.model.tokenizer import build
+
     if family == "qwen3_5":
         vocab, merges = data
-        return keras_hub.tokenizers.Qwen3_5Tokenizer(
-            vocabulary=vocab, merges=merges, unsplittable_tokens=special_tokens(vocab))
+        return build(lambda: keras_hub.tokenizers.Qwen3_5Tokenizer(
+            vocabulary=vocab, merges=merges, unsplittable_tokens=special_tokens(vocab)))
     if family == "gemma4":
-        return keras_hub.tokenizers.Gemma4Tokenizer(proto=data, has_video_tokens=False)
-    return keras_hub.tokenizers.Gemma3Tokenizer(proto=data)
+        return build(lambda: keras_hub.tokenizers.Gemma4Tokenizer(proto=data,
+                                                                   has_video_tokens=False))
+    return build(lambda: keras_hub.tokenizers.Gemma3Tokenizer(proto=data))
 
 
 def build_gemma3(dims: dict, proto: bytes, policy: str):

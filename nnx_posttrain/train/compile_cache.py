@@ -9,12 +9,16 @@ unchanged one never runs stale code.
 ``auto`` puts it beside the run directory (``runs/.jax_cache`` for ``runs/NAME``), shared by the
 runs of that folder, unless JAX already has a cache (``JAX_COMPILATION_CACHE_DIR``, or
 ``jax.config`` set by the caller): the caller's choice wins. ``none`` turns it off. Setting it is
-process-wide (a JAX setting), done when a run is prepared, never on import; programs that take
-JAX less than a second to compile are not written (JAX's threshold).
+process-wide (a JAX setting), done when a run is prepared, never on import. While a run uses
+the folder, every program it compiles is written (``keeping_every_program``), not only those
+that took JAX a second to compile (JAX's threshold): the many small ones (a built-in model's
+random initializers, one per weight shape; the optimizer's and the metrics') were compiled again
+by every process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -54,6 +58,25 @@ def use(setting: str, run_dir: Path, echo=print) -> Path | None:
         echo(f"compilation cache: {folder} (a resume or a rerun of these shapes reads its step "
              "from there; --compile-cache none: off)")
     return folder
+
+
+@contextlib.contextmanager
+def keeping_every_program(folder: Path | None):
+    """Within the block, with ``folder`` (``use``'s: this package's cache, not the caller's),
+    JAX writes every program it compiles to the cache, however short its compilation: the next
+    process reads them back (gemma_tiny's load: 21 small initializer programs, 3.3 -> 1.0 CPU-s
+    in a second process). A threshold the caller chose (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS,
+    or ``jax.config`` set off JAX's default of 1 s) stands; JAX's setting is restored after."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    chosen = before != 1.0 or "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" in os.environ
+    if folder is None or chosen:
+        yield
+        return
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def _reread() -> None:

@@ -157,7 +157,9 @@ def _devices(run: Run, abstract) -> jax.sharding.Mesh:
     the compilation cache, the CPU split and multi-process start-up, before anything else touches
     JAX; its batch split checked before the run directory exists (a refused run leaves none)."""
     if abstract is None:
-        compile_cache.use(run.cfg.compile_cache, run.run_dir, run.echo)  # before any compile
+        # before any compile; the run's small programs kept in it too
+        folder = compile_cache.use(run.cfg.compile_cache, run.run_dir, run.echo)
+        run.guards.enter_context(compile_cache.keeping_every_program(folder))
         mesh = _host_mesh(run.cfg, run.echo)
     else:  # the memory the step may use is the devices', not this host's (plan checks it)
         run.cfg = dataclasses.replace(run.cfg, memory_check=False)
