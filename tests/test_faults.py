@@ -260,15 +260,20 @@ def test_reading_a_run_whose_checkpoint_rotation_removes_the_latest_meanwhile(co
 
 
 @pytest.mark.slow
-def test_a_resume_keeps_the_init_from_checkpoint_it_started_from(tmp_path, capsys):
+def test_a_resume_keeps_the_init_from_checkpoint_it_started_from(finished, tmp_path, capsys):
     """The --init-from run trains on after a DPO run started from it: the resumed DPO run still
     starts (and takes its reference model) from the checkpoint it began with, and equals a run
-    that was never interrupted; a resume whose starting checkpoint is gone is refused."""
+    that was never interrupted; a resume whose starting checkpoint is gone is refused. The
+    starting run is the session's finished one, first without its step 4 (its latest is 2),
+    then with it back (the run has moved on), not two SFT runs of its own."""
     base, control, resumed = tmp_path / "base", tmp_path / "control", tmp_path / "resumed"
-    sft(base, "--steps", "2")
+    shutil.copytree(finished, base)
+    shutil.rmtree(base / "checkpoints" / "4")
+    assert steps_of(base) == [2]
     dpo(control, "--init-from", str(base), "--steps", "4")
     dpo(resumed, "--init-from", str(base), "--steps", "2")
-    sft(base, "--steps", "4")  # the starting run moves on: its latest is step 4 now
+    shutil.copytree(finished / "checkpoints" / "4", base / "checkpoints" / "4")
+    assert steps_of(base) == [2, 4]  # the starting run moved on: its latest is step 4 now
     capsys.readouterr()
     dpo(resumed, "--init-from", str(base), "--steps", "4")
     assert f"initialised from {base} (step 2," in capsys.readouterr().out
