@@ -231,8 +231,9 @@ class Checkpointer:
         device; an exception it raises drops the save)."""
         self.write_held()  # the save held before goes first, in order
         ahead, self._ahead = self._ahead, None
-        copy = None if not self.cfg.async_save else (
-            ahead[1] if ahead is not None and ahead[0] is state else device_copy(state))
+        if ahead is None or ahead[0] is not state:  # no copy_ahead of this state
+            ahead = (state, device_copy(state) if self.cfg.async_save else None)
+        copy = ahead[1]
         if copy is None:
             self._write(step, state, data_state, record, metrics)
         else:

@@ -52,13 +52,18 @@ def _build_builtin(name: str, policy: str, seed: int):
         dims = dict(TINY[name])
         build = vision_builtin.BUILDERS[dims.pop("family", None)]
         return build(dims, _TOKENIZER_PROTOS[name](), policy)
-    proto = _TOKENIZER_PROTOS[name]()
-    tok = build_tokenizer(lambda: keras_hub.models.GemmaTokenizer(proto=proto))
+    tok = _builtin_gemma_tokenizer(name)
     backbone = keras_hub.models.GemmaBackbone(
         vocabulary_size=tok.vocabulary_size(), dtype=policy, **TINY[name]
     )
     preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tok)
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
+
+
+def _builtin_gemma_tokenizer(name: str):
+    """The ``GemmaTokenizer`` of a registered text-only built-in configuration."""
+    proto = _TOKENIZER_PROTOS[name]()
+    return build_tokenizer(lambda: keras_hub.models.GemmaTokenizer(proto=proto))
 
 
 class ModelLoadError(errors.ModelError, RuntimeError):
@@ -208,8 +213,7 @@ def load_tokenizer(name: str) -> Tokenizer | None:
         if TINY[name].get("family") in ("gemma4", "qwen3_5"):  # (Gemma 3: GemmaTokenizer)
             return Tokenizer(vision_builtin.tokenizer_of(TINY[name].get("family"),
                                                          _TOKENIZER_PROTOS[name]()))
-        proto = _TOKENIZER_PROTOS[name]()
-        return Tokenizer(build_tokenizer(lambda: keras_hub.models.GemmaTokenizer(proto=proto)))
+        return Tokenizer(_builtin_gemma_tokenizer(name))
     handle = PRESETS.get(name, name)
     if is_local_model(handle):
         handle = str(Path(handle).expanduser().resolve())
