@@ -205,7 +205,11 @@ def test_a_preset_quantized_as_it_loads_is_made_on_the_host_where_the_default_is
     """On a chip the variables a preset's weights are read over would hold the whole model in
     its stored dtype before the first layer is quantized (a Gemma 4 E4B-shaped preset's 14.9 GB
     of bfloat16 on a 15.7 GiB v5e: its embeddings failed to load there): quantizing as it loads,
-    the model is made on the host's CPU; unquantized, or on a CPU host, where JAX puts it."""
+    the model is made on the host's CPU; unquantized, or on a CPU host, where JAX puts it. In a
+    run the load is under the run's mesh, which places new arrays on its devices whatever JAX's
+    default device (the E4B load on the chip after the default device alone was set): the
+    loading device's own mesh is in context while the model is made."""
+    from jax.sharding import Mesh
     from nnx_posttrain.model import lean_load
 
     assert lean_load.loading_device("int8") is None  # this host: the CPU is the default
@@ -213,7 +217,11 @@ def test_a_preset_quantized_as_it_loads_is_made_on_the_host_where_the_default_is
     assert lean_load.loading_device("none") is None
     device = lean_load.loading_device("int8")
     assert device.platform == "cpu"
-    with jax.default_device(device), lean_load.no_initializers():
+    run_mesh = Mesh(np.array(jax.devices()), ("data",))
+    with jax.set_mesh(run_mesh), lean_load.made_on(device), lean_load.no_initializers():
+        assert jax.sharding.get_abstract_mesh().axis_names == ("host",)
         variable = keras.Variable(keras.initializers.RandomNormal(), shape=(512, 1024))
     value = variable.value
     assert value.devices() == {device} and not np.asarray(value).any()
+    with lean_load.made_on(None):
+        assert jax.sharding.get_abstract_mesh().empty

@@ -71,6 +71,22 @@ def loading_device(quantize: str):
 
 
 @contextlib.contextmanager
+def made_on(device):
+    """Arrays created within the block on ``device`` (None: where JAX puts them). JAX's default
+    device alone does not do it in a run: under the run's mesh (``jax.set_mesh``) new arrays go
+    to the mesh's devices whatever the default (a Gemma 4 E4B-shaped preset loaded "on the
+    host" filled the v5e's memory with its bfloat16 zeros), so a one-device mesh of ``device``
+    is put in context too."""
+    if device is None:
+        yield
+        return
+    from jax.sharding import Mesh
+
+    with jax.default_device(device), jax.set_mesh(Mesh(np.array([device]), ("host",))):
+        yield
+
+
+@contextlib.contextmanager
 def first_failures():
     """Within the block, ``{"first": {id: (path, error)}, "failed": {id: (object, error)}}``:
     the first error each object raised while Keras loaded weights, with the path in the weight

@@ -247,7 +247,7 @@ def _from_preset(name: str, handle: str, policy: str, weights: bool = True,
                 return _task_from_preset(handle, dtype=policy, load_weights=False)
             if _reads_keras_weights(handle):
                 skip = skipped(_preset_backbone_class(handle) or "")
-                with (jax.default_device(lean.loading_device(quantize)), lean.no_initializers(),
+                with (lean.made_on(lean.loading_device(quantize)), lean.no_initializers(),
                       while_loading(quantize, skip)):
                     return _task_from_preset(handle, dtype=policy)
             return _task_from_preset(handle, dtype=policy)
