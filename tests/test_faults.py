@@ -497,8 +497,9 @@ def _start(run_dir, *extra):
     # -X faulthandler: a stalled process dumps every thread's stack on SIGABRT (see _wait_for)
     cmd = [sys.executable, "-X", "faulthandler", "-m", "experiments.sft", *FAST, "--run-dir",
            str(run_dir), *extra]
+    # unbuffered: what it printed reaches the pipe before a test kills it
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def _wait_for(predicate, proc, timeout=300):
@@ -527,7 +528,8 @@ def test_second_process_refused_log_removed_mid_run_recreated_killed_holder_take
         msg = refusal(sft, run)
         assert f"is in use by another process (pid {proc.pid} on host" in msg
         (run / "metrics.jsonl").unlink()
-        _wait_for(lambda: (run / "metrics.jsonl").exists(), proc)
+        # a record in the new file: its message was printed before (the file is created first)
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and records(run), proc)
     finally:
         proc.kill()
     out, _ = proc.communicate(timeout=60)

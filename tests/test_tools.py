@@ -411,3 +411,33 @@ def test_plan_table_update_keeps_the_other_rows_and_says_when_each_was_compiled(
     _, notes = plan_table.merged(recorded, [line(rows[5], "newer")], [rows[5]])
     assert notes[-1] == (f"Compiled at bbb (2026-12-06): {rows[-1]}, {rows[0]}; "
                          f"this table's commit: {rows[5]}")
+
+
+def test_suite_compile_records_a_tests_jax_seconds_and_ranks_files_by_compiling(tmp_path,
+                                                                                 monkeypatch):
+    """The plugin's line for a test holds what JAX reported in it (a jit of a new function:
+    trace, lower and compile all above zero); the summary ranks files by compile seconds."""
+    import jax
+    import jax.numpy as jnp
+
+    from tools import suite_compile
+
+    out = tmp_path / "suite_compile.jsonl"
+    monkeypatch.setenv("SUITE_COMPILE_OUT", str(out))
+    suite_compile.pytest_configure(None)
+    try:
+        suite_compile.pytest_runtest_protocol(None, None)
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 7.0)(jnp.ones(5)).block_until_ready()
+        suite_compile.pytest_runtest_logfinish("tests/test_a.py::test_jit", None)
+    finally:
+        suite_compile.pytest_unconfigure(None)
+    line = json.loads(out.read_text())
+    assert line["test"] == "tests/test_a.py::test_jit"
+    assert all(line[k] > 0 for k in ("trace", "lower", "compile")) and line["wall"] > 0
+    with out.open("a") as more:
+        more.write(json.dumps({"test": "tests/test_b.py::t", "wall": 9.0, "trace": 0.0,
+                               "lower": 0.0, "compile": 8.0}) + "\n")
+    table = suite_compile.summary(out).splitlines()
+    assert table[0].startswith("2 tests: wall ")
+    files = table[table.index("file | wall | trace | lower | compile") + 1:][:2]
+    assert [f.split(" | ")[0] for f in files] == ["tests/test_b.py", "tests/test_a.py"]
