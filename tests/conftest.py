@@ -6,10 +6,13 @@ JAX's persistent compilation cache is on for the session and every process it st
 before anything imports JAX): the many micro runs compile the same programs, and a program
 compiled once is read back instead of compiled again. XLA's CPU backend compiles without LLVM
 optimisation (``--xla_backend_optimization_level=0``) and emits its loop fusions with its older
-LLVM IR emitters, not the MLIR fusion emitters (``--xla_cpu_use_fusion_emitters=false``): the
-micro models' steps take milliseconds and their compilation seconds (a micro SFT step: 1.8 s to
-compile with the first flag alone, 0.6 s with both; the fast tier's compilation ~60% shorter), so
-the suite is far faster; the programs compute the same operations (equalities are asserted between
+LLVM IR emitters, not the MLIR fusion emitters (``--xla_cpu_use_fusion_emitters=false``), and
+in one LLVM module (``--xla_cpu_parallel_codegen_split_count=1``: splitting it for parallel code
+generation gains nothing on 2 cores and costs more): the micro models' steps take milliseconds
+and their compilation seconds (a micro SFT step: 1.8 s to compile with the first flag alone, 0.6 s
+with both; the fast tier's compilation ~60% shorter; with an empty cache, the attention tests
+compiled for 61 s before the third flag, 52 s with it: ``tools.suite_compile``), so the suite is
+far faster; the programs compute the same operations (equalities are asserted between
 runs of one setting, ranges against recorded runs). The tests whose runs are long enough for
 unoptimised code to cost more compile as a user's run does (the ``optimized`` fixture).
 """
@@ -25,7 +28,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(Path(tempfile.gettempdir()) / "nnx_posttrain_jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-XLA_TEST_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+XLA_TEST_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_parallel_codegen_split_count=1")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
 

@@ -382,6 +382,7 @@ def test_grpo_with_an_environment_masks_tool_results_and_scores_from_its_state(
             outputs[1]["logprobs"][i, 0], abs=2e-4)
 
 
+@pytest.mark.slow
 def test_rloo_runs_tools_and_the_other_online_methods_refuse_them(tmp_path, prompts_file,
                                                                   calling, monkeypatch):
     from support import refusal

@@ -230,6 +230,7 @@ def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
         runs.check_init_from(step, "gemma_micro")
 
 
+@pytest.mark.slow
 def test_reading_a_run_whose_checkpoint_rotation_removes_the_latest_meanwhile(copy, monkeypatch):
     """sample / export / runs.load on a run that is still training: its rotation
     can remove the checkpoint picked while the model is built (seconds to minutes). The latest
@@ -657,6 +658,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_restored(tmp_
     assert aside.name in said[0]
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_end_to_end_resumes_from_the_one_before(copy, capsys):
     _damage(copy / "checkpoints" / "4", "truncated array file")
     sft(copy, "--steps", "6")
@@ -981,6 +983,7 @@ cli.main(["sft", *sys.argv[1:]], own_process=True)
 """
 
 
+@pytest.mark.slow
 def test_sigterm_before_training_ends_the_process_even_when_its_clean_exit_stalls(tmp_path):
     # A thread that never ends keeps the interpreter from exiting after SystemExit: the
     # command ends its process itself once the run is closed (the lock released).
@@ -1049,6 +1052,7 @@ except errors.Stopped as stop:
 """
 
 
+@pytest.mark.slow
 def test_sigterm_inside_a_gc_callback_still_ends_the_process():
     """A signal whose handler runs inside a garbage-collector callback (seen once: JAX's, while
     the model loaded) cannot end the run there (the exception would be printed and ignored,
@@ -1061,6 +1065,7 @@ def test_sigterm_inside_a_gc_callback_still_ends_the_process():
     assert "stopped by SIGTERM while no training step was running" in proc.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_model_loads_releases_the_lock(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--steps", "100000", "--checkpoint.every", "0")

@@ -23,6 +23,7 @@ def copy(shared_run, tmp_path):
 # ----------------------------------------------------------------------------- runs read live
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_read_past_and_left_in_place(copy):
     """A reader (sample, export, eval, a teacher, runs.load) of a run whose newest checkpoint
     cannot be read reads the one before it and says so; it moves nothing (resuming does)."""
@@ -40,6 +41,7 @@ def test_a_damaged_newest_checkpoint_is_read_past_and_left_in_place(copy):
         runs.load(copy, step=4, echo=lambda _: None)
 
 
+@pytest.mark.slow
 def test_a_reader_whose_every_checkpoint_is_damaged_names_each(copy, capfd):
     for step in (2, 4):
         for f in (copy / "checkpoints" / str(step) / "state").rglob("d/*"):

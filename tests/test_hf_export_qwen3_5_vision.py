@@ -89,6 +89,7 @@ def hf_logits(directory, batch, pixel_values=None, hf_pixels=None):
         return hf(**inputs).logits.numpy()
 
 
+@pytest.mark.slow
 def test_qwen3_5_vision_export_gives_transformers_logits_with_images(exported):
     """``Qwen3_5ForConditionalGeneration`` (every tensor read, none left over) gives our logits
     (``model.full_logits`` with the images, M-RoPE positions ours, transformers' its own) on a

@@ -244,6 +244,7 @@ def test_a_log_record_averages_the_steps_since_the_last_log_as_trl():
     assert math.isnan(only_bad["loss"]) and math.isnan(only_bad["rewards/rejected"])
 
 
+@pytest.mark.slow
 def test_logged_sft_metrics_are_the_means_of_their_steps(tmp_path):
     def run(name, every):
         args = [*MICRO, "--run-dir", str(tmp_path / name), "--steps", "6", "--log-every", every,

@@ -183,6 +183,7 @@ NEW_LIKES = [like for like, (family, _) in families.presets().items()
                                 "qwen3_5_moe", "gpt_oss")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("like", NEW_LIKES)
 def test_make_preset_like_a_newer_family(like, tmp_path):
     """``tools.make_preset --like`` writes the family's preset (config only, scaled to 2%: the

@@ -338,6 +338,7 @@ def test_cpu_devices_auto_rule():
     assert cpu_devices_for(explicit) == (3, None)
 
 
+@pytest.mark.slow
 def test_cpu_devices_that_do_not_divide_the_micro_batch_are_refused(tmp_path):
     proc = _sft_command(tmp_path / "three", "--mesh.cpu-devices", "3")
     assert proc.returncode != 0

@@ -33,7 +33,8 @@ def on_chip_env() -> dict:
     """This environment without the CPU pin and the CPU-only compiler flags of tests/conftest.py."""
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)
-    cpu_only = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+    cpu_only = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                "--xla_cpu_parallel_codegen_split_count=1")
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in cpu_only)
     return env
 

@@ -93,6 +93,7 @@ def test_train_step_compiles_once_across_steps(caplog):
     assert not [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_the_loop_freezes_what_lives_after_its_first_step_switches_threads_promptly_and_copies_ahead(
         tmp_path, monkeypatch):
     """The garbage collector leaves alone the objects alive after the first step (a full pass

@@ -128,6 +128,7 @@ def test_sft_on_messages_and_images_trains_and_resumes_exactly(files, tmp_path):
     assert losses(tmp_path / "cut") == whole  # every step once, bitwise-equal losses
 
 
+@pytest.mark.slow
 def test_dpo_on_images_with_lora_trains_the_language_model_only(files, tmp_path):
     """DPO with LoRA (the reference: the same weights with LoRA off, reading the same images) on
     a ``prompt`` / ``chosen`` / ``rejected`` + ``images`` JSONL: every step runs, the loss
@@ -320,6 +321,7 @@ def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
     assert np.abs(logps[0, 0] - logps[1, 0]) > 1e-5
 
 
+@pytest.mark.slow
 def test_the_sample_command_shows_the_prompt_an_image(files, micro, tmp_path, monkeypatch, capsys):
     """``nnx-posttrain sample RUN --image FILE`` on a vision run: the answer is the sampler's
     with that image (``sample_texts`` of ``image_prompts``); a missing file or one that is no

@@ -123,6 +123,7 @@ def _grpo(files, run_dir, *extra, algorithm="grpo"):
                      "--optim.learning-rate", "3e-2", *extra, echo=lambda _: None)
 
 
+@pytest.mark.slow
 def test_grpo_rollouts_and_training_forward_read_the_prompts_images(files, tmp_path,
                                                                    monkeypatch):
     """GRPO on prompt-only records with images, two iterations per rollout and a clip range of
