@@ -398,7 +398,7 @@ def outside_the_trace(lm, module):
 
 
 class _OnHost:
-    """An image converter called with a mesh of this host's CPU in context: a plan's mesh holds
+    """An image converter called on this host's CPU (``lean_load.made_on``): a plan's mesh holds
     a topology's devices, which run nothing (the converter's eager JAX operations failed under
     a TPU topology's: "'Executable' object has no attribute 'local_devices'")."""
 
@@ -411,8 +411,8 @@ class _OnHost:
         return getattr(self.converter, name)
 
     def __call__(self, *args, **kwargs):
-        from jax.sharding import Mesh
+        from nnx_posttrain.model.lean_load import made_on
 
-        with jax.set_mesh(Mesh(np.array(jax.devices("cpu")[:1]), ("host",))):
+        with made_on(jax.devices("cpu")[0]):
             return self.converter(*args, **kwargs)
 
