@@ -116,23 +116,66 @@ def test_one_block_is_traced(monkeypatch):
         assert calls == traced, mode
 
 
+def _two_micro_batches() -> dict:
+    ids = np.random.default_rng(0).integers(3, 60, (8, 12)).astype(np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids),
+             "loss_mask": np.ones(ids.shape, np.float32)}
+    return {k: jnp.asarray(v.reshape(2, 4, 12)) for k, v in batch.items()}
+
+
+def _sft_step(m, mode):
+    """(the SFT training step of ``m`` with its blocks scanned or not, its state, its frozen
+    variables) as a run builds them."""
+    model.set_scan(m, mode)
+    graphdef, params, frozen = model.split(m)
+    tx, lr = train.optimizer(config.OptimConfig(warmup_ratio=0.0), 10)
+    step = train.make_train_step(graphdef, SFT(SFT.Config()).loss, tx, lr)
+    return step, train.init_state(params, tx, seed=0), {"model": frozen, "reference": None}
+
+
+def _stacks(jaxpr) -> int:
+    """How many stacks ``jaxpr`` makes (``jnp.stack``), its inner programs included."""
+    inner = [j for eqn in jaxpr.eqns for j in jax.core.jaxprs_in_params(eqn.params)]
+    return (sum(eqn.primitive.name in ("stack", "concatenate") for eqn in jaxpr.eqns)
+            + sum(_stacks(j) for j in inner))
+
+
+def test_the_frozen_blocks_are_stacked_once_a_step_not_in_each_micro_batch(monkeypatch):
+    """With LoRA, a scanned step stacks the blocks' frozen weights before its loop over
+    micro-batches, not in each (as it did: ``frozen_stacks`` giving nothing); its update is the
+    unrolled step's."""
+    m = _micro(rank=2, remat="blocks")
+    batch = _two_micro_batches()
+    counted, out = {}, {}
+    for mode, hoisted in (("off", True), ("on", True), ("on", False)):
+        if not hoisted:
+            monkeypatch.setattr(model, "frozen_stacks", lambda modules, frozen: {})
+        step, state, frozen = _sft_step(m, mode)
+        jaxpr = jax.make_jaxpr(step)(state, frozen, batch).jaxpr
+        [loop] = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]  # micro-batches'
+        inside = _stacks(loop.params["jaxpr"].jaxpr)
+        counted[mode, hoisted] = (inside, _stacks(jaxpr) - inside)
+        new_state, metrics = jax.jit(step)(state, frozen, batch)
+        out[mode, hoisted] = (metrics["loss"], new_state["params"])
+    weights = model.decoder_blocks(m)[0].weights
+    frozen_weights = sum("lora_kernel" not in v.path for v in weights)
+    assert 0 < frozen_weights < len(weights)
+    assert counted["on", True] == (counted["on", False][0] - frozen_weights, frozen_weights)
+    assert counted["off", True][1] == 0
+    _assert_same(out["on", True], out["off", True])
+    _assert_same(out["on", True], out["on", False])
+
+
 def test_the_scanned_step_compiles_once_and_counts_every_blocks_flops(caplog):
     """The training step with the blocks scanned traces and compiles once (the first call), and
     its FLOPs count the scan's body once per block, inside the accumulation loop: those of the
     unrolled step."""
     m = model.load("gemma_micro", seed=0).module
-    rng = np.random.default_rng(0)
-    ids = rng.integers(3, 60, (8, 12)).astype(np.int32)
-    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids),
-             "loss_mask": np.ones(ids.shape, np.float32)}
-    batch = {k: jnp.asarray(v.reshape(2, 4, 12)) for k, v in batch.items()}  # 2 micro-batches
+    batch = _two_micro_batches()
     counted = {}
     for mode in ("off", "on"):
-        model.set_scan(m, mode)
-        graphdef, params, frozen = model.split(m)
-        tx, lr = train.optimizer(config.OptimConfig(warmup_ratio=0.0), 10)
-        step = jax.jit(train.make_train_step(graphdef, SFT(SFT.Config()).loss, tx, lr))
-        state, frozen = train.init_state(params, tx, seed=0), {"model": frozen, "reference": None}
+        step, state, frozen = _sft_step(m, mode)
+        step = jax.jit(step)
         state, _ = step(state, frozen, batch)
         counted[mode] = flops.step_flops(step.lower(state, frozen, batch).compile())
         with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():

@@ -189,7 +189,7 @@ def test_step_flops_are_counted_without_a_cpu_backend_in_jax(monkeypatch):
 USER_XLA_OPTIONS = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}
 
 
-def _running_sums(grad_fn, like_params, params, frozen, batch):
+def _running_sums(grad_fn, like_params, params, frozen, batch, stacks):
     """The accumulation before the single trace (what ``train.step._summed`` replaced): the
     losses and the gradients both summed in the scan's carry, which starts from zeros of an
     ``eval_shape`` of one micro-batch's forward and backward."""

@@ -39,6 +39,8 @@ from nnx_posttrain.model.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENT
 from nnx_posttrain.model.attention import attention_of, set_attention
 from nnx_posttrain.model.blocks import (
     decoder_blocks,
+    frozen_stacks,
+    given_stacks,
     override_blocks,
     segment_attention_mask,
     set_remat,
@@ -109,7 +111,7 @@ __all__ = [
     # attention
     "ATTENTION_IMPLEMENTATIONS", "attention_of", "set_attention",
     # blocks
-    "decoder_blocks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
+    "decoder_blocks", "frozen_stacks", "given_stacks", "override_blocks", "segment_attention_mask", "set_remat", "takes_positions",
     # layer scan
     "SCAN_MODES", "scanning", "set_scan",
     # logprobs

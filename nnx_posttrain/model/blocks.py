@@ -274,6 +274,43 @@ def _stored(variables) -> list:
         return [jnp.asarray(v.value) for v in variables]
 
 
+# The frozen columns of the scanned stacks, stacked once a step before the training step's loop
+# over micro-batches (``given_stacks``): {id(block 0's value of a column): the column stacked}
+_GIVEN: list[dict] = []
+
+
+def frozen_stacks(modules, frozen) -> dict:
+    """The columns of every scanned stack of ``modules`` (merged from the training state: a
+    backbone, or a head over ``.backbone``; a partner's state is left out) whose
+    values are all leaves of ``frozen``, stacked over the blocks: {id(block 0's value): the
+    stacked column}. The training step stacks them once, before its loop over micro-batches,
+    and hands them to each micro-batch's forward (``given_stacks``), instead of a new copy of
+    the blocks' frozen weights stacked in each micro-batch (the loop's barrier keeps what the
+    weights give in each iteration). The policy and a reference merged from the same frozen
+    state share them. {} where nothing is scanned."""
+    frozen_ids = {id(x) for x in jax.tree.leaves(frozen)}
+    backbones = [b for m in modules for b in (m, getattr(m, "backbone", None))  # a head's
+                 if getattr(b, SCAN_ATTRIBUTE, False) is True]
+    out = {}
+    for backbone in backbones:
+        for column in zip(*(_stored(b.weights) for b in decoder_blocks(backbone))):
+            if all(id(v) in frozen_ids for v in column):
+                out[id(column[0])] = jnp.stack(column)
+    return out
+
+
+@contextlib.contextmanager
+def given_stacks(stacks: dict) -> Iterator[None]:
+    """Within the block, a scanned stack's forward takes the columns ``stacks`` holds
+    (``frozen_stacks``, keyed by block 0's value as this trace sees it) instead of stacking
+    them."""
+    _GIVEN.append(stacks)
+    try:
+        yield
+    finally:
+        _GIVEN.pop()
+
+
 def _scanned(blocks: list, wrap: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """``make(block, original)`` for ``override_blocks(module, "call", make)``: block 0's call
     runs every block of ``blocks`` as one ``jax.lax.scan`` over their stacked weights, whose
@@ -298,7 +335,9 @@ def _scanned(blocks: list, wrap: Callable[[Any, Any], Any]) -> Callable[[Any, An
                                               "its blocks cannot run as one scan")
                 return out, None
 
-            stacked = [jnp.stack(column) for column in zip(*(_stored(b.weights) for b in blocks))]
+            given = _GIVEN[-1] if _GIVEN else {}
+            stacked = [given[id(column[0])] if id(column[0]) in given else jnp.stack(column)
+                       for column in zip(*(_stored(b.weights) for b in blocks))]
             return jax.lax.scan(body, x, stacked)[0]
 
         return call

@@ -10,7 +10,9 @@ remat, the attention path, packed rows, rotary positions, the projections' gradi
 sharding) on the weights of block ``i`` (``keras.StatelessScope`` maps block 0's variables to the
 ``i``-th slice of the stacked weights), and blocks 1 .. L-1 return their input. The weights are
 stacked inside the traced step (``jnp.stack``; the gradient of each block's variables flows back
-through it): the step holds one more copy of the blocks' weights.
+through it): the step holds one more copy of the blocks' weights. The frozen ones are stacked
+once a step, before its loop over micro-batches (``blocks.frozen_stacks``, ``given_stacks``);
+the trainable ones (LoRA factors, or every weight of a full fine-tune) in each micro-batch.
 
 That is the same computation only where the backbone's graph passes the hidden state straight
 from each block to the next with the same other inputs (the padding mask), and where every block

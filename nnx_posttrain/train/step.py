@@ -139,21 +139,31 @@ def _norm(grads):
     return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
 
 
-def _summed(grad_fn, like_params, params, frozen, batch):
+def _renamed(stacks: dict, before, after) -> dict:
+    """``stacks`` (``model.frozen_stacks`` of ``before``'s leaves) keyed by ``after``'s leaves,
+    the same values as another trace sees them (the loop's barrier gives new ones)."""
+    return {id(b): stacks[id(a)] for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+            if id(a) in stacks}
+
+
+def _summed(grad_fn, like_params, params, frozen, batch, stacks):
     """(loss sums, gradient sums) over the micro-batches of ``batch`` ([accum, micro, ...]
     leaves) for ``grad_fn`` (``value_and_grad`` of one micro-batch's loss; ``like_params`` lays
     out a tree like the weights): one micro-batch as the backward pass gives them (no running
-    sum to start from and add to), several summed in float32."""
+    sum to start from and add to), several summed in float32. ``stacks``: the scanned blocks'
+    frozen weights, stacked once for every micro-batch (``model.frozen_stacks``)."""
     n = jax.tree.leaves(batch)[0].shape[0]
     if n == 1:
-        loss, grads = grad_fn(params, frozen, jax.tree.map(lambda x: x[0], batch))
+        with model.given_stacks(stacks):
+            loss, grads = grad_fn(params, frozen, jax.tree.map(lambda x: x[0], batch))
         return jax.tree.map(lambda x: x.astype(jnp.float32), loss), like_params(grads)
 
     def accumulate(grad_sum, micro_batch):
         # a barrier with the running sum: what XLA derives from the weights (FSDP's gathers,
         # conversions) stays in each iteration, not hoisted out with every layer's held at once
         p, f, grad_sum = jax.lax.optimization_barrier((params, frozen, grad_sum))
-        loss, grads = grad_fn(p, f, micro_batch)
+        with model.given_stacks(_renamed(stacks, frozen, f)):
+            loss, grads = grad_fn(p, f, micro_batch)
         grads = like_params(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
         return _sum_tree(grad_sum, grads), jax.tree.map(lambda x: x.astype(jnp.float32), loss)
 
@@ -193,8 +203,9 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
 
     def step(state, frozen, batch):
         params = state["params"]
+        stacks = model.frozen_stacks(merge(graphdef, params, frozen), frozen)
         (total, (weight, metrics)), grads = _summed(grad_fn, like_params, params, frozen,
-                                                    batch)
+                                                    batch, stacks)
         denom = jnp.maximum(weight, 1e-9)
         grad_norm = _norm(grads) / denom
         # a NaN / inf loss or gradient never reaches the weights or the AdamW moments: the update
