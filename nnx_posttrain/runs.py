@@ -163,7 +163,7 @@ def build_model(spec: ModelSpec, echo=print, abstract: bool = False, platform: s
     if not abstract:
         _, module = assemble()
         return made["lm"], module
-    task, module = nnx.eval_shape(assemble)  # the task and the module share their variables
+    task, module = model.eval_shape_task(assemble)  # they share their variables
     return model.outside_the_trace(dataclasses.replace(made["lm"], task=task), module), module
 
 

@@ -372,3 +372,26 @@ def test_a_registered_builtin_config_loads_under_its_name():
         assert lm.module.num_layers == 1 and lm.chat_format == "gemma" and lm.name == "gemma_nano_test"
     finally:
         model.TINY.pop("gemma_nano_test")
+
+
+def test_an_abstract_task_keeps_its_preprocessor_out_of_the_trace():
+    """``model.eval_shape_task``: the backbone abstract, the preprocessor the one built (NNX
+    neither flattened its tokenizer's vocabulary nor rebuilt it), back among the task's layers."""
+    from tools import make_preset
+
+    built = []
+
+    def make():
+        task = make_preset._task("gemma", dict(num_layers=1, num_query_heads=2,
+                                               num_key_value_heads=1, hidden_dim=8,
+                                               intermediate_dim=16, head_dim=4, vocabulary_size=512),
+                                 512, "float32")
+        model.nnx_ready(task)
+        built.append(task.preprocessor)
+        return task, task.backbone
+
+    task, backbone = model.eval_shape_task(make)
+    assert task.preprocessor is built[0] and built[0] in task._layers
+    assert task.backbone is backbone
+    assert all(isinstance(v.value, jax.ShapeDtypeStruct) for v in backbone.weights)
+    assert task.preprocessor.tokenizer.vocabulary_size() == 512

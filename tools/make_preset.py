@@ -312,15 +312,15 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
     start = time.perf_counter()
     keras.utils.set_random_seed(seed)
     if config_only:
-        from flax import nnx
+        from nnx_posttrain import model
 
         def abstract():  # (Keras' compile bookkeeping, keyed by layers, is not NNX state)
             task = _task(family, dims, tokens, dtype)
             del task._compiled_trainable_state
-            return task
+            return (task,)
 
         with families.building(families.FAMILIES[family].backbone, None):
-            task = nnx.eval_shape(abstract)
+            task, = model.eval_shape_task(abstract)
     else:
         task = _task(family, dims, tokens, dtype)
     tokenizer, backbone = task.preprocessor.tokenizer, task.backbone

@@ -59,6 +59,7 @@ from nnx_posttrain.model.load import (
     chat_format_for,
     chat_format_of,
     describe,
+    eval_shape_task,
     is_local_model,
     load,
     load_tokenizer,
@@ -99,7 +100,7 @@ from nnx_posttrain.model.lora import (
 __all__ = [
     # load
     "AUTO", "DTYPES", "PRESETS", "TINY", "LanguageModel", "ModelLoadError", "Tokenizer",
-    "chat_format_for", "chat_format_of", "checkpoint_dtype", "describe", "is_local_model", "load", "load_tokenizer",
+    "chat_format_for", "chat_format_of", "checkpoint_dtype", "describe", "eval_shape_task", "is_local_model", "load", "load_tokenizer",
     "nnx_ready", "register_builtin", "resolve_dtype", "warm_up", "weights_bytes",
     # quantize
     "dequantized_into", "quantize", "quantized_layers",

@@ -153,6 +153,32 @@ def nnx_ready(task: keras_hub.models.CausalLM) -> keras_hub.models.CausalLM:
     return task
 
 
+def eval_shape_task(make: Callable[[], tuple]) -> tuple:
+    """``nnx.eval_shape(make)`` for a ``make`` that builds a KerasHub task (and what else it
+    returns after it), the task's preprocessor kept out of the traversal and put back on the
+    abstract task. KerasHub tracks the preprocessor among the task's layers, and NNX flattens
+    every entry of its tokenizer's vocabulary as a node of the graph: a 262,144-token
+    vocabulary (Gemma 4's) made 524,400 nodes, 8.7 s to split against 0.13 s for the backbone.
+    The preprocessor holds no weights."""
+    aside = {}
+
+    def made():
+        task, *rest = make()
+        aside["preprocessor"] = task.preprocessor
+        if task.preprocessor is not None:
+            aside["at"] = task._layers.index(task.preprocessor)
+            del task._layers[aside["at"]]
+            task.preprocessor = None
+        return (task, *rest)
+
+    task, *rest = nnx.eval_shape(made)
+    if aside["preprocessor"] is not None:
+        task.preprocessor = aside["preprocessor"]
+        if aside["preprocessor"] not in task._layers:
+            task._layers.insert(aside["at"], aside["preprocessor"])
+    return (task, *rest)
+
+
 def load(name: str, dtype: str = "float32", seed: int = 0,
          chat_format: str | None = None, weights: bool = True,
          quantize: str = "none") -> LanguageModel:
