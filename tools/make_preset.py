@@ -314,10 +314,8 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
     if config_only:
         from nnx_posttrain import model
 
-        def abstract():  # (Keras' compile bookkeeping, keyed by layers, is not NNX state)
-            task = _task(family, dims, tokens, dtype)
-            del task._compiled_trainable_state
-            return (task,)
+        def abstract():  # (nnx_ready: Keras' compile bookkeeping is not NNX state)
+            return (model.nnx_ready(_task(family, dims, tokens, dtype)),)
 
         with families.building(families.FAMILIES[family].backbone, None):
             task, = model.eval_shape_task(abstract)
