@@ -120,16 +120,24 @@ def keras_hub_logits(lm, b, pre, mrope=True):
     """KerasHub's ``Qwen3_5CausalLM`` on a batch, as its ``generate`` runs it: the encoder on
     every image of the batch (its grid), the image tokens scattered at the preprocessor's flat
     ``vision_indices``, its cached forward with the preprocessor's M-RoPE ``position_ids`` (or,
-    not ``mrope``, none: sequential positions, as its plain call rotates)."""
+    not ``mrope``, none: sequential positions, as its plain call rotates). The encoder runs
+    eagerly (its call reads the grid's values), the cached forward and the logits as one jitted
+    program (``jitted``: KerasHub's own layers, traced once instead of dispatched an operation
+    at a time)."""
     rows = [(i, int(c)) for i, c in enumerate(b["image_count"])]
     patches = np.concatenate([b["pixel_values"][i, :c] for i, c in rows if c])
     grid = np.asarray([[1, 4, 4]] * len(patches))
     embeddings = lm.module.vision_encoder(patches.reshape(-1, 2, 4, 4, 3), grid)
     indices = pre._compute_vision_indices(b["input_ids"])
     positions = pre._compute_position_ids(b["input_ids"], grid, None)
-    h, _ = lm.task._build_cache(b["input_ids"], b["attention_mask"], embeddings,
-                                np.asarray(indices), positions if mrope else None)
-    return np.asarray(lm.module.token_embedding(h, reverse=True)), positions
+
+    def forward(task, ids, mask, embeddings, indices, *positions):
+        h, _ = task._build_cache(ids, mask, embeddings, indices, *positions or [None])
+        return task.backbone.token_embedding(h, reverse=True)
+
+    logits = jitted(forward, lm.task)(b["input_ids"], b["attention_mask"], embeddings,
+                                      np.asarray(indices), *[positions] if mrope else [])
+    return np.asarray(logits), positions
 
 
 @pytest.mark.slow
@@ -165,14 +173,15 @@ def test_logits_with_images_equal_keras_hubs_qwen3_5_causal_lm(lm, keras_hub_rul
     after[2] = False
     assert np.abs(sequential[after] - ours[after]).max() > 1e-4
     rows = len(b["input_ids"])
-    plain = np.asarray(lm.task({
+    plain = np.asarray(jitted(lambda task, inputs: task(inputs), lm.task)({
         "token_ids": b["input_ids"], "padding_mask": b["attention_mask"],
         "pixel_values": np.zeros((rows, 0, 2, 4, 4, 3), np.float32),
         "image_grid_thw": np.zeros((rows, 0, 3), np.int32),
         "vision_indices": np.zeros((rows, 0), np.int32)}))
     np.testing.assert_allclose(ours[2][real[2]], plain[2][real[2]], atol=1e-5, rtol=1e-5)
     text = {k: v[2:] for k, v in b.items()}
-    no_scope = np.asarray(model.full_logits(lm.module, text["input_ids"], text["attention_mask"]))
+    no_scope = np.asarray(jitted(model.full_logits, lm.module)(text["input_ids"],
+                                                               text["attention_mask"]))
     np.testing.assert_allclose(no_scope[0][real[2]], ours[2][real[2]], atol=1e-5, rtol=1e-5)
 
 
