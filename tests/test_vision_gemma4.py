@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, errors, model, runs
-from support import (ask, image_data_files, picture, records, tokenized_batch, train_run,
-                     vision_model)
+from support import (ask, image_data_files, jitted, picture, records, tokenized_batch,
+                     train_run, vision_model)
 
 NAME = "gemma4_vision_micro"
 LENGTH = 40
@@ -87,8 +87,8 @@ def keras_hub_inputs(b, tokens_per_image):
 
 @pytest.mark.slow
 def test_logits_with_images_equal_keras_hubs_gemma4_causal_lm(lm):
-    """The training forward (``model.full_logits`` under ``model.images``, eagerly) equals
-    KerasHub's ``Gemma4CausalLM`` called on the inputs its preprocessor makes (per-layer inputs,
+    """The training forward (``model.full_logits`` under ``model.images``, jitted) equals
+    KerasHub's ``Gemma4CausalLM`` called (jitted) on the inputs its preprocessor makes (per-layer inputs,
     KV-shared layers, image tokens attending to each other); the images are read (swapping two
     rows' pictures changes their logits); a text-only record equals KerasHub's call without."""
     b = batch(lm, [{"messages": ask("How many shapes?", "3"), "images": [picture(0)]},
@@ -96,19 +96,24 @@ def test_logits_with_images_equal_keras_hubs_gemma4_causal_lm(lm):
                    {"messages": [{"role": "user", "content": "What is 2 + 3?"},
                                  {"role": "assistant", "content": "5"}]}])
     assert list(b["image_count"]) == [1, 1, 0] and b["vision_mask"].sum(1).tolist() == [4, 4, 0]
-    with model.images(b["pixel_values"]):
-        ours = np.asarray(model.full_logits(lm.module, b["input_ids"], b["attention_mask"]))
-    theirs = np.asarray(lm.task(keras_hub_inputs(b, 4)))
+    def logits(module, ids, mask, pixels):
+        with model.images(pixels):
+            return model.full_logits(module, ids, mask)
+
+    forward = jitted(logits, lm.module)  # one program for both pictures' orders
+    keras_hub = jitted(lambda task, inputs: task(inputs), lm.task)
+    ours = np.asarray(forward(b["input_ids"], b["attention_mask"], b["pixel_values"]))
+    theirs = np.asarray(keras_hub(keras_hub_inputs(b, 4)))
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
-    with model.images(b["pixel_values"][[1, 0, 2]]):
-        other = np.asarray(model.full_logits(lm.module, b["input_ids"], b["attention_mask"]))
+    other = np.asarray(forward(b["input_ids"], b["attention_mask"], b["pixel_values"][[1, 0, 2]]))
     assert np.abs(other[:2] - ours[:2]).max() > 1e-4
     text = {k: v[2:] for k, v in b.items()}
     alone = dict(keras_hub_inputs(text, 4), pixel_values=np.zeros((1, 0, 1, 48), np.float32),
                  pixel_position_ids=np.zeros((1, 0, 1, 2), np.int32),
                  vision_indices=np.zeros((1, 0), np.int32))
-    np.testing.assert_allclose(ours[2:], np.asarray(lm.task(alone)), atol=1e-5, rtol=1e-5)
-    no_scope = np.asarray(model.full_logits(lm.module, text["input_ids"], text["attention_mask"]))
+    np.testing.assert_allclose(ours[2:], np.asarray(keras_hub(alone)), atol=1e-5, rtol=1e-5)
+    no_scope = np.asarray(jitted(model.full_logits, lm.module)(text["input_ids"],
+                                                               text["attention_mask"]))
     np.testing.assert_allclose(no_scope, ours[2:], atol=1e-5, rtol=1e-5)
 
 
@@ -351,13 +356,16 @@ def test_rows_that_copy_the_examples_read_their_images_encoded_once(lm):
         seen.append(inputs["pixel_values"].shape[0])
         return original(self, inputs, *args, **kwargs)
 
-    with model.images(b["pixel_values"]):
-        try:
-            kind.call = counted
-            both = np.asarray(model.token_logprobs(lm.module, twice["input_ids"],
-                                                   twice["attention_mask"]))
-        finally:
-            kind.call = original
-        once = np.asarray(model.token_logprobs(lm.module, b["input_ids"], b["attention_mask"]))
+    def logprobs(module, ids, mask, pixels):
+        with model.images(pixels):
+            return model.token_logprobs(module, ids, mask)
+
+    forward = jitted(logprobs, lm.module)  # the encoder's call counted as the trace runs it
+    try:
+        kind.call = counted
+        both = np.asarray(forward(twice["input_ids"], twice["attention_mask"], b["pixel_values"]))
+    finally:
+        kind.call = original
+    once = np.asarray(forward(b["input_ids"], b["attention_mask"], b["pixel_values"]))
     np.testing.assert_allclose(both, np.concatenate([once, once]), atol=1e-5)
     assert np.abs(once[0] - once[1]).max() > 1e-3 and seen == [2]
