@@ -18,7 +18,7 @@ from nnx_posttrain import data, errors, metrics_log, model, runs, train
 from nnx_posttrain.algorithms import online, pairs
 from nnx_posttrain.sampling import generate, sampler
 from nnx_posttrain.tasks import shapes
-from support import records, train_run
+from support import jitted, records, train_run
 
 NAME = "gemma3_vision_micro"
 LENGTH = 40
@@ -225,11 +225,13 @@ def test_ppo_rollout_values_and_ratio_read_the_prompts_images(files, tmp_path):
     module, _ = model.merge(result.graphdef, result.state["params"], result.frozen)
     algo = result.algorithm
 
-    def forward(pixels):
-        with model.images(pixels):
-            out = module.logps_and_values(batch["input_ids"], batch["attention_mask"],
-                                          algo.logprob_chunk, algo.logprob_temperature,
-                                          positions=batch["positions"])
+    def forward(pixels):  # jitted: one program, not an operation at a time
+        def run(module, ids, mask, positions, *pixels):
+            with model.images(pixels[0] if pixels else None):
+                return module.logps_and_values(ids, mask, algo.logprob_chunk,
+                                               algo.logprob_temperature, positions=positions)
+        out = jitted(run, module)(batch["input_ids"], batch["attention_mask"],
+                                  batch["positions"], *[] if pixels is None else [pixels])
         return [np.asarray(x) for x in out]
 
     mask = batch["loss_mask"]
@@ -259,14 +261,19 @@ def test_online_dpo_pairs_read_their_prompts_images(files, tmp_path):
     sums = evaluate(state["params"], result.frozen, result.source.to_device(batch))[2]
     module, _ = model.merge(result.graphdef, state["params"], result.frozen)
 
+    def logps(module, ids, mask, loss_mask, *pixels):
+        with model.images(pixels[0] if pixels else None):
+            return pairs.sequence_logps(module, ids, mask, loss_mask, algo.logprob_chunk)[0]
+
+    forward = jitted(logps, module)  # one program with the images, one without
+
     def direct(side, images):
         out = []
         for i in range(len(prompts["pixel_values"])):  # pair i: prompt i's two completions
-            with model.images(prompts["pixel_values"][i:i + 1] if images else None):
-                out.append(float(pairs.sequence_logps(
-                    module, *(batch[f"{side}_{k}"][i:i + 1] for k in
-                              ("input_ids", "attention_mask", "loss_mask")),
-                    algo.logprob_chunk)[0][0]))
+            pixels = [prompts["pixel_values"][i:i + 1]] if images else []
+            out.append(float(forward(*(batch[f"{side}_{k}"][i:i + 1] for k in
+                                       ("input_ids", "attention_mask", "loss_mask")),
+                                     *pixels)[0]))
         return np.mean(out)
 
     for side in ("chosen", "rejected"):
