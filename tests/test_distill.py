@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from nnx_posttrain import errors, model, runs
 from nnx_posttrain.algorithms import distill
 from nnx_posttrain.losses.distill import DistillOptions, divergence, gkd
-from support import FAST_STEPS, MICRO, losses, records, refusal, train_run
+from support import FAST_STEPS, MICRO, jitted, losses, records, refusal, train_run
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -69,20 +70,19 @@ def test_the_two_projections_in_chunks_and_at_scored_positions_change_nothing(mi
     loss_mask[:, 6:] = 1
     options = DistillOptions(beta=0.5, temperature=1.5)
     fn = lambda s, t: divergence(s, t, options)
-    full = model.full_logits(teacher, ids, pad)
+    # each forward, divergence and gradient one jitted program, not an operation at a time
+    full = jitted(model.full_logits, teacher)(ids, pad)
     assert float(jnp.max(jnp.abs(full))) <= 30.0  # the final soft cap is in the teacher's logits
-    want = divergence(model.full_logits(student, ids, pad)[:, :-1], full[:, :-1], options)
+    want = jax.jit(fn)(jitted(model.full_logits, student)(ids, pad)[:, :-1], full[:, :-1])
+    graphdef, params, rest = nnx.split(student, model.trainable_filter, ...)
+    teacher_graphdef, teacher_state = nnx.split(teacher)
 
     def value_and_grad(chunk, positions=None):
-        from flax import nnx
-
-        graphdef, params, rest = nnx.split(student, model.trainable_filter, ...)
-
-        def total(p):
-            s = nnx.merge(graphdef, p, rest)
-            div, ent = model.paired_terms((s, teacher), ids, pad, fn, chunk, positions=positions)
+        def total(p, teacher_state):
+            s, t = nnx.merge(graphdef, p, rest), nnx.merge(teacher_graphdef, teacher_state)
+            div, ent = model.paired_terms((s, t), ids, pad, fn, chunk, positions=positions)
             return jnp.sum(div * loss_mask), (div, ent)
-        return jax.value_and_grad(total, has_aux=True)(params)
+        return jax.jit(jax.value_and_grad(total, has_aux=True))(params, teacher_state)
 
     (v0, (div0, ent0)), g0 = value_and_grad(0)
     np.testing.assert_allclose(div0[:, 1:], want[0], rtol=1e-5, atol=1e-6)
