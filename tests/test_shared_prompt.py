@@ -106,8 +106,8 @@ def test_training_gradients_equal_the_concatenated_forward():
         out = algorithm.loss(nnx.merge(graphdef, params, rest), batch)
         return out[0] if isinstance(out, tuple) else out
 
-    results = [jax.value_and_grad(loss)(params, jax.tree.map(jnp.asarray, b))
-               for b in (concatenated, shared)]
+    step = jax.jit(jax.value_and_grad(loss))  # as a step runs it: one program, not op by op
+    results = [step(params, jax.tree.map(jnp.asarray, b)) for b in (concatenated, shared)]
     (want, want_grad), (got, got_grad) = results
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
