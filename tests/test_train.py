@@ -305,6 +305,35 @@ def test_train_step_applies_optax_clipping_then_adamw_to_the_mean_gradient(max_g
     assert (gap > 1e-5) == (0 < max_grad_norm < float(metrics["grad_norm"]))  # clipped or not
 
 
+def _reductions(jaxpr) -> int:
+    """The ``reduce_sum`` equations of ``jaxpr`` and of every jaxpr inside it (loops, conds)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "reduce_sum"
+        for value in eqn.params.values():  # a scan's or a loop's jaxpr, a cond's branches
+            for inner in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(inner, "jaxpr", inner)
+                count += _reductions(inner) if hasattr(inner, "eqns") else 0
+    return count
+
+
+def test_clipping_reuses_the_logged_gradient_norm():
+    """The global norm the step logs (and checks for a finite step) is the one clipping divides
+    by: clipping adds no reduction over the gradients (it added one per weight, a program's
+    worth of small reductions to compile), and clips as optax does (the test above)."""
+    lm = model.load("gemma_micro", seed=0)
+    graphdef, params, frozen = model.split(lm.module)
+    batch = _reshape(_batch(np.random.default_rng(0), 4, 12, lm.tokenizer.vocab_size), 2)
+    counts = []
+    for max_grad_norm in (0.0, 1.0):
+        tx, lr = train.optimizer(config.OptimConfig(max_grad_norm=max_grad_norm), 10)
+        step = train.make_train_step(graphdef, SFT(SFT.Config()).loss, tx, lr)
+        jaxpr = jax.make_jaxpr(step)(train.init_state(params, tx, 0),
+                                     {"model": frozen, "reference": None}, batch)
+        counts.append(_reductions(jaxpr.jaxpr))
+    assert counts[0] == counts[1] > len(jax.tree.leaves(params))
+
+
 def test_schedule_warmup_then_cosine_to_the_floor():
     cfg = config.OptimConfig(learning_rate=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
     lr = train.schedule(cfg, 110)

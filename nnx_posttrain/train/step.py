@@ -40,9 +40,26 @@ def schedule(cfg: config_lib.OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), decay], [warm])
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` (the same state, the same arithmetic) taking the gradients'
+    global norm from the step (``update(..., grad_norm=)``: the norm it logs and checks for a
+    finite step) instead of reducing every gradient once more; computed as optax does where not
+    given."""
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra):
+        del params, extra
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        trigger = jnp.squeeze(norm < max_norm)
+        return jax.tree.map(
+            lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm),
+            updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 def optimizer(cfg: config_lib.OptimConfig, total_steps: int):
     lr = schedule(cfg, total_steps)
-    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    parts = [clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
     parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
     return optax.chain(*parts), lr
 
@@ -118,25 +135,26 @@ def _laid_out(tree, shardings):
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
-def _updated(tx, grads, opt_state, params, denom):
+def _mean(grads, denom):
+    """The mean gradient ``grads / denom``, float32: an expression XLA fuses into what reads it
+    (the norm's reduction, the update's pass over the weights), not a pass of its own."""
+    return jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
+
+
+def _updated(tx, grads, opt_state, params, denom, norm):
     """(params, optimizer state) after one update of ``tx`` with the mean gradient ``grads /
-    denom`` (float32; divided here, inside the update's pass over the weights, not in a pass of
-    its own). The moments keep the dtype they were made in (bfloat16 beside bfloat16 weights,
-    ``--dtype bfloat16-params``): the float32 gradients would otherwise promote them."""
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
+    denom`` (divided here, inside the update's pass over the weights) whose global norm is
+    ``norm`` (``clip_by_global_norm`` reads it: not reduced again). The moments keep the dtype
+    they were made in (bfloat16 beside bfloat16 weights, ``--dtype bfloat16-params``): the
+    float32 gradients would otherwise promote them."""
+    updates, new_opt_state = tx.update(_mean(grads, denom), opt_state, params, grad_norm=norm)
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     new_opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)
     return optax.apply_updates(params, updates), new_opt_state
 
 
-def _kept(grads, opt_state, params, denom):
+def _kept(grads, opt_state, params, denom, norm):
     return params, opt_state
-
-
-def _norm(grads):
-    """The global L2 norm of ``grads``, summed in float32 whatever their dtype."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
 
 
 def _renamed(stacks: dict, before, after) -> dict:
@@ -207,14 +225,15 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
         (total, (weight, metrics)), grads = _summed(grad_fn, like_params, params, frozen,
                                                     batch, stacks)
         denom = jnp.maximum(weight, 1e-9)
-        grad_norm = _norm(grads) / denom
+        grad_norm = optax.tree.norm(_mean(grads, denom))  # logged, checked, clipped by
         # a NaN / inf loss or gradient never reaches the weights or the AdamW moments: the update
         # runs only on a finite step (a cond, not a select on every leaf: a select costs one more
         # pass over the weights and both moments, and keeps the old moments alive beside the new)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
 
         new_params, new_opt_state = jax.lax.cond(finite, functools.partial(_updated, tx), _kept,
-                                                 grads, state["opt_state"], params, denom)
+                                                 grads, state["opt_state"], params, denom,
+                                                 grad_norm)
         new_state = {
             "params": new_params,
             "opt_state": new_opt_state,
