@@ -270,6 +270,7 @@ def micro_lm(tmp_path_factory):
     return load
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", NEW)
 def test_a_tool_rollout_on_the_familys_micro_preset(fmt, micro_lm):
     import jax

@@ -51,6 +51,7 @@ def test_sft_then_dpo_from_it_in_one_process_and_a_bad_setting_is_caught(tmp_pat
     assert metrics_log.read(sft.run_dir)[-1]["eval_only"] == "checkpoint 2"
 
 
+@pytest.mark.slow
 def test_prepare_train_and_evaluate_only_are_the_loop_a_driver_can_take_apart(tmp_path):
     cfg = npt.configure("sft", run_dir=str(tmp_path / "run"), **MICRO)
     with train.prepare(cfg, npt.api.build(cfg), echo=lambda _: None) as run:

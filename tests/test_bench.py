@@ -211,6 +211,7 @@ def test_compile_pairs_are_recorded_cold_against_warm(tmp_path, monkeypatch):
         record_tpu.main([str(battery)])
 
 
+@pytest.mark.slow
 def test_loop_timeline_times_each_steps_pieces_and_restores_the_loop(tmp_path):
     """The timeline's records: one per step, the held save handed over in the step after a
     save, the pieces inside the step's wall time; the loop's functions are its own again after."""

@@ -135,6 +135,7 @@ def test_sigkill_at_an_arbitrary_step_then_resume_is_exact(reference, tmp_path):
     _assert_same_run(run_dir, reference)
 
 
+@pytest.mark.slow
 def test_an_interrupted_checkpoint_is_never_picked_up(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)

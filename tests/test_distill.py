@@ -152,6 +152,7 @@ def test_sequence_level_kd_trains_on_the_teachers_greedy_completions(shared_run,
         assert scored.sum() > 0 and (ids[:, 1:][scored] == best[:, :-1][scored]).all()
 
 
+@pytest.mark.slow
 def test_a_teacher_by_name_in_bfloat16_and_what_is_refused(tmp_path, capsys, monkeypatch):
     _distill(tmp_path / "run", "--algo.teacher", "gemma2_tiny", "--steps", "2", "--algo.lmbda", "0")
     assert "teacher: gemma2_tiny: GemmaBackbone" in capsys.readouterr().out

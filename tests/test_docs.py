@@ -9,9 +9,12 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_site_builds_strict(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",

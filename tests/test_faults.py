@@ -119,6 +119,7 @@ def test_a_non_finite_last_step_is_not_saved(tmp_path):
     assert steps_of(run) == [1]
 
 
+@pytest.mark.slow
 def test_skip_mode_goes_on_but_not_forever(tmp_path):
     msg = refusal(sft, tmp_path / "run", "--optim.learning-rate", "1e30", "--optim.max-grad-norm",
                   "0", "--optim.schedule", "constant", "--steps", "20", "--optim.on-nonfinite",
@@ -354,6 +355,7 @@ def test_refused_and_eval_only_commands_leave_config_and_log_alone(copy, capsys)
     assert runs.load(copy).step == 4  # runs.load (and --init-from, export) still read the run
 
 
+@pytest.mark.slow
 def test_an_eval_only_score_on_other_data_names_them_and_is_never_the_runs_own_eval(copy,
                                                                                      tmp_path):
     from nnx_posttrain import compare
@@ -374,6 +376,7 @@ def test_an_eval_only_score_on_other_data_names_them_and_is_never_the_runs_own_e
     assert str(other) not in shown["summary"]
 
 
+@pytest.mark.slow
 def test_a_hand_edited_config_is_never_silently_overwritten_by_a_resume(copy, capsys):
     path = copy / "config.json"
     config = json.loads(path.read_text())
@@ -394,6 +397,7 @@ def test_a_hand_edited_config_is_never_silently_overwritten_by_a_resume(copy, ca
     sft(copy, "--resume", "--steps", "7", "--config", path)  # the file is the run's again
 
 
+@pytest.mark.slow
 def test_a_finished_run_rerun_with_fewer_steps_says_only_that_it_is_complete(copy, capsys):
     before = _files(copy)
     sft(copy, "--steps", "2")
@@ -479,6 +483,7 @@ def test_metrics_log_missing_on_resume_is_recreated(copy, capsys):
 # ----------------------------------------------------------------------------- 5. the lock
 
 
+@pytest.mark.slow
 def test_a_held_run_directory_is_refused_and_a_dead_holders_lock_taken_over(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
@@ -545,6 +550,7 @@ def test_second_process_refused_log_removed_mid_run_recreated_killed_holder_take
 # ----------------------------------------------------------------------------- 6, 12. data
 
 
+@pytest.mark.slow
 def test_records_with_no_loss_token_are_refused_when_none_or_most_and_left_out_otherwise(
         tmp_path, capsys):
     long = {"prompt": "word " * 40, "completion": "1"}
@@ -901,6 +907,7 @@ def test_a_disk_that_fills_up_while_logging_ends_in_one_message(tmp_path, capfd)
                "holds the training records of steps 1-" in msg
 
 
+@pytest.mark.slow
 def test_a_checkpoints_folder_removed_during_the_run_is_said_once_and_saving_goes_on(
         tmp_path, capsys, monkeypatch):
     from nnx_posttrain.train import loop

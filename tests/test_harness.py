@@ -48,6 +48,7 @@ PAIRS = [("What is 12 + 30?", " 42"), ("<start_of_turn>user\nWhat is 9 + 9?", "1
 TEXTS = ["What is 12 + 30? 42. " * 30, "short"]
 
 
+@pytest.mark.slow
 def test_log_likelihoods_and_greedy_flags_equal_lm_evals_hf_backend(micro_lm, hf_lm):
     """Tolerance: 1e-4 absolute per request (float32 on both sides)."""
     ours, theirs = (lm.loglikelihood(requests("loglikelihood", PAIRS)) for lm in (micro_lm[1], hf_lm))
@@ -87,6 +88,7 @@ def test_a_local_task_scores_the_same_as_the_hf_backend(micro_lm, hf_lm, tmp_pat
                                [x[0][0] for doc in theirs for x in doc], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_nnx_arithmetic_answers_are_the_training_evaluations(micro_lm, tmp_path):
     """Problem by problem, the greedy answers lm-eval gets equal the ones exact match scores."""
     from nnx_posttrain import data

@@ -77,6 +77,7 @@ def hf_logits(directory, batch, pixel_values=None):
         return hf(**inputs).logits.numpy()
 
 
+@pytest.mark.slow
 def test_gemma4_vision_export_gives_transformers_logits_with_images(exported):
     """``Gemma4ForConditionalGeneration`` (every tensor read, none left over) gives our logits
     (``model.full_logits`` with the images) on a row with one image, one with two and a text-only

@@ -79,6 +79,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_scan_equals_the_blocks_one_after_the_other(case):
     settings, loss = CASES[case]
@@ -140,6 +141,7 @@ def _stacks(jaxpr) -> int:
             + sum(_stacks(j) for j in inner))
 
 
+@pytest.mark.slow
 def test_the_frozen_blocks_are_stacked_once_a_step_not_in_each_micro_batch(monkeypatch):
     """With LoRA, a scanned step stacks the blocks' frozen weights before its loop over
     micro-batches, not in each (as it did: ``frozen_stacks`` giving nothing); its update is the

@@ -142,6 +142,7 @@ def test_chunked_logprob_gradients_equal_naive(micro):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_16_bit_logits_are_kept_for_the_backward_pass_with_the_same_gradients():
     """A bfloat16 model's chunked projection keeps its chunks' bf16 logits for the backward pass
     (the projection is not recomputed: three matmuls over the vocabulary, not four) while they

@@ -290,6 +290,7 @@ def test_a_run_directory_given_as_a_reward_must_be_a_reward_models(tmp_path, pro
              "--algo.rewards", str(tmp_path / "sft_run"), "--model", str(tmp_path / "no_model"))
 
 
+@pytest.mark.slow
 def test_rewards_are_called_as_trl_calls_them(tmp_path, prompt_files):
     """Conversational prompts: completions as [{"role": "assistant", "content": ...}]; every
     reward gets completion_ids and trainer_state; one without **kwargs only what it names."""
@@ -329,6 +330,7 @@ def needs_solution(prompts, completions, solution, **_):
     return [1.0] * len(completions)
 
 
+@pytest.mark.slow
 def test_a_step_where_no_completion_got_a_reward_is_warned(tmp_path, prompt_files):
     with pytest.warns(RuntimeWarning, match="no completion of the batch got a reward: all_none "
                                             "returned None"):

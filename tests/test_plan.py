@@ -140,6 +140,7 @@ def test_sft_and_grpo_steps_compile_for_a_tpu_topology_and_the_report_is_xlas(al
         assert batch.shape[2] == p.run["sequence"] and run.batch["advantages"].shape == (2, 8)
 
 
+@pytest.mark.slow
 def test_on_a_cpu_device_the_inputs_are_the_state_the_frozen_weights_and_the_batch():
     p = _plan("sft", plan.resolve("cpu-1"), *MICRO, "--lora.rank", "2")
     assert abs(sum(p.inputs.values()) - p.parts["inputs"]) <= 64  # no tiles to pad to on CPU
@@ -237,6 +238,7 @@ def test_splash_attention_compiles_for_tpu_with_packing_and_a_sliding_window(pac
     assert "tpu_custom_call" in compiled.as_text()  # the Pallas (Mosaic) kernel, per device
 
 
+@pytest.mark.slow
 def test_the_layer_scan_compiles_for_tpu_with_splash_fsdp_packing_and_lora(v5e_8):
     """The blocks as one scan (model.layer_scan) on 8 devices: splash attention per device in
     its body, the rows laid out over the batch axes, the FSDP-sharded weights stacked."""
@@ -313,6 +315,7 @@ def test_a_refused_plans_total_is_the_compilers_figure_its_inputs_counted_once(v
     assert p.memory_bytes == int(15.75 * 2**30) and p.fits and p.flops is None
 
 
+@pytest.mark.slow
 def test_a_quantized_base_is_planned_and_its_frozen_weights_are_what_the_estimate_counts():
     """``--quantize int8`` quantizes the abstract model's layers as a run's (traced, no values);
     its frozen weights come out at what the estimate of the change counted: the share int8

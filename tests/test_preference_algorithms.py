@@ -111,6 +111,7 @@ def _lora_layers(module):
     return [l for l in module._flatten_layers(include_self=False) if getattr(l, "lora_enabled", False)]
 
 
+@pytest.mark.slow
 def test_lora_base_reference_is_the_model_before_lora():
     lm = model.load("gemma_micro", seed=0)
     batch = _pair_batch(lm, _builtin("train", "preference", 4))
@@ -460,6 +461,7 @@ def test_the_data_margin_column_reaches_the_reward_loss_and_a_bad_one_is_named()
         transform(src[100])
 
 
+@pytest.mark.slow
 def test_reward_run_logs_accuracy_and_no_exact_match(tmp_path, pref_files):
     args = _args(tmp_path / "rm", "--steps", "4", "--batching.batch-size", "4",
                  "--eval.batches", "1", "--eval.every", "0", data_files=pref_files)

@@ -70,6 +70,7 @@ def test_an_embedding_is_quantized_a_block_of_rows_at_a_time_to_the_same_values(
                                   np.asarray(whole_scale, np.float32))
 
 
+@pytest.mark.slow
 def test_an_untied_output_embedding_is_quantized_per_vocabulary_column_and_dequantizes():
     """Llama 3 8B, Mistral and the MoE families have an untied output table [hidden, vocab]:
     Keras quantizes it with the embedding's quantizer, one scale per vocabulary column (its own

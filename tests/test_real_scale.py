@@ -20,6 +20,7 @@ from tools.bench import smoke_real
 TEXT = "<start_of_turn>user\nWhat's 12 + 30? Écrivez ☃.<end_of_turn>\n"
 
 
+@pytest.mark.slow
 def test_gemma_tokenizer_has_gemmas_size_and_layout():
     tok = model.Tokenizer(keras_hub.models.GemmaTokenizer(proto=make_preset.gemma_proto()))
     assert tok.vocab_size == 256_000

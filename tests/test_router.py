@@ -323,6 +323,7 @@ def _loss(name, bb, coef):
     return float(total / weight), float(metrics["aux_loss"][0]), metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CALLS))
 def test_every_algorithm_adds_the_policys_aux_loss(qwen3_moe, name):
     on, aux, metrics = _loss(name, qwen3_moe, 0.5)

@@ -75,6 +75,7 @@ def test_pad_prompts_left_pads_to_a_bucket():
     assert sampler.pad_prompts([[1] * 17], 0)[0].shape == (1, 32)
 
 
+@pytest.mark.slow
 def test_greedy_equals_no_cache_argmax_with_different_prompt_lengths(micro_sampler, reference):
     lm, _, states, sample = micro_sampler
     ids, mask = _batch()
@@ -222,6 +223,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy(micro_sampler):
     assert float(jnp.max(nucleus["logprobs"])) < 0
 
 
+@pytest.mark.slow
 def test_sampled_frequencies_follow_the_model_distribution(micro_sampler):
     lm, graphdef, states, _ = micro_sampler
     draws = 3000
@@ -379,6 +381,7 @@ def test_eval_and_rollout_lengths_are_bounded_by_the_context(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 def test_the_tpu_tiers_checks_run_on_this_cpu(tmp_path):
     """tests/tpu_checks.py (the TPU tier's chip-side script, run nowhere else) calls the
     library as it is today: its sampler and bfloat16 checks, in process, on the CPU."""

@@ -266,10 +266,12 @@ def test_same_loss_whatever_the_mesh(eight_devices):
     assert "P('tensor', 'fsdp')" in eight_devices["specs"]["fsdp=4,tensor=2"]
 
 
+@pytest.mark.slow
 def test_shardings_unchanged_after_a_step(eight_devices):
     assert all(n == 0 for n in eight_devices["drift"].values()), eight_devices["drift"]
 
 
+@pytest.mark.slow
 def test_per_device_parameter_bytes_shrink_as_fsdp_grows(eight_devices):
     b = eight_devices["param_bytes"]
     print(json.dumps(b, indent=1))

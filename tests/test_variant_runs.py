@@ -40,6 +40,7 @@ def _host_batch(lm, recs, max_length=24):
     return {k: np.stack([e[k] for e in examples]) for k in examples[0] if k != "truncated"}
 
 
+@pytest.mark.slow
 def test_log_sum_sq_is_log_sum_of_squared_probabilities(lm):
     """WPO's per-token input (TRL's fused LM head ``log_sum_sq_probs``), chunked and at scored
     positions only, equals log sum_v softmax(logits)_v^2 of the full logits."""

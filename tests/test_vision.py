@@ -83,6 +83,7 @@ def keras_hub_call(lm, inputs):
     return np.asarray(jax.jit(lambda state, x: nnx_merge(state)(x))(nnx.split(lm.task), inputs))
 
 
+@pytest.mark.slow
 def test_logits_with_images_equal_keras_hubs_gemma3_causal_lm(lm):
     """The training forward (``model.full_logits`` under ``model.images``: the path of every
     log-prob) equals KerasHub's ``Gemma3CausalLM`` called on the inputs its preprocessor makes;
@@ -179,6 +180,7 @@ def test_a_local_preset_directory_of_a_vision_model_loads_with_its_images(lm, tm
     shutil.rmtree(tmp_path / "preset")
 
 
+@pytest.mark.slow
 def test_a_precomputed_reference_reads_the_images(files, tmp_path):
     """``--algo.reference precompute``: the reference log-probs, computed before training over
     the data with its images, equal the policy's at the first step (DPO's loss is log 2 there;
@@ -216,6 +218,7 @@ def test_train_vision_trains_the_tower_against_a_copied_reference(lm, files, tmp
                   echo=lambda _: None)
 
 
+@pytest.mark.slow
 def test_eval_data_with_images_gives_the_eval_loss(files, tmp_path):
     """``--eval-data`` with images: the eval loss reads them; without an ``answer`` column exact
     match is left out with a word, as for text (with one, the sampler reads the images:
@@ -265,6 +268,7 @@ def _scored(module, ids, mask, pixels):
         return model.token_logprobs(module, ids, mask)
 
 
+@pytest.mark.slow
 def test_kto_reads_each_prompts_images_in_its_kl_rows(files, tmp_path):
     """KTO on ``prompt`` / ``completion`` / ``label`` + ``images``: its KL rows (each prompt with
     another example's completion) are copies of the examples' rows, each reading its prompt's

@@ -245,6 +245,7 @@ def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
     np.testing.assert_allclose(logps, want, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_a_sampling_batch_mixing_image_widths_is_refused(lm):
     """KerasHub's Gemma 4 pools every image of a call on the widest image's grid: a sampling
     batch of pictures of two patch-grid widths is refused naming them (not sampled with a

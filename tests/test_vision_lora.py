@@ -94,6 +94,7 @@ def test_zero_initialised_factors_keep_the_logits_and_the_gradient_reaches_them(
         assert (b_norm > 0) == reads_image
 
 
+@pytest.mark.slow
 def test_a_merged_vision_lora_exports_with_its_logits(tmp_path):
     """Gemma 4 with LoRA on the projector and the tower's attention (non-zero factors), merged
     (``inspection.merge_lora``) and exported: transformers' logits with an image equal the LoRA

@@ -45,6 +45,7 @@ def keras_hub_rules(monkeypatch):
     return module
 
 
+@pytest.mark.slow
 def test_tokens_and_patches_equal_keras_hubs_qwen3_5_preprocessor(lm, keras_hub_rules):
     """The official Qwen 3.5 template (jinja) on TRL's placement, then KerasHub's
     ``Qwen3_5CausalLMPreprocessor`` rule (its ``_tokenize_with_special_tokens``: each
