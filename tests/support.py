@@ -19,6 +19,17 @@ FAST_STEPS = ["--steps", "4", "--log-every", "1", "--eval.every", "0", "--eval.b
               "--eval.exact-match", "0", "--batching.batch-size", "4", "--checkpoint.every", "2"]
 
 
+def equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the programs inside it (a scan's or a loop's body, a
+    cond's branches, remat, custom derivatives), depth first."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for inner in jaxprs_in_params(eqn.params):
+            yield from equations(inner)
+
+
 def train_run(algorithm: str, *args, recipe: bool = True, echo=print):
     """``nnx-posttrain ALGORITHM ARGS`` in this process, parsed and run as the command does;
     returns what it computed (the ``RunResult``, or ``--eval-only``'s metrics). A problem raises

@@ -267,16 +267,9 @@ def test_no_t_by_t_mask_in_the_packed_forward():
     def fwd(state):
         return model.hidden_states(nnx.merge(graphdef, state), ids, seg != 0, seg)
 
-    def sizes(jaxpr):  # every intermediate, inside loops, custom derivatives and remat too
-        for eqn in jaxpr.eqns:
-            yield from (int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        yield from sizes(sub)
-
-    sizes = list(sizes(jax.make_jaxpr(fwd)(state).jaxpr))
+    # every intermediate, inside loops, custom derivatives and remat too
+    sizes = [int(np.prod(v.aval.shape)) for e in support.equations(jax.make_jaxpr(fwd)(state).jaxpr)
+             for v in e.outvars if hasattr(v.aval, "shape")]
     assert max(sizes) < t * t, max(sizes)  # 4 heads x 32 x 32 tiles: 4096 < 65536
     model.set_attention(bb, "keras")
 

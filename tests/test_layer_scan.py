@@ -136,9 +136,7 @@ def _sft_step(m, mode):
 
 def _stacks(jaxpr) -> int:
     """How many stacks ``jaxpr`` makes (``jnp.stack``), its inner programs included."""
-    inner = [j for eqn in jaxpr.eqns for j in jax.core.jaxprs_in_params(eqn.params)]
-    return (sum(eqn.primitive.name in ("stack", "concatenate") for eqn in jaxpr.eqns)
-            + sum(_stacks(j) for j in inner))
+    return sum(e.primitive.name in ("stack", "concatenate") for e in support.equations(jaxpr))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from nnx_posttrain import cli, config, metrics_log, model, train
 from nnx_posttrain.losses.sft import sft
 from nnx_posttrain.train import flops
 from nnx_posttrain.algorithms import SFT
-from support import train_run
+from support import equations, train_run
 
 
 def test_sft_loss_hand_computed():
@@ -305,18 +305,6 @@ def test_train_step_applies_optax_clipping_then_adamw_to_the_mean_gradient(max_g
     assert (gap > 1e-5) == (0 < max_grad_norm < float(metrics["grad_norm"]))  # clipped or not
 
 
-def _reductions(jaxpr) -> int:
-    """The ``reduce_sum`` equations of ``jaxpr`` and of every jaxpr inside it (loops, conds)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "reduce_sum"
-        for value in eqn.params.values():  # a scan's or a loop's jaxpr, a cond's branches
-            for inner in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(inner, "jaxpr", inner)
-                count += _reductions(inner) if hasattr(inner, "eqns") else 0
-    return count
-
-
 def test_clipping_reuses_the_logged_gradient_norm():
     """The global norm the step logs (and checks for a finite step) is the one clipping divides
     by: clipping adds no reduction over the gradients (it added one per weight, a program's
@@ -330,7 +318,7 @@ def test_clipping_reuses_the_logged_gradient_norm():
         step = train.make_train_step(graphdef, SFT(SFT.Config()).loss, tx, lr)
         jaxpr = jax.make_jaxpr(step)(train.init_state(params, tx, 0),
                                      {"model": frozen, "reference": None}, batch)
-        counts.append(_reductions(jaxpr.jaxpr))
+        counts.append(sum(e.primitive.name == "reduce_sum" for e in equations(jaxpr.jaxpr)))
     assert counts[0] == counts[1] > len(jax.tree.leaves(params))
 
 
