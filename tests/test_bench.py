@@ -185,7 +185,8 @@ def test_a_partial_tpu_battery_keeps_the_earlier_rows_it_does_not_measure(tmp_pa
     new = json.loads((tmp_path / "results" / "bench_tpu.json").read_text())
     pairs = [(row[0], row[1]) for row in new["rows"]]
     assert sorted(pairs) == sorted((row[0], row[1]) for row in previous["rows"])
-    kept = next(n for n in new["notes"] if n.startswith("Rows "))
+    # one note per commit the kept rows were measured at (the record's own: abc1234)
+    kept = " ".join(n for n in new["notes"] if n.startswith("Rows "))
     assert "abc1234" in kept and f"tiny {one['case']}" not in kept and "gemma_1b sft" in kept
 
 
