@@ -70,23 +70,28 @@ def moe(request):
 
 
 def _router_outputs(bb, x):
-    """Each router layer's output, computed by the layer itself on its block's input."""
-    family = families.of(bb)
-    outs = []
+    """Each router layer's output, computed by the layer itself on its block's input, the
+    backbone's forward as one jitted program (``support.jitted``: op by op, Gemma 4's MoE
+    forward compiled each operation of a new shape on its own, ~8 s)."""
 
-    def keep(layer, original):
-        def call(*a, **k):
-            y = original(*a, **k)
-            outs.append(np.asarray(y))
-            return y
-        return call
+    def forward(bb, x):
+        family = families.of(bb)
+        outs = []
 
-    routers = [family.moe.router(b) for b in model.decoder_blocks(bb)]
-    # eager; Qwen 3.5 MoE's Gated DeltaNet as the package's forward runs it (KerasHub's delta
-    # rule, eager, compiles hundreds of operations one shape at a time: tens of seconds)
-    with model.blocks.shadowed(routers, "call", keep), model.blocks.recurrent_calls(bb):
-        bb(backbone_inputs(bb, x, jnp.ones_like(x)))
-    return outs
+        def keep(layer, original):
+            def call(*a, **k):
+                y = original(*a, **k)
+                outs.append(y)
+                return y
+            return call
+
+        routers = [family.moe.router(b) for b in model.decoder_blocks(bb)]
+        # Qwen 3.5 MoE's Gated DeltaNet as the package's forward runs it
+        with model.blocks.shadowed(routers, "call", keep), model.blocks.recurrent_calls(bb):
+            bb(backbone_inputs(bb, x, jnp.ones_like(x)))
+        return outs
+
+    return [np.asarray(y) for y in support.jitted(forward, bb)(x)]
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
