@@ -71,8 +71,8 @@ def moe(request):
 
 def _router_outputs(bb, x):
     """Each router layer's output, computed by the layer itself on its block's input, the
-    backbone's forward as one jitted program (``support.jitted``: op by op, Gemma 4's MoE
-    forward compiled each operation of a new shape on its own, ~8 s)."""
+    backbone's forward as one jitted program (``support.jitted``; op by op, Gemma 4's MoE
+    forward took ~8 s compiling each operation of a new shape on its own)."""
 
     def forward(bb, x):
         family = families.of(bb)

@@ -225,7 +225,7 @@ def make_train_step(graphdef, loss_fn, tx, lr_schedule, param_shardings=None):
         (total, (weight, metrics)), grads = _summed(grad_fn, like_params, params, frozen,
                                                     batch, stacks)
         denom = jnp.maximum(weight, 1e-9)
-        grad_norm = optax.tree.norm(_mean(grads, denom))  # logged, checked, clipped by
+        grad_norm = optax.tree.norm(_mean(grads, denom))  # logged; clipping divides by it
         # a NaN / inf loss or gradient never reaches the weights or the AdamW moments: the update
         # runs only on a finite step (a cond, not a select on every leaf: a select costs one more
         # pass over the weights and both moments, and keeps the old moments alive beside the new)
