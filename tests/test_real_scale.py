@@ -226,3 +226,33 @@ def test_a_preset_quantized_as_it_loads_is_made_on_the_host_where_the_default_is
     assert value.devices() == {device} and not np.asarray(value).any()
     with lean_load.made_on(None):
         assert jax.sharding.get_abstract_mesh().empty
+
+
+def test_make_presets_largest_tensors_are_drawn_a_block_at_a_time_from_the_whole_shape(monkeypatch):
+    """tools.block_init (make_preset's E4B per-layer embedding asked for a 45 GB buffer drawn
+    whole): past BLOCK_BYTES a tensor is drawn a block of rows at a time, with the spread its
+    initializer gives the whole shape (not a block's fans), the blocks independent."""
+    from tools import block_init
+
+    monkeypatch.setattr(block_init, "BLOCK_BYTES", 1 << 16)
+    monkeypatch.setattr(block_init, "ROWS_BYTES", 1 << 12)  # 64 rows of 32 bfloat16 a block
+    drawn, draw = [], block_init.draw
+    monkeypatch.setattr(block_init, "draw", lambda kind, shape, *a: drawn.append(shape) or draw(
+        kind, shape, *a))
+    fan_in = keras.initializers.VarianceScaling(1.0, "fan_in", "untruncated_normal")
+    with block_init.by_blocks(seed=0):
+        big = keras.layers.Embedding(8192, 32, embeddings_initializer=fan_in, dtype="bfloat16")
+        big.build()
+        cut = keras.layers.Dense(16, kernel_initializer=keras.initializers.TruncatedNormal(
+            stddev=0.5), dtype="float32")
+        cut.build((None, 2048))
+        small = keras.layers.Dense(8, kernel_initializer="ones")
+        small.build((None, 8))
+    assert drawn == [(8192, 32), (2048, 16)]  # the two past BLOCK_BYTES, not the small one
+    w = np.asarray(big.embeddings.value, np.float32)
+    assert abs(w.std() * np.sqrt(8192) - 1) < 0.02  # the whole shape's fan in: 8192 rows
+    assert np.unique(w[:64]).size > 500 and not np.array_equal(w[:64], w[64:128])
+    k = np.asarray(cut.kernel.value)
+    assert np.abs(k).max() <= 1.0 and abs(k.std() / (0.5 * 0.8796) - 1) < 0.03  # cut at 2 std
+    np.testing.assert_array_equal(np.asarray(small.kernel.value), np.ones((8, 8)))
+    assert keras.backend.standardize_dtype(big.embeddings.dtype) == "bfloat16"

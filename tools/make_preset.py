@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from nnx_posttrain import families
-from tools import ToolError, command
+from tools import ToolError, block_init, command
 
 # name -> (family, KerasHub backbone arguments, tokenizer size): every family's presets
 # (``nnx_posttrain.families``: ``Family.presets``)
@@ -320,7 +320,8 @@ def build(like: str, out: str | Path, scale: float = 1.0, dtype: str = "bfloat16
         with families.building(families.FAMILIES[family].backbone, None):
             task, = model.eval_shape_task(abstract)
     else:
-        task = _task(family, dims, tokens, dtype)
+        with block_init.by_blocks(seed):  # the largest tensors a block of rows at a time
+            task = _task(family, dims, tokens, dtype)
     tokenizer, backbone = task.preprocessor.tokenizer, task.backbone
     if tokenizer.vocabulary_size() != tokens:
         raise RuntimeError(f"tokenizer has {tokenizer.vocabulary_size()} tokens, expected {tokens}")
