@@ -82,7 +82,8 @@ def test_gradients_reach_the_expert_factors_alone(variant):
 def test_expert_targets_by_name_and_mlp_and_their_refusals():
     """``mlp`` on a mixture of experts takes its experts (and its dense MLP layers); a kernel can be
     named alone; ``all-linear`` stays PEFT's (Dense layers, not the experts); a dense model has
-    no experts to adapt; ``--adapters-only`` refuses expert factors (no PEFT form verified)."""
+    no experts to adapt; ``--adapters-only`` refuses expert factors on a vision-language model
+    (no PEFT form verified; tests/test_hf_export_moe.py exports the text models')."""
     backbone = support.tiny_backbone("gpt_oss")
     adapted = model.enable_lora(backbone, 2, targets="down_proj,query")
     assert {p.rsplit("/", 1)[-1] for p in adapted} == {"down_proj", "query"}
@@ -95,9 +96,12 @@ def test_expert_targets_by_name_and_mlp_and_their_refusals():
     assert not [v.path for v in linear.weights if "/lora_expert" in v.path]
     with pytest.raises(errors.ConfigError, match="no stacked experts"):
         model.enable_lora(support.tiny_backbone("llama3"), 2, targets="experts")
+    import keras
+
     from nnx_posttrain.export import hf as hf_export
 
-    with pytest.raises(hf_export.ExportError, match="stacked experts"):
+    object.__setattr__(backbone, "vision_encoder", keras.layers.Dense(2))  # as a VLM's
+    with pytest.raises(hf_export.ExportError, match="stacked experts of a vision-language"):
         hf_export.export_adapters(backbone, support.ROOT / "never-written", "float32", "base")
 
 

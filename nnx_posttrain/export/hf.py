@@ -263,59 +263,107 @@ def lora_factors(a: np.ndarray, b: np.ndarray, layout) -> tuple[np.ndarray, np.n
     return lora_a, lora_b, ne * r
 
 
-def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Path]:
-    """PEFT adapter_model.safetensors + adapter_config.json of the backbone's LoRA layers."""
-    import keras
-
-    rules = _rules(backbone)
-    layers = [l for l in backbone._flatten_layers(include_self=False)
-              if getattr(l, "lora_enabled", False)]
-    if not layers:
-        raise ExportError("--adapters-only: the run has no LoRA adapters (it trained every weight)")
+def _refuse_vision(backbone, layers) -> None:
     tower = getattr(backbone, "vision_encoder", None)
     inside = {id(t) for t in tower._flatten_layers()} if tower is not None else set()
     if any(id(l) in inside for l in layers):
         raise ExportError("--adapters-only: LoRA on the vision encoder (--lora.targets projector / "
                           "vision-attention) has no verified PEFT form; export the merged model "
                           "(--format hf without --adapters-only)")
+    if tower is not None and any(getattr(l, "lora_kernels", None) for l in layers):
+        raise ExportError("--adapters-only: LoRA on the stacked experts of a vision-language "
+                          "model has no verified PEFT form; export the merged model (--format hf)")
+
+
+def _dense_adapter(layer, rules) -> tuple[str, np.ndarray, np.ndarray, int]:
+    """(transformers module, lora_A, lora_B, rank) of a Dense / EinsumDense layer's LoRA."""
+    import keras
+
+    if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        raise ExportError(f"--adapters-only: LoRA on {layer.path} ({type(layer).__name__})")
+    kernel = getattr(layer, "_kernel", None)  # .kernel is the merged array once LoRA is on
+    hit = _match(rules, kernel.path) if kernel is not None else None
+    if hit is None or hit[1] in (None, "flat", DERIVED):
+        raise ExportError(f"--adapters-only: {layer.path} has no verified Hugging Face module")
+    name, layout = hit
+    return (name.removesuffix(".weight"),
+            *lora_factors(np.asarray(layer.lora_kernel_a.value, np.float32),
+                          np.asarray(layer.lora_kernel_b.value, np.float32), layout))
+
+
+def _expert_adapters(backbone, layers, rules) -> tuple[dict, dict, list[str]]:
+    """``hf_experts.adapters`` of the experts layers, in their family's ``PeftExperts`` form."""
+    from nnx_posttrain.export import hf_experts
+    from nnx_posttrain.model import expert_lora
+
+    peft = families.of(backbone).export.experts
+    if peft is None:
+        raise ExportError(f"--adapters-only: LoRA on the stacked experts of {layers[0].path} has "
+                          "no verified PEFT form; export the merged model (--format hf)")
+
+    def decoder_layer(layer):
+        kernel = getattr(layer, expert_lora.spec_of(layer).kernels[layer.lora_kernels[0]])
+        names = [name.format(*m.groups()) for rx, name, layout in rules
+                 if layout != DERIVED and (m := rx.match(kernel.path))]
+        found = re.match(r"(.*\.layers\.\d+)\.", names[0]) if names else None
+        if found is None:
+            raise ExportError(f"--adapters-only: {layer.path} has no verified Hugging Face module")
+        return found.group(1)
+
+    return hf_experts.adapters(layers, peft, decoder_layer)
+
+
+def export_adapters(backbone, to: Path, dtype: str, base_model: str) -> list[Path]:
+    """PEFT adapter_model.safetensors + adapter_config.json of the backbone's LoRA layers: a
+    Dense / EinsumDense layer's as LoRA on its transformers module (``target_modules``), the
+    stacked experts' as LoRA on transformers' 3-D expert parameters (``target_parameters``,
+    ``hf_experts``)."""
+    rules = _rules(backbone)
+    layers = [l for l in backbone._flatten_layers(include_self=False)
+              if getattr(l, "lora_enabled", False)]
+    if not layers:
+        raise ExportError("--adapters-only: the run has no LoRA adapters (it trained every weight)")
+    _refuse_vision(backbone, layers)
     rank, alpha = layers[0].lora_rank, layers[0].lora_alpha
-    tensors, shapes, ranks, targets = {}, {}, {}, set()
     for layer in layers:
-        if getattr(layer, "lora_kernels", None):
-            raise ExportError(f"--adapters-only: LoRA on the stacked experts of {layer.path} has "
-                              "no verified PEFT form; export the merged model (--format hf)")
-        if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
-            raise ExportError(f"--adapters-only: LoRA on {layer.path} ({type(layer).__name__})")
         if (layer.lora_rank, layer.lora_alpha) != (rank, alpha):
             raise ExportError(f"--adapters-only: {layer.path} has another LoRA rank or alpha")
-        kernel = getattr(layer, "_kernel", None)  # .kernel is the merged array once LoRA is on
-        hit = _match(rules, kernel.path) if kernel is not None else None
-        if hit is None or hit[1] in (None, "flat", DERIVED):
-            raise ExportError(f"--adapters-only: {layer.path} has no verified Hugging Face module")
-        name, layout = hit
-        module = name.removesuffix(".weight")
-        lora_a, lora_b, ranks[module.split(".")[-1]] = lora_factors(
-            np.asarray(layer.lora_kernel_a.value, np.float32),
-            np.asarray(layer.lora_kernel_b.value, np.float32), layout)
+    experts = [l for l in layers if getattr(l, "lora_kernels", None)]
+    arrays, ranks, targets, parameters = {}, {}, set(), []
+    for layer in (l for l in layers if not getattr(l, "lora_kernels", None)):
+        module, lora_a, lora_b, r = _dense_adapter(layer, rules)
+        ranks[module.split(".")[-1]] = r
         targets.add(module.split(".")[-1])
-        for part, array in (("lora_A", lora_a), ("lora_B", lora_b)):
-            key = f"base_model.model.{module}.{part}.weight"
-            tensors[key] = (lambda x=array: _as_numpy(x, dtype))
-            shapes[key] = array.shape
-    # PEFT scales by lora_alpha / r: a block-diagonal adapter of rank R keeps Keras' alpha / rank
-    # with alpha x R / rank
-    bigger = {k: v for k, v in sorted(ranks.items()) if v != rank}
+        arrays[f"base_model.model.{module}.lora_A.weight"] = lora_a
+        arrays[f"base_model.model.{module}.lora_B.weight"] = lora_b
+    if experts:
+        more, expert_ranks, parameters = _expert_adapters(backbone, experts, rules)
+        arrays.update(more)
+        ranks.update(expert_ranks)
     to.mkdir(parents=True, exist_ok=True)
-    write_safetensors(to / "adapter_model.safetensors", tensors, shapes, dtype)
+    write_safetensors(to / "adapter_model.safetensors",
+                      {k: (lambda x=v: _as_numpy(x, dtype)) for k, v in arrays.items()},
+                      {k: v.shape for k, v in arrays.items()}, dtype)
+    config = _adapter_config(base_model, rank, alpha, ranks, sorted(targets), parameters)
+    (to / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return sorted(p for p in to.rglob("*") if p.is_file())
+
+
+def _adapter_config(base_model, rank, alpha, ranks, targets, parameters) -> dict:
+    """PEFT's adapter_config.json. PEFT scales by lora_alpha / r: an adapter of another rank R
+    (block-diagonal: a query's heads, fused gate | up experts) keeps Keras' alpha / rank with
+    alpha x R / rank (``rank_pattern`` / ``alpha_pattern``)."""
+    bigger = {k: v for k, v in sorted(ranks.items()) if v != rank}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
-        "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
+        "target_modules": targets, "fan_in_fan_out": False, "inference_mode": True,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": bigger,
         "alpha_pattern": {k: alpha * v / rank for k, v in bigger.items()},
         "revision": None,
     }
-    (to / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return sorted(p for p in to.rglob("*") if p.is_file())
+    if parameters:  # PEFT >= 0.17 (verified: 0.21.2)
+        config["target_parameters"] = parameters
+    return config

@@ -30,6 +30,7 @@ from nnx_posttrain.families.base import (  # noqa: F401  (the records, re-export
     Family,
     LayerSpec,
     MoE,
+    PeftExperts,
     Preset,
     Reader,
     Unsupported,

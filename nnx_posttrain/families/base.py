@@ -62,6 +62,21 @@ def refuse(family: str, problems: list[str]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeftExperts:
+    """LoRA on a family's stacked experts (``model.expert_lora``) as PEFT adapters on
+    transformers' 3-D expert parameters (PEFT's ``target_parameters``; ``export.hf_experts``):
+    ``module``: the experts module's name inside its decoder layer (``mlp.experts``);
+    ``params``: its expert parameters in the order transformers declares them (PEFT nests the
+    wrappers of one module's parameters in that order); ``kernels``: {Keras kernel name
+    (``ExpertLayer.kernels``): (its parameter, its place there)}: a parameter of several
+    kernels (gate | up) holds their outputs concatenated in that order."""
+
+    module: str
+    params: tuple[str, ...]
+    kernels: dict[str, tuple[str, int]]
+
+
+@dataclasses.dataclass(frozen=True)
 class Export:
     """The Hugging Face export of a family (``export.hf``), verified by a logits round trip
     against ``transformers`` (tests/test_hf_export.py).
@@ -74,7 +89,8 @@ class Export:
     the docs; ``image_tokens``: a vision-language config's keys of the tokenizer's image
     placeholder, start-of-image and end-of-image ids (``export.hf_config`` writes them);
     ``processor(preprocessor)``: a vision-language export's image processor files, {file name:
-    JSON} (``families.image_processors``; ``ExportError`` where transformers has no form of them)."""
+    JSON} (``families.image_processors``; ``ExportError`` where transformers has no form of them);
+    ``experts``: LoRA on the stacked experts as PEFT adapters (``PeftExperts``; None: refused)."""
 
     rules: Callable[[Any], list]
     config: Callable[[Any], dict]
@@ -82,6 +98,7 @@ class Export:
     tokenizer: Callable[[Any, Any], None] | None = None
     image_tokens: tuple[str, str, str] = ()
     processor: Callable[[Any], dict] | None = None
+    experts: PeftExperts | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from nnx_posttrain.families.base import (
     Family,
     LayerSpec,
     MoE,
+    PeftExperts,
     Preset,
     refuse,
 )
@@ -236,7 +237,11 @@ GEMMA4 = Family(
                   "vision tower and `embed_vision`; logits with images checked)",
                   tokenizer=vision_tokenizer,
                   image_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
-                  processor=image_processors.gemma4),
+                  processor=image_processors.gemma4,
+                  # expert LoRA: transformers' gate_up_proj [E, 2 x I, hidden], down_proj
+                  experts=PeftExperts("experts", ("gate_up_proj", "down_proj"), {
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                      "down_proj": ("down_proj", 0)})),
     decoding=DECODING,
     context_length=262_144,  # 26B / 31B (E2B / E4B: 131,072)
     hf_model_types=("gemma4_text", "gemma4"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, Export, ExpertLayer,
-                                         Family, MoE, Preset, refuse)
+                                         Family, MoE, PeftExperts, Preset, refuse)
 from nnx_posttrain.families.llama import LORA, SHARDING, llama_like
 from nnx_posttrain.families.moe import router_layer
 
@@ -138,7 +138,10 @@ GPT_OSS = Family(
     lora={"attention": LORA["attention"], "mlp": tuple(EXPERTS.kernels)},
     export=Export(export_rules, export_config,
                   "`gpt_oss` (`GptOssForCausalLM`) as KerasHub computes it: attention sinks, "
-                  "stacked experts with biases, its window layers and W + 1 keys, YaRN"),
+                  "stacked experts with biases, its window layers and W + 1 keys, YaRN",
+                  # expert LoRA: transformers' [E, in, out] experts are KerasHub's kernels
+                  experts=PeftExperts("mlp.experts", ("gate_up_proj", "down_proj"), {
+                      "gate_up_proj": ("gate_up_proj", 0), "down_proj": ("down_proj", 0)})),
     decoding=SELF_ATTENTION_CACHE,
     context_length=131_072,
     hf_model_types=("gpt_oss",),  # KerasHub reads the published MXFP4 checkpoints only

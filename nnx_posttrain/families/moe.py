@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from nnx_posttrain.families.base import (SELF_ATTENTION_CACHE, TINY_DIMS, ExpertLayer, Export,
-                                         Family, MoE, Preset, refuse)
+                                         Family, MoE, PeftExperts, Preset, refuse)
 from nnx_posttrain.families.llama import LLAMA_RULES, LORA, SHARDING, llama_like
 from nnx_posttrain.families.qwen import chatml_tokenizer
 
@@ -148,6 +148,16 @@ def expert_kernels(*names: str) -> dict[str, str]:
 
 QWEN3_MOE_EXPERTS = ExpertLayer("Qwen3MoeExperts", expert_kernels("gate", "output"),
                                 gate_up_experts_call)
+# expert LoRA as PEFT adapters: transformers 5.24 holds the experts (which its checkpoints write
+# one tensor per expert) as ``mlp.experts.gate_up_proj`` [E, 2 x I, hidden] (gate | up) and
+# ``down_proj`` [E, hidden, I]
+QWEN3_MOE_PEFT = PeftExperts("mlp.experts", ("gate_up_proj", "down_proj"), {
+    "expert_feedforward_gate_dense": ("gate_up_proj", 0),
+    "expert_feedforward_output_dense": ("down_proj", 0)})
+MIXTRAL_PEFT = PeftExperts("mlp.experts", ("gate_up_proj", "down_proj"), {
+    "expert_feedforward_gate_dense": ("gate_up_proj", 0),
+    "expert_feedforward_intermediate_dense": ("gate_up_proj", 1),
+    "expert_feedforward_output_dense": ("down_proj", 0)})
 MIXTRAL_EXPERTS = ExpertLayer("MixtralMoeExperts",
                               expert_kernels("gate", "intermediate", "output"),
                               mixtral_experts_call)
@@ -202,7 +212,7 @@ QWEN3_MOE = Family(
           "mlp": (*LORA["mlp"], *QWEN3_MOE_EXPERTS.kernels)},
     export=Export(qwen3_moe_rules, qwen3_moe_config,
                   "`qwen3_moe` (every layer sparse, no window), one tensor per expert",
-                  tokenizer=chatml_tokenizer),
+                  tokenizer=chatml_tokenizer, experts=QWEN3_MOE_PEFT),
     decoding=SELF_ATTENTION_CACHE,
     context_length=40_960,  # 30B-A3B (131,072 with YaRN)
     hf_model_types=("qwen3_moe",),
@@ -232,7 +242,8 @@ MIXTRAL = Family(
     sharding=SHARDING_MOE,
     lora={"attention": LORA["attention"], "mlp": tuple(MIXTRAL_EXPERTS.kernels)},
     export=Export(mixtral_rules, mixtral_config,
-                  "`mixtral` (its sliding window too), one tensor per expert (w1 / w3 / w2)"),
+                  "`mixtral` (its sliding window too), one tensor per expert (w1 / w3 / w2)",
+                  experts=MIXTRAL_PEFT),
     decoding=SELF_ATTENTION_CACHE,
     context_length=32_768,
     hf_model_types=("mixtral",),

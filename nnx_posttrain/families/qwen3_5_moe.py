@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from nnx_posttrain.families import qwen3_5
 from nnx_posttrain.families.base import ExpertLayer, Export, Family, MoE, Preset
-from nnx_posttrain.families.moe import expert_kernels, expert_rules, router_layer
+from nnx_posttrain.families.moe import QWEN3_MOE_PEFT, expert_kernels, expert_rules, router_layer
 from nnx_posttrain.families.qwen import chatml_tokenizer
 
 F, T, E = "fsdp", "tensor", "expert"
@@ -113,7 +113,8 @@ QWEN3_5_MOE = Family(
     lora={"attention": qwen3_5.QWEN3_5.lora["attention"], "mlp": _LORA_MLP},
     export=Export(export_rules, export_config,
                   "Qwen 3.5 MoE, text tower (`qwen3_5_moe_text`, `Qwen3_5MoeForCausalLM`), one "
-                  "tensor per expert", tokenizer=chatml_tokenizer),
+                  "tensor per expert", tokenizer=chatml_tokenizer,
+                  experts=QWEN3_MOE_PEFT),  # its experts: Qwen3-MoE's
     decoding=qwen3_5.QWEN3_5.decoding,
     context_length=262_144,  # Qwen 3.5's max_position_embeddings
     hf_model_types=("qwen3_5_moe",),

@@ -138,6 +138,12 @@ def enable(layer, names: tuple[str, ...], rank: int, alpha: float | None, seed: 
     return paths
 
 
+def factors(layer, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Kernel ``name``'s factors A [E, in, r], B [E, r, out], float32 on the host."""
+    return tuple(np.asarray(getattr(layer, f"{_PREFIX}{name}_{part}").value, np.float32)
+                 for part in ("a", "b"))
+
+
 def delta(layer, name: str):
     """(alpha / r) A B of kernel ``name``, float32, shaped like the kernel [E, in, out]."""
     import jax.numpy as jnp
