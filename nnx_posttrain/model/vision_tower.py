@@ -70,9 +70,11 @@ def lora_layers(module, groups) -> list:
     out = []
     for group in groups:
         hits = [layer for layer in linear if re.search(VISION_LORA[group], layer.path)]
-        if not hits:
-            raise errors.ConfigError(f"--lora.targets {group}: no such layer in the vision "
-                                     f"encoder of {type(module).__name__}")
+        if not hits:  # Qwen 3.5's tower (its fused qkv, its merger): not wired
+            raise errors.ConfigError(
+                f"--lora.targets {group}: no such layer in the vision encoder of "
+                f"{type(module).__name__} (LoRA on the tower is wired for Gemma 3's and Gemma "
+                "4's); --train-vision trains the whole tower, or adapt the language model only")
         out += [layer for layer in hits if layer not in out]
     return out
 
