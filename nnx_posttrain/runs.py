@@ -72,8 +72,7 @@ class NoCheckpointError(errors.CheckpointError, FileNotFoundError):
 
 def run_config(run_dir: str | Path) -> dict:
     """The settings a run saved (``config.json``); ``NotARunError`` naming the cause for a
-    directory without one, a file that is not JSON, or one that is not a run's (an exported
-    model's ``config.json``)."""
+    directory without one, a file not JSON, or one not a run's (an exported model's)."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         run = Path(run_dir).parent
@@ -177,8 +176,9 @@ def _adapt(lm, spec: ModelSpec, float32_factors: bool, echo) -> None:
         try:
             model.enable_lora(lm.module, lora.rank, lora.alpha, lora.targets, seed=spec.seed,
                               factor_dtype="float32" if float32_factors else None)
-        except ValueError as exc:  # e.g. targets that name no layer of this model
-            raise errors.ModelError(f"--lora.targets {lora.targets}: {exc}") from None
+        except ValueError as exc:  # targets that name no layer (a UserError says so itself)
+            raise exc if isinstance(exc, errors.UserError) else errors.ModelError(
+                f"--lora.targets {lora.targets}: {exc}") from None
     model.freeze_tower(lm.module, spec.train_vision)  # a vision encoder: frozen by default
 
 

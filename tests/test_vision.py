@@ -194,7 +194,8 @@ def test_a_precomputed_reference_reads_the_images(files, tmp_path):
 
 @pytest.mark.slow
 def test_train_vision_trains_the_tower_against_a_copied_reference(lm, files, tmp_path):
-    """``--train-vision``: every weight of the tower trains beside the language model's LoRA;
+    """``--train-vision``: every weight of the tower (its blocks too) trains beside the language
+    model's LoRA;
     DPO's reference is then a frozen copy of the starting weights (LoRA off would keep the
     trained tower), so the first step's loss is log 2; the run loads back with its tower. A
     text model has no tower to train: refused."""
@@ -209,7 +210,7 @@ def test_train_vision_trains_the_tower_against_a_copied_reference(lm, files, tmp
     tower = {v.path: np.asarray(v.value) for v in loaded.module.vision_encoder.weights}
     start = {v.path: np.asarray(v.value) for v in lm.module.vision_encoder.weights}
     assert tower.keys() == start.keys()
-    assert any(np.abs(tower[p] - start[p]).max() > 1e-4 for p in tower)
+    assert all(np.abs(tower[p] - start[p]).max() > 1e-4 for p in tower)  # its blocks too
     with pytest.raises(errors.ConfigError, match="lora_base: with --train-vision"):
         run("dpo", files / "pairs.jsonl", tmp_path / "refused", "--lora.rank", "4",
             "--train-vision", "--algo.reference", "lora_base")

@@ -254,6 +254,20 @@ def test_the_vision_tower_is_frozen_by_default():
             (4, 2, 16)
 
 
+def test_lora_on_the_tower_is_refused_naming_the_family(lm):
+    """``--lora.targets projector`` / ``vision-attention`` name Gemma's tower layers: on Qwen
+    3.5's tower a ``ConfigError`` naming the option and the backbone, before any layer is
+    adapted (``--train-vision`` trains its tower: ``test_vision_methods``)."""
+    from nnx_posttrain import errors
+
+    for group in ("projector", "vision-attention"):
+        with pytest.raises(errors.ConfigError, match=rf"^--lora.targets {group}: no such layer "
+                           r"in the vision encoder of Qwen3_5Backbone \(LoRA on the tower is "
+                           r"wired for Gemma 3's and Gemma 4's\); --train-vision"):
+            model.enable_lora(lm.module, 2, targets=f"attention,{group}")
+    assert not model.has_lora(lm.module)
+
+
 QUESTION = "How many shapes?"
 
 

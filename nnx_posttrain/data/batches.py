@@ -9,6 +9,7 @@ import numpy as np
 
 from nnx_posttrain import chat
 from nnx_posttrain.data import images
+from nnx_posttrain.data.errors import DataError
 from nnx_posttrain.data.formats import detect_format, preference_parts
 from nnx_posttrain.data.sources import Mixture
 
@@ -119,8 +120,12 @@ def packed_train_batches(src, transform, batch_size: int, seed: int, shuffle: bo
     the model's attention never crosses them (``model.hidden_states``)."""
     if getattr(transform, "kind", "sft") != "sft":
         raise ValueError("packing applies to SFT data only")
-    if getattr(transform, "images", None) is not None:
-        raise ValueError("packing does not carry images yet: train a vision model unpacked")
+    if getattr(transform, "images", None) is not None:  # deliberately, as TRL
+        raise DataError(
+            "--batching.packing: packing does not carry images (a vision model's rows keep their "
+            "examples' pixel values one a row); TRL 1.16 refuses it too (SFTTrainer: \"Packing "
+            "is not supported for vision datasets. Please set `packing=False`\"). Train a vision "
+            "model unpacked: leave out --batching.packing")
     length = transform.max_length
     ds = records_dataset(src, seed, shuffle).map(transform).map(_unpad)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4 if not num_workers else 1,

@@ -28,8 +28,9 @@ its chat template. Around it:
 - ``dense``: the decoder blocks' projections with their kernel gradient as one 2-D matmul;
 - ``logprobs``: per-token log-probabilities in float32, vocabulary-chunked, at scored positions;
 - ``heads``: scalar heads on the backbone (``RewardModel``, ``PolicyWithValue``);
-- ``vision``: vision-language backbones (Gemma 3 with its vision encoder): the images of the
-  batch being processed (``images``), the backbone's image inputs, the frozen vision tower.
+- ``vision``: vision-language backbones (Gemma 3, Gemma 4, Qwen 3.5 with their vision
+  encoders): the images of the batch being processed (``images``), the backbone's image inputs;
+  ``vision_tower``: the tower's weights (frozen by default, ``--train-vision``, LoRA on it).
 
 It may import only config-level modules (``config``, ``chat``, ``sharding``, ``checkpoint``,
 ``metrics_log``) and third-party libraries: never data, losses, algorithms, train or tasks.
@@ -81,8 +82,8 @@ from nnx_posttrain.model.logprobs import (
     token_logprobs,
     vocabulary_logits,
 )
-from nnx_posttrain.model.vision import (freeze_tower, images, outside_the_trace, reads_images,
-                                        tower_trains)
+from nnx_posttrain.model.vision import images, outside_the_trace, reads_images
+from nnx_posttrain.model.vision_tower import freeze_tower, tower_trains
 from nnx_posttrain.model.lora import (
     ATTENTION_LAYERS,
     LORA_TARGETS,

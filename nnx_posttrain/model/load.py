@@ -26,6 +26,7 @@ from nnx_posttrain.model.dtypes import DTYPES, keras_weight_files
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
 from nnx_posttrain.model import converters, lean_load as lean, vision, vision_builtin
+from nnx_posttrain.model.vision_tower import prepare_tower
 from nnx_posttrain.model.lora import count_params, trainable_filter
 from nnx_posttrain.model.tokenizer import Tokenizer, build as build_tokenizer
 
@@ -223,6 +224,7 @@ def load(name: str, dtype: str = "float32", seed: int = 0,
                           getattr(tokenizer, "image_token_id", None))  # Qwen 3.5's
     if vision.reads_images(task.backbone) and image_token is not None:
         vision.set_image_token(task.backbone, image_token)
+    prepare_tower(task.backbone)  # its blocks merged by NNX, its weights' names stable
     warm_up(task.backbone)
     return LanguageModel(
         task=nnx_ready(task),

@@ -99,9 +99,9 @@ def count_params(state) -> int:
 
 def split_targets(targets: str) -> tuple[str, tuple[str, ...]]:
     """(the language model's targets, the vision groups) of ``--lora.targets``: the items of a
-    comma-separated list that name ``vision.VISION_LORA`` groups ('projector',
+    comma-separated list that name ``vision_tower.VISION_LORA`` groups ('projector',
     'vision-attention'), and the rest (``target_names``; '' when only vision groups are given)."""
-    from nnx_posttrain.model.vision import VISION_LORA
+    from nnx_posttrain.model.vision_tower import VISION_LORA
 
     items = [t.strip() for t in targets.split(",") if t.strip()]
     return (",".join(t for t in items if t not in VISION_LORA),
@@ -128,8 +128,8 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     projections; a mixture of experts': its stacked expert kernels too), 'experts' (those
     alone: per-expert factors, ``model.expert_lora``), 'all-linear' (every Dense or EinsumDense
     of the decoder blocks), or comma-separated layer or expert kernel names (``target_names``);
-    none of these names a layer of a vision encoder (``vision.freeze_tower``). A vision model's encoder is adapted only where the
-    comma-separated list names its groups (``vision.VISION_LORA``): 'projector' (its projection
+    none of these names a layer of a vision encoder (``vision_tower.freeze_tower``). A vision model's encoder is adapted only where the
+    comma-separated list names its groups (``vision_tower.VISION_LORA``): 'projector' (its projection
     into the language model), 'vision-attention' (the tower's attention projections), with the
     language model's targets or alone (e.g. 'attention,projector', 'projector'). The A factors
     are He-uniform from ``seed`` (each layer its own stream; Keras' default would draw from
@@ -138,14 +138,14 @@ def enable_lora(module, rank: int, alpha: float | None = None, targets: str = "a
     the frozen kernel keeps its dtype, compute stays in 16 bits). Returns the paths of the
     adapted layers; raises if none matched.
     """
-    from nnx_posttrain.model import vision
+    from nnx_posttrain.model import vision_tower
 
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
     language, groups = split_targets(targets)
     names = target_names(module, language) if language else ()
     chosen = _language_layers(module, names) if language else []
-    chosen += vision.lora_layers(module, groups) if groups else []
+    chosen += vision_tower.lora_layers(module, groups) if groups else []
     for layer in module._flatten_layers(include_self=False):
         layer.trainable = False
     for index, layer in enumerate(chosen):

@@ -16,8 +16,8 @@ The batch's ``pixel_values`` column is one array per family: Gemma 3's images; G
 with each patch's (x, y) position (-1 for a padding patch) as two last channels, which
 ``VisionInputs.split`` gives the backbone as its two inputs (small integers, exact in float32).
 
-The vision tower is frozen (``freeze_tower``): LoRA or full fine-tuning trains the language model;
-LoRA on the tower's projection or attention is opt-in (``VISION_LORA``, ``lora_layers``).
+The vision tower is frozen (``vision_tower.freeze_tower``): LoRA or full fine-tuning trains the
+language model; LoRA on the tower's projection or attention is opt-in (``vision_tower``).
 KerasHub's ``Gemma3CausalLMPreprocessor`` (and Gemma 4's) asserts TensorFlow when it is built,
 though this project only reads its attributes (the tokenizer, the image converter, the image
 token counts): ``preprocessor_without_tensorflow`` builds or loads one where TensorFlow is absent.
@@ -294,65 +294,6 @@ def encoded_once(module):
     kind = type(module.vision_encoder)  # the encoder the graph calls (after nnx.merge too)
     with shadowed([layer for layer in module.layers if isinstance(layer, kind)], "call", make):
         yield
-
-
-# The vision layers ``--lora.targets`` may name beside (or instead of) the language model's
-# (``model.enable_lora``), by Keras path: the projection into the language model, and the
-# tower's attention projections (Gemma 3's SigLIP, Gemma 4's clipped linears)
-VISION_LORA = {
-    "projector": r"vision_output_encoder/vision_input_projection$",
-    "vision-attention": r"image_encoder/encoder_block_\d+/(multi_head_attention/"
-                        r"(query|key|value|out)_proj|attention/(query|key|value|"
-                        r"attention_output)/dense)$",
-}
-
-
-def lora_layers(module, groups) -> list:
-    """The Dense / EinsumDense layers of a vision backbone that ``groups`` (``VISION_LORA``'s
-    names) select; a ``ConfigError`` for a text model or a group that selects none."""
-    import re
-
-    import keras
-
-    if not reads_images(module):
-        raise errors.ConfigError(f"--lora.targets {','.join(groups)}: {type(module).__name__} "
-                                 "has no vision encoder")
-    linear = [layer for layer in module.vision_encoder._flatten_layers(include_self=False)
-              if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))]
-    out = []
-    for group in groups:
-        hits = [layer for layer in linear if re.search(VISION_LORA[group], layer.path)]
-        if not hits:
-            raise errors.ConfigError(f"--lora.targets {group}: no such layer in the vision "
-                                     f"encoder of {type(module).__name__}")
-        out += [layer for layer in hits if layer not in out]
-    return out
-
-
-def freeze_tower(module, train: bool = False) -> None:
-    """The vision encoder (and its projection into the language model) frozen, unless
-    ``train`` (every weight of it trains); a text backbone has none to train. LoRA factors on
-    it (``--lora.targets projector`` / ``vision-attention``) stay trainable; with ``train``
-    they would add nothing to the trained tower: refused."""
-    if not reads_images(module):
-        if train:
-            raise errors.ConfigError(f"--train-vision: {type(module).__name__} has no vision "
-                                     "encoder to train")
-        return
-    adapted = [layer for layer in module.vision_encoder._flatten_layers(include_self=False)
-               if getattr(layer, "lora_enabled", False)]
-    if train and adapted:
-        raise errors.ConfigError("--train-vision trains every weight of the vision encoder: "
-                                 "LoRA on it (--lora.targets projector / vision-attention) adds "
-                                 "nothing; give one or the other")
-    module.vision_encoder.trainable = bool(train)
-    for layer in adapted:  # Keras' setter froze the factors with the rest of the tower
-        layer.lora_kernel_a.trainable = layer.lora_kernel_b.trainable = True
-
-
-def tower_trains(module) -> bool:
-    """Whether ``module``'s vision encoder trains (``freeze_tower(train=True)``)."""
-    return reads_images(module) and bool(module.vision_encoder.trainable)
 
 
 @contextlib.contextmanager
