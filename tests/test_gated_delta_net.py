@@ -1,6 +1,7 @@
 """Qwen 3.5's Gated DeltaNet in the package's forward passes (families/gated_delta_net.py) equals
 KerasHub's: the chunked delta rule (values, final state, gradients) and the layer's call in
-``model.hidden_states`` against KerasHub's own forward. Both sides run compiled: KerasHub's rule
+``model.hidden_states`` against KerasHub's own forward; a full fine-tune's gradient of the layer
+compiles for a TPU chip (libtpu, on this CPU host). Both sides run compiled: KerasHub's rule
 run eagerly compiles each of its hundreds of operations for its own shape."""
 
 import re
@@ -141,3 +142,32 @@ def test_the_package_calls_its_own_rule_only_in_its_forward(monkeypatch):
     assert calls == ["own"]
     with pytest.raises(AssertionError, match="KerasHub's rule"):
         jax.eval_shape(lambda i: bb(backbone_inputs(bb, i, jnp.ones_like(i))), ids)
+
+
+def test_the_gradient_of_every_weight_compiles_for_a_tpu_chip():
+    """A full fine-tune's gradient of a one-block Qwen 3.5 (a DeltaNet of 1,024 channels, 128
+    positions, bfloat16) compiles for a TPU v5e chip (on this CPU host: nothing runs). KerasHub's
+    convolution, between transposes to channels-first and back, had the TPU compiler of JAX
+    0.10.2 reject the gradient by its kernel ("Binary op with incompatible shapes:
+    bf16[1,128,1024] and bf16[1,1024,128]"), as 35B-A3B's at 8,192 channels and 1,024 positions:
+    ``causal_conv1d`` computes it without a convolution."""
+    import keras_hub
+
+    from nnx_posttrain import families, plan
+
+    chip = jax.sharding.SingleDeviceSharding(plan.resolve("v5e-1").devices[0])
+    dims = dict(families.FAMILIES["qwen3_5"].tiny["qwen3_5"], num_layers=1,
+                layer_types=["linear_attention"], linear_key_head_dim=128,
+                linear_value_head_dim=128)  # 2 x 2 x 128 + 4 x 128 channels
+    bb = families.prepare(keras_hub.models.Qwen3_5Backbone(dtype="bfloat16", **dims))
+    graphdef, params, rest = model.split(bb)
+
+    def loss(params, ids):
+        h = model.hidden_states(nnx.merge(graphdef, params, rest), ids, jnp.ones_like(ids))
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip),
+                            (params, jnp.ones((1, 128), jnp.int32)))
+    jax.jit(jax.grad(loss)).lower(*abstract).compile()
+    grads = jax.eval_shape(jax.grad(loss), *abstract)
+    assert (1024, 4) in [g.shape for g in jax.tree.leaves(grads)]  # the kernel's, among them

@@ -13,6 +13,11 @@ operation compiles for its own shape (minutes). Here the rows are one ``solve_tr
 ``unit_lower_inverse``), the chunks' independent parts are computed for all chunks at once, and
 the state runs through a scan: a program of fixed size, whatever the length.
 
+The causal depthwise convolution before the rule is ``causal_conv1d``: the kernel's few taps as
+shifted products on the channels-last projection, the numbers of KerasHub's ``_causal_conv1d``
+(a grouped convolution on channels-first inputs) without its convolution, whose weight gradient
+the TPU compiler of JAX 0.10.2 (libtpu 0.0.42) rejects at Qwen3.5-35B-A3B's 8,192 channels.
+
 The decoding paths (a cache: the sampler's prompt pass and its steps) stay KerasHub's own call.
 """
 
@@ -100,21 +105,39 @@ def chunked_delta_rule(qkv: tuple, g, beta, chunk_size: int = 64, initial_state=
     return jnp.swapaxes(out, 1, 2).astype(dtype), state
 
 
+def causal_conv1d(x, weight):
+    """KerasHub's ``_causal_conv1d`` on channels-last ``x`` [B, T, C] with ``weight`` [C, K]:
+    ``out[t] = sum_i weight[:, i] * x[t - K + 1 + i]`` (zeros before the first position), the
+    K products and their sum in float32, rounded once to ``x``'s dtype, as the convolution.
+
+    Written without a convolution: in KerasHub's layer (a grouped convolution between transposes
+    to channels-first and back, the SiLU between them) the gradient by the weight is a
+    convolution of ``batch_group_count`` = channels whose operands come in the two layouts (the
+    input channels-last, the SiLU's gradient channels-first), and the TPU compiler of JAX 0.10.2
+    (libtpu 0.0.42) rewrites it into a multiply of the two that its verifier rejects ("Binary op
+    with incompatible shapes: bf16[1,1024,8192] and bf16[1,8192,1024]": Qwen3.5-35B-A3B's full
+    fine-tune on one chip or many; 0.8B's 6,144 channels too; LoRA, which trains no kernel, is
+    spared). K shifted products (Qwen 3.5: 4) on the projection as it comes need no transpose."""
+    taps, length = weight.shape[-1], x.shape[1]
+    w = ops.convert_to_tensor(weight).astype(x.dtype).astype(jnp.float32)  # as the conv's
+    padded = jnp.pad(x, [(0, 0), (taps - 1, 0), (0, 0)]).astype(jnp.float32)
+    out = sum(padded[:, i:i + length] * w[:, i] for i in range(taps))
+    return out.astype(x.dtype)
+
+
 def delta_net_call(layer, original, hidden_states, attention_mask=None, cache=None, **kwargs):
     """``Qwen3_5GatedDeltaNet.call`` (``layer``) without a cache: KerasHub 0.32's code with the
-    delta rule of ``chunked_delta_rule``; with a cache (decoding), KerasHub's own (``original``).
-    ``kwargs``: ``cache_update_index`` and ``training``, which the call without a cache ignores
-    as KerasHub's does."""
-    from keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net import _causal_conv1d
-
+    convolution of ``causal_conv1d`` (and its SiLU) on channels-last arrays and the delta rule of
+    ``chunked_delta_rule``; with a cache (decoding), KerasHub's own (``original``). ``kwargs``:
+    ``cache_update_index`` and ``training``, which the call without a cache ignores as
+    KerasHub's does."""
     if cache is not None:
         return original(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)
     if attention_mask is not None and attention_mask.ndim == 2:
         hidden_states = hidden_states * ops.cast(attention_mask[..., None], hidden_states.dtype)
     batch, length = hidden_states.shape[:2]
-    mixed = _causal_conv1d(ops.transpose(layer.in_proj_qkv(hidden_states), (0, 2, 1)),
-                           layer.conv1d_weight)
-    mixed = ops.transpose(mixed * ops.sigmoid(mixed), (0, 2, 1))
+    mixed = causal_conv1d(layer.in_proj_qkv(hidden_states), layer.conv1d_weight)
+    mixed = mixed * ops.sigmoid(mixed)
     kd = layer.key_dim
     query, key = (ops.reshape(mixed[..., i * kd:(i + 1) * kd],
                               (batch, length, layer.num_k_heads, layer.head_k_dim))
