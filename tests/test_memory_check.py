@@ -33,3 +33,30 @@ def test_a_compiled_step_that_would_not_fit_is_refused_before_it_runs(monkeypatc
     assert step.compiled is not None
     assert step(jnp.ones((4, 8)))[1].shape == (4, 8)  # another shape: the jitted function
     assert not config_lib.Config(memory_check=False).memory_check
+
+
+def test_a_step_the_tpu_compiler_refuses_for_its_size_says_so_with_the_fixes(monkeypatch):
+    """The TPU compiler refuses a program that does not fit (RESOURCE_EXHAUSTED, as TensorStore
+    says of a full disk): the run says the step does not fit, with the compiler's figures and
+    the fixes (a full fine-tune's: adapters, 16-bit weights), not that the disk is full."""
+    from nnx_posttrain.train import storage
+
+    refusal = jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory on HBM, the total "
+        "memory required for HLO temporaries (17.79G) exceeds available HBM (15.75G).")
+
+    class Refused:
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            raise refusal
+
+    step = memory.CheckedStep(Refused(), config_lib.Config(dtype="auto"), lambda _: None)
+    with pytest.raises(errors.ConfigError) as info:
+        step(jnp.ones(2))
+    message = str(info.value)
+    assert "needs 17.79 GiB per device, its inputs included, and 15.75 GiB are available" in message
+    assert "--lora.rank 8" in message and "--dtype bfloat16-params" in message
+    assert storage.fault_of(refusal) is None  # a device's memory, not the storage
+    assert storage.fault_of(ValueError("RESOURCE_EXHAUSTED: writing: No space left on device"))

@@ -11,6 +11,7 @@ from flax import nnx
 
 from nnx_posttrain import api, errors, model, plan
 from nnx_posttrain.cli import train_command
+from nnx_posttrain.model import device_memory
 from nnx_posttrain.plan import build as build_lib, fixes as fixes_lib
 from nnx_posttrain.tasks import tokenizer
 from nnx_posttrain.train import flops
@@ -291,8 +292,8 @@ def test_distillation_is_refused_before_anything_loads(v5e_8):
 def test_the_tpu_compilers_refusal_is_read_for_its_figures():
     exc = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
                        "for HLO temporaries (17.79G) exceeds available HBM (15.75G).")
-    assert plan.compiled._out_of_memory(exc) == (int(17.79 * 2**30), int(15.75 * 2**30))
-    assert plan.compiled._out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes")) is None
+    assert device_memory.refused_figures(exc) == (int(17.79 * 2**30), int(15.75 * 2**30))
+    assert device_memory.refused_figures(RuntimeError("INVALID_ARGUMENT: shapes")) is None
 
 
 def test_a_refused_plans_total_is_the_compilers_figure_its_inputs_counted_once(v5e_8,

@@ -11,6 +11,7 @@ reclaim (its usage less its inactive page cache) counts.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -132,3 +133,30 @@ def _headroom(directory: Path, limit_file: str, usage_file: str, reclaimable: st
     except (OSError, ValueError):
         pass
     return max(int(limit) - max(usage - cache, 0), 0)
+
+
+_REFUSED = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds? available HBM "
+                      r"\(([\d.]+)([KMGT]?)\)")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is XLA's out-of-device-memory error (the TPU compiler's refusal of a
+    program that does not fit, a buffer it could not allocate), which says RESOURCE_EXHAUSTED as
+    TensorStore says of a full disk."""
+    text = str(exc)
+    return "RESOURCE_EXHAUSTED" in text and any(
+        w in text.lower() for w in ("out of memory", "hbm", "allocat"))
+
+
+def refused_figures(exc: BaseException) -> tuple[int, int] | None:
+    """(memory required, memory available) in bytes from the TPU compiler's refusal of a
+    program that does not fit (its figures, "17.79G": GiB), or None for another error. What it
+    calls "HLO temporaries" is the program's whole need, its arguments included: a step of
+    14.02 GiB of arguments and 4.94 GiB of temporaries (its buffer assignment) is refused as
+    "HLO temporaries (18.96G)"."""
+    match = _REFUSED.search(str(exc))
+    if match is None:
+        return None
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    a, ua, b, ub = match.groups()
+    return int(float(a) * scale[ua]), int(float(b) * scale[ub])

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from nnx_posttrain import errors, model
+from nnx_posttrain.model import device_memory
 from nnx_posttrain.model.device_memory import GiB
 from nnx_posttrain.plan import build as build_lib, fixes as fixes_lib
 from nnx_posttrain.plan.topology import Topology
@@ -153,24 +154,6 @@ def _run_summary(cfg, algorithm, run: build_lib.AbstractRun) -> dict:
             "sequence": int(tokens[-1]), "attention": run.attention}
 
 
-_OUT_OF_MEMORY = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds? available HBM "
-                            r"\(([\d.]+)([KMGT]?)\)")
-
-
-def _out_of_memory(exc) -> tuple[int, int] | None:
-    """(memory required, memory available) in bytes from the TPU compiler's refusal of a
-    program that does not fit (its figures, "17.79G": GiB), or None for another error. What it
-    calls "HLO temporaries" is the program's whole need, its arguments included: a step of
-    14.02 GiB of arguments and 4.94 GiB of temporaries (its buffer assignment) is refused as
-    "HLO temporaries (18.96G)"."""
-    match = _OUT_OF_MEMORY.search(str(exc))
-    if match is None:
-        return None
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    a, ua, b, ub = match.groups()
-    return int(float(a) * scale[ua]), int(float(b) * scale[ub])
-
-
 def compile_step(run: build_lib.AbstractRun):
     """XLA's compiled step of ``run``, under its mesh. JAX's persistent compilation cache (when
     one is set) cannot load an executable for another platform than this process's: it says so
@@ -199,7 +182,7 @@ def _planned(cfg, algorithm, topology: Topology, echo) -> Plan:
     try:
         compiled, refused = compile_step(run), None
     except jax.errors.JaxRuntimeError as exc:
-        refused = _out_of_memory(exc)
+        refused = device_memory.refused_figures(exc)
         if refused is None:
             raise
         compiled = None

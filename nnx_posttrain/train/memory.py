@@ -108,7 +108,8 @@ def check(cfg, parts: dict[str, int], echo=print) -> None:
 def fixes(cfg, scanning: bool = False) -> list[str]:
     """What would lower a run's memory, cheapest first: the blocks unrolled (``scanning``: they
     run as one scan over a stacked copy of their weights), a smaller frozen base, the
-    checkpoint's dtype, a smaller micro-batch, remat, shorter sequences."""
+    checkpoint's dtype, a smaller micro-batch, remat, a full fine-tune's adapters or 16-bit
+    weights instead, shorter sequences."""
     b, out = cfg.batching, []
     if scanning:
         out.append("--scan-layers off (no stacked copy of the decoder blocks' weights; a slower "
@@ -122,6 +123,10 @@ def fixes(cfg, scanning: bool = False) -> list[str]:
         out.append(f"--batching.grad-accum {2 * b.grad_accum} (micro-batches of {micro // 2})")
     if cfg.remat != "blocks":
         out.append("--remat blocks")
+    if not cfg.lora.rank:
+        out.append("--lora.rank 8 (adapters: no optimizer state for the base's weights)")
+        if cfg.dtype in ("bfloat16", "auto"):
+            out.append("--dtype bfloat16-params (no float32 master copy of the weights)")
     out.append(f"--batching.max-length {max(b.max_length // 2, 1)}")
     return out
 
@@ -154,9 +159,25 @@ class CheckedStep:
         leaves, tree = jax.tree.flatten(args[-1])
         shapes = (tree, [(tuple(x.shape), str(x.dtype)) for x in leaves])
         if self.compiled is None:
-            self.compiled, self.shapes = self.jitted.lower(*args).compile(), shapes
+            try:
+                self.compiled, self.shapes = self.jitted.lower(*args).compile(), shapes
+            except jax.errors.JaxRuntimeError as exc:
+                if not device_memory.out_of_memory(exc):
+                    raise
+                raise errors.ConfigError(self.refusal(exc)) from None
             self.check(self.compiled.memory_analysis(), flops_lib.step_flops(self.compiled))
         return (self.compiled if shapes == self.shapes else self.jitted)(*args)
+
+    def refusal(self, exc) -> str:
+        """The message of XLA's refusal to compile a step that does not fit (the TPU
+        compiler's, before anything runs), with the cheapest fixes."""
+        figures = device_memory.refused_figures(exc)
+        need = (f"needs {figures[0] / GiB:,.2f} GiB per device, its inputs included, and "
+                f"{figures[1] / GiB:,.2f} GiB are available" if figures else
+                "does not fit (" + str(exc).strip().splitlines()[0][:300] + ")")
+        return (f"the compiled training step {need} on {jax.local_devices()[0].platform}: XLA "
+                "refused to compile it. The cheapest fixes first: "
+                + "; ".join(fixes(self.cfg, self.scanning)))
 
     def check(self, stats, flops: float | None = None) -> None:
         """Echo XLA's figures and the step's estimated peak (the memory held now plus what the

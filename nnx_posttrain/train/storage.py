@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from nnx_posttrain import errors
+from nnx_posttrain.model import device_memory
 
 # OSErrors that say the storage is at fault, not the program
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOENT, errno.EACCES,
@@ -56,6 +57,8 @@ def fault_of(exc: BaseException, run_dir: Path | None = None) -> BaseException |
         removed.__traceback__ = exc.__traceback__
         return removed
     for e in _chain(exc):
+        if device_memory.out_of_memory(e):  # the device's memory, not the disk's
+            continue
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
             return e
         if isinstance(e, (OSError, ValueError, RuntimeError)) and any(t in str(e)
