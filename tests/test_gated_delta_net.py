@@ -144,6 +144,7 @@ def test_the_package_calls_its_own_rule_only_in_its_forward(monkeypatch):
         jax.eval_shape(lambda i: bb(backbone_inputs(bb, i, jnp.ones_like(i))), ids)
 
 
+@pytest.mark.slow  # a TPU compile (~7-9 s): in the full suite, not the fast tier
 def test_the_gradient_of_every_weight_compiles_for_a_tpu_chip():
     """A full fine-tune's gradient of a one-block Qwen 3.5 (a DeltaNet of 1,024 channels, 128
     positions, bfloat16) compiles for a TPU v5e chip (on this CPU host: nothing runs). KerasHub's
