@@ -305,3 +305,22 @@ def one_two_and_no_image_rows() -> list[dict]:
             {"messages": ask("Which one?", "the first", 2), "images": [picture(1), picture(2)]},
             {"messages": [{"role": "user", "content": "What is 2 + 3?"},
                           {"role": "assistant", "content": "5"}]}]
+
+
+def image_prompt_file(root: Path, count: int = 8) -> Path:
+    """TRL's prompt-only vision format (``prompt`` + ``images`` + ``answer``) of the built-in
+    image task's first ``count`` problems: ``root/prompts.jsonl``, its pictures (one size) as
+    PNG files beside it."""
+    import json
+
+    from PIL import Image
+
+    from nnx_posttrain.tasks import shapes
+
+    rows = []
+    for i in range(count):
+        record = shapes.prompt_record(i)
+        Image.fromarray(record["images"][0]).save(root / f"{i}.png")
+        rows.append(dict(record, images=[f"{i}.png"]))
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "prompts.jsonl"

@@ -7,7 +7,6 @@ the training forward (greedy tokens, log-probs), so ``sample --image`` answers a
 image prompts; a sampling batch mixing image widths (KerasHub's batch-wide pooling grid) is
 refused."""
 
-import json
 import zlib
 
 import jax
@@ -16,8 +15,8 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, errors, model, runs
-from support import (ask, image_data_files, jitted, picture, records, tokenized_batch,
-                     train_run, vision_model)
+from support import (ask, image_data_files, image_prompt_file, jitted, picture, records,
+                     tokenized_batch, train_run, vision_model)
 
 NAME = "gemma4_vision_micro"
 LENGTH = 40
@@ -277,16 +276,7 @@ def varied_reward(prompts, completions, **_):
 def prompt_file(tmp_path_factory):
     """TRL's prompt-only vision format (``prompt`` + ``images`` + ``answer``) of the built-in
     image task, its pictures (one size) as PNG files beside it."""
-    from nnx_posttrain.tasks import shapes
-
-    root = tmp_path_factory.mktemp("gemma4_vision_prompts")
-    rows = []
-    for i in range(8):
-        record = shapes.prompt_record(i)
-        Image.fromarray(record["images"][0]).save(root / f"{i}.png")
-        rows.append(dict(record, images=[f"{i}.png"]))
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root / "prompts.jsonl"
+    return image_prompt_file(tmp_path_factory.mktemp("gemma4_vision_prompts"))
 
 
 @pytest.mark.slow

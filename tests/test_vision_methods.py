@@ -4,16 +4,14 @@
 their images as DPO's do, and RLOO samples and trains on image prompts with the vision tower
 trained (``--train-vision``) against a reference copy of the starting weights."""
 
-import json
 import zlib
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from nnx_posttrain import data, model, runs
 from nnx_posttrain.tasks import shapes
-from support import jitted, records, train_run, vision_model
+from support import image_prompt_file, jitted, records, train_run, vision_model
 
 FAMILIES = ("gemma4_vision_micro", "qwen3_5_vision_micro")
 LENGTH = {"gemma3_vision_micro": 48, "gemma4_vision_micro": 48, "qwen3_5_vision_micro": 96}
@@ -110,14 +108,7 @@ def varied_reward(prompts, completions, **_):
 def prompt_file(tmp_path_factory):
     """TRL's prompt-only vision format of the built-in image task, its pictures (one size) as
     PNG files beside it."""
-    root = tmp_path_factory.mktemp("vision_methods_prompts")
-    rows = []
-    for i in range(8):
-        record = shapes.prompt_record(i)
-        Image.fromarray(record["images"][0]).save(root / f"{i}.png")
-        rows.append(dict(record, images=[f"{i}.png"]))
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root / "prompts.jsonl"
+    return image_prompt_file(tmp_path_factory.mktemp("vision_methods_prompts"))
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ preprocessor's, its patches KerasHub's converter's put in the merge-window order
 DPO train on TRL's vision JSONL with the tower frozen, the sampler with images decodes as the
 training forward, so ``sample --image`` answers and GRPO trains on image prompts."""
 
-import json
 import types
 import zlib
 
@@ -17,8 +16,8 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, model, runs
-from support import (ask, image_data_files, jitted, picture, records, tokenized_batch,
-                     train_run, vision_model)
+from support import (ask, image_data_files, image_prompt_file, jitted, picture, records,
+                     tokenized_batch, train_run, vision_model)
 
 NAME = "qwen3_5_vision_micro"
 LENGTH = 64
@@ -334,16 +333,7 @@ def varied_reward(prompts, completions, **_):
 def prompt_file(tmp_path_factory):
     """TRL's prompt-only vision format (``prompt`` + ``images`` + ``answer``) of the built-in
     image task, its pictures as PNG files beside it."""
-    from nnx_posttrain.tasks import shapes
-
-    root = tmp_path_factory.mktemp("qwen3_5_vision_prompts")
-    rows = []
-    for i in range(8):
-        record = shapes.prompt_record(i)
-        Image.fromarray(record["images"][0]).save(root / f"{i}.png")
-        rows.append(dict(record, images=[f"{i}.png"]))
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root / "prompts.jsonl"
+    return image_prompt_file(tmp_path_factory.mktemp("qwen3_5_vision_prompts"))
 
 
 @pytest.mark.slow
