@@ -89,10 +89,10 @@ def _expert_hits(rules, path: str) -> list:
 
 def weight_map(backbone) -> dict[str, tuple]:
     """{HF tensor name: (Keras variable, layout)} of every variable; a tensor of several variables
-    (rules with a ``("part", index, axis, layout)`` layout: Gemma 4's fused expert gate | up)
-    maps to (their tuple, ``("concat", axis, their layouts)``); a ``DERIVED`` variable has no
-    entry. An unmatched variable (a LoRA factor not merged, an unknown layer) stops the export
-    by name."""
+    (rules with a ``("part", index, axis, layout)`` layout: Gemma 4's fused expert gate | up,
+    Phi-3's qkv_proj and gate_up_proj) maps to (their tuple, ``("concat", axis, their
+    layouts)``); a ``DERIVED`` variable has no entry. An unmatched variable (a LoRA factor not
+    merged, an unknown layer) stops the export by name."""
     rules, out, parts, unmatched = _rules(backbone), {}, {}, []
     for v in backbone.weights:
         hits = _expert_hits(rules, v.path) or [_match(rules, v.path)]
@@ -286,6 +286,9 @@ def _dense_adapter(layer, rules) -> tuple[str, np.ndarray, np.ndarray, int]:
     if hit is None or hit[1] in (None, "flat", DERIVED):
         raise ExportError(f"--adapters-only: {layer.path} has no verified Hugging Face module")
     name, layout = hit
+    if isinstance(layout, tuple) and layout[0] == "part":  # Phi-3's fused qkv_proj / gate_up_proj
+        raise ExportError(f"--adapters-only: {layer.path} is part of the fused {name}, which has "
+                          "no verified PEFT form; export the merged model (--format hf)")
     return (name.removesuffix(".weight"),
             *lora_factors(np.asarray(layer.lora_kernel_a.value, np.float32),
                           np.asarray(layer.lora_kernel_b.value, np.float32), layout))
