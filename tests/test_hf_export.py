@@ -84,7 +84,11 @@ BACKBONES["gpt_oss"] = lambda: M.GptOssBackbone(**dict(families.FAMILIES["gpt_os
 BACKBONES["gpt_oss_yarn"] = lambda: M.GptOssBackbone(**dict(
     families.FAMILIES["gpt_oss"].tiny["gpt_oss"], vocabulary_size=V, rope_scaling_factor=4.0,
     rope_max_wavelength=500))
-MODEL_TYPE = {"gpt_oss": "gpt_oss", "gpt_oss_yarn": "gpt_oss", "gemma4_moe": "gemma4_text",
+# Phi-3 as transformers' Phi3ForCausalLM (fused qkv_proj / gate_up_proj; no sliding window), which
+# KerasHub's converters do not read: tests/test_hf_export_phi3.py has the rest
+BACKBONES["phi3"] = lambda: M.Phi3Backbone(**dict(families.FAMILIES["phi3"].tiny["phi3"],
+                                                  vocabulary_size=V))
+MODEL_TYPE = {"phi3": "phi3", "gpt_oss": "gpt_oss", "gpt_oss_yarn": "gpt_oss", "gemma4_moe": "gemma4_text",
               "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma_1kv": "gemma", "gemma_2kv": "gemma", "gemma2": "gemma2",
               "gemma3": "gemma3_text", "llama3": "llama", "llama3.1_tied": "llama",
               "mistral": "mistral", "qwen2.5": "qwen2", "qwen3": "qwen3",
