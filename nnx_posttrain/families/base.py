@@ -203,8 +203,8 @@ class Family:
       experts': its stacked expert kernels' names too, ``MoE.expert_layer``);
     - ``export``: ``Export``; ``decoding``: ``Decoding``; ``context_length``: the longest context
       of the released checkpoints (rotary positions beyond it are untrained);
-    - ``hf_model_types``: the Hugging Face ``model_type`` values KerasHub converts to this
-      backbone (``--model HF_DIR``);
+    - ``hf_model_types``: the Hugging Face ``model_type`` values KerasHub (Phi-3: the package,
+      ``model.hf_convert``) converts to this backbone (``--model HF_DIR``);
     - ``short_names``: ``--model`` short names -> KerasHub preset handles;
     - ``tokenizer``: the synthetic tokenizer kind of ``tools.make_preset`` (``TOKENIZERS``);
       ``presets``: ``--like`` name -> ``Preset``;

@@ -2,12 +2,13 @@
 (``transformer_layer_i/attention/{query,key,value,attention_output}``), keys and values repeated
 per query group, no sliding window in KerasHub (Phi-3-mini-4k's config has one of 2,047, which
 transformers applies: research P2's table, so the two differ past 2,047 positions). KerasHub
-0.32 has no Phi-3 converter from a Hugging Face directory and no exporter to one: the package's
+0.32 has no Phi-3 exporter to a Hugging Face directory and no converter from one: the package's
 (``EXPORT_RULES``, ``export_config``, ``export_tokenizer``) writes transformers'
 ``Phi3ForCausalLM``, its fused ``qkv_proj`` (q | k | v rows) and ``gate_up_proj`` (gate | up
 rows) each one tensor of several Keras kernels (``export.hf``'s ``("part", ...)`` layouts), with
 ``sliding_window`` null (transformers then applies none, as KerasHub) and unscaled rotary
-frequencies (the 128k variant's "su" scaling is refused).
+frequencies (the 128k variant's "su" scaling is refused); its converter (``model.hf_convert``)
+reads such a directory back as ``--model DIR`` by the same rules.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nnx_posttrain.families.base import Decoding, Export, Family, Preset, Unsupported, refuse
+from nnx_posttrain.families.base import Decoding, Export, Family, Preset, refuse
 from nnx_posttrain.families.llama import LORA, llama_like
 
 F, T = "fsdp", "tensor"
@@ -123,8 +124,7 @@ PHI3 = Family(
                   tokenizer=export_tokenizer),
     decoding=Decoding("attention_cache", "attention_cache_update_index"),
     context_length=4096,  # mini-4k (the 128k variant: 131,072 with its scaled rotary)
-    hf_model_types=Unsupported("KerasHub 0.32 converts no Phi-3 Hugging Face checkpoint "
-                               "(model_type phi3); use its KerasHub preset"),
+    hf_model_types=("phi3",),  # our converter (KerasHub 0.32 has none): model.hf_convert
     short_names={"phi3_mini_4k_it": "phi3_mini_4k_instruct_en"},
     tokenizer="sentencepiece-phi3",
     presets={"phi3_mini_4k": Preset(dict(

@@ -25,7 +25,7 @@ from nnx_posttrain import chat, errors, families
 from nnx_posttrain.model.dtypes import DTYPES, keras_weight_files
 from nnx_posttrain.model.names import PRESETS, TINY, is_local_model
 from nnx_posttrain.model.quantize import skipped, while_loading
-from nnx_posttrain.model import converters, lean_load as lean, vision, vision_builtin
+from nnx_posttrain.model import converters, hf_convert, lean_load as lean, vision, vision_builtin
 from nnx_posttrain.model.vision_tower import prepare_tower
 from nnx_posttrain.model.lora import count_params, trainable_filter
 from nnx_posttrain.model.tokenizer import Tokenizer, build as build_tokenizer
@@ -246,7 +246,9 @@ def load_tokenizer(name: str) -> Tokenizer | None:
     if is_local_model(handle):
         handle = str(Path(handle).expanduser().resolve())
     try:
-        return Tokenizer(build_tokenizer(lambda: keras_hub.models.Tokenizer.from_preset(handle)))
+        with hf_convert.own_converters():
+            return Tokenizer(build_tokenizer(
+                lambda: keras_hub.models.Tokenizer.from_preset(handle)))
     except Exception:  # noqa: BLE001 - the model's own load reports what is wrong with it
         return None
 
@@ -331,7 +333,8 @@ def _task_from_preset(handle: str, **kwargs):
         (f for f in families.FAMILIES.values()
          if handle in getattr(keras_hub.models, f.backbone).presets), None)
     cls = getattr(keras_hub.models, family.classes[0]) if family else keras_hub.models.CausalLM
-    with families.building(family.backbone if family else "", kwargs.get("dtype")):
+    with (families.building(family.backbone if family else "", kwargs.get("dtype")),
+          hf_convert.own_converters()):  # (Phi-3's Hugging Face directories: ours)
         try:
             task = cls.from_preset(handle, **kwargs)
         except ImportError as exc:
