@@ -172,3 +172,37 @@ def test_scaled_rotary_frequencies_are_refused(tmp_path):
     with pytest.raises(hf_export.ExportError, match="rope_scaling_type='su'"):
         hf_export.export_model(task, tmp_path / "out", "float32")
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- read back
+
+
+def test_the_export_loads_back_as_model_dir_with_the_same_logits(exported, tmp_path):
+    """``--model DIR`` of the export (our converter, ``model.hf_convert``: KerasHub 0.32 has
+    none for ``phi3``): a Phi3Backbone of the same weights (the fused tensors split back), the
+    family's chat format, the same tokenizer."""
+    lm, ours, directory, _ = exported
+    back = model.load(str(directory))
+    assert type(back.module).__name__ == "Phi3Backbone" and back.chat_format == "phi3"
+    np.testing.assert_array_equal(np.asarray(model.full_logits(back.module, IDS, MASK)), ours)
+    turn = "<|user|>\nWhat is 12 + 30?<|end|>\n<|assistant|>\n"
+    assert back.tokenizer.encode(turn) == lm.tokenizer.encode(turn)
+    assert model.load_tokenizer(str(directory)).encode(turn) == lm.tokenizer.encode(turn)
+
+
+def test_a_checkpoint_with_a_window_or_scaled_rotary_is_refused(exported, tmp_path):
+    """What KerasHub's Phi-3 does not compute (a sliding window: Phi-3-mini-4k's published
+    config has 2,047) or was not verified (the 128k variant's longrope) is refused by name."""
+    from nnx_posttrain import errors
+
+    _, _, directory, _ = exported
+    config = json.loads((directory / "config.json").read_text())
+    long = dict(rope_type="longrope", rope_theta=10_000.0, short_factor=[1.0] * (HEAD // 2),
+                long_factor=[2.0] * (HEAD // 2))
+    for i, (changed, name) in enumerate([(dict(config, sliding_window=2047), "sliding_window"),
+                                         (dict(config, rope_parameters=long), "longrope")]):
+        target = _copy(directory, tmp_path / str(i), config=changed)
+        for f in ("tokenizer.model", "tokenizer_config.json"):
+            (target / f).symlink_to(directory / f)
+        with pytest.raises(errors.ModelError, match=name):
+            model.load(str(target))
