@@ -190,19 +190,85 @@ def test_the_export_loads_back_as_model_dir_with_the_same_logits(exported, tmp_p
     assert model.load_tokenizer(str(directory)).encode(turn) == lm.tokenizer.encode(turn)
 
 
-def test_a_checkpoint_with_a_window_or_scaled_rotary_is_refused(exported, tmp_path):
-    """What KerasHub's Phi-3 does not compute (a sliding window: Phi-3-mini-4k's published
-    config has 2,047) or was not verified (the 128k variant's longrope) is refused by name."""
+def test_a_checkpoint_with_scaled_rotary_is_refused(exported, tmp_path):
+    """What was not verified (the 128k variant's longrope) is refused by name."""
     from nnx_posttrain import errors
 
     _, _, directory, _ = exported
     config = json.loads((directory / "config.json").read_text())
     long = dict(rope_type="longrope", rope_theta=10_000.0, short_factor=[1.0] * (HEAD // 2),
                 long_factor=[2.0] * (HEAD // 2))
-    for i, (changed, name) in enumerate([(dict(config, sliding_window=2047), "sliding_window"),
-                                         (dict(config, rope_parameters=long), "longrope")]):
-        target = _copy(directory, tmp_path / str(i), config=changed)
-        for f in ("tokenizer.model", "tokenizer_config.json"):
-            (target / f).symlink_to(directory / f)
-        with pytest.raises(errors.ModelError, match=name):
-            model.load(str(target))
+    target = _copy(directory, tmp_path / "long", config=dict(config, rope_parameters=long))
+    for f in ("tokenizer.model", "tokenizer_config.json"):
+        (target / f).symlink_to(directory / f)
+    with pytest.raises(errors.ModelError, match="longrope"):
+        model.load(str(target))
+
+
+MARKERS = ("<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>")
+
+
+def _published_style(directory, target, added_json=False):
+    """The export as Microsoft publishes Phi-3-mini-4k-instruct: ``sliding_window`` 2,047, a
+    ``tokenizer.model`` without the chat markers, which are added tokens past its pieces in
+    ``tokenizer.json`` (or ``added_tokens.json``). The ids past the markers' move down: the
+    tokenizer's pieces, not its ids, are ours. Returns (the directory, marker -> its id)."""
+    from sentencepiece import sentencepiece_model_pb2 as sp
+
+    config = json.loads((directory / "config.json").read_text())
+    _copy(directory, target, config=dict(config, sliding_window=2047))
+    proto = sp.ModelProto()
+    proto.ParseFromString((directory / "tokenizer.model").read_bytes())
+    kept = [p for p in proto.pieces if p.piece not in MARKERS]
+    assert len(kept) == len(proto.pieces) - len(MARKERS)
+    del proto.pieces[:]
+    proto.pieces.extend(kept)
+    (target / "tokenizer.model").write_bytes(proto.SerializeToString())
+    ids = {m: len(kept) + i for i, m in enumerate(MARKERS)}
+    listed = {p.piece: i for i, p in enumerate(kept[:3])} | ids  # <unk>, <s>, </s> listed too
+    if added_json:
+        (target / "added_tokens.json").write_text(json.dumps(ids))
+    else:
+        (target / "tokenizer.json").write_text(json.dumps({"added_tokens": [
+            dict(id=i, content=c, single_word=False, lstrip=False, rstrip=c != "<|endoftext|>",
+                 normalized=False, special=True) for c, i in listed.items()]}))
+    (target / "tokenizer_config.json").symlink_to(directory / "tokenizer_config.json")
+    return target, ids
+
+
+def test_a_published_style_checkpoint_loads_unwindowed_with_its_added_markers(
+        exported, tmp_path, capfd):
+    """Microsoft's Phi-3-mini-4k-instruct layout (``_published_style``) loads: the window is not
+    applied (as KerasHub's own Phi-3 presets, converted from it) and said once, the logits are
+    the export's, the chat markers (added tokens appended as user-defined pieces at their ids)
+    encode as single ids, a turn as ours does piece for piece; from ``added_tokens.json``
+    too."""
+    lm, ours, directory, _ = exported
+    turn = "<|user|>\nWhat is 12 + 30?<|end|>\n<|assistant|>\n42<|end|>\n<|endoftext|>"
+    pieces = [lm.tokenizer.decode([i]) for i in lm.tokenizer.encode(turn)]
+    for i, added_json in enumerate((False, True)):
+        target, ids = _published_style(directory, tmp_path / str(i), added_json)
+        capfd.readouterr()
+        back = model.load(str(target))
+        said = capfd.readouterr().err
+        assert said.count("sliding_window=2047 is not applied") == 1
+        assert "longer than 2047" in said
+        logits = np.asarray(model.full_logits(back.module, IDS, MASK))
+        np.testing.assert_array_equal(logits, ours)
+        encoded = back.tokenizer.encode(turn)
+        assert [back.tokenizer.decode([i]) for i in encoded] == pieces
+        assert {m: back.tokenizer.encode("x" + m)[-1] for m in MARKERS} == ids
+        assert all(ids[m] in encoded for m in MARKERS if m in turn)
+        assert len(encoded) == len(lm.tokenizer.encode(turn))
+
+
+def test_added_tokens_not_next_after_the_pieces_are_refused(exported, tmp_path):
+    """An added token whose id leaves a gap after ``tokenizer.model``'s pieces is refused by
+    file and token."""
+    from nnx_posttrain import errors
+
+    _, _, directory, _ = exported
+    target, ids = _published_style(directory, tmp_path / "gap", added_json=True)
+    (target / "added_tokens.json").write_text(json.dumps(dict(ids, **{"<|user|>": 2000})))
+    with pytest.raises(errors.ModelError, match=r"added_tokens\.json.*<\|user\|>.*2000"):
+        model.load(str(target))

@@ -3,21 +3,26 @@ read through the family's own export rules inverted: Phi-3 (``phi3``).
 
 KerasHub picks a converter by the config's ``model_type`` (``TransformersPresetLoader``) and
 knows none for ``phi3``; ``own_converters`` gives it ours for the duration of a load. Our
-converter builds the backbone from the config (refusing what the export does not write:
-a sliding window, which transformers applies and KerasHub does not, and scaled rotary
-frequencies), then reads every variable from the tensor the export writes it to
+converter builds the backbone from the config (refusing scaled rotary frequencies, which the
+export does not write; a sliding window, which transformers applies and KerasHub does not, is
+not applied and said once), then reads every variable from the tensor the export writes it to
 (the family's ``Export.rules``: a fused tensor's rows split back into its parts), so a directory
 the export wrote loads back to the same weights; its tokenizer is the directory's
-SentencePiece ``tokenizer.model`` (which must hold the family's special tokens: ours does,
-Microsoft's published one has them only as added tokens and is not read).
+SentencePiece ``tokenizer.model`` with the directory's added tokens (``tokenizer.json``'s
+``added_tokens`` or ``added_tokens.json``) past its pieces appended as user-defined pieces at their
+ids: Microsoft's published checkpoints hold the chat markers only there (ids 32,000 and up), ours
+in the model itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
+import sys
 import types
+from pathlib import Path
 
 import numpy as np
 
@@ -77,17 +82,27 @@ def convert_weights(backbone, loader, config) -> None:
         v.assign(from_matrix(tensor, layout, tuple(v.shape)))
 
 
+def window_note(window: int) -> str:
+    """The line a load of a checkpoint with a sliding window says."""
+    return (f"note: this phi3 checkpoint's sliding_window={window} is not applied (KerasHub's "
+            f"Phi-3 applies none, as its own Phi-3 presets): sequences longer than {window} "
+            "tokens attend further back than transformers' model does")
+
+
 def phi3_backbone_config(config: dict) -> dict:
-    """``Phi3Backbone``'s arguments of a ``phi3`` config; ``ValueError`` for a sliding window or
-    scaled rotary frequencies (what the export writes neither of, unverified)."""
+    """``Phi3Backbone``'s arguments of a ``phi3`` config; ``ValueError`` for scaled rotary
+    frequencies (what the export does not write, unverified). A sliding window is not applied
+    (KerasHub applies none): ``window_note`` is said on stderr."""
     rope = config.get("rope_parameters") or {}
-    problems = [f"{k}={config[k]!r}" for k in ("sliding_window", "rope_scaling")
-                if config.get(k) is not None]
+    problems = [f"rope_scaling={config['rope_scaling']!r}"] \
+        if config.get("rope_scaling") is not None else []
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_type={rope['rope_type']!r}")
     if problems:
-        raise ValueError(f"this phi3 checkpoint's {', '.join(problems)} is not read (KerasHub's "
-                         "Phi-3 applies no sliding window; scaled rotary frequencies unverified)")
+        raise ValueError(f"this phi3 checkpoint's {', '.join(problems)} is not read (scaled "
+                         "rotary frequencies unverified)")
+    if config.get("sliding_window") is not None:
+        print(window_note(config["sliding_window"]), file=sys.stderr)
     heads = config["num_attention_heads"]
     if config["hidden_size"] % heads or config.get("head_dim", config["hidden_size"] // heads) \
             != config["hidden_size"] // heads:
@@ -103,10 +118,53 @@ def phi3_backbone_config(config: dict) -> dict:
     )
 
 
+class AddedTokensError(ValueError):
+    """A directory's added tokens that cannot be appended to its ``tokenizer.model``."""
+
+
+def added_tokens(directory) -> tuple[dict, Path | None]:
+    """(id -> content, the file) of a Hugging Face directory's added tokens: ``tokenizer.json``'s
+    ``added_tokens``, else ``added_tokens.json``'s; ({}, None) where it has neither."""
+    directory = Path(directory)
+    if (path := directory / "tokenizer.json").is_file():
+        listed = json.loads(path.read_text()).get("added_tokens") or []
+        if listed:
+            return {int(t["id"]): t["content"] for t in listed}, path
+    if (path := directory / "added_tokens.json").is_file():
+        return {int(i): c for c, i in json.loads(path.read_text()).items()}, path
+    return {}, None
+
+
+def with_added_tokens(proto: bytes, added: dict, source: str = "tokenizer.json") -> bytes:
+    """``proto`` (a SentencePiece model) with the ``added`` tokens past its pieces appended as
+    user-defined pieces at their ids (those of its own pieces must be those pieces);
+    ``AddedTokensError`` naming ``source`` and the token where they are not contiguous."""
+    from sentencepiece import sentencepiece_model_pb2 as sp
+
+    model = sp.ModelProto()
+    model.ParseFromString(proto)
+    n = len(model.pieces)
+    for i, content in sorted(added.items()):
+        if i < n:
+            if model.pieces[i].piece != content:
+                raise AddedTokensError(f"{source}: added token {content!r} at id {i}, where "
+                                       f"tokenizer.model has {model.pieces[i].piece!r}")
+            continue
+        if i != len(model.pieces):
+            raise AddedTokensError(f"{source}: added token {content!r} at id {i}, not next "
+                                   f"after tokenizer.model's pieces (id {len(model.pieces)})")
+        model.pieces.add(piece=content, score=0.0, type=sp.ModelProto.SentencePiece.USER_DEFINED)
+    return model.SerializeToString() if len(model.pieces) > n else proto
+
+
 def _sentencepiece_tokenizer(cls, preset, **kwargs):
     from keras_hub.src.utils.preset_utils import get_file
 
-    return cls(get_file(preset, "tokenizer.model"), **kwargs)
+    path = get_file(preset, "tokenizer.model")
+    added, source = added_tokens(Path(path).parent)
+    if not added:
+        return cls(path, **kwargs)
+    return cls(proto=with_added_tokens(Path(path).read_bytes(), added, str(source)), **kwargs)
 
 
 def _phi3():
