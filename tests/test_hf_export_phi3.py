@@ -5,7 +5,9 @@ transformers' on the same weights (its fused ``qkv_proj`` and ``gate_up_proj`` b
 KerasHub's separate kernels); a mis-mapped part of a fused tensor moves them far past that
 tolerance, as a sliding window would (the config has none: KerasHub applies none); its
 tokenizer files give our ids; LoRA merged gives the LoRA model's logits; the 128k variant's
-scaled rotary frequencies and ``--adapters-only`` (fused modules) are refused by name. The
+scaled rotary frequencies and ``--adapters-only`` (fused modules) are refused by name; the
+export loads back as ``--model DIR``, and so does a copy laid out as Microsoft publishes
+Phi-3-mini (a 2,047 window, not applied and said; the chat markers only as added tokens). The
 generic round trip is tests/test_hf_export.py's (``phi3``)."""
 
 import json

@@ -8,7 +8,8 @@ transformers applies: research P2's table, so the two differ past 2,047 position
 rows) each one tensor of several Keras kernels (``export.hf``'s ``("part", ...)`` layouts), with
 ``sliding_window`` null (transformers then applies none, as KerasHub) and unscaled rotary
 frequencies (the 128k variant's "su" scaling is refused); its converter (``model.hf_convert``)
-reads such a directory back as ``--model DIR`` by the same rules.
+reads such a directory back as ``--model DIR`` by the same rules, and Microsoft's published
+checkpoints (their window not applied and said, their added chat markers appended).
 """
 
 from __future__ import annotations
