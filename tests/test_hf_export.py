@@ -123,6 +123,35 @@ def task_of(backbone):
     return type("Task", (), {"backbone": backbone, "preprocessor": None})()
 
 
+def micro_preset(tmp_path_factory, family: str, tokens: int = 1024):
+    """The directory of ``family``'s micro preset (its ``tiny`` config with ``tokens`` ids,
+    random weights of seed 0)."""
+    out = tmp_path_factory.mktemp(f"{family}_micro")
+    keras.utils.set_random_seed(0)
+    dims = dict(families.FAMILIES[family].tiny[family], vocabulary_size=tokens)
+    make_preset._task(family, dims, tokens, "float32").save_to_preset(str(out))
+    return out
+
+
+def loaded_randomized(path):
+    """The preset at ``path`` as a run loads it (``model.load``: the family's repair), its
+    weights randomized."""
+    lm = model.load(str(path))
+    randomized(lm.module)
+    return lm
+
+
+def exported_micro(path, tmp_path_factory):
+    """(the model at ``path``, randomized; our logits; its export with the chat template;
+    transformers' logits)."""
+    lm = loaded_randomized(path)
+    ours = np.asarray(model.full_logits(lm.module, IDS, MASK))
+    directory = tmp_path_factory.mktemp(f"{path.name}_export")
+    hf_export.export_model(lm.task, directory, "float32", lm.chat_format)
+    theirs, _ = hf_logits(directory)
+    return lm, ours, directory, theirs
+
+
 def hf_logits(directory, dtype=torch.float32):
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=dtype, output_loading_info=True)

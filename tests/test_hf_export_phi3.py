@@ -13,16 +13,15 @@ generic round trip is tests/test_hf_export.py's (``phi3``)."""
 import json
 
 import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported)
-import keras
 import keras_hub
 import numpy as np
 import pytest
 
 from nnx_posttrain import families, inspection, model
 from nnx_posttrain.export import hf as hf_export
-from tools import make_preset
 
-from test_hf_export import IDS, MASK, hf_logits, randomized
+from test_hf_export import (IDS, MASK, exported_micro, hf_logits, loaded_randomized,
+                              micro_preset)
 from test_hf_export_smollm3 import _copy
 
 pytest.importorskip("torch")
@@ -37,29 +36,16 @@ Q, KV = TINY["num_query_heads"] * HEAD, TINY["num_key_value_heads"] * HEAD
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory):
-    """The micro Phi-3 preset's directory."""
-    out = tmp_path_factory.mktemp("phi3_micro")
-    keras.utils.set_random_seed(0)
-    dims = dict(TINY, vocabulary_size=TOKENS)
-    make_preset._task("phi3", dims, TOKENS, "float32").save_to_preset(str(out))
-    return out
+    return micro_preset(tmp_path_factory, "phi3", TOKENS)
 
 
-def _loaded(path):
-    lm = model.load(str(path))
-    randomized(lm.module)
-    return lm
+_loaded = loaded_randomized
 
 
 @pytest.fixture(scope="module")
 def exported(micro, tmp_path_factory):
     """(the model, our logits, its export with the chat template, transformers' logits)."""
-    lm = _loaded(micro)
-    ours = np.asarray(model.full_logits(lm.module, IDS, MASK))
-    directory = tmp_path_factory.mktemp("phi3_export")
-    hf_export.export_model(lm.task, directory, "float32", lm.chat_format)
-    theirs, _ = hf_logits(directory)
-    return lm, ours, directory, theirs
+    return exported_micro(micro, tmp_path_factory)
 
 
 def test_the_micro_presets_export_gives_transformers_logits(exported):
