@@ -535,6 +535,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--replay", default=None, metavar="FILE",
+                        help="measure nothing: the measurements of an earlier run's --json FILE "
+                             "(its command's options), tabulated and recorded as that run's")
     parser.add_argument("--record", default=None, metavar="NAME",
                         help="write the table to results/NAME.json for the README "
                              "(tools.results.record)")
@@ -542,6 +545,12 @@ def main(argv=None) -> list[dict]:
                         help="a note recorded under the table (with --record)")
     parser.add_argument("--parity", action="store_true", help="run the TRL parity check instead")
     args = parser.parse_args(argv)
+    replayed = None
+    if args.replay:  # the earlier run's options, this call's --record / --json
+        replayed = json.loads(Path(args.replay).read_text())
+        record, out = args.record, args.json
+        args = parser.parse_args(replayed["argv"])
+        args.record, args.json, argv = record, out, replayed["argv"]
     if args.parity:
         from tools.bench import trl_parity
 
@@ -570,8 +579,11 @@ def main(argv=None) -> list[dict]:
     if not cpu_devices or cpu_devices[0] < 1:
         raise ToolError(f"--cpu-devices: counts >= 1, got {args.cpu_devices!r}")
     results, peaks = [], {}
+    if replayed is not None:
+        results, peaks = replayed["results"], replayed["matmul_peak"]
+        notes.append(f"Recorded from the run's measurements (--replay), {len(results)} of them.")
     with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
-        for size in sizes:
+        for size in (sizes if replayed is None else []):
             spec = spec_of(size, args.batch, args.seq)
             hf_dir = str(Path(tmp) / size)
             if args.device == "cpu":  # an accelerator's peak is its chip's (PEAK_TFLOPS)
@@ -625,7 +637,8 @@ def main(argv=None) -> list[dict]:
         from tools import results as readme
 
         load_end = os.getloadavg()[0]
-        notes.append(f"Machine load (1-minute load average, {os.cpu_count()} cores) at the start "
+        notes.append("Machine load: not known (--replay)." if replayed else
+                     f"Machine load (1-minute load average, {os.cpu_count()} cores) at the start "
                      f"{load_start:.1f}, at the end {load_end:.1f}: " + (
                          "above the core count, other processes shared the CPU and wall times "
                          "are inflated (CPU times less so)." if max(load_start, load_end) >
@@ -642,11 +655,11 @@ def main(argv=None) -> list[dict]:
         for line, sizes in allocators.items():
             notes.append(f"ours, {', '.join(dict.fromkeys(sizes))}: {line}")
         for r in (r for r in merged if r["side"] == "ours"):
-            rows = tokens_per_step(spec_of(r["size"], args.batch, args.seq), r["case"])
-            if r.get("forward_tokens", rows) < rows:
+            pair_rows = tokens_per_step(spec_of(r["size"], args.batch, args.seq), r["case"])
+            if r.get("forward_tokens", pair_rows) < pair_rows:
                 notes.append(f"ours, {r['size']} {r['case']}: each prompt once "
                              f"(algorithms.shared_prompt), {r['forward_tokens']:,} tokens through "
-                             f"the model per step instead of {rows:,}; tokens/s counts the pairs' "
+                             f"the model per step instead of {pair_rows:,}; tokens/s counts the pairs' "
                              "rows, the matmul bound the tokens run")
         for n in (n for n in cpu_devices if n > 1):
             notes.append(f"ours, rows '{n} CPU devices': --mesh.cpu-devices {n} (the host CPU as "
