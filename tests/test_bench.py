@@ -255,3 +255,28 @@ def test_headline_reads_seconds_per_step_and_a_saves_cost_from_log_windows():
     read = after_saves(step_seconds(records), every=20)
     assert read["median_s"] == pytest.approx(1.0) and set(read["after_save_s"]) == {30}
     assert read["save_cost_steps"][30] == pytest.approx(2.0)
+
+
+def test_replay_records_an_earlier_runs_measurements(tmp_path, monkeypatch):
+    """``--replay FILE --record NAME``: the table of an earlier run's ``--json`` measurements
+    (nothing measured), recorded under that run's command, the DPO rows' notes included."""
+    from tools import results as readme
+
+    monkeypatch.setattr(readme, "RESULTS", tmp_path / "results")
+    measured = []
+    for case, ms in (("sft", 100.0), ("dpo", 200.0)):
+        for side, factor in (("ours", 1.0), ("trl", 1.5)):
+            measured.append({"size": "tiny", "case": case, "side": side, "repeat": 0,
+                             "ms_per_step": ms * factor, "cpu_ms_per_step": ms * factor,
+                             "peak_rss_mb": 600.0, "compile_s": 5.0,
+                             **({"forward_tokens": 1536} if (side, case) == ("ours", "dpo") else {})})
+    earlier = tmp_path / "earlier.json"
+    argv = ["--sizes", "tiny", "--cases", "sft,dpo", "--sides", "ours,trl", "--record", "x"]
+    earlier.write_text(json.dumps({"argv": argv, "results": measured,
+                                   "matmul_peak": {"tiny": {"peak_gflops": 100.0}}}))
+    bench.main(["--replay", str(earlier), "--record", "replayed"])
+    table = json.loads((tmp_path / "results" / "replayed.json").read_text())
+    assert table["command"] == "python -m tools.bench " + " ".join(argv)
+    assert [row[:4] for row in table["rows"]] == [["tiny", "sft", "100.0", "150.0"],
+                                                  ["tiny", "dpo", "200.0", "300.0"]]
+    assert any("1,536 tokens through the model" in note for note in table["notes"])
