@@ -568,7 +568,7 @@ def main(argv=None) -> list[dict]:
     print(f"# {command}", flush=True)
     notes = list(args.note)
     load_start = os.getloadavg()[0]
-    if "tunix" in sides:
+    if "tunix" in sides and replayed is None:  # a replay measures no side
         args.tunix_python, note = tunix_python(args.tunix_python)
         print(note, flush=True)
         if args.tunix_python is None:
