@@ -280,3 +280,13 @@ def test_replay_records_an_earlier_runs_measurements(tmp_path, monkeypatch):
     assert [row[:4] for row in table["rows"]] == [["tiny", "sft", "100.0", "150.0"],
                                                   ["tiny", "dpo", "200.0", "300.0"]]
     assert any("1,536 tokens through the model" in note for note in table["notes"])
+
+
+def test_replay_of_a_file_that_is_not_a_benchmarks_json_names_it(tmp_path):
+    from tools import ToolError
+
+    bad = tmp_path / "other.json"
+    bad.write_text('{"rows": []}')
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(ToolError, match=f"--replay {path}: not a --json file"):
+            bench.main(["--replay", str(path)])

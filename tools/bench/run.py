@@ -547,7 +547,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     replayed = None
     if args.replay:  # the earlier run's options, this call's --record / --json
-        replayed = json.loads(Path(args.replay).read_text())
+        replayed = read_replay(args.replay)
         record, out = args.record, args.json
         args = parser.parse_args(replayed["argv"])
         args.record, args.json, argv = record, out, replayed["argv"]
@@ -670,6 +670,17 @@ def main(argv=None) -> list[dict]:
         path = readme.record(args.record, command, columns, rows, notes, raw)
         print(f"recorded {path}")
     return merged
+
+
+def read_replay(path: str) -> dict:
+    """An earlier run's ``--json`` file (``write_json``'s), for ``--replay``."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        if not all(k in raw for k in ("argv", "matmul_peak", "results")):
+            raise ValueError("it lacks argv, matmul_peak or results")
+    except (OSError, ValueError) as e:
+        raise ToolError(f"--replay {path}: not a --json file of python -m tools.bench ({e})")
+    return raw
 
 
 def write_json(path: str | None, argv, peaks: dict, results: list[dict]) -> dict:
