@@ -39,9 +39,6 @@ def micro(tmp_path_factory):
     return micro_preset(tmp_path_factory, "phi3", TOKENS)
 
 
-_loaded = loaded_randomized
-
-
 @pytest.fixture(scope="module")
 def exported(micro, tmp_path_factory):
     """(the model, our logits, its export with the chat template, transformers' logits)."""
@@ -135,7 +132,7 @@ def test_a_merged_lora_exports_with_its_logits(micro, tmp_path):
     """LoRA on every linear layer (q / k / v and gate / up: parts of fused tensors), merged as
     ``nnx-posttrain export`` merges it: transformers' logits are ours; ``--adapters-only`` is
     refused (a fused module's adapter has no verified PEFT form)."""
-    lm = _loaded(micro)
+    lm = loaded_randomized(micro)
     base = np.asarray(model.full_logits(lm.module, IDS, MASK))
     assert len(_with_random_lora(lm)) == 2 * 7
     ours = np.asarray(model.full_logits(lm.module, IDS, MASK))

@@ -32,9 +32,6 @@ def micro(tmp_path_factory):
     return micro_preset(tmp_path_factory, "smollm3", TOKENS)
 
 
-_loaded = loaded_randomized
-
-
 @pytest.fixture(scope="module")
 def exported(micro, tmp_path_factory):
     """(the model, our logits, its export with the chat template, transformers' logits)."""
@@ -173,7 +170,7 @@ def _with_random_lora(lm, targets="all-linear"):
 def test_a_merged_lora_exports_with_its_logits(micro, tmp_path):
     """LoRA on every linear layer (the output projections' too, whose paths the family
     repairs), merged as ``nnx-posttrain export`` merges it: transformers' logits are ours."""
-    lm = _loaded(micro)
+    lm = loaded_randomized(micro)
     base = np.asarray(model.full_logits(lm.module, IDS, MASK))
     assert len(_with_random_lora(lm)) == 2 * 7
     ours = np.asarray(model.full_logits(lm.module, IDS, MASK))
@@ -185,7 +182,7 @@ def test_a_merged_lora_exports_with_its_logits(micro, tmp_path):
 
 
 def test_adapters_in_peft_layout_give_the_lora_models_logits(micro, tmp_path):
-    lm = _loaded(micro)
+    lm = loaded_randomized(micro)
     hf_export.export_model(lm.task, tmp_path / "base", "float32")
     adapted = _with_random_lora(lm)
     ours = np.asarray(model.full_logits(lm.module, IDS, MASK))

@@ -486,6 +486,43 @@ def accelerator_notes(results: list[dict], args) -> list[str]:
     return notes
 
 
+def measure_all(args, argv, sizes, cases, sides, cpu_devices) -> tuple[list[dict], dict]:
+    """Every (size, case, side) measured, each side in its own process, in alternating order
+    over the repeats; the machine's matmul peak per size on a CPU: (results, peaks)."""
+    results, peaks = [], {}
+    allowed = {"ours": CASES, "trl": TRL_CASES, "tunix": TUNIX_CASES}
+    with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
+        for size in sizes:
+            spec = spec_of(size, args.batch, args.seq)
+            hf_dir = str(Path(tmp) / size)
+            if args.device == "cpu":  # an accelerator's peak is its chip's (PEAK_TFLOPS)
+                peaks[size] = matmul_peak(spec, args)
+                print(f"{size:8s} matmul peak {peaks[size].get('peak_gflops', 0):.1f} GFLOP/s "
+                      f"{peaks[size].get('matmul_gflops', peaks[size])}", flush=True)
+            if not same_weights(spec, args.same_weights):
+                hf_dir = None
+            elif "trl" in sides or "tunix" in sides:  # the same weights on every side
+                exported = export_weights(spec, hf_dir, args.seed)
+                if "error" in exported:
+                    raise ToolError(f"export failed: {exported}")
+            for case in cases:
+                order = [(s, n) for s in SIDES if s in sides and case in allowed[s]
+                         for n in (cpu_devices if s == "ours" else [1])]
+                for rep in range(args.repeats):
+                    for side, n in (order if rep % 2 == 0 else order[::-1]):
+                        r = measure(side, spec, case, args, hf_dir, n)
+                        side = side if n == 1 else f"{side}_cpu{n}"
+                        r.update(size=size, case=case, side=side, repeat=rep)
+                        results.append(r)
+                        if args.json:  # each measurement kept as it comes (a run cut short)
+                            write_json(args.json, argv, peaks, results)
+                        msg = (f"{r['ms_per_step']:.1f} ms/step (CPU {r.get('cpu_ms_per_step', 0):.1f} ms), "
+                               f"peak RSS {r['peak_rss_mb']:.0f} MB"
+                               if "ms_per_step" in r else r.get("error", "?") + "\n" + r.get("log_tail", ""))
+                        print(f"{size:8s} {case:15s} {side:9s} {msg}", flush=True)
+    return results, peaks
+
+
 @command
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -574,43 +611,14 @@ def main(argv=None) -> list[dict]:
         if args.tunix_python is None:
             sides.remove("tunix")
             notes.append(note)
-    allowed = {"ours": CASES, "trl": TRL_CASES, "tunix": TUNIX_CASES}
     cpu_devices = sorted({int(n) for n in args.cpu_devices.split(",") if n})
     if not cpu_devices or cpu_devices[0] < 1:
         raise ToolError(f"--cpu-devices: counts >= 1, got {args.cpu_devices!r}")
-    results, peaks = [], {}
-    if replayed is not None:
+    if replayed is None:
+        results, peaks = measure_all(args, argv, sizes, cases, sides, cpu_devices)
+    else:
         results, peaks = replayed["results"], replayed["matmul_peak"]
         notes.append(f"Recorded from the run's measurements (--replay), {len(results)} of them.")
-    with tempfile.TemporaryDirectory(prefix="nnx_bench_") as tmp:
-        for size in (sizes if replayed is None else []):
-            spec = spec_of(size, args.batch, args.seq)
-            hf_dir = str(Path(tmp) / size)
-            if args.device == "cpu":  # an accelerator's peak is its chip's (PEAK_TFLOPS)
-                peaks[size] = matmul_peak(spec, args)
-                print(f"{size:8s} matmul peak {peaks[size].get('peak_gflops', 0):.1f} GFLOP/s "
-                      f"{peaks[size].get('matmul_gflops', peaks[size])}", flush=True)
-            if not same_weights(spec, args.same_weights):
-                hf_dir = None
-            elif "trl" in sides or "tunix" in sides:  # the same weights on every side
-                exported = export_weights(spec, hf_dir, args.seed)
-                if "error" in exported:
-                    raise ToolError(f"export failed: {exported}")
-            for case in cases:
-                order = [(s, n) for s in SIDES if s in sides and case in allowed[s]
-                         for n in (cpu_devices if s == "ours" else [1])]
-                for rep in range(args.repeats):
-                    for side, n in (order if rep % 2 == 0 else order[::-1]):
-                        r = measure(side, spec, case, args, hf_dir, n)
-                        side = side if n == 1 else f"{side}_cpu{n}"
-                        r.update(size=size, case=case, side=side, repeat=rep)
-                        results.append(r)
-                        if args.json:  # each measurement kept as it comes (a run cut short)
-                            write_json(args.json, argv, peaks, results)
-                        msg = (f"{r['ms_per_step']:.1f} ms/step (CPU {r.get('cpu_ms_per_step', 0):.1f} ms), "
-                               f"peak RSS {r['peak_rss_mb']:.0f} MB"
-                               if "ms_per_step" in r else r.get("error", "?") + "\n" + r.get("log_tail", ""))
-                        print(f"{size:8s} {case:15s} {side:9s} {msg}", flush=True)
     for r in results:
         if "ms_per_step" in r:
             spec = spec_of(r["size"], args.batch, args.seq)
