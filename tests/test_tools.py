@@ -425,15 +425,17 @@ def test_suite_compile_records_a_tests_jax_seconds_and_ranks_files_by_compiling(
     out = tmp_path / "suite_compile.jsonl"
     monkeypatch.setenv("SUITE_COMPILE_OUT", str(out))
     suite_compile.pytest_configure(None)
+    x = jax.device_put(jnp.arange(5.0))
     try:
         suite_compile.pytest_runtest_protocol(None, None)
-        jax.jit(lambda x: jnp.sin(x) * 3.0 + 7.0)(jnp.ones(5)).block_until_ready()
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 7.0)(x).block_until_ready()
         suite_compile.pytest_runtest_logfinish("tests/test_a.py::test_jit", None)
     finally:
         suite_compile.pytest_unconfigure(None)
     line = json.loads(out.read_text())
     assert line["test"] == "tests/test_a.py::test_jit"
     assert all(line[k] > 0 for k in ("trace", "lower", "compile")) and line["wall"] > 0
+    assert line["programs"] == 1  # the jitted function: one program
     with out.open("a") as more:
         more.write(json.dumps({"test": "tests/test_b.py::t", "wall": 9.0, "trace": 0.0,
                                "lower": 0.0, "compile": 8.0}) + "\n")

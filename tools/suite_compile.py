@@ -6,7 +6,8 @@ read back from the persistent compilation cache), as JAX's own monitoring events
     python -m tools.suite_compile suite_compile.jsonl           # the files and tests that cost most
 
 One JSON line per test (``SUITE_COMPILE_OUT`` names the file): its id, its wall seconds (setup,
-call and teardown) and the three sums. A run with an empty compilation cache
+call and teardown), the three sums and the number of programs compiled (op-by-op work, each
+operation its own program, shows as hundreds). A run with an empty compilation cache
 (``JAX_COMPILATION_CACHE_DIR`` set to a new folder, as on CI) shows what compiling costs; with a
 warm one, what tracing and lowering still cost. Programs compiled in processes a test starts are
 not counted (their time is in the test's wall seconds).
@@ -33,6 +34,8 @@ def _listen(event: str, seconds: float, **_) -> None:
     kind = EVENTS.get(event)
     if kind:
         _current[kind] = _current.get(kind, 0.0) + seconds
+    if kind == "compile":  # a program compiled or read back: op-by-op work shows as many
+        _current["programs"] = _current.get("programs", 0) + 1
 
 
 def pytest_configure(config):
@@ -57,7 +60,8 @@ def pytest_runtest_logfinish(nodeid, location):
     if start is None:
         return
     line = {"test": nodeid, "wall": round(time.perf_counter() - start, 3),
-            **{kind: round(_current.get(kind, 0.0), 3) for kind in EVENTS.values()}}
+            **{kind: round(_current.get(kind, 0.0), 3) for kind in EVENTS.values()},
+            "programs": _current.get("programs", 0)}
     with open(os.environ.get("SUITE_COMPILE_OUT", "suite_compile.jsonl"), "a") as out:
         out.write(json.dumps(line) + "\n")
 
@@ -76,9 +80,10 @@ def summary(path: Path, top: int = 25) -> str:
     for name, c in sorted(by_file.items(), key=lambda kv: -kv[1]["compile"])[:top]:
         out.append(f"{name} | {c['wall']:.0f} | {c['trace']:.0f} | {c['lower']:.0f} | "
                    f"{c['compile']:.0f}")
-    out += ["", "test | wall | compile"]
+    out += ["", "test | wall | compile | programs"]
     for row in sorted(rows, key=lambda r: -r["compile"])[:top]:
-        out.append(f"{row['test']} | {row['wall']:.1f} | {row['compile']:.1f}")
+        out.append(f"{row['test']} | {row['wall']:.1f} | {row['compile']:.1f} | "
+                   f"{row.get('programs', '')}")
     return "\n".join(out)
 
 
