@@ -788,8 +788,8 @@ def eval_only_on_other_data(c):
 @case("options")
 def sample_max_new_tokens_huge(c):
     run = _finished(c)
-    return refused(c.python("from nnx_posttrain import cli; cli.main(['sample', "
-                            f"{str(run)!r}, '--prompt', 'Hi', '--max-new-tokens', '100000000'])"),
+    return refused(c.python("from nnx_posttrain import cli; raise SystemExit(cli.main(['sample', "
+                            f"{str(run)!r}, '--prompt', 'Hi', '--max-new-tokens', '100000000']))"),
                    "max_new_tokens 100,000,000", "context")
 
 

@@ -2,6 +2,7 @@
 random backbones of every model family."""
 
 import contextlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -234,15 +235,22 @@ def command_output(capsys, monkeypatch, argv, columns: int = 100, **main_kw) -> 
     monkeypatch.setenv("COLUMNS", str(columns))
     monkeypatch.setenv("NO_COLOR", "1")
     capsys.readouterr()
-    try:
-        code = cli.main(argv, **main_kw)
-    except SystemExit as exc:
-        code = exc.code
-        if isinstance(code, str):  # an error message, as the interpreter prints it
-            print(code, file=sys.stderr)
-            code = 1
+    code = cli.main(argv, **main_kw)
     out = capsys.readouterr()
-    return code or 0, out.out, out.err
+    return code, out.out, out.err
+
+
+def cli_error(capsys, argv, match: str | None = None, **main_kw) -> str:
+    """The stderr of ``nnx_posttrain.cli.main(argv, **main_kw)``, which must refuse the command:
+    exit status 1, ``error: MESSAGE`` on stderr (where the regex ``match`` is found, if given)."""
+    from nnx_posttrain import cli
+
+    capsys.readouterr()
+    code = cli.main(argv, **main_kw)
+    err = capsys.readouterr().err
+    assert code == 1, (code, err[-3000:])
+    assert match is None or re.search(match, err), (match, err[-3000:])
+    return err
 
 
 def vision_model(name: str):

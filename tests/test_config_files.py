@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from support import command_output
+from support import cli_error, command_output
 
 import nnx_posttrain  # noqa: F401
-from nnx_posttrain import algorithms, api, cli, config, errors
+from nnx_posttrain import algorithms, api, config, errors
 from nnx_posttrain.algorithms import DPO
 from nnx_posttrain.cli.train_command import parse
 from nnx_posttrain.data import hub
@@ -208,12 +208,10 @@ def test_the_experiment_files_are_the_commands():
         assert f'experiment("{name}")' in text, name
 
 
-def test_console_script_is_declared():
+def test_console_script_is_declared(capsys):
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["nnx-posttrain"] == "nnx_posttrain.cli:console"
     assert set(project["optional-dependencies"]) >= {"cuda", "tpu", "test"}
-    with pytest.raises(SystemExit) as info:
-        cli.main(["nosuch"], prog="nnx-posttrain")
-    assert "usage: nnx-posttrain COMMAND" in str(info.value.code)
+    assert "usage: nnx-posttrain COMMAND" in cli_error(capsys, ["nosuch"], prog="nnx-posttrain")

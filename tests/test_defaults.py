@@ -115,9 +115,7 @@ def test_learning_rates_are_trls_per_trainer():
 def test_help_lists_the_defaults_of_the_run_it_describes(capsys):
     for args, length, init in ((["--help"], "32", "runs/sft"),
                                (["--data", "x.jsonl", "--help"], "1024", "None")):
-        with pytest.raises(SystemExit) as info:
-            cli.main(["simpo", *args])
-        assert info.value.code == 0
+        assert cli.main(["simpo", *args]) == 0
         text = capsys.readouterr().out
         block = text[text.index("--batching.max-length"):][:300]
         assert f"(default: {length})" in block, block

@@ -22,7 +22,7 @@ from nnx_posttrain import api, checkpoint, cli, config, data, errors, metrics_lo
 from nnx_posttrain.algorithms import DPO, SFT, registry
 from nnx_posttrain.cli.train_command import parse
 from nnx_posttrain.train import hooks, resume, rundir
-from support import FAST_STEPS, MICRO, ROOT, builtin_file, records, train_run
+from support import FAST_STEPS, MICRO, ROOT, builtin_file, cli_error, records, train_run
 
 FAST = [*MICRO, *FAST_STEPS]
 
@@ -204,7 +204,7 @@ def test_changed_settings_are_refused_with_the_list_of_differences(copy):
     assert _files(copy) == before and steps_of(copy) == [2, 4]  # nothing written
 
 
-def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
+def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path, capsys):
     """An exported model's directory (its config.json is Hugging Face's) or a cut config.json
     given where a run belongs: runs.load, --init-from, nnx-posttrain export say what it is."""
     hf, cut = tmp_path / "hf", tmp_path / "cut"
@@ -218,8 +218,8 @@ def test_a_directory_that_is_not_a_run_is_named_not_a_traceback(tmp_path):
     with pytest.raises(errors.CheckpointError, match="--init-from .*an exported model loads "
                                                      "with --model DIR"):
         runs.check_init_from(hf, "gemma_micro")
-    with pytest.raises(SystemExit, match=r"error: .*cut/config.json: not JSON"):
-        cli.main(["export", str(cut), "--to", str(tmp_path / "out")])
+    cli_error(capsys, ["export", str(cut), "--to", str(tmp_path / "out")],
+              match=r"error: .*cut/config.json: not JSON")
     # a run's checkpoint given for the run
     step = tmp_path / "run" / "checkpoints" / "40"
     step.mkdir(parents=True)
@@ -807,9 +807,7 @@ def test_one_ctrl_c_that_python_swallows_while_the_model_loads_stops_the_run(
 
     monkeypatch.setattr(setup, "build_model", loading)
     before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["sft", *FAST, "--run-dir", str(tmp_path / "run")])
-    assert info.value.code == 130
+    assert cli.main(["sft", *FAST, "--run-dir", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C): stopped without writing a checkpoint" in err
     assert "Exception ignored" not in err
@@ -835,9 +833,8 @@ def test_a_commands_ctrl_c_python_swallowed_while_importing_stops_it(monkeypatch
             self.interrupted = True
 
     monkeypatch.setattr(cli, "_Imports", Interrupted)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["sft", "--help"])
-    assert info.value.code == 130 and "interrupted (Ctrl-C)" in capsys.readouterr().err
+    assert cli.main(["sft", "--help"]) == 130
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from flax import nnx
 
 from nnx_posttrain import cli, errors, export, inspection, model, runs
 from nnx_posttrain.cli import sample
-from support import MICRO, train_run
+from support import MICRO, cli_error, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = jnp.array([[2, 17, 30, 41, 52, 63, 74, 85, 96, 11, 12, 13, 14], [2, 9, 8, 7, 6, 5, 4, 0, 0, 0, 0, 0, 0]])
@@ -91,7 +91,8 @@ def test_export_keras_preset_round_trips_with_the_same_logits(which, request, tm
 
 
 @pytest.mark.slow
-def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(tmp_path):
+def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(
+        tmp_path, capsys):
     """PPO trains the backbone with a value head: sample and export take the policy (TRL's PPO
     saves it alone); a reward model does not generate and is refused, before it loads, with how
     it is used instead (the command line says it as an error)."""
@@ -121,8 +122,7 @@ def test_a_ppo_run_samples_and_exports_its_policy_and_a_reward_model_is_refused(
         sample.answers(rm, ["hi"])
     with pytest.raises(errors.UserError, match=refusal):
         export.export(rm, tmp_path / "rm_out")
-    with pytest.raises(SystemExit, match="error: " + refusal):
-        cli.main(["sample", str(rm), "--prompt", "hi"])
+    cli_error(capsys, ["sample", str(rm), "--prompt", "hi"], match="error: " + refusal)
     assert not (tmp_path / "rm_out").exists()
 
 
@@ -143,14 +143,14 @@ def test_export_hf_writes_safetensors_and_config(lora_run, tmp_path):
         tok.bos_token + chat.to_text(messages, "gemma", add_generation_prompt=True))
 
 
-def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path):
+def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path, capsys):
     empty = tmp_path / "run"
     empty.mkdir()
     (empty / "config.json").write_text((full_run / "config.json").read_text())
     with pytest.raises(errors.UserError, match="no complete checkpoint"):
         export.export(empty, tmp_path / "out")
-    with pytest.raises(SystemExit, match="error: .*not a run directory"):
-        cli.main(["export", str(tmp_path / "nothing"), "--to", str(tmp_path / "out")])
+    cli_error(capsys, ["export", str(tmp_path / "nothing"), "--to", str(tmp_path / "out")],
+              match="error: .*not a run directory")
     assert not (tmp_path / "out").exists()
 
 

@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from support import MICRO, train_run
+from support import MICRO, cli_error, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,5 +43,5 @@ def test_sample_answers_from_a_checkpoint(run_dir, capsys):
     assert cli.main(["sample", str(run_dir), "--prompt", "What is 1 + 2?", "--prompt",
                      "What is 3 + 4?", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.count("> What is") == 2
-    with pytest.raises(SystemExit, match="nope: not a run directory \\(no config.json\\)"):
-        cli.main(["sample", str(run_dir.parent / "nope"), "--prompt", "hi"])
+    cli_error(capsys, ["sample", str(run_dir.parent / "nope"), "--prompt", "hi"],
+              match="nope: not a run directory \\(no config.json\\)")

@@ -347,8 +347,8 @@ def test_the_sample_command_samples_with_options(micro_sampler, monkeypatch, cap
 
 
 def test_generation_past_the_context_or_the_memory_is_refused_with_the_limit(micro_sampler,
-                                                                             monkeypatch):
-    from nnx_posttrain import cli, errors
+                                                                             monkeypatch, capsys):
+    from nnx_posttrain import errors
     from nnx_posttrain.cli import sample as sample_command
     from nnx_posttrain.model import device_memory
 
@@ -357,10 +357,10 @@ def test_generation_past_the_context_or_the_memory_is_refused_with_the_limit(mic
     monkeypatch.setattr(sample_command.runs, "load", lambda run_dir, step: SimpleNamespace(
         lm=lm, module=lm.module, policy=lambda: lm.module))
     prompt = len(sampler.chat_prompt(lm, "Hi"))
-    with pytest.raises(SystemExit, match=rf"max_new_tokens 100,000,000: a prompt of up to {prompt} "
-                                         rf"tokens .* past the 8,192 of GemmaBackbone's context "
-                                         rf".*at most {8192 - prompt:,} new tokens"):
-        cli.main(["sample", "RUN", "--prompt", "Hi", "--max-new-tokens", "100000000"])
+    support.cli_error(capsys, ["sample", "RUN", "--prompt", "Hi", "--max-new-tokens", "100000000"],
+                      match=rf"max_new_tokens 100,000,000: a prompt of up to {prompt} "
+                            rf"tokens .* past the 8,192 of GemmaBackbone's context "
+                            rf".*at most {8192 - prompt:,} new tokens")
     free = sampler.generation_bytes(lm.module, 1, prompt, 1000)
     monkeypatch.setattr(device_memory, "available_bytes", lambda: free)
     with pytest.raises(errors.ConfigError, match=r"max_new_tokens 4,000: decoding 1 sequences") as info:

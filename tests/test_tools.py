@@ -11,7 +11,7 @@ import pytest
 
 from nnx_posttrain import cli, compare, errors
 from nnx_posttrain.cli import sweep
-from support import MICRO
+from support import MICRO, cli_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,10 +135,10 @@ def test_same_basename_labels(tmp_path):
     assert [r.label for r in compare.load_runs([a, b])] == ["s1/run", "s2/run"]
 
 
-def test_bad_run_dir_is_a_clear_error(tmp_path, two_runs):
+def test_bad_run_dir_is_a_clear_error(tmp_path, two_runs, capsys):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match=r"error: .*empty.*metrics\.jsonl"):
-        cli.main(["compare", str(two_runs[0]), str(tmp_path / "empty")])
+    cli_error(capsys, ["compare", str(two_runs[0]), str(tmp_path / "empty")],
+              match=r"error: .*empty.*metrics\.jsonl")
     with pytest.raises(errors.RunDirError, match="missing"):
         compare.load_run(tmp_path / "missing")
 
@@ -191,11 +191,11 @@ def test_bad_grid_messages(spec, message):
         sweep.parse_grid(spec)
 
 
-def test_bad_grid_exits_cleanly(tmp_path):
-    with pytest.raises(SystemExit, match="error: bad grid item 'algo.beta'"):
-        cli.main(["sweep", "simpo", "--grid", "algo.beta", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="error: no algorithm 'nope'"):
-        cli.main(["sweep", "nope", "--grid", "a=1", "--out", str(tmp_path)])
+def test_bad_grid_exits_cleanly(tmp_path, capsys):
+    cli_error(capsys, ["sweep", "simpo", "--grid", "algo.beta", "--out", str(tmp_path)],
+              match="error: bad grid item 'algo.beta'")
+    cli_error(capsys, ["sweep", "nope", "--grid", "a=1", "--out", str(tmp_path)],
+              match="error: no algorithm 'nope'")
 
 
 def test_is_complete(tmp_path):
@@ -236,10 +236,10 @@ def test_sweep_skips_complete_and_reruns_incomplete(tmp_path, monkeypatch):
     assert (out / "compare" / "loss.png").stat().st_size > 0
 
 
-def test_sweep_failed_point_is_recorded(tmp_path, monkeypatch):
+def test_sweep_failed_point_is_recorded(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 2))
-    with pytest.raises(SystemExit, match="error: 1 of 1 sweep points did not complete"):
-        cli.main(["sweep", "sft", "--grid", "seed=0", "--out", str(tmp_path)])
+    cli_error(capsys, ["sweep", "sft", "--grid", "seed=0", "--out", str(tmp_path)],
+              match="error: 1 of 1 sweep points did not complete")
     assert json.loads((tmp_path / "sweep.json").read_text())["points"][0]["status"] == "failed (exit 2)"
 
 
@@ -255,7 +255,7 @@ def test_sweep_refuses_a_bad_point_before_running_any(tmp_path, monkeypatch, cap
     assert calls == []
 
 
-def test_a_complete_point_whose_command_changed_is_run_again(tmp_path, monkeypatch):
+def test_a_complete_point_whose_command_changed_is_run_again(tmp_path, monkeypatch, capsys):
     """A rerun with other options is not skipped as complete: the point's experiment judges it
     (its resume refuses a new seed, continues with more steps), and sweep.json says what ran."""
     out = tmp_path / "sw"
@@ -265,9 +265,9 @@ def test_a_complete_point_whose_command_changed_is_run_again(tmp_path, monkeypat
                         lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
     sweep.sweep("sft", ["seed=0"], out, ["--steps", "20"], compare=False, echo=lambda m: None)
     assert calls == []  # complete, same command: skipped
-    with pytest.raises(SystemExit, match="1 of 1 sweep points did not complete"):
-        cli.main(["sweep", "sft", "--grid", "seed=0", "--out", str(out), "--no-compare", "--",
-                  "--steps", "20", "--optim.learning-rate", "1e-2"])
+    cli_error(capsys, ["sweep", "sft", "--grid", "seed=0", "--out", str(out), "--no-compare", "--",
+                       "--steps", "20", "--optim.learning-rate", "1e-2"],
+              match="1 of 1 sweep points did not complete")
     assert len(calls) == 1 and calls[0][-2:] == ["--optim.learning-rate", "1e-2"]
     point = json.loads((out / "sweep.json").read_text())["points"][0]
     assert point["status"] == "failed (exit 1)" and point["command"][-1] == "1e-2"
@@ -277,9 +277,8 @@ def test_ctrl_c_stops_the_whole_sweep(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(sweep.subprocess, "run",
                         lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 130))
-    with pytest.raises(SystemExit) as info:
-        cli.main(["sweep", "sft", "--grid", "seed=0,1", "--out", str(tmp_path)])
-    assert info.value.code == 130 and len(calls) == 1
+    assert cli.main(["sweep", "sft", "--grid", "seed=0,1", "--out", str(tmp_path)]) == 130
+    assert len(calls) == 1
     assert "interrupted at point 1/2 (seed=0)" in capsys.readouterr().out
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert [p["status"] for p in saved["points"]] == ["interrupted", "pending"]

@@ -14,7 +14,7 @@ from PIL import Image
 
 from nnx_posttrain import errors, model, runs
 from nnx_posttrain.tasks import shapes
-from support import MICRO, losses, records, tokenized_batch, train_run, vision_model
+from support import MICRO, cli_error, losses, records, tokenized_batch, train_run, vision_model
 
 NAME = "gemma3_vision_micro"
 LENGTH = 40
@@ -349,9 +349,9 @@ def test_the_sample_command_shows_the_prompt_an_image(files, micro, tmp_path, mo
         loaded.lm, loaded.policy(), shown, sampler.Sampling(3))[0][0]]
     (tmp_path / "text.png").write_text("not a picture")
     for name, why in (("missing.png", "no such file"), ("text.png", "not a readable image")):
-        with pytest.raises(SystemExit, match=f"error: --image {tmp_path / name}: .*{why}"):
-            cli.main(command + ["--image", str(tmp_path / name)])
+        cli_error(capsys, command + ["--image", str(tmp_path / name)],
+                  match=f"error: --image {tmp_path / name}: .*{why}")
     monkeypatch.setattr(sample_command.runs, "load", lambda run_dir, step: SimpleNamespace(
         lm=micro, policy=lambda: micro.module))
-    with pytest.raises(SystemExit, match="--image: gemma_micro has no vision tower"):
-        cli.main(command + ["--image", str(files / "1.png")])
+    cli_error(capsys, command + ["--image", str(files / "1.png")],
+              match="--image: gemma_micro has no vision tower")

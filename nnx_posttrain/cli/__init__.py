@@ -12,9 +12,13 @@ and ``python -m experiments[.ALGORITHM]``.
     nnx-posttrain eval RUN --tasks T1,T2   lm-evaluation-harness tasks on a checkpoint
     nnx-posttrain judge RUN_A RUN_B --prompts FILE   win rate of A's answers against B's
 
-This package is the library's one user that owns the process: ``main`` alone turns a
-``UserError`` into ``error: MESSAGE`` and exit status 1 (nothing printed after it), a stop
-signal into 128 + its number, Ctrl-C into 130. Everything it calls raises exceptions instead.
+This package is the library's one user that owns the process. ``main`` alone turns a
+``UserError`` into ``error: MESSAGE`` on stderr and exit status 1 (nothing printed after it), a
+stop signal into 128 + its number, Ctrl-C into 130, the option parser's exit (``--help``, a bad
+option) into its status; it returns that status and raises no ``SystemExit``. Everything it calls
+raises exceptions instead. Only the entry points end the process: ``console``, ``experiment``
+and ``__main__`` (``raise SystemExit(main(...))``), and ``main`` itself where it is given the
+process (``own_process``), at once (``_exit_now``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import types
 
 USAGE = """usage: {prog} COMMAND [options]   ({prog} COMMAND --help lists its options)
 
@@ -81,9 +84,12 @@ def usage(prog: str) -> str:
 def main(argv=None, prog: str = "nnx-posttrain", own_process: bool = False,
          command_prog: str | None = None) -> int:
     """Run the command ``argv`` names (default: the process's arguments); returns its exit
-    status. A ``UserError`` raises ``SystemExit("error: ...")``; a stop signal or Ctrl-C before
-    the run's end ends the process at once where it is the command's own (``own_process``: the
-    console script, ``python -m experiments``), else raises ``SystemExit`` with its status."""
+    status, and never raises ``SystemExit``: a ``UserError`` prints ``error: MESSAGE`` on stderr
+    and returns 1; a stop signal returns 128 + its number, Ctrl-C prints that the run stopped
+    and returns 130; the option parser's exit returns its status (``--help`` 0, a bad option 2,
+    its usage printed). Where the process is the command's own (``own_process``: the console
+    script, ``python -m experiments``), a ``UserError``, a stop signal or Ctrl-C ends the process
+    at once instead of returning (``_exit_now`` says why)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before JAX loads: no C++ log lines
     argv = sys.argv[1:] if argv is None else list(argv)
     with _Imports() as imports:
@@ -91,7 +97,7 @@ def main(argv=None, prog: str = "nnx-posttrain", own_process: bool = False,
         from nnx_posttrain.cli import train_command
     cpu_host.prefer_cpu()  # no TPU runtime start-up (and its page of errors) on a CPU host
     if imports.interrupted:
-        _exit_now(130, "interrupted (Ctrl-C) while starting", own_process)
+        return _exit_now(130, "interrupted (Ctrl-C) while starting", own_process)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(prog))
         return 0 if argv else 2
@@ -104,36 +110,49 @@ def main(argv=None, prog: str = "nnx-posttrain", own_process: bool = False,
             module = importlib.import_module(f"nnx_posttrain.cli.{TOOLS[command][0]}")
             return _finish(module.main(args, shown), own_process)
         raise errors.ConfigError(f"unknown command {command!r}\n{usage(prog)}")
-    except errors.UserError as exc:
-        if own_process:  # nothing after the message: see _exit_now
-            _exit_now(1, f"error: {exc}", own_process)
-        raise SystemExit(f"error: {exc}") from None
+    except errors.UserError as exc:  # nothing after the message: see _exit_now
+        return _exit_now(1, f"error: {exc}", own_process)
     except errors.Stopped as stop:
-        _exit_now(stop.exit_code, None, own_process)
+        return _exit_now(stop.exit_code, None, own_process)
     except KeyboardInterrupt:
-        _exit_now(130, "interrupted (Ctrl-C): stopped without writing a checkpoint; the run "
-                       "resumes from its latest complete one, if it has one", own_process)
+        return _exit_now(130, "interrupted (Ctrl-C): stopped without writing a checkpoint; the "
+                              "run resumes from its latest complete one, if it has one",
+                         own_process)
+    except SystemExit as exc:  # the option parser's (tyro, argparse): --help, a bad option
+        return _status(exc.code)
+
+
+def _status(code) -> int:
+    """The exit status a ``SystemExit(code)`` ends a process with, as the interpreter gives it:
+    ``None`` 0, an int as is, anything else (a message) printed on stderr, and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _finish(code: int, own_process: bool) -> int:
     """A command's exit status; a stop's (128 + signal) ends the command's own process at once,
-    as ``_exit_now`` says why."""
+    as ``_exit_now`` says why, and is returned elsewhere."""
     if code >= 128:
-        _exit_now(code, None, own_process)
+        return _exit_now(code, None, own_process)
     return code
 
 
-def _exit_now(code: int, message: str | None, own_process: bool) -> types.NoReturn:
-    """End with ``code``. In the command's own process, at once, streams flushed: the run's own
-    files are closed by now, and a checkpoint save that a stop or a failure (a full disk) cut
-    short leaves threads, futures and coroutines that would print a page of tracebacks at
-    interpreter shutdown, after the message (closed event loops, a shut-down executor, asyncio's
-    "Task exception was never retrieved"). Elsewhere (a test calling ``main``):
-    ``SystemExit(code)``."""
+def _exit_now(code: int, message: str | None, own_process: bool) -> int:
+    """``message`` (if any) on stderr, then the exit status ``code``. In the command's own
+    process (``own_process``) it does not return: it ends the process at once, streams flushed,
+    with ``os._exit(code)``: the run's own files are closed by now, and a checkpoint save that a
+    stop or a failure (a full disk) cut short leaves threads, futures and coroutines that would
+    print a page of tracebacks at interpreter shutdown, after the message (closed event loops, a
+    shut-down executor, asyncio's "Task exception was never retrieved"). Elsewhere (a test or a
+    program calling ``main``) it returns ``code``, for ``main`` to return."""
     if message:
         print(message, file=sys.stderr)
     if not own_process:
-        raise SystemExit(code)
+        return code
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
