@@ -183,8 +183,13 @@ def test_an_export_of_a_newer_family_loads_back_through_kerashubs_converter(name
     hf_export.export_model(task_of(backbone), tmp_path, "float32")
     reloaded = keras_hub.models.Backbone.from_preset(str(tmp_path), dtype="float32")
     assert type(reloaded) is type(backbone)
-    np.testing.assert_allclose(model.full_logits(reloaded, IDS, MASK),
-                               model.full_logits(backbone, IDS, MASK), atol=1e-5)
+    pair = (reloaded, backbone)
+    if name == "smollm3":  # KerasHub's rotary embedding assigns to itself: refused inside jit
+        theirs, ours = (model.full_logits(m, IDS, MASK) for m in pair)
+    else:  # both forwards as one jitted program (op by op, each operation compiles on its own)
+        theirs, ours = support.jitted(
+            lambda pair, ids, mask: [model.full_logits(m, ids, mask) for m in pair], pair)(IDS, MASK)
+    np.testing.assert_allclose(theirs, ours, atol=1e-5)
 
 
 def test_gemma2_export_is_gemma2_with_every_feature(tmp_path):

@@ -41,14 +41,23 @@ def randomized(module, seed=0):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(the randomized micro, a batch of a one-image row, a two-image row and a text row, its
-    export)."""
+    export, our logits of the batch)."""
     lm = support.vision_model(NAME)
     randomized(lm.module)
     batch = support.tokenized_batch(lm, support.one_two_and_no_image_rows(), LENGTH)
     assert list(batch["image_count"]) == [1, 2, 0]
     directory = tmp_path_factory.mktemp("qwen3_5_vision")
     hf_export.export_model(lm.task, directory, "float32", lm.chat_format, echo=lambda _: None)
-    return lm, batch, directory
+    return lm, batch, directory, our_logits(lm, batch)
+
+
+def our_logits(lm, batch):
+    """``model.full_logits`` of the batch with its images, as one jitted program."""
+    def forward(module, pixels, ids, mask):
+        with model.images(pixels):
+            return model.full_logits(module, ids, mask)
+    return np.asarray(support.jitted(forward, lm.module)(
+        batch["pixel_values"], batch["input_ids"], batch["attention_mask"]))
 
 
 def processed(pictures):
@@ -97,7 +106,7 @@ def test_qwen3_5_vision_export_gives_transformers_logits_with_images(exported):
     pixel values; transformers' image processor on the same pictures gives transformers those
     logits too (its patches are ours); swapping the two-image row's pictures changes its
     logits."""
-    lm, batch, directory = exported
+    lm, batch, directory, ours = exported
     config = json.loads((directory / "config.json").read_text())
     tok = lm.task.preprocessor.tokenizer
     assert config["model_type"] == "qwen3_5"
@@ -105,8 +114,6 @@ def test_qwen3_5_vision_export_gives_transformers_logits_with_images(exported):
     assert (config["image_token_id"], config["vision_start_token_id"],
             config["vision_end_token_id"]) == (tok.image_token_id, tok.vision_start_token_id,
                                                tok.vision_end_token_id)
-    with model.images(batch["pixel_values"]):
-        ours = np.asarray(model.full_logits(lm.module, batch["input_ids"], batch["attention_mask"]))
     real = batch["attention_mask"].astype(bool)
     theirs = hf_logits(directory, batch)
     assert np.abs(ours).max() > 1.0
@@ -145,11 +152,9 @@ def test_a_mis_mapped_vision_tensor_changes_the_logits(exported, monkeypatch, tm
     """The comparison above sees the tower's mapping: a block's two norms' scales swapped, or the
     patch embedding's pixel axes transposed (same shapes, so the export still loads): its logits
     on the image rows differ from ours by far more than the tolerance."""
-    lm, batch, _ = exported
+    lm, batch, _, ours = exported
     monkeypatch.setattr(rules_module, "VISION_RULES", wrong(rules_module.VISION_RULES))
     hf_export.export_model(lm.task, tmp_path / "wrong", "float32", echo=lambda _: None)
-    with model.images(batch["pixel_values"]):
-        ours = np.asarray(model.full_logits(lm.module, batch["input_ids"], batch["attention_mask"]))
     theirs = hf_logits(tmp_path / "wrong", batch)
     real = batch["attention_mask"].astype(bool)
     assert np.abs(theirs[:2] - ours[:2])[real[:2]].max() > 100 * TOLERANCE

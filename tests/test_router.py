@@ -324,7 +324,8 @@ def _loss(name, bb, coef):
     algorithm = cls(cls.Config(router_aux_loss_coef=coef, **online), CHUNK)
     module, batch, third = CALLS[name](algorithm, bb)
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    total, weight, metrics = algorithm.loss(module, batch, third)
+    # one jitted program (op by op, a MoE forward compiles hundreds of operations on their own)
+    total, weight, metrics = nnx.jit(algorithm.loss)(module, batch, third)
     return float(total / weight), float(metrics["aux_loss"][0]), metrics
 
 
@@ -342,10 +343,14 @@ def test_ktos_aux_loss_is_the_examples_not_the_kl_rows(qwen3_moe):
     """As TRL's KTOTrainer: the aux loss of the examples' forward (the KL rows' and the
     reference's forwards add nothing)."""
     ids, att, loss = _rows(3)
-    with model.routers_captured(qwen3_moe, 0.5) as capture:
-        model.hidden_states(qwen3_moe, jnp.asarray(ids), jnp.asarray(att))
-    routed = capture.routed()
-    want, _ = load_balancing(routed.logits, routed.top_k, routed.mask)
+
+    def examples_aux(bb, ids, att):
+        with model.routers_captured(bb, 0.5) as capture:
+            model.hidden_states(bb, ids, att)
+        routed = capture.routed()
+        return load_balancing(routed.logits, routed.top_k, routed.mask)[0]
+
+    want = support.jitted(examples_aux, qwen3_moe)(jnp.asarray(ids), jnp.asarray(att))
     assert _loss("kto", qwen3_moe, 0.5)[1] == pytest.approx(float(want), rel=1e-5)
 
 

@@ -42,7 +42,8 @@ def _both(algorithm, batch):
 
 
 def _logps(algorithm, module, batch):
-    out = algorithm.pair_logps(module, jax.tree.map(jnp.asarray, batch))
+    # one jitted program (op by op, each operation of a new shape compiles on its own)
+    out = support.jitted(algorithm.pair_logps, module)(jax.tree.map(jnp.asarray, batch))
     return {k: np.asarray(v) * (np.asarray(out[k.replace("tokens", "mask")]) if "tokens" in k else 1)
             for k, v in out.items() if not k.endswith("_mask")}
 
@@ -121,7 +122,8 @@ def test_orpo_nll_over_the_prompt_reads_the_shared_prompt():
     algorithm = ORPO(ORPOConfig(nll_tokens="prompt_and_completion"))
     algorithm.setup(bb)
     shared, concatenated = _both(algorithm, _pairs())
-    losses = [algorithm.loss(bb, jax.tree.map(jnp.asarray, b)) for b in (concatenated, shared)]
+    loss = support.jitted(algorithm.loss, bb)
+    losses = [loss(jax.tree.map(jnp.asarray, b)) for b in (concatenated, shared)]
     want, got = (float(out[0] if isinstance(out, tuple) else out) for out in losses)
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
