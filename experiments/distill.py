@@ -11,4 +11,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/distill.yaml`` (``--
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("distill")
+    raise SystemExit(experiment("distill"))

@@ -13,4 +13,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/dpo.yaml`` (``--data
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("dpo")
+    raise SystemExit(experiment("dpo"))

@@ -15,4 +15,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/grpo.yaml`` (``--dat
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("grpo")
+    raise SystemExit(experiment("grpo"))

@@ -10,4 +10,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/kto.yaml`` (``--data
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("kto")
+    raise SystemExit(experiment("kto"))

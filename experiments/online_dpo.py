@@ -10,4 +10,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/online_dpo.yaml`` (`
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("online_dpo")
+    raise SystemExit(experiment("online_dpo"))

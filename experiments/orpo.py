@@ -9,4 +9,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/orpo.yaml`` (``--dat
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("orpo")
+    raise SystemExit(experiment("orpo"))

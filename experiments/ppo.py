@@ -11,4 +11,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/ppo.yaml`` (``--data
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("ppo")
+    raise SystemExit(experiment("ppo"))

@@ -10,4 +10,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/reward.yaml`` (``--d
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("reward")
+    raise SystemExit(experiment("reward"))

@@ -10,4 +10,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/rloo.yaml`` (``--dat
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("rloo")
+    raise SystemExit(experiment("rloo"))

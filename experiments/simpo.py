@@ -12,4 +12,4 @@ over it (a user's data), then ``nnx_posttrain/tasks/recipes/simpo.yaml`` (``--da
 from nnx_posttrain.cli import experiment
 
 if __name__ == "__main__":
-    experiment("simpo")
+    raise SystemExit(experiment("simpo"))

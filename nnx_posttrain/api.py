@@ -163,8 +163,9 @@ def layered(base: config_lib.Config, config=None, settings: dict | None = None,
 
 def _flags(cfg, args: list[str], description: str | None, prog: str | None):
     """``cfg`` with the flags ``args`` (tyro over its dataclasses). A command (``prog``) exits
-    as any command line does on a bad flag, with tyro's usage; the Python API (no ``prog``)
-    raises ``ConfigError`` with tyro's message instead (``--help`` still prints and exits)."""
+    as any command line does on a bad flag, with tyro's usage (``cli.main`` turns tyro's exit
+    into its status); the Python API (no ``prog``) raises ``ConfigError`` with tyro's message
+    instead, and after ``--help`` has printed the options (no config to return)."""
     import tyro
 
     if prog is not None:
@@ -174,8 +175,9 @@ def _flags(cfg, args: list[str], description: str | None, prog: str | None):
         with contextlib.redirect_stderr(said):
             return tyro.cli(type(cfg), default=cfg, args=args, description=description)
     except SystemExit as exc:
-        if exc.code in (0, None):
-            raise
+        if exc.code in (0, None):  # --help: printed on stdout
+            raise errors.ConfigError(f"configure(args={args}): --help printed the options above; "
+                                     "nothing was configured") from None
         lines = [line.strip(" │─") for line in said.getvalue().splitlines()
                  if not line.lstrip().startswith(("╭", "╰"))]  # the box's title and bottom
         message = "; ".join(line for line in lines if line and "--help" not in line)

@@ -66,15 +66,19 @@ def test_prepare_train_and_evaluate_only_are_the_loop_a_driver_can_take_apart(tm
         assert set(train.evaluate_only(run)) >= {"loss", "exact_match"}
 
 
-def test_a_bad_flag_given_to_configure_is_a_config_error_not_an_exit():
+def test_a_bad_flag_given_to_configure_is_a_config_error_not_an_exit(capsys):
     """The Python API's ``args``: an unknown or ill-typed flag raises ConfigError with tyro's
     message (the flag, its suggestion), not SystemExit, which would end a notebook's kernel
-    cell as a crash; good flags apply. A command (``prog`` given) still exits with its usage."""
+    cell as a crash; good flags apply; --help prints the options, then ConfigError. A command
+    (``prog`` given) still exits with its usage."""
     with pytest.raises(npt.ConfigError, match=r"--stepz.*Perhaps you meant.*--steps INT"):
         npt.configure("sft", args=["--stepz", "5"])
     with pytest.raises(npt.ConfigError, match=r"Error parsing --steps.*'five'"):
         npt.configure("sft", args=["--steps", "five"])
     assert npt.configure("sft", args=["--steps", "7"]).steps == 7
+    with pytest.raises(npt.ConfigError, match=r"--help printed the options above"):
+        npt.configure("sft", args=["--help"])
+    assert "--batching.max-length" in capsys.readouterr().out  # the help, on stdout
     with pytest.raises(SystemExit) as info:
         npt.configure("sft", args=["--stepz", "5"], prog="nnx-posttrain train sft")
     assert info.value.code == 2

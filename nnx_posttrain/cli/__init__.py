@@ -16,9 +16,10 @@ This package is the library's one user that owns the process. ``main`` alone tur
 ``UserError`` into ``error: MESSAGE`` on stderr and exit status 1 (nothing printed after it), a
 stop signal into 128 + its number, Ctrl-C into 130, the option parser's exit (``--help``, a bad
 option) into its status; it returns that status and raises no ``SystemExit``. Everything it calls
-raises exceptions instead. Only the entry points end the process: ``console``, ``experiment``
-and ``__main__`` (``raise SystemExit(main(...))``), and ``main`` itself where it is given the
-process (``own_process``), at once (``_exit_now``).
+raises exceptions instead. The process ends with the status where the command starts: the
+console script's wrapper (``sys.exit(console())``), ``experiments/NAME.py``
+(``raise SystemExit(experiment(NAME))``) and ``__main__``; and in ``main`` itself where it is
+given the process (``own_process``), at once (``_exit_now``).
 """
 
 from __future__ import annotations
@@ -158,13 +159,14 @@ def _exit_now(code: int, message: str | None, own_process: bool) -> int:
     os._exit(code)
 
 
-def console() -> None:
-    """The ``nnx-posttrain`` console script."""
-    raise SystemExit(main(prog=os.path.basename(sys.argv[0]) or "nnx-posttrain",
-                          own_process=True))
+def console() -> int:
+    """The ``nnx-posttrain`` console script: its exit status (the script pip writes exits with
+    it)."""
+    return main(prog=os.path.basename(sys.argv[0]) or "nnx-posttrain", own_process=True)
 
 
-def experiment(name: str) -> None:
-    """``python -m experiments.NAME [options]``: the training command of algorithm ``NAME``."""
-    raise SystemExit(main([name, *sys.argv[1:]], own_process=True,
-                          command_prog=f"python -m experiments.{name}"))
+def experiment(name: str) -> int:
+    """``python -m experiments.NAME [options]``: the training command of algorithm ``NAME``; its
+    exit status, which the experiment's file exits with."""
+    return main([name, *sys.argv[1:]], own_process=True,
+                command_prog=f"python -m experiments.{name}")
