@@ -140,6 +140,15 @@ def jitted(fn, module):
     return lambda *arrays: run(state, *arrays)
 
 
+def image_logits(module, ids, mask, pixels):
+    """``model.full_logits`` with the batch's images (``model.images``): the forward the vision
+    tests compare, jitted as one program by ``jitted(image_logits, module)``."""
+    from nnx_posttrain import model
+
+    with model.images(pixels):
+        return model.full_logits(module, ids, mask)
+
+
 def records(run_dir, split: str = "train") -> list[dict]:
     """The ``split`` rows of a run's metrics.jsonl."""
     return [r for r in metrics_log.read(run_dir) if r["split"] == split]

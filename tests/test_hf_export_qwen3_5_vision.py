@@ -16,7 +16,6 @@ import nnx_posttrain  # noqa: F401  (the Keras backend, before keras is imported
 import numpy as np
 import pytest
 
-from nnx_posttrain import model
 from nnx_posttrain.export import hf as hf_export
 from nnx_posttrain.families import qwen3_5_vision as rules_module
 
@@ -53,11 +52,8 @@ def exported(tmp_path_factory):
 
 def our_logits(lm, batch):
     """``model.full_logits`` of the batch with its images, as one jitted program."""
-    def forward(module, pixels, ids, mask):
-        with model.images(pixels):
-            return model.full_logits(module, ids, mask)
-    return np.asarray(support.jitted(forward, lm.module)(
-        batch["pixel_values"], batch["input_ids"], batch["attention_mask"]))
+    return np.asarray(support.jitted(support.image_logits, lm.module)(
+        batch["input_ids"], batch["attention_mask"], batch["pixel_values"]))
 
 
 def processed(pictures):

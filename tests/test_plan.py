@@ -16,7 +16,7 @@ from nnx_posttrain.model import device_memory
 from nnx_posttrain.plan import build as build_lib, fixes as fixes_lib
 from nnx_posttrain.tasks import tokenizer
 from nnx_posttrain.train import flops
-from support import ask, cli_error, run_command
+from support import ask, cli_error, command_output, run_command
 
 MICRO = ["--model", "gemma_micro", "--init-from", "", "--batching.batch-size", "8",
          "--batching.max-length", "24"]
@@ -271,12 +271,8 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_changes_estimated_to_fit(v
     assert "Plan the changed run to confirm" in refusal
     # the command: the plan printed, then refused (exit status 1)
     monkeypatch.setitem(plan.GENERATIONS, "v5e", plan.topology.Generation("v5e", False, 2, 1024))
-    from nnx_posttrain import cli
-
-    capsys.readouterr()
-    assert cli.main(["plan", "sft", *args, "--topology", "v5e-8"]) == 1
-    out, err = capsys.readouterr()
-    assert "DOES NOT FIT" in out
+    code, out, err = command_output(capsys, monkeypatch, ["plan", "sft", *args, "--topology", "v5e-8"])
+    assert code == 1 and "DOES NOT FIT" in out
     assert re.search("error: the sft step needs .* would not fit", err), err
 
 

@@ -40,23 +40,14 @@ def _batch(prompts=PROMPTS, bucket=16):
     return sampler.pad_prompts(prompts, 0, bucket=bucket)
 
 
-def _full(module, function):
-    """``function(module, ids, mask)`` as one jitted program, kept for the module's state: one
-    compilation serves every call on the buffer's shape (eager, each operation of a new shape
-    compiles on its own: ~90 programs for the micro model, tens of seconds for Qwen 3.5's Gated
-    DeltaNet)."""
-    graphdef, *states = nnx.split(module)
-    jitted = jax.jit(lambda states, ids, mask: function(nnx.merge(graphdef, *states), ids, mask))
-    return lambda ids, mask: jitted(states, ids, mask)
-
-
 def argmax_reference(module, ids, mask, n):
     """Plain decoding without a cache: the whole left-padded buffer through the model per token
-    (one compiled program for the fixed-width buffer: ``_full``)."""
+    (one jitted program serves every token of the fixed-width buffer: ``support.jitted``; op by
+    op, each operation of a new shape compiles on its own)."""
     batch, width = ids.shape
     tokens = np.concatenate([ids, np.zeros((batch, n), np.int32)], 1)
     masks = np.concatenate([mask, np.zeros((batch, n), np.int32)], 1)
-    full_logits = _full(module, model.full_logits)
+    full_logits = support.jitted(model.full_logits, module)
     for j in range(n):
         logits = full_logits(jnp.asarray(tokens), jnp.asarray(masks))
         tokens[:, width + j] = np.asarray(jnp.argmax(logits[:, width + j - 1], -1))
@@ -135,7 +126,7 @@ def test_every_family_decodes_as_a_full_forward_pass(family):
         out = sample(states, ids, mask, jax.random.key(1), sampler.Draw(1.0, 1.0, NO_STOP))
         seq = jnp.concatenate([ids, out["completion_ids"]], 1)
         seq_mask = jnp.concatenate([mask, out["completion_mask"]], 1)
-        want = _full(bb, model.token_logprobs)(seq, seq_mask)[:, ids.shape[1]:]
+        want = support.jitted(model.token_logprobs, bb)(seq, seq_mask)[:, ids.shape[1]:]
     np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(want), atol=1e-5)
 
 

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, errors, model, runs
-from support import (ask, image_data_files, image_prompt_file, jitted, picture, records,
+from support import (ask, image_data_files, image_logits, image_prompt_file, jitted, picture, records,
                      tokenized_batch, train_run, vision_model)
 
 NAME = "gemma4_vision_micro"
@@ -95,11 +95,7 @@ def test_logits_with_images_equal_keras_hubs_gemma4_causal_lm(lm):
                    {"messages": [{"role": "user", "content": "What is 2 + 3?"},
                                  {"role": "assistant", "content": "5"}]}])
     assert list(b["image_count"]) == [1, 1, 0] and b["vision_mask"].sum(1).tolist() == [4, 4, 0]
-    def logits(module, ids, mask, pixels):
-        with model.images(pixels):
-            return model.full_logits(module, ids, mask)
-
-    forward = jitted(logits, lm.module)  # one program for both pictures' orders
+    forward = jitted(image_logits, lm.module)  # one program for both pictures' orders
     keras_hub = jitted(lambda task, inputs: task(inputs), lm.task)
     ours = np.asarray(forward(b["input_ids"], b["attention_mask"], b["pixel_values"]))
     theirs = np.asarray(keras_hub(keras_hub_inputs(b, 4)))

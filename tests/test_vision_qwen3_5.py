@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from nnx_posttrain import chat, data, model, runs
-from support import (ask, image_data_files, image_prompt_file, jitted, picture, records,
+from support import (ask, image_data_files, image_logits, image_prompt_file, jitted, picture, records,
                      tokenized_batch, train_run, vision_model)
 
 NAME = "qwen3_5_vision_micro"
@@ -155,11 +155,7 @@ def test_logits_with_images_equal_keras_hubs_qwen3_5_causal_lm(lm, keras_hub_rul
                    {"messages": [{"role": "user", "content": "What is 2 + 3?"},
                                  {"role": "assistant", "content": "5"}]}])
     assert list(b["image_count"]) == [1, 2, 0] and b["vision_mask"].sum(1).tolist() == [4, 8, 0]
-    def logits(module, ids, mask, pixels):
-        with model.images(pixels):
-            return model.full_logits(module, ids, mask)
-
-    forward = jitted(logits, lm.module)  # one program for both pictures' orders
+    forward = jitted(image_logits, lm.module)  # one program for both pictures' orders
     ours = np.asarray(forward(b["input_ids"], b["attention_mask"], b["pixel_values"]))
     theirs, positions = keras_hub_logits(lm, b, lm.task.preprocessor)
     real = b["attention_mask"] > 0
