@@ -26,6 +26,7 @@ def _read(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_files_hold_disjoint_problems_with_the_product(files):
     train, held_out = _read(files["prompts"]), _read(files["eval"])
     assert len(held_out) == multiply.EVAL_SIZE and len(train) == 8100 - multiply.EVAL_SIZE
@@ -36,6 +37,7 @@ def test_the_files_hold_disjoint_problems_with_the_product(files):
     assert tools["tools"] == [multiply.schema()] and multiply.multiply(a, b) == a * b
 
 
+@pytest.mark.slow
 def test_a_demonstration_learns_the_call_and_the_answer_never_the_result(files, tokenizer):
     record = _read(files["sft_tools"])[0]
     example = data.Tokenize(tokenizer, "gemma", 160)(record)

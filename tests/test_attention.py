@@ -101,6 +101,7 @@ def _tolerance(want, relative=2e-5):
     return relative * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_splash_kernel_equals_kerashub_attention(backbone, packed):
     """Pallas splash attention in interpret mode (its blocks need 128 positions)."""
@@ -235,6 +236,7 @@ def test_auto_resolves_per_platform_and_falls_back_by_rule():
     assert attention.resolve(gpt_oss, "cudnn", "gpu")[1].endswith("cuDNN has no attention sinks")
 
 
+@pytest.mark.slow
 def test_unknown_families_and_image_towers_keep_kerashub():
     """Only a backbone of a known family (``families``) takes a kernel here, never one whose
     attention merely looks familiar: PaliGemma's decoder is Gemma's, but its image prefix attends

@@ -126,6 +126,7 @@ def test_end_to_end_micro(tmp_path, optimized):
         "host allocator: every block from the heap, kept between steps")
 
 
+@pytest.mark.slow
 def test_profile_breakdown_attributes_the_step_to_model_components():
     from tools.bench import ours as bench_ours
 

@@ -211,6 +211,7 @@ def test_init_from_is_checked_before_the_model_loads(tmp_path, capsys):
     assert "loading model" not in capsys.readouterr().out  # refused before any loading
 
 
+@pytest.mark.slow
 def test_loading_line_names_the_model_and_its_time(tmp_path, capsys):
     train_run("sft", *MICRO, "--run-dir", tmp_path / "run", "--steps", "1", "--eval.every", "0",
               "--eval.exact-match", "0", "--batching.batch-size", "4")

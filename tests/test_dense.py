@@ -75,6 +75,7 @@ def test_forward_is_the_layers_own_and_gradients_equal_autodiff(backbone):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_lora_gradients_equal_autodiff():
     """LoRA factors get the gradient of Keras' own layer (whose kernel is base + a @ b) through
     the factored term, (x a) b, that the override computes instead."""
@@ -116,6 +117,7 @@ def test_other_equations_keep_autodiff(equation):
     assert dense._plan(equation) is None
 
 
+@pytest.mark.slow
 def test_kernel_gradient_of_a_reordered_kernel_equals_autodiff():
     """Kernel axes in another order than (contracted, out), and an input whose contracted axis
     is not last."""

@@ -17,6 +17,7 @@ from nnx_posttrain.losses.distill import DistillOptions, divergence, gkd
 from support import FAST_STEPS, MICRO, jitted, losses, records, refusal, train_run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature,softcap", [(1.0, None), (2.0, None), (0.7, 3.0)])
 def test_divergence_entropy_and_gradients_equal_trls_chunked_divergence(beta, temperature, softcap):

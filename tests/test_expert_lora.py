@@ -37,6 +37,7 @@ def _random_factors(module, seed=1, scale=0.3):
             v.assign(rng.normal(0.0, scale, v.shape).astype("float32"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_expert_factors_compute_kerashubs_experts_with_the_merged_kernels(variant):
     backbone = support.tiny_backbone(variant)
@@ -60,6 +61,7 @@ def test_expert_factors_compute_kerashubs_experts_with_the_merged_kernels(varian
     np.testing.assert_allclose(_logits(backbone), ours, atol=2e-5, rtol=0)  # measured <= 7e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gpt_oss", "gemma4_moe"])
 def test_gradients_reach_the_expert_factors_alone(variant):
     backbone = support.tiny_backbone(variant)
@@ -79,6 +81,7 @@ def test_gradients_reach_the_expert_factors_alone(variant):
         assert bool(jnp.isfinite(g).all()) and float(jnp.abs(g).max()) > 0, path
 
 
+@pytest.mark.slow
 def test_expert_targets_by_name_and_mlp_and_their_refusals():
     """``mlp`` on a mixture of experts takes its experts (and its dense MLP layers); a kernel can be
     named alone; ``all-linear`` stays PEFT's (Dense layers, not the experts); a dense model has
@@ -115,6 +118,7 @@ def test_expert_factors_shard_with_their_kernels_expert_axis():
         assert axes[2 if path.endswith("_a") else 1] is None  # the rank stays whole
 
 
+@pytest.mark.slow
 def test_an_int8_base_exports_its_expert_factors_merged():
     """Under ``--quantize int8`` (the experts stay float), the export's plain model holds each
     adapted expert kernel plus its delta (``model.dequantized_into``): the quantized LoRA model's

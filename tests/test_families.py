@@ -81,6 +81,7 @@ def tiny(request):
     return _own_variant(request.param), support.TINY_FAMILIES[request.param]()
 
 
+@pytest.mark.slow
 def test_the_attention_reader_reads_every_block(tiny):
     family, backbone = tiny
     assert families.of(backbone) is family
@@ -216,6 +217,7 @@ def test_smollm3_no_rope_layers_and_repair():
     assert [v.path for v in families.prepare(backbone).weights] == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_smollm3_repaired_paths_survive_a_jitted_step(lora):
     """The paths ``prepare`` gives are the variables' NNX metadata, not an attribute a pass
@@ -251,6 +253,7 @@ def test_smollm3_repaired_paths_survive_a_jitted_step(lora):
     assert o_proj in paths
 
 
+@pytest.mark.slow
 def test_smollm3_is_built_in_the_dtype_it_is_given(tmp_path):
     """SmolLM3's backbone builds its layers in Keras' global policy, not its ``dtype``: the
     package builds it with the global one set (``families.building``), when it loads a preset
@@ -267,6 +270,7 @@ def test_smollm3_is_built_in_the_dtype_it_is_given(tmp_path):
     assert keras.config.dtype_policy().name == before
 
 
+@pytest.mark.slow
 def test_smollm3_attention_call_is_kerashubs_without_mutating_the_layer():
     """``Family.attention_call``: KerasHub's output (its own call, eagerly), and it runs inside a
     nested trace (here ``jax.checkpoint``, as ``--remat blocks`` and the sampler's loop), where

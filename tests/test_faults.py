@@ -107,6 +107,7 @@ def test_non_finite_training_stops_naming_the_step_and_keeps_only_good_checkpoin
     assert f"steps {', '.join(map(str, kept))}" in msg
 
 
+@pytest.mark.slow
 def test_a_non_finite_last_step_is_not_saved(tmp_path):
     """The last step's flag is read before its save (by the end's evaluation): a non-finite
     last step leaves the checkpoints before it, none of its own."""
@@ -342,6 +343,7 @@ def test_other_data_is_refused_even_under_the_same_file_name(tmp_path):
 # ----------------------------------------------------------------------------- 4, 7. files kept
 
 
+@pytest.mark.slow
 def test_refused_and_eval_only_commands_leave_config_and_log_alone(copy, capsys):
     before = _files(copy)
     refusal(sft, copy, "--lora.rank", "4")  # another model: refused
@@ -414,6 +416,7 @@ def test_a_missing_data_file_is_refused_before_the_model_loads(tmp_path):
     assert "nothere.jsonl: no such data file" in message and "no_model" not in message
 
 
+@pytest.mark.slow
 def test_a_refused_run_leaves_no_new_directory_and_an_existing_one_as_it_was(tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", [pc(1), {"prompt": 3, "completion": "4"}])
     fresh = tmp_path / "fresh"
@@ -425,6 +428,7 @@ def test_a_refused_run_leaves_no_new_directory_and_an_existing_one_as_it_was(tmp
     assert (mine / "notes").is_dir()  # a directory the user made is theirs
 
 
+@pytest.mark.slow
 def test_eval_only_without_checkpoint_keeps_the_log_and_says_it_scores_the_initial_weights(
         tmp_path, capsys):
     run = tmp_path / "run"
@@ -438,6 +442,7 @@ def test_eval_only_without_checkpoint_keeps_the_log_and_says_it_scores_the_initi
     assert not (run / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_eval_only_of_an_online_method_says_how_it_evaluates(tmp_path):
     msg = refusal(train_run, "grpo", *FAST, "--run-dir", tmp_path / "run", "--init-from", "",
                   "--eval-only", "--algo.num-generations", "2", "--algo.rewards", "exact_match")
@@ -473,6 +478,7 @@ def test_metrics_log_removed_mid_run_is_created_again(tmp_path):
     assert sum("was removed during the run" in s for s in said) == 1
 
 
+@pytest.mark.slow
 def test_metrics_log_missing_on_resume_is_recreated(copy, capsys):
     (copy / "metrics.jsonl").unlink()
     sft(copy, "--steps", "5")
@@ -642,6 +648,7 @@ def _damage(ck: Path, kind: str) -> None:
 KINDS = ["truncated array file", "no manifest", "no _METADATA", "empty record", "no state"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_restored(tmp_path, kind):
     cfg = config.CheckpointConfig(async_save=False)
@@ -699,6 +706,7 @@ def test_bad_counts_are_refused_up_front(args, text):
     assert text in str(info.value)
 
 
+@pytest.mark.slow
 def test_keep_best_metric_the_run_never_evaluates_is_refused_before_training(tmp_path):
     msg = refusal(sft, tmp_path / "run", "--checkpoint.keep-best", "exact_mtch")
     assert "--checkpoint.keep-best exact_mtch: the run never evaluates it" in msg

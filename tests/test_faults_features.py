@@ -72,6 +72,7 @@ def test_a_checkpoint_listed_then_removed_is_listed_again(copy, monkeypatch):
 # ----------------------------------------------------------------------------- libtpu noise
 
 
+@pytest.mark.slow
 def test_a_cpu_host_with_libtpu_installed_never_starts_the_tpu_runtime():
     """With jax[tpu] installed on a host without TPU chips, JAX would load libtpu first (a page
     of start-up errors, when no other process holds the TPU lock); the command line and the
@@ -252,6 +253,7 @@ def test_two_threads_of_one_process_on_one_run_directory(tmp_path):
 # -------------------------------------------------------------------------- a restart over a run
 
 
+@pytest.mark.slow
 def test_starting_over_where_every_checkpoint_is_gone_keeps_the_earlier_files_aside(copy, capsys):
     from support import FAST_STEPS, MICRO, records, train_run
 

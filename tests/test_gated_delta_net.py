@@ -63,6 +63,7 @@ def test_the_chunked_rule_equals_kerashubs_in_values_state_and_gradients(chunk_s
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_on_the_cpu_each_triangular_solve_is_one_matrix():
     """jaxlib 0.10's CPU solve of a batch of matrices splits it over XLA's thread pool and blocks
     its own pool thread until the parts are done: with as many such solves in flight as the pool
@@ -125,6 +126,7 @@ def test_hidden_states_of_qwen3_5_equal_kerashubs_forward_and_gradients():
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_the_package_calls_its_own_rule_only_in_its_forward(monkeypatch):
     """``model.hidden_states`` goes through ``chunked_delta_rule`` (KerasHub's rule is not
     called); outside it, the backbone's call is KerasHub's own again."""

@@ -175,6 +175,7 @@ def test_export_round_trips_through_transformers(name, tmp_path):
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(NEWER))
 def test_an_export_of_a_newer_family_loads_back_through_kerashubs_converter(name, tmp_path):
     """What transformers reads, KerasHub's converter reads too (``--model HF_DIR``): the
@@ -214,6 +215,7 @@ def test_gemma2_export_is_gemma2_with_every_feature(tmp_path):
                                model.full_logits(backbone, IDS, MASK), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_bfloat16_export_is_half_the_size_and_loads(tmp_path):
     backbone = randomized(BACKBONES["llama3"]())
     task = task_of(backbone)
@@ -241,6 +243,7 @@ def test_tokenizer_files_load_in_transformers_with_the_same_ids(tmp_path):
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
 
 
+@pytest.mark.slow
 def test_unverified_families_and_configurations_are_refused_by_name(tmp_path):
     llama2 = M.LlamaBackbone(vocabulary_size=V, num_layers=1, num_query_heads=2,
                              num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
@@ -422,6 +425,7 @@ def test_gemma3_vision_export_gives_transformers_logits_with_images(gemma3_visio
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_gemma3_vision_tokenizer_files_give_the_configs_image_tokens(gemma3_vision):
     """transformers' tokenizer of the export reads the image placeholder, start and end of image
     as the config's ids (the ids where Gemma3ForConditionalGeneration places the images), and

@@ -90,6 +90,7 @@ def test_a_mis_mapped_tensor_fails_the_round_trip(exported, tmp_path):
         assert np.abs(wrong - ours).max() > 100 * TOLERANCE, name
 
 
+@pytest.mark.slow
 def test_gpt_oss_config_states_kerashubs_windows(gpt_oss_exported, tmp_path):
     """KerasHub slides GPT-OSS's window on its odd layers over W + 1 keys; the export says so
     (``layer_types``, ``sliding_window`` W + 1). transformers' own reading of the same window
@@ -150,6 +151,7 @@ def _peft_logits(base, adapter):
             torch.tensor(IDS, dtype=torch.long)).logits.numpy()
 
 
+@pytest.mark.slow
 def test_expert_lora_as_peft_adapters_gives_the_lora_models_logits(adapted):
     ours, base, adapter = adapted
     config = json.loads((adapter / "adapter_config.json").read_text())

@@ -45,6 +45,7 @@ def exported(micro, tmp_path_factory):
     return exported_micro(micro, tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_the_micro_presets_export_gives_transformers_logits(exported):
     lm, ours, directory, theirs = exported
     config = json.loads((directory / "config.json").read_text())
@@ -128,6 +129,7 @@ def _with_random_lora(lm, targets="all-linear"):
     return adapted
 
 
+@pytest.mark.slow
 def test_a_merged_lora_exports_with_its_logits(micro, tmp_path):
     """LoRA on every linear layer (q / k / v and gate / up: parts of fused tensors), merged as
     ``nnx-posttrain export`` merges it: transformers' logits are ours; ``--adapters-only`` is

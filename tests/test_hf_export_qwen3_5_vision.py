@@ -143,6 +143,7 @@ def _patch_axes_swapped(rules):  # the Conv3D kernel's two pixel axes exchanged
              else layout) for p, n, layout in rules]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong", [_swapped_norms, _patch_axes_swapped])
 def test_a_mis_mapped_vision_tensor_changes_the_logits(exported, monkeypatch, tmp_path, wrong):
     """The comparison above sees the tower's mapping: a block's two norms' scales swapped, or the

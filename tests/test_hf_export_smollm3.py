@@ -38,6 +38,7 @@ def exported(micro, tmp_path_factory):
     return exported_micro(micro, tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_the_micro_presets_export_gives_transformers_logits(exported):
     lm, ours, directory, theirs = exported
     config = json.loads((directory / "config.json").read_text())
@@ -101,6 +102,7 @@ def test_a_mis_mapped_tensor_fails_the_round_trip(exported, tmp_path):
         assert np.abs(wrong - ours).max() > 100 * TOLERANCE, name
 
 
+@pytest.mark.slow
 def test_a_wrong_nope_layer_list_fails_the_round_trip(exported, tmp_path):
     """The NoPE layers are what the config says: every layer rotating, the wrong one NoPE, or
     the list left out (transformers' interval 4 then rotates both layers) moves the logits."""
@@ -114,6 +116,7 @@ def test_a_wrong_nope_layer_list_fails_the_round_trip(exported, tmp_path):
         assert np.abs(wrong - ours).max() > 100 * TOLERANCE, changed.get("no_rope_layers")
 
 
+@pytest.mark.slow
 def test_every_fourth_layer_nope_with_mlp_biases(tmp_path):
     """SmolLM3-3B's pattern (every 4th layer NoPE: ``no_rope_layer_interval`` 4) and rotary
     base, with the MLP biases transformers' ``mlp_bias`` adds."""
@@ -167,6 +170,7 @@ def _with_random_lora(lm, targets="all-linear"):
     return adapted
 
 
+@pytest.mark.slow
 def test_a_merged_lora_exports_with_its_logits(micro, tmp_path):
     """LoRA on every linear layer (the output projections' too, whose paths the family
     repairs), merged as ``nnx-posttrain export`` merges it: transformers' logits are ours."""
@@ -181,6 +185,7 @@ def test_a_merged_lora_exports_with_its_logits(micro, tmp_path):
     np.testing.assert_allclose(theirs, ours, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.slow
 def test_adapters_in_peft_layout_give_the_lora_models_logits(micro, tmp_path):
     lm = loaded_randomized(micro)
     hf_export.export_model(lm.task, tmp_path / "base", "float32")

@@ -105,6 +105,7 @@ def test_gemma4_vision_export_gives_transformers_logits_with_images(exported):
                                atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_standardizing_tower_exports_with_its_logits(tmp_path):
     """A tower that standardizes its pooled output (KerasHub's ``standardize``, transformers'
     ``std_bias`` / ``std_scale``, as the larger Gemma 4 checkpoints have) exports with our logits
@@ -137,6 +138,7 @@ def test_a_standardizing_tower_exports_with_its_logits(tmp_path):
     ("self_attn.q_proj.linear.weight", "self_attn.k_proj.linear.weight"),
     ("mlp.up_proj.input_max", "mlp.up_proj.output_max"),
 ])
+@pytest.mark.slow
 def test_a_mis_mapped_vision_tensor_changes_the_logits(exported, monkeypatch, tmp_path,
                                                        first, second):
     """The comparison above sees the tower's mapping: two of its tensors' names swapped (the
@@ -195,6 +197,7 @@ def processor_dir(tmp_path_factory):
     return data.ImageSpec.from_preprocessor(pre), directory
 
 
+@pytest.mark.slow
 def test_gemma4_image_processor_reads_images_as_ours(processor_dir, monkeypatch):
     """transformers' ``AutoImageProcessor`` loads the export's ``preprocessor_config.json``
     offline as ``Gemma4ImageProcessor``: a picture of its grid's size gives our pipeline's

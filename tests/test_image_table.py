@@ -30,6 +30,7 @@ def _finished(run_dir, name, args, evals, reward=None):
     (run_dir / "finished.json").write_text(json.dumps({"command": command, "seconds": 30.0}))
 
 
+@pytest.mark.slow
 def test_the_table_from_finished_runs(tmp_path):
     rng = np.random.default_rng(0)
     for seed in range(2):
@@ -79,6 +80,7 @@ def test_the_runs_are_commands_the_experiments_accept(monkeypatch):
     assert more.steps == -(-2 * prompts // more.batching.batch_size)
 
 
+@pytest.mark.slow
 def test_the_blind_answer_is_the_most_frequent_count():
     blind = T.blind_answer()
     assert blind["answer"] in (0, 1) and 0.3 < blind["exact_match"] < 0.5

@@ -59,6 +59,7 @@ def test_lora_delta_norms_then_merge_keeps_outputs_and_leaves_a_plain_model(lora
     assert model.count_params(frozen) == 0
 
 
+@pytest.mark.slow
 def test_policy_reference_diff_is_zero_to_itself_and_positive_to_the_base(full_run):
     module = runs.load(full_run).module
     same = inspection.policy_reference_diff(module, module)
@@ -74,6 +75,7 @@ def test_show_state_renders_html(full_run):
     assert isinstance(html, str) and len(html) > 1000 and "<" in html
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["lora_run", "full_run"])
 def test_export_keras_preset_round_trips_with_the_same_logits(which, request, tmp_path):
     run_dir = request.getfixturevalue(which)
@@ -154,6 +156,7 @@ def test_export_of_a_run_without_checkpoints_fails_clearly(full_run, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_export_dtype_defaults_to_the_source_and_can_be_chosen(lora_run, tmp_path):
     from safetensors import safe_open
 
@@ -198,6 +201,7 @@ def test_export_adapters_only_writes_peft_files(lora_run, full_run, tmp_path):
         export.export(lora_run, tmp_path / "c", target=export.Target(adapters_only=True))
 
 
+@pytest.mark.slow
 def test_inspect_reports_the_checkpoint_its_parameters_and_last_metrics(lora_run, tmp_path,
                                                                         capsys):
     from nnx_posttrain.cli import inspect_command

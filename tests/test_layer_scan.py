@@ -101,6 +101,7 @@ def test_every_family_with_identical_blocks_scans_to_the_same_gradients(family, 
     _assert_same(_loss_and_grads(bb, _plain, "on"), _loss_and_grads(bb, _plain, "off"))
 
 
+@pytest.mark.slow
 def test_one_block_is_traced(monkeypatch):
     m = _micro(rank=2, remat="blocks")
     kind = type(model.decoder_blocks(m)[0])
@@ -166,6 +167,7 @@ def test_the_frozen_blocks_are_stacked_once_a_step_not_in_each_micro_batch(monke
     _assert_same(out["on", True], out["on", False])
 
 
+@pytest.mark.slow
 def test_the_scanned_step_compiles_once_and_counts_every_blocks_flops(caplog):
     """The training step with the blocks scanned traces and compiles once (the first call), and
     its FLOPs count the scan's body once per block, inside the accumulation loop: those of the

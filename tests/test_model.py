@@ -88,6 +88,7 @@ def _naive_logps(module, ids, mask):
     return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma_micro", "gemma2_tiny"])  # gemma2: final-logit soft cap
 @pytest.mark.parametrize("chunk", [1, 5, 64, None])  # None: the default, by the logits' size
 def test_chunked_logprobs_equal_naive_full_logits(name, chunk):
@@ -195,6 +196,7 @@ def test_scored_positions_lists_the_loss_positions_in_one_bucketed_width():
     assert model.scored_positions(a, b) is None
 
 
+@pytest.mark.slow
 def test_logprobs_at_scored_positions_equal_the_full_ones_with_their_gradients(micro):
     graphdef, params, frozen = model.split(micro.module)
     loss_mask = np.zeros(IDS.shape, np.float32)
@@ -241,6 +243,7 @@ def test_correct_marks_the_tokens_the_model_ranks_first(micro, chunk):
                                                                 model.Projection(chunk)))
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_weights_and_logprobs():
     lm = model.load("gemma_micro", dtype="bfloat16", seed=0)
     assert all(v.dtype == "float32" for v in lm.module.weights)

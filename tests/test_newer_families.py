@@ -62,6 +62,7 @@ def dpo_preset(request, tmp_path_factory):
     return _micro_preset(request.param, tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_a_micro_preset_loads_with_its_familys_chat_format(preset):
     family, path = preset
     lm = model.load(str(path))
@@ -126,6 +127,7 @@ def test_grpo_steps_with_lora(preset, data_files, tmp_path):
         assert all(r["aux_loss"] > 1.0 for r in rows)
 
 
+@pytest.mark.slow
 def test_int8_keeps_the_layers_the_family_reads_as_arrays(preset, monkeypatch):
     """int8 (Phi-3 and the MoE families: their untied output embedding too) computes as the model
     up to int8 rounding (random hidden-32 weights: ~10% of the logits' range). Gemma 4's blocks
@@ -157,6 +159,7 @@ def test_int8_keeps_the_layers_the_family_reads_as_arrays(preset, monkeypatch):
         assert change(()) > 2 * 0.2
 
 
+@pytest.mark.slow
 def test_the_plans_int8_estimate_counts_what_int8_converts(preset):
     """``plan``'s estimate of ``--quantize int8`` halves the share of the frozen base that int8
     turns to 8 bits (``quantize.quantized_share``), not the whole base: Gemma 4 keeps its MLP."""

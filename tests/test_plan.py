@@ -112,7 +112,8 @@ def test_an_abstract_prepare_is_the_runs_own_sequence_as_shapes_and_leaves_nothi
     run.close()  # nothing to close
 
 
-@pytest.mark.parametrize("algorithm", ["sft", pytest.param("grpo", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["sft", "grpo"])
 def test_sft_and_grpo_steps_compile_for_a_tpu_topology_and_the_report_is_xlas(algorithm, v5e_8):
     args = [*MICRO, "--batching.batch-size", "16", "--batching.grad-accum", "2", "--mesh.data",
             "4", "--mesh.fsdp", "2"]
@@ -154,6 +155,7 @@ def test_on_a_cpu_device_the_inputs_are_the_state_the_frozen_weights_and_the_bat
     assert 0 < sum(p.inputs.values()) - p.parts["inputs"] < p.inputs["batch"]
 
 
+@pytest.mark.slow
 def test_an_abstract_gemma4_vision_models_converter_makes_the_models_own_patches():
     """A plan builds the model abstractly and makes its image converter again from its config;
     KerasHub 0.32's ``Gemma4ImageConverter.get_config`` leaves out ``max_soft_tokens`` and
@@ -177,6 +179,7 @@ def test_an_abstract_gemma4_vision_models_converter_makes_the_models_own_patches
     assert np.all(lm.images.pixels([])[..., -2:] == -1)  # no image: padding patches only
 
 
+@pytest.mark.slow
 def test_a_vision_runs_first_batch_is_made_under_a_tpu_topologys_mesh(tmp_path):
     """The data's image converter runs eager JAX operations, which a TPU topology's devices
     cannot run: under the plan's mesh it failed ("'Executable' object has no attribute
@@ -229,7 +232,8 @@ def test_the_command_plans_a_cpu_mesh_and_writes_the_plan(tmp_path):
     assert saved["devices"] == 2 and saved["fits"] and saved["total_bytes"] > 0
 
 
-@pytest.mark.parametrize("packing", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True])
 def test_splash_attention_compiles_for_tpu_with_packing_and_a_sliding_window(packing, v5e_8):
     args = ["--model", "gemma2_micro_h128", "--init-from", "", "--attention", "splash",
             "--batching.batch-size", "8", "--batching.max-length", "256", "--mesh.data", "4",

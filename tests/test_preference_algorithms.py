@@ -167,6 +167,7 @@ def _pair_logps(module, batch):
     return jitted(lambda m, b: preference.pair_logps(m, b, CHUNK), module)(batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["copy", "lora_base"])
 def test_reference_stays_the_starting_model_while_the_policy_trains(mode):
     """At step 0 (policy == reference) the DPO sigmoid loss is log 2 and the rewards 0; after a few
@@ -303,6 +304,7 @@ def test_precomputed_reference_is_cached_reused_and_joined_to_the_right_examples
             assert e_pre[name] == pytest.approx(e_copy[name], abs=1e-5), name
 
 
+@pytest.mark.slow
 def test_reference_cache_key_includes_the_init_from_checkpoint(tmp_path):
     """Reference log-probs of one --init-from run are never reused for another, or for the same run
     directory once it has a new checkpoint."""
@@ -403,6 +405,7 @@ def test_kto_kl_rows_of_chat_data_read_as_a_prompt_and_another_answer():
 # ----------------------------------------------------------------------------- 5. reward model
 
 
+@pytest.mark.slow
 def test_reward_model_reads_the_last_real_token_and_its_loss_is_finite():
     lm = model.load("gemma_micro", seed=0)
     rm = RewardModel(lm.module, seed=0)

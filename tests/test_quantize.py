@@ -99,6 +99,7 @@ def test_an_untied_output_embedding_is_quantized_per_vocabulary_column_and_dequa
     np.testing.assert_allclose(_logits(plain), after, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16-params"])
 def test_an_int8_vocabulary_projection_a_block_of_rows_at_a_time_is_keras_own(monkeypatch, dtype):
     import importlib

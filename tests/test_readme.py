@@ -84,6 +84,7 @@ def _readme_commands():
             yield name, shlex.split(rest)
 
 
+@pytest.mark.slow
 def test_every_command_the_pages_show_is_a_valid_configuration(monkeypatch):
     """A command the README or the docs show must at least parse and validate as written (the
     pod-slice command once asked for two '-1' mesh axes and was refused on every run)."""

@@ -18,6 +18,7 @@ def test_group_advantages_by_hand():
                                [0.5, -0.5, 0.5, -0.5])
 
 
+@pytest.mark.slow
 def test_group_with_equal_rewards_has_zero_advantage_and_no_nan():
     r = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
     for scale in ("group", "batch", "none"):
@@ -148,6 +149,7 @@ def test_policy_gradient_with_one_iteration_is_reinforce():
     np.testing.assert_allclose(grad, -np.array([[1.0, 1.0], [-2.0, -2.0]]) / 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_extreme_ratios_and_zero_masks_stay_finite(level):
     logps = jnp.array([[-1e-3, -80.0, 0.0]])

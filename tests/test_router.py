@@ -94,6 +94,7 @@ def _router_outputs(bb, x):
     return [np.asarray(y) for y in support.jitted(forward, bb)(x)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_the_capture_holds_every_layers_router_logits_inside_jit(moe, remat):
     x = jnp.asarray(np.random.default_rng(0).integers(1, 60, (2, 9)), jnp.int32)
@@ -339,6 +340,7 @@ def test_every_algorithm_adds_the_policys_aux_loss(qwen3_moe, name):
     assert {"moe/max_tokens_per_expert", "moe/min_tokens_per_expert"} <= set(metrics)
 
 
+@pytest.mark.slow
 def test_ktos_aux_loss_is_the_examples_not_the_kl_rows(qwen3_moe):
     """As TRL's KTOTrainer: the aux loss of the examples' forward (the KL rows' and the
     reference's forwards add nothing)."""

@@ -194,6 +194,7 @@ def test_logprobs_equal_one_full_forward_pass(micro_sampler):
     assert sample._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_top_k_one_and_tiny_top_p_are_greedy(micro_sampler):
     lm, graphdef, states, sample = micro_sampler
     ids, mask = _batch()
@@ -230,6 +231,7 @@ def test_sampled_frequencies_follow_the_model_distribution(micro_sampler):
     assert wrong > dof + 6 * np.sqrt(2 * dof), (wrong, dof)
 
 
+@pytest.mark.slow
 def test_inverse_cdf_draws_follow_the_distribution_and_never_pick_masked_ids():
     """``_categorical`` (one uniform per row): frequencies of a known distribution with masked ids
     first, between and last; masked ids are never drawn, even when u is at the top of the CDF."""
@@ -245,6 +247,7 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_pick_masked_ids():
         assert int(sampler._categorical(jax.random.key(0), logits[None])[0]) == 4
 
 
+@pytest.mark.slow
 def test_inverse_cdf_draws_across_blocks_of_the_vocabulary():
     """Over more ids than one block (``CDF_BLOCK``, the last block padded): the mass of ids in
     three blocks, with a block of zeros between, drawn in proportion; nothing else is drawn, and u
@@ -287,6 +290,7 @@ def test_stop_tokens_rows_stop_independently(micro_sampler):
     assert out["finished"][0]
 
 
+@pytest.mark.slow
 def test_greedy_complete_uses_the_sampler(micro_sampler, reference):
     lm, _, states, sample = micro_sampler
     texts = generate.greedy_complete(lm, sample, states, PROMPTS, N)
@@ -314,6 +318,7 @@ def _until_stop(row, stops):
     return out
 
 
+@pytest.mark.slow
 def test_the_sample_command_samples_with_options(micro_sampler, monkeypatch, capsys):
     from nnx_posttrain import cli
     from nnx_posttrain.cli import sample as sample_command

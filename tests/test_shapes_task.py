@@ -2,6 +2,7 @@
 answers that count what is drawn, records in TRL's vision format read by ``--data builtin:shapes``."""
 
 import numpy as np
+import pytest
 
 from nnx_posttrain import data
 from nnx_posttrain.tasks import shapes
@@ -44,6 +45,7 @@ def test_builtin_shapes_is_a_data_source():
     assert data.builtin_fingerprint("builtin:shapes") != data.builtin_fingerprint()
 
 
+@pytest.mark.slow
 def test_the_sloppy_teacher_confuses_blue_with_green_on_a_defined_share(monkeypatch):
     """The teacher's mistake, on a fixed sample of 2,000 training problems: wrong only where the
     question asks for green shapes and the picture holds a blue one (about 20% of the problems),

@@ -21,6 +21,7 @@ def _sharded(micro, path):
     return path
 
 
+@pytest.mark.slow
 def test_a_sharded_preset_is_read_over_zeros_and_quantized_as_it_loads(micro, tmp_path,
                                                                         monkeypatch):
     """Only ``model.weights.h5`` was taken for a KerasHub preset: a sharded one was loaded as a

@@ -176,6 +176,7 @@ def float32_loss(micro):
     return _loss(micro)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_weights_and_loss_close_to_float32(float32_loss):
     f32 = float(float32_loss[0])
     bf16, params, _ = _loss(model.load("gemma_micro", dtype="bfloat16", seed=0), grads=False)

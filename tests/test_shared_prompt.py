@@ -80,6 +80,7 @@ def test_shared_rows_give_the_concatenated_log_probs(family):
     _assert_same_logps(algorithm, bb, _pairs())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["keras", "blocked"])
 def test_shared_rows_on_kerashub_attention_and_the_blocked_path(path):
     """KerasHub's own attention (the mask materialised from the segment ids) and the blocked
@@ -115,6 +116,7 @@ def test_training_gradients_equal_the_concatenated_forward():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_orpo_nll_over_the_prompt_reads_the_shared_prompt():
     """ORPO's chosen NLL covers the prompt tokens too: they come from the shared prompt."""
     bb = support.tiny_backbone("gemma")

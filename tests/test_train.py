@@ -78,6 +78,7 @@ def _reshape(batch, accum):
     return {k: jnp.asarray(v.reshape(accum, v.shape[0] // accum, *v.shape[1:])) for k, v in batch.items()}
 
 
+@pytest.mark.slow
 def test_train_step_compiles_once_across_steps(caplog):
     """After the first step, the next ones trace and compile nothing (JAX's compile log; the
     jit's own cache size is not a witness: its LRU is shared with every other jitted function
@@ -147,6 +148,7 @@ def test_the_loop_freezes_what_lives_after_its_first_step_switches_threads_promp
         gc.unfreeze()
 
 
+@pytest.mark.slow
 def test_step_flops_count_every_micro_batch_of_the_accumulation_loop():
     """XLA's cost analysis counts a scan's body once; a step's FLOPs count each micro-batch: 32
     examples in one micro-batch or in 4 of 8 cost the same (within 5%)."""
@@ -206,6 +208,7 @@ def _running_sums(grad_fn, like_params, params, frozen, batch, stacks):
     return jax.lax.scan(accumulate, (zeros[0], like_params(zeros[1])), batch)[0]
 
 
+@pytest.mark.slow
 def test_accumulation_traces_the_model_once_and_equals_running_sums(monkeypatch):
     """4 micro-batches: the model's loss is traced once per step (no ``eval_shape`` of it for
     the running sums' shapes), and the update and the metrics are bitwise those of the running
@@ -369,6 +372,7 @@ def test_end_to_end_sft_run_learns_and_writes_the_run_directory(tmp_path, capsys
     assert result.train[-1]["step"] == 40
 
 
+@pytest.mark.slow
 def test_eval_only_prints_json_metrics_and_logs_them(tmp_path, capsys):
     assert cli.main(["sft", *_sft_args(tmp_path, "--eval-only")]) == 0
     out = capsys.readouterr().out

@@ -169,6 +169,7 @@ def test_two_sided_delta_clipping(loss_type):
     assert "clip_ratio/region_mean" in metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 1.0])
 def test_top_entropy_quantile(quantile):
     """get_high_entropy_mask (torch.quantile, linear) applied to the policy term only; the KL
@@ -221,6 +222,7 @@ def test_default_loss_type_is_trls_dapo():
     assert float(default[0]) == float(dapo[0]) and float(default[1]) == MASK.sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "dapo", "cispo", "vespo",
                                        "dr_grpo"])
 def test_sequence_and_token_weighted_types_accumulate_exactly(loss_type):
@@ -305,6 +307,7 @@ def test_equal_groups_have_exactly_zero_advantage(value, scale):
     np.testing.assert_allclose(adv[8:], want[8:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 @pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
 def test_grpo_advantages_match_trl(scale, aggregation):
@@ -375,6 +378,7 @@ def test_rloo_loss_is_trls_sequence_level_loss(eps_high):
     assert abs(float(grpo[0] / grpo[1]) - want) > 1e-3
 
 
+@pytest.mark.slow
 def test_rloo_loss_by_hand():
     """Before / after (the report's hand example): two completions of 1 and 3 tokens, A = (1,
     -1), on-policy. TRL's RLOO loss is the mean over sequences of -A: 0; the GRPO-inherited

@@ -143,6 +143,7 @@ def test_dpo_on_images_with_lora_trains_the_language_model_only(files, tmp_path)
     assert all(np.isfinite(r["rewards/margins"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_lora_and_full_fine_tuning_leave_the_vision_tower_frozen(lm):
     """``runs.build_model``: LoRA ``all-linear`` adapts the language model's projections only
     trainably, full fine-tuning trains every language-model weight; the vision encoder (and its
@@ -235,6 +236,7 @@ def test_eval_data_with_images_gives_the_eval_loss(files, tmp_path):
     assert all(np.isfinite(r["loss"]) and "exact_match" not in r for r in evaluated)
 
 
+@pytest.mark.slow
 def test_rows_that_copy_the_examples_read_their_images_encoded_once(lm):
     """A preference pair's rows (the examples twice: chosen, then rejected) each read their
     example's images, which the vision encoder encodes once: the log-probs equal those of each
@@ -294,6 +296,7 @@ def _image_prompts(lm, pictures, texts):
     return ids, mask, np.concatenate([s.pixel_values for s in shown])
 
 
+@pytest.mark.slow
 def test_the_sampler_reads_a_prompts_images_as_the_training_forward(lm):
     """Greedy decoding with images (the prompt pass: the placeholder tokens' embeddings replaced
     by the vision tower's, KerasHub's attention over the image tokens; then the KV cache) gives,

@@ -32,6 +32,7 @@ def lm():
 
 
 
+@pytest.mark.slow
 def test_image_tokens_and_pixels_equal_keras_hubs_gemma4_preprocessor(lm):
     """The official Gemma 4 template (jinja) on TRL's placement, then KerasHub's
     ``Gemma4CausalLMPreprocessor`` rule (TensorFlow, which its call needs, is absent here: each
@@ -160,6 +161,7 @@ def test_dpo_on_images_starts_at_log_2(files, tmp_path):
     assert all(np.isfinite(r["rewards/margins"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_the_vision_tower_is_frozen_by_default():
     """LoRA ``all-linear`` adapts the language model only; full fine-tuning trains every weight
     but the tower's (its encoder, pooling and projection) and the blocks' layer scalars (which
@@ -296,6 +298,7 @@ def test_grpo_samples_and_trains_on_image_prompts(prompt_file, tmp_path):
     assert rows[1]["clip_ratio/region_mean"] > 0.0
 
 
+@pytest.mark.slow
 def test_a_local_preset_directory_of_a_gemma4_vision_model_loads(lm, tmp_path):
     """``save_to_preset`` then ``--model DIR``: KerasHub's own ``from_preset`` (its Gemma 4
     preprocessor built without TensorFlow), the same tower weights and image handling (the

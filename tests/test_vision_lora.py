@@ -40,6 +40,7 @@ def built(name, targets):
     return module, trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_lora_on_the_projector_alone_trains_its_factors_only(name):
     """``--lora.targets projector``: the projection into the language model is the one adapted

@@ -71,6 +71,7 @@ def test_kto_kl_rows_read_each_prompts_images(lm):
     assert np.abs(other - kl).min() > 1e-4
 
 
+@pytest.mark.slow
 def test_simpo_and_orpo_pairs_carry_their_images_as_dpos(lm):
     """SimPO's and ORPO's batches are DPO's (no compilation here): each pair's pixel values
     once, its chosen and rejected rows each holding the image tokens, run concatenated (never

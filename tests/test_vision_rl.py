@@ -282,6 +282,7 @@ def test_online_dpo_pairs_read_their_prompts_images(files, tmp_path):
         assert abs(total / count - direct(side, False)) > 1e-2
 
 
+@pytest.mark.slow
 def test_rollouts_with_tools_refuse_image_prompts(files, tmp_path):
     """Tool-calling rollouts read no image yet: prompts with images are refused by name rather
     than sampled without them."""
