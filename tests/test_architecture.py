@@ -169,6 +169,16 @@ def test_only_the_command_line_ends_the_process():
     assert not found, found
 
 
+def test_tools_end_the_process_only_when_run_as_commands():
+    """A tool's ``main(argv)`` and helpers raise ``ToolError`` (tests and other tools call them);
+    only its ``if __name__ == "__main__"`` block exits, with ``tools.exit_status(main)``."""
+    found = [f"{path.relative_to(PACKAGE.parent)}: {call} in {function}"
+             for path in sorted((PACKAGE.parent / "tools").rglob("*.py"))
+             for call, function in _calls(path)
+             if call in ("raise SystemExit", "sys.exit", "exit", "quit") and function is not None]
+    assert not found, found
+
+
 def test_tools_use_the_librarys_public_names():
     """A tool (benchmarks, results scripts) imports no private name of the library: what a tool
     needs is public, so that it does not break silently when the library's insides change."""

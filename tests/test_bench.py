@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from tools import ToolError
 from tools.bench import run as bench
 from support import MICRO, train_run
 
@@ -209,7 +210,7 @@ def test_compile_pairs_are_recorded_cold_against_warm(tmp_path, monkeypatch):
     table = json.loads((tmp_path / "results" / "bench_compile_tpu.json").read_text())
     assert table["rows"] == [["gemma_1b", "sft", "27.7", "5.8", "0.21", "206.7"]]
     (battery / "compile_gemma_2b--dpo_lora_cold.json").write_text("")
-    with pytest.raises(SystemExit, match="compile_gemma_2b--dpo_lora_cold.json: empty"):
+    with pytest.raises(ToolError, match="compile_gemma_2b--dpo_lora_cold.json: empty"):
         record_tpu.main([str(battery)])
 
 
@@ -287,5 +288,5 @@ def test_replay_of_a_file_that_is_not_a_benchmarks_json_names_it(tmp_path):
     bad = tmp_path / "other.json"
     bad.write_text('{"rows": []}')
     for path in (bad, tmp_path / "missing.json"):
-        with pytest.raises(SystemExit, match=f"error: --replay {path}: not a --json file"):
+        with pytest.raises(ToolError, match=f"^--replay {path}: not a --json file"):
             bench.main(["--replay", str(path)])

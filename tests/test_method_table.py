@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from tools import ToolError, exit_status
 from tools import preference_table as T
 from tools import seeds as S
 
@@ -103,7 +104,7 @@ def test_table_from_runs_baseline_control_and_a_better_method(tmp_path):
 
 
 def test_unknown_method_is_refused():
-    with pytest.raises(SystemExit, match="unknown.*nope"):
+    with pytest.raises(ToolError, match="unknown.*nope"):
         T.main(["--methods", "dpo,nope", "--record", "none"])
 
 
@@ -167,10 +168,10 @@ def test_the_baseline_continues_sft_for_the_preference_recipes_steps():
     assert name == "sft" and args[args.index("--steps") + 1] == "200"  # dpo.yaml's steps
 
 
-def test_the_helpers_raise_a_typed_error_that_the_command_turns_into_its_exit(tmp_path):
-    from tools import ToolError
-
+def test_the_helpers_raise_a_typed_error_that_the_command_turns_into_its_exit(tmp_path, capsys):
     with pytest.raises(ToolError, match="exact_match.jsonl does not exist"):
         S.per_problem(tmp_path)
-    with pytest.raises(SystemExit, match="^error: --seeds must be >= 1$"):
+    with pytest.raises(ToolError, match="^--seeds must be >= 1$"):
         T.main(["--seeds", "0", "--record", "none"])
+    assert exit_status(T.main, ["--seeds", "0", "--record", "none"]) == 1
+    assert capsys.readouterr().err == "error: --seeds must be >= 1\n"

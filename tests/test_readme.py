@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tools import ToolError
 from tools import results as readme
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def test_render_then_check_and_an_edited_number_fails(fake_repo, capsys):
 
 def test_a_missing_results_file_is_named(fake_repo):
     readme.README.write_text("<!-- results:nothing -->\n<!-- /results:nothing -->\n")
-    with pytest.raises(SystemExit, match="nothing.*does not exist"):
+    with pytest.raises(ToolError, match="nothing.*does not exist"):
         readme.main(["--check"])
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python tools/agent_table.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import command, preference_table as P, results as readme, seeds as S  # noqa: E402
+from tools import exit_status, preference_table as P, results as readme, seeds as S  # noqa: E402
 
 MODEL = "gemma_tiny_tools"
 TOOL = "nnx_posttrain.tasks.multiply:multiply"
@@ -133,7 +133,6 @@ def reading(stats: dict) -> str:
             f"{mean([t['failure_end'] for t in tools]):.2f}.")
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,4 +174,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

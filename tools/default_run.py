@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import ToolError, command, results as readme, seeds as S  # noqa: E402
+from tools import ToolError, exit_status, results as readme, seeds as S  # noqa: E402
 
 
 def _finals(runs: dict) -> dict[int, float]:
@@ -55,7 +55,6 @@ def carry_split(run_dir: Path) -> dict | None:
             "carry_free_share": len(free) / len(correct)}
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,4 +132,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

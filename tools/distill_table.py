@@ -44,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python tools/distill_table.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import command, preference_table as P, results as readme, seeds as S  # noqa: E402
+from tools import exit_status, preference_table as P, results as readme, seeds as S  # noqa: E402
 
 TEACHER = "grpo"
 SMALL = "gemma_tiny_half"
@@ -156,7 +156,6 @@ def reading(stats: dict) -> list[str]:
     return out
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,4 +212,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -37,7 +37,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python tools/image_table.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import ToolError, command, preference_table as P, results as readme, seeds as S  # noqa: E402
+from tools import ToolError, exit_status, preference_table as P, results as readme, seeds as S  # noqa: E402
 
 RECIPES = "nnx_posttrain/tasks/recipes/shapes"
 # (row, run, evaluation of that run: its first or its last)
@@ -167,7 +167,6 @@ def reading(stats: dict, blind: dict) -> list[str]:
     return out
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,4 +218,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

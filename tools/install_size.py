@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools import ToolError, command, results as readme
+from tools import ToolError, exit_status, results as readme
 
 ROOT = Path(__file__).resolve().parents[1]
 KERAS_HUB = '"keras-hub>=0.32,<0.33"'
@@ -67,7 +67,6 @@ def measure(name: str, command: str, venv: Path) -> dict:
             "bytes": _size(venv), "packages": packages, **probe}
 
 
-@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,4 +96,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

@@ -26,7 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python tools/judge_table.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import command, preference_table as P, results as readme, seeds as S  # noqa: E402
+from tools import exit_status, preference_table as P, results as readme, seeds as S  # noqa: E402
 
 RUNS = ("cpo", "ppo")
 LABELS = {"cpo": "CPO (the best preference-family run)", "ppo": "PPO (the best online run)"}
@@ -86,7 +86,6 @@ def disagreement(verdicts: dict, n_seeds: int) -> list[str]:
     return out
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,4 +137,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from nnx_posttrain import families
-from tools import ToolError, block_init, command
+from tools import ToolError, block_init, exit_status
 
 # name -> (family, KerasHub backbone arguments, tokenizer size): every family's presets
 # (``nnx_posttrain.families``: ``Family.presets``)
@@ -397,7 +397,6 @@ def _task(family: str, dims: dict, tokens: int, dtype: str):
     return task(backbone=backbone, preprocessor=preprocessor(tokenizer))
 
 
-@command
 def main(argv=None) -> Built:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -416,4 +415,4 @@ def main(argv=None) -> Built:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

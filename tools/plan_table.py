@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools import ToolError, command, results
+from tools import ToolError, exit_status, results
 
 MODELS = ("gemma_2b", "gemma2_9b", "llama3_8b", "gemma4_26b_a4b", "qwen3_5_35b_a3b")
 ROWS = [  # model / algorithm / lora or full / topology
@@ -179,7 +179,6 @@ COLUMNS = ["model", "method", "tuning", "topology", "mesh", "fits", "inputs GiB"
            "all-gather / all-reduce GiB", "compile s"]
 
 
-@command
 def main(argv=None) -> list[list]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -224,4 +223,4 @@ def main(argv=None) -> list[list]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -38,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python tools/preference_table.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import ToolError, command, results as readme, seeds as S  # noqa: E402
+from tools import ToolError, exit_status, results as readme, seeds as S  # noqa: E402
 
 # Rows that are a method with other settings: (experiment, its options).
 VARIANTS = {
@@ -190,7 +190,6 @@ def _reading(stats: dict) -> list[str]:
     return out
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,4 +252,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

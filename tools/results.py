@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -134,7 +134,6 @@ def pages() -> list[Path]:
     return [README, *sorted(DOCS.rglob("*.md"))] if DOCS.is_dir() else [README]
 
 
-@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,4 +164,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

@@ -14,9 +14,8 @@ bfloat16 ``xla`` path (plus 1e-3): as exact as bfloat16 allows, whatever its rou
 from __future__ import annotations
 
 import os
-import sys
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -196,7 +195,6 @@ def check_shared_prompt(path: str, results: list) -> None:
           error(logps(bf16, concatenated, "xla"), ref), results)
 
 
-@command
 def main(argv=None) -> int:
     import argparse
 
@@ -222,4 +220,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(exit_status(main))

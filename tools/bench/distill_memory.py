@@ -23,7 +23,7 @@ import random
 import shutil
 from pathlib import Path
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 from tools.bench.smoke_real import ROOT, WORDS, run_one
 
 
@@ -50,7 +50,6 @@ def preset(like: str, scale: float, work: Path) -> tuple[Path, int | None]:
     return out, make_preset.build(like, out, scale).parameters
 
 
-@command
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,4 +132,4 @@ def record(args, results: list[dict], teacher_params, student_params) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 from tools.bench.smoke_real import ROOT, write_data
 
 
@@ -83,7 +83,6 @@ def run_once(argv: list[str], run_dir: Path, log: Path) -> dict:
             "losses": [r["loss"] for r in records if r.get("split") == "train"]}
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,4 +133,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools import command, results
+from tools import exit_status, results
 
 
 def request_sets(docs: int, chat):
@@ -52,7 +52,6 @@ def timed(fn, requests):
     return out, time.perf_counter() - start
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,4 +101,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

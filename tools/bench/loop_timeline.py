@@ -135,7 +135,8 @@ def timed_loop(steps_out: list[dict]):
             setattr(owner, name, original)
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None) -> int:
+    """Runs the command with the timers, writes ``--out``; the command's exit status."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the per-step records (JSON)")
@@ -152,10 +153,8 @@ def main(argv=None) -> list[dict]:
                             command_prog=f"python -m experiments.{command[0]}")
     finally:
         Path(args.out).write_text(json.dumps(records, indent=1))
-    if code:
-        raise SystemExit(code)
-    return records
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

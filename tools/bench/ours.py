@@ -28,7 +28,7 @@ import json
 import os
 import time
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 from tools.bench.run import (BACKBONE_KEYS, LEARNING_RATE, device_memory_peak, emit, make_batches, minor_faults, peak_rss_mb,
                          rss_now_mb, summarize, tokens_per_step)
 
@@ -303,7 +303,6 @@ def set_allocator(option: str, spec: dict) -> None:
     ALLOCATOR["line"] = host_memory.set_allocator(setting)
 
 
-@command
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True)
@@ -351,4 +350,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

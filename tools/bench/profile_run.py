@@ -20,10 +20,9 @@ import os
 import sys
 import tempfile
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 
 
-@command
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,4 +100,4 @@ def record(name: str, command_line: str, out: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -24,7 +24,7 @@ import re
 import types
 from pathlib import Path
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 from tools.bench import run as bench
 
 SAMPLER_COLUMNS = ["model", "batch", "decoding", "new tokens", "ours s", "Tunix s",
@@ -237,7 +237,6 @@ def save_cost(files: list[Path]) -> Path:
                          notes, data, where(set()))
 
 
-@command
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -266,4 +265,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

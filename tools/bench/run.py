@@ -53,7 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 
 # Gemma architectures (KerasHub GemmaBackbone arguments; intermediate_dim is KerasHub's, twice the
 # Hugging Face intermediate_size). batch: examples (SFT) or pairs (DPO) per step.
@@ -523,7 +523,6 @@ def measure_all(args, argv, sizes, cases, sides, cpu_devices) -> tuple[list[dict
     return results, peaks
 
 
-@command
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,medium", help=f"comma-separated, of {', '.join(SIZES)}")
@@ -722,4 +721,4 @@ def median_over_repeats(results: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the a model learns from data and answers questions about science history music art "
@@ -205,7 +205,6 @@ def rerecord(name: str) -> None:
            d.get("matmul_peak"))
 
 
-@command
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,4 +308,4 @@ def matmul_peak(preset: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
+
+from tools import ToolError, exit_status
 
 RECORDS = [
     {"prompt": "What is 12 + 30?", "chosen": " 42", "rejected": " 43"},
@@ -191,9 +192,9 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if not report["ok"]:
-        sys.exit(1)
+        raise ToolError("the losses differ from TRL's (parity: MISMATCH above)")
     return report
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -35,7 +35,7 @@ import os
 import tempfile
 import time
 
-from tools import ToolError, command
+from tools import ToolError, exit_status
 from tools.bench.run import (LEARNING_RATE, device_memory_peak, emit, make_batches, minor_faults, peak_rss_mb, rss_now_mb,
                          summarize, tokens_per_step)
 
@@ -311,7 +311,6 @@ def sample(spec: dict, hf_dir: str | None, prompts_file: str, new_tokens: int, r
             "same_weights": same_weights, "weights_note": note, "peak_rss_mb": peak_rss_mb()}
 
 
-@command
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True)
@@ -340,4 +339,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))
