@@ -53,6 +53,21 @@ from support import FAST_STEPS, MICRO, train_run  # noqa: E402
 nnx_posttrain.tasks.register()  # the built-in models and data, as the training loop registers them
 
 
+GIB_PER_WORKER = 3  # a test process's peak with the largest runs (scaled gemma_2b, 8 devices)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the README's command): one worker per core this process may run on, at most
+    one per ``GIB_PER_WORKER`` GiB of available memory (the suite spends its time compiling
+    and running programs, one core each; 2 cores: 2 workers, as CI has; 12 cores: ~10 minutes,
+    docs/contributing.md)."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0))
+    by_memory = psutil.virtual_memory().available // (GIB_PER_WORKER * 2**30)
+    return max(1, min(cores, by_memory))
+
+
 def pytest_collection_modifyitems(config, items):
     """The TPU tier (tests/test_tpu.py) runs only when selected, ``python -m pytest -m tpu``:
     deselected otherwise (CI and the README's command run on CPUs)."""

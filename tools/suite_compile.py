@@ -2,7 +2,7 @@
 process spent tracing (jaxpr), lowering (to MLIR) and compiling programs (XLA's compile, or the
 read back from the persistent compilation cache), as JAX's own monitoring events report them.
 
-    python -m pytest -n 2 -q -p tools.suite_compile             # appends to suite_compile.jsonl
+    python -m pytest -n auto -q -p tools.suite_compile             # appends to suite_compile.jsonl
     python -m tools.suite_compile suite_compile.jsonl           # the files and tests that cost most
 
 One JSON line per test (``SUITE_COMPILE_OUT`` names the file): its id, its wall seconds (setup,
