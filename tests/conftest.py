@@ -63,7 +63,8 @@ def pytest_xdist_auto_num_workers(config):
     docs/contributing.md)."""
     import psutil
 
-    cores = len(os.sched_getaffinity(0))
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # Linux
+             else os.cpu_count() or 1)
     by_memory = psutil.virtual_memory().available // (GIB_PER_WORKER * 2**30)
     return max(1, min(cores, by_memory))
 
