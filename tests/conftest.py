@@ -53,7 +53,9 @@ from support import FAST_STEPS, MICRO, train_run  # noqa: E402
 nnx_posttrain.tasks.register()  # the built-in models and data, as the training loop registers them
 
 
-GIB_PER_WORKER = 3  # a test process's peak with the largest runs (scaled gemma_2b, 8 devices)
+# memory per worker: the largest process of a fresh clone's whole suite peaked at 7.6 GiB, but
+# workers peak at different moments (12 workers ran the suite in 45 GB: docs/contributing.md)
+GIB_PER_WORKER = 3
 
 
 def pytest_xdist_auto_num_workers(config):
