@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: tests/support.py
 sys.path.insert(1, str(ROOT))  # and the repository (tools.results)
 from support import FAST_STEPS as FAST, MICRO  # noqa: E402  (one copy of the micro settings)
+from tools import ToolError, exit_status  # noqa: E402
 CLASSES = ["ok", "message", "traceback", "data loss", "unclear"]
 
 
@@ -1205,7 +1206,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.table:
         if len(args.table) > 2:
-            raise SystemExit("error: --table takes one or two --json files")
+            raise ToolError("--table takes one or two --json files")
         return table(*args.table)
     root = Path(args.root).resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
@@ -1218,4 +1219,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -23,6 +23,8 @@ import json
 import time
 from pathlib import Path
 
+from tools import exit_status
+
 
 def _timed(record: dict, name: str, fn):
     """``fn`` adding its seconds to ``record[name]`` and its (name, start, seconds) to
@@ -157,4 +159,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

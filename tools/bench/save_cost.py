@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools import exit_status
+
 
 def lora_state(layers: int, hidden: int, rank: int):
     import jax.numpy as jnp
@@ -179,4 +181,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))
